@@ -1,0 +1,245 @@
+"""The backend contract: what every ``backends/<name>.py`` provides.
+
+A backend module exposes one class derived from :class:`Backend`:
+
+* ``probe()`` → one :class:`ProbeRow` per variant (``cuda``: wgmma / mma / cublaslt,
+  ``vulkan``: coopmat / simt, ``wgpu`` and ``cpu``: one each). It never raises and never
+  crashes the process: an unusable stack is a row with ``available=False`` and a ``reason``.
+* ``compile(spec, variant=None, cache=None)`` → a :class:`CompiledModel` specialised for the
+  spec's widths, activations and precision; ``variant=None`` picks the best usable variant.
+
+A :class:`CompiledModel` owns its device buffers (weights, fp32 masters, optimizer moments)
+and keeps them on the device between calls. Parameters cross the host boundary only through
+``get_params``/``set_params`` (unpadded fp32 arrays, named ``W{i}`` with shape
+``(fan_out, fan_in)`` and ``b{i}`` with shape ``(fan_out,)``, input layer first).
+
+Numerics every backend follows (DESIGN.md "Numerics"): the encoded input is rounded to the
+compute type (fp16/bf16) before the first product; every product accumulates in fp32; bias and
+activation are applied to the fp32 accumulator and the result rounded to the compute type for
+the next layer; the last layer's output stays fp32. Backward multiplies the loss gradient by
+``spec.loss_scale``, rounds each layer's gradient to the compute type, accumulates weight
+gradients in fp32 and divides by the loss scale before the optimizer step on fp32 masters.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from mmad.errors import InvalidInput
+from mmad.spec import MLPSpec
+
+# Auto-selection order, highest first; software devices (lavapipe, a CPU WebGPU adapter)
+# are never chosen automatically (see ``ProbeRow.software``).
+PRIORITY = {
+    ("cuda", "wgmma"): 100,
+    ("cuda", "mma"): 90,
+    ("cuda", "cublaslt"): 80,
+    ("vulkan", "coopmat"): 70,
+    ("vulkan", "simt"): 50,
+    ("wgpu", "default"): 40,
+    ("cpu", "numpy"): 0,
+}
+
+
+@dataclass(frozen=True)
+class MMAShape:
+    """One matrix-multiply-accumulate shape a device offers (M×N×K, A·B + C → result)."""
+
+    m: int
+    n: int
+    k: int
+    a_type: str = "f16"
+    b_type: str = "f16"
+    c_type: str = "f32"
+    result_type: str = "f32"
+    scope: str = "subgroup"
+
+    def __str__(self) -> str:
+        return f"{self.m}x{self.n}x{self.k} {self.a_type}*{self.b_type}+{self.c_type}->{self.result_type}"
+
+
+@dataclass
+class ProbeRow:
+    """What one backend variant can do here, or why not."""
+
+    backend: str
+    variant: str
+    available: bool
+    device: str = ""
+    api_version: str = ""
+    reason: str = ""
+    software: bool = False
+    mma_shapes: list[MMAShape] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def priority(self) -> int:
+        return PRIORITY.get((self.backend, self.variant), 10)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend, "variant": self.variant, "available": self.available,
+            "device": self.device, "api_version": self.api_version, "reason": self.reason,
+            "software": self.software, "priority": self.priority,
+            "mma_shapes": [str(s) for s in self.mma_shapes], "details": self.details,
+        }
+
+
+class CompiledModel(abc.ABC):
+    """A model compiled for one backend variant; owns device buffers until ``close()``."""
+
+    backend: ClassVar[str]
+    variant: str
+
+    def __init__(self, spec: MLPSpec):
+        self.spec = spec
+        self.step_count = 0
+
+    # -- host <-> device ------------------------------------------------------------------
+    def upload(self, x: np.ndarray) -> Any:
+        """Copy a host array to the device (returns the backend's device array)."""
+        return np.ascontiguousarray(x)
+
+    def download(self, a: Any) -> np.ndarray:
+        """Copy a device array (from ``upload`` or ``forward``) back to the host."""
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for every submitted launch to finish."""
+
+    # -- compute --------------------------------------------------------------------------
+    @abc.abstractmethod
+    def forward(self, x: Any) -> Any:
+        """Outputs (rows × n_output_dims, fp32) for inputs (rows × n_input_dims).
+
+        Host arrays in → host array out; device arrays in → device array out (no copy back).
+        """
+
+    @abc.abstractmethod
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32)."""
+
+    @abc.abstractmethod
+    def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and unscaled fp32 gradients of every parameter, without an optimizer step."""
+
+    # -- parameters -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_params(self) -> dict[str, np.ndarray]:
+        """fp32 master parameters, unpadded (``W{i}``: fan_out × fan_in, ``b{i}``)."""
+
+    @abc.abstractmethod
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        """Replace every parameter (validated by :func:`check_params`); resets nothing else."""
+
+    @abc.abstractmethod
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """Optimizer state as named fp32 arrays plus ``step`` (shape (1,), int64)."""
+
+    @abc.abstractmethod
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``get_optimizer_state`` returned."""
+
+    def device_bytes(self) -> int:
+        """Bytes of device memory this model holds (for leak checks and metrics)."""
+        return 0
+
+    def close(self) -> None:
+        """Free the device buffers; the model is unusable afterwards."""
+
+    def __enter__(self) -> "CompiledModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- shared validation ----------------------------------------------------------------
+    def check_input(self, x: np.ndarray, name: str = "input") -> np.ndarray:
+        return check_rows(x, self.spec.n_input_dims, name)
+
+    def check_target(self, y: np.ndarray, rows: int) -> np.ndarray:
+        y = check_rows(y, self.spec.n_output_dims, "target")
+        if y.shape[0] != rows:
+            raise InvalidInput(f"target has {y.shape[0]} rows but input has {rows}")
+        return y
+
+
+def check_rows(x: Any, cols: int, name: str) -> np.ndarray:
+    """A C-contiguous (rows × cols) float32 view or copy of ``x``; clear errors otherwise."""
+    x = np.asarray(x)
+    if x.ndim == 1 and cols == 1:
+        x = x.reshape(-1, 1)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
+    if x.dtype not in (np.float32, np.float16, np.float64):
+        raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def check_params(spec: MLPSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Validate a full parameter set against the spec; returns fp32 C-contiguous copies."""
+    expected = param_shapes(spec)
+    missing = sorted(set(expected) - set(params))
+    extra = sorted(set(params) - set(expected))
+    if missing or extra:
+        raise InvalidInput(f"parameters do not match the model: missing {missing}, unexpected {extra}")
+    out = {}
+    for name, shape in expected.items():
+        value = np.asarray(params[name])
+        if value.shape != shape:
+            raise InvalidInput(f"parameter {name} must have shape {list(shape)}; got {list(value.shape)}")
+        value = np.array(value, dtype=np.float32, order="C")
+        if not np.isfinite(value).all():
+            raise InvalidInput(f"parameter {name} holds NaN or Inf")
+        out[name] = value
+    return out
+
+
+def param_shapes(spec: MLPSpec) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
+        shapes[f"W{i}"] = (fan_out, fan_in)
+        shapes[f"b{i}"] = (fan_out,)
+    return shapes
+
+
+def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
+    """Deterministic initial parameters from the seed: identical on every backend.
+
+    Weights uniform in ±sqrt(6 / (fan_in + fan_out)) (tiny-cuda-nn's choice), biases zero,
+    drawn layer by layer from NumPy's PCG64 (bit-identical across platforms).
+    """
+    rng = np.random.Generator(np.random.PCG64(spec.seed))
+    params: dict[str, np.ndarray] = {}
+    for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
+        scale = np.sqrt(6.0 / (fan_in + fan_out))
+        params[f"W{i}"] = rng.uniform(-scale, scale, size=(fan_out, fan_in)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(fan_out, dtype=np.float32)
+    return params
+
+
+def optimizer_state_names(spec: MLPSpec) -> list[str]:
+    """Names of the optimizer's per-parameter arrays (``m.W0``, ``v.W0``, ... or ``velocity.W0``)."""
+    slots = ("m", "v") if spec.optimizer.otype == "Adam" else ("velocity",)
+    return [f"{slot}.{name}" for slot in slots for name in param_shapes(spec)]
+
+
+class Backend(abc.ABC):
+    """One compute stack (cpu, cuda, vulkan, wgpu)."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def probe(self) -> list[ProbeRow]:
+        """One row per variant; never raises."""
+
+    @abc.abstractmethod
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
+        """Compile ``spec`` (best usable variant when ``variant`` is None)."""
+
+    def close(self) -> None:
+        """Release the device and anything the probe opened."""

@@ -1,0 +1,199 @@
+"""The math every backend must agree on, written once in NumPy.
+
+Activations (value and derivative from the pre-activation), losses (per-element value and
+gradient, tiny-cuda-nn's definitions: relative losses hold their normaliser constant),
+encodings (forward only: they have no parameters), and the optimizer updates. The cpu backend
+runs these directly; GPU backends use the encodings on the host and the tests use all of them
+as the definition of right.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mmad.spec import EncodingSpec, MLPSpec, OptimizerSpec
+
+LEAKY_SLOPE = 0.01
+LOSS_EPSILON = 0.01  # tiny-cuda-nn's normaliser offset for the relative losses
+
+
+# -- activations ---------------------------------------------------------------------------
+def activate(name: str, z: np.ndarray) -> np.ndarray:
+    if name == "None":
+        return z
+    if name == "ReLU":
+        return np.maximum(z, 0)
+    if name == "LeakyReLU":
+        return np.where(z > 0, z, z * LEAKY_SLOPE)
+    if name == "Sigmoid":
+        return _sigmoid(z)
+    if name == "Tanh":
+        return np.tanh(z)
+    if name == "SiLU":
+        return z * _sigmoid(z)
+    if name == "Softplus":
+        return np.logaddexp(z, 0)
+    if name == "Squareplus":
+        return 0.5 * (z + np.sqrt(z * z + 4))
+    if name == "Exponential":
+        return np.exp(z)
+    if name == "Sine":
+        return np.sin(z)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def activation_grad(name: str, z: np.ndarray) -> np.ndarray:
+    """d activate(z) / dz, element-wise."""
+    if name == "None":
+        return np.ones_like(z)
+    if name == "ReLU":
+        return (z > 0).astype(z.dtype)
+    if name == "LeakyReLU":
+        return np.where(z > 0, 1.0, LEAKY_SLOPE).astype(z.dtype)
+    if name == "Sigmoid":
+        s = _sigmoid(z)
+        return s * (1 - s)
+    if name == "Tanh":
+        return 1 - np.tanh(z) ** 2
+    if name == "SiLU":
+        s = _sigmoid(z)
+        return s * (1 + z * (1 - s))
+    if name == "Softplus":
+        return _sigmoid(z)
+    if name == "Squareplus":
+        return 0.5 * (1 + z / np.sqrt(z * z + 4))
+    if name == "Exponential":
+        return np.exp(z)
+    if name == "Sine":
+        return np.cos(z)
+    raise ValueError(f"unknown activation {name!r}")
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    # exp of a negative argument only: no overflow warnings for large |z|
+    e = np.exp(-np.abs(z))
+    return np.where(z >= 0, 1 / (1 + e), e / (1 + e))
+
+
+# -- losses --------------------------------------------------------------------------------
+def loss_terms(name: str, pred: np.ndarray, target: np.ndarray, *, delta: float = 1.0,
+               normaliser_from: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-element loss values and d value / d pred.
+
+    The relative losses divide by a normaliser computed from the prediction (or target)
+    that tiny-cuda-nn treats as a constant; ``normaliser_from`` fixes the prediction it is
+    computed from, so a finite-difference check can hold it constant too.
+    """
+    d = pred - target
+    p = pred if normaliser_from is None else normaliser_from
+    if name == "L2":
+        return d * d, 2 * d
+    if name == "L1":
+        return np.abs(d), np.sign(d)
+    if name == "RelativeL2":
+        n = p * p + LOSS_EPSILON
+        return d * d / n, 2 * d / n
+    if name == "RelativeL1":
+        n = np.abs(p) + LOSS_EPSILON
+        return np.abs(d) / n, np.sign(d) / n
+    if name == "RelativeL2Luminance":
+        lum = _luminance(p)
+        n = lum * lum + LOSS_EPSILON
+        return d * d / n, 2 * d / n
+    if name == "MAPE":
+        n = np.abs(target) + LOSS_EPSILON
+        return np.abs(d) / n, np.sign(d) / n
+    if name == "SMAPE":
+        n = np.abs(p) + np.abs(target) + LOSS_EPSILON
+        return 2 * np.abs(d) / n, 2 * np.sign(d) / n
+    if name == "Huber":
+        small = np.abs(d) <= delta
+        value = np.where(small, 0.5 * d * d, delta * (np.abs(d) - 0.5 * delta))
+        return value, np.where(small, d, delta * np.sign(d))
+    raise ValueError(f"unknown loss {name!r}")
+
+
+def _luminance(p: np.ndarray) -> np.ndarray:
+    """Per-row luminance (Rec. 601 weights on the first three outputs), broadcast to all."""
+    if p.shape[1] >= 3:
+        lum = 0.299 * p[:, 0:1] + 0.587 * p[:, 1:2] + 0.114 * p[:, 2:3]
+    else:
+        lum = np.abs(p).mean(axis=1, keepdims=True)
+    return np.broadcast_to(lum, p.shape)
+
+
+def loss_and_grad(spec: MLPSpec, pred: np.ndarray, target: np.ndarray,
+                  normaliser_from: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+    """Mean loss over every element, and its gradient w.r.t. ``pred``."""
+    values, grads = loss_terms(spec.loss, pred, target, delta=spec.huber_delta,
+                               normaliser_from=normaliser_from)
+    return float(values.mean(dtype=np.float64)), grads / values.size
+
+
+# -- encodings -----------------------------------------------------------------------------
+def encode(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
+    """Apply an encoding to (rows × dims) inputs; the dtype of ``x`` is kept."""
+    if encoding.otype == "Identity":
+        return x
+    if encoding.otype == "Frequency":
+        # [dim][frequency][sin, cos], frequencies 2^i · π (tiny-cuda-nn's scalbn(x, i) · π)
+        freqs = (2.0 ** np.arange(encoding.n_frequencies)) * np.pi
+        arg = x[:, :, None] * freqs.astype(x.dtype)
+        out = np.stack([np.sin(arg), np.cos(arg)], axis=-1)
+        return out.reshape(x.shape[0], -1)
+    if encoding.otype == "OneBlob":
+        # each bin holds the mass of a Gaussian (σ = 1 / n_bins) centred on x over that bin
+        n = encoding.n_bins
+        edges = np.arange(n + 1, dtype=x.dtype) / n
+        sigma = 1.0 / n
+        cdf = 0.5 * (1 + _erf((edges[None, None, :] - x[:, :, None]) / (sigma * np.sqrt(2.0))))
+        return (cdf[:, :, 1:] - cdf[:, :, :-1]).astype(x.dtype).reshape(x.shape[0], -1)
+    parts, start = [], 0
+    for part in encoding.nested:
+        dims = part.n_dims_to_encode
+        parts.append(encode(part, x[:, start:start + dims]))
+        start += dims
+    return np.concatenate(parts, axis=1)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): NumPy has no erf and SciPy is not a dependency
+    sign = np.sign(x)
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return sign * (1.0 - poly * np.exp(-a * a))
+
+
+# -- optimizers ----------------------------------------------------------------------------
+def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray,
+                     slots: dict[str, np.ndarray]) -> None:
+    """One in-place update of ``w`` (fp32 master) and its slots; ``step`` counts from 1."""
+    if opt.l2_reg:
+        g = g + opt.l2_reg * w
+    if opt.otype == "Adam":
+        m, v = slots["m"], slots["v"]
+        m *= opt.beta1
+        m += (1 - opt.beta1) * g
+        v *= opt.beta2
+        v += (1 - opt.beta2) * (g * g)
+        lr_t = opt.learning_rate * np.sqrt(1 - opt.beta2 ** step) / (1 - opt.beta1 ** step)
+        w -= (lr_t * m / (np.sqrt(v) + opt.epsilon)).astype(w.dtype)
+    else:
+        vel = slots["velocity"]
+        vel *= opt.momentum
+        vel += g
+        w -= (opt.learning_rate * vel).astype(w.dtype)
+
+
+def round_to(dtype_name: str, a: np.ndarray) -> np.ndarray:
+    """Round an fp32/fp64 array to fp16 or bf16 and back (the kernels' rounding points)."""
+    if dtype_name == "fp16":
+        return a.astype(np.float16).astype(a.dtype)
+    if dtype_name == "bf16":
+        a32 = np.ascontiguousarray(a, dtype=np.float32)
+        bits = a32.view(np.uint32)
+        # round to nearest even on the top 16 bits
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return rounded.view(np.float32).astype(a.dtype)
+    return a

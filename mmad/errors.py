@@ -1,0 +1,100 @@
+"""Every error mmad raises, in one tree.
+
+::
+
+    MMADError                      base of everything below
+    ├── SpecError                  a model spec is invalid; ``.field`` names the JSON path
+    ├── BackendUnavailable         a backend (or variant) cannot run here; ``.reason`` says why
+    ├── CompileError               a kernel failed to compile; ``.log`` is the compiler's output,
+    │                              ``.source`` the source, ``str()`` shows both with line numbers
+    ├── LaunchError                a kernel launch, allocation or device call failed; the driver's
+    │                              words are in the message
+    ├── CacheError                 the kernel cache directory cannot be used
+    ├── ModelNotFound              no model (or version) of that name
+    ├── ConflictError              the request conflicts with current state (e.g. model exists)
+    ├── InvalidInput               a tensor or request field is malformed (shape, dtype, NaN ...)
+    ├── PayloadTooLarge            a body or tensor exceeds a configured limit
+    └── Overloaded                 a queue is full; try again later
+
+The HTTP layer maps these onto status codes (400, 404, 409, 413, 503); anything not in this
+tree that escapes a handler is a bug and becomes a 500.
+"""
+
+from __future__ import annotations
+
+
+class MMADError(Exception):
+    """Base class of every error mmad raises on purpose."""
+
+
+class SpecError(MMADError, ValueError):
+    """A model specification is invalid.
+
+    ``field`` is the dotted JSON path of the offending field (``network.n_neurons``).
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class BackendUnavailable(MMADError):
+    """A backend or variant cannot run on this machine; ``reason`` is in plain words."""
+
+    def __init__(self, backend: str, reason: str):
+        self.backend = backend
+        self.reason = reason
+        super().__init__(f"backend {backend!r} is unavailable: {reason}")
+
+
+class CompileError(MMADError):
+    """A kernel failed to compile.
+
+    Carries the compiler's log and the source; ``str()`` shows the log followed by the
+    source with line numbers, so the line the log names can be found at once.
+    """
+
+    def __init__(self, what: str, log: str, source: str = ""):
+        self.what = what
+        self.log = log
+        self.source = source
+        numbered = "\n".join(f"{i + 1:5d}  {line}" for i, line in enumerate(source.splitlines()))
+        text = f"failed to compile {what}:\n{log.strip()}"
+        if numbered:
+            text += f"\n--- source ---\n{numbered}"
+        super().__init__(text)
+
+
+class LaunchError(MMADError):
+    """A kernel launch, device allocation or other device call failed."""
+
+
+class CacheError(MMADError):
+    """The kernel cache directory cannot be used."""
+
+
+class ModelNotFound(MMADError, KeyError):
+    """No model (or version) of that name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "model not found"
+
+
+class ConflictError(MMADError):
+    """The request conflicts with the current state."""
+
+
+class InvalidInput(MMADError, ValueError):
+    """A request's tensors or fields are malformed."""
+
+
+class PayloadTooLarge(MMADError):
+    """A body or tensor exceeds a configured limit."""
+
+
+class Overloaded(MMADError):
+    """A bounded queue is full."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)

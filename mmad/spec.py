@@ -1,0 +1,360 @@
+"""Model specification: tiny-cuda-nn's JSON format, parsed and validated.
+
+``MLPSpec.from_json(doc)`` accepts the documents tiny-cuda-nn's samples use
+(``n_input_dims``/``n_output_dims`` at the top or given separately, ``network``, ``encoding``,
+``loss``, ``optimizer``) plus mmad's ``precision`` and ``seed``. Every invalid field raises
+:class:`~mmad.errors.SpecError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mmad.errors import SpecError
+
+MLP_OTYPES = ("FullyFusedMLP", "CutlassMLP", "MLP", "MegakernelMLP")
+ACTIVATIONS = (
+    "None", "ReLU", "LeakyReLU", "Sigmoid", "Tanh", "SiLU", "Softplus", "Squareplus",
+    "Exponential", "Sine",
+)
+LOSSES = ("L2", "L1", "RelativeL2", "RelativeL1", "RelativeL2Luminance", "MAPE", "SMAPE", "Huber")
+OPTIMIZERS = ("Adam", "SGD")
+ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite")
+PRECISIONS = ("fp16", "bf16", "fp32")
+MIN_WIDTH, MAX_WIDTH, WIDTH_STEP = 16, 256, 16
+MAX_HIDDEN_LAYERS = 16
+MAX_IO_DIMS = 4096
+
+
+def _case_map(allowed: tuple[str, ...]) -> dict[str, str]:
+    return {a.lower(): a for a in allowed}
+
+
+def _pick(where: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """Match ``value`` against ``allowed`` case-insensitively (tiny-cuda-nn does too)."""
+    if not isinstance(value, str):
+        raise SpecError(where, f"must be a string, one of {', '.join(allowed)}; got {value!r}")
+    found = _case_map(allowed).get(value.lower())
+    if found is None:
+        raise SpecError(where, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
+    return found
+
+
+def _int(where: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise SpecError(where, f"must be an integer from {lo} to {hi}; got {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(where, f"must be from {lo} to {hi}; got {value}")
+    return value
+
+
+def _float(where: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(where, f"must be a number; got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SpecError(where, f"must be finite; got {value}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise SpecError(where, f"must be in {bracket}{lo}, {hi}]; got {value}")
+    return value
+
+
+def _check_keys(where: str, doc: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in doc:
+        if key not in allowed:
+            raise SpecError(
+                f"{where}.{key}" if where else key,
+                f"unknown field; allowed here: {', '.join(sorted(allowed))}",
+            )
+
+
+def _mapping(where: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SpecError(where, f"must be a JSON object; got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    """One encoding; ``Composite`` holds ``nested`` parts, each covering ``n_dims_to_encode``."""
+
+    otype: str = "Identity"
+    n_frequencies: int = 12
+    n_bins: int = 16
+    n_dims_to_encode: int | None = None
+    nested: tuple["EncodingSpec", ...] = ()
+
+    def n_output_dims(self, n_input_dims: int) -> int:
+        if self.otype == "Identity":
+            return n_input_dims
+        if self.otype == "Frequency":
+            return n_input_dims * self.n_frequencies * 2
+        if self.otype == "OneBlob":
+            return n_input_dims * self.n_bins
+        total, left = 0, n_input_dims
+        for part in self.nested:
+            dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else left
+            total += part.n_output_dims(dims)
+            left -= dims
+        return total
+
+    @staticmethod
+    def parse(where: str, doc: Any, n_input_dims: int, *, nested: bool = False) -> "EncodingSpec":
+        doc = _mapping(where, doc)
+        otype = _pick(f"{where}.otype", doc.get("otype", "Identity"), ENCODINGS)
+        common = {"otype", "n_dims_to_encode"} if nested else {"otype"}
+        n_dims = None
+        if nested and "n_dims_to_encode" in doc:
+            n_dims = _int(f"{where}.n_dims_to_encode", doc["n_dims_to_encode"], 1, n_input_dims)
+        if otype == "Identity":
+            _check_keys(where, doc, common | {"scale", "offset"})
+            if doc.get("scale", 1.0) != 1.0 or doc.get("offset", 0.0) != 0.0:
+                raise SpecError(f"{where}.scale", "only scale 1 and offset 0 are supported")
+            return EncodingSpec("Identity", n_dims_to_encode=n_dims)
+        if otype == "Frequency":
+            _check_keys(where, doc, common | {"n_frequencies"})
+            n = _int(f"{where}.n_frequencies", doc.get("n_frequencies", 12), 1, 24)
+            return EncodingSpec("Frequency", n_frequencies=n, n_dims_to_encode=n_dims)
+        if otype == "OneBlob":
+            _check_keys(where, doc, common | {"n_bins"})
+            n = _int(f"{where}.n_bins", doc.get("n_bins", 16), 2, 256)
+            return EncodingSpec("OneBlob", n_bins=n, n_dims_to_encode=n_dims)
+        if nested:
+            raise SpecError(f"{where}.otype", "a Composite cannot nest another Composite")
+        _check_keys(where, doc, {"otype", "nested"})
+        parts_doc = doc.get("nested")
+        if not isinstance(parts_doc, list) or not parts_doc:
+            raise SpecError(f"{where}.nested", f"must be a non-empty list of encodings; got {parts_doc!r}")
+        parts, left = [], n_input_dims
+        for i, part_doc in enumerate(parts_doc):
+            part = EncodingSpec.parse(f"{where}.nested[{i}]", part_doc, n_input_dims, nested=True)
+            dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else left
+            if dims > left or dims <= 0:
+                raise SpecError(
+                    f"{where}.nested[{i}].n_dims_to_encode",
+                    f"only {left} input dims are left to encode; got {dims}",
+                )
+            left -= dims
+            parts.append(EncodingSpec(part.otype, part.n_frequencies, part.n_bins, dims))
+        if left:
+            raise SpecError(f"{where}.nested", f"the nested encodings leave {left} input dims unencoded")
+        return EncodingSpec("Composite", nested=tuple(parts))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"otype": self.otype}
+        if self.otype == "Frequency":
+            out["n_frequencies"] = self.n_frequencies
+        if self.otype == "OneBlob":
+            out["n_bins"] = self.n_bins
+        if self.n_dims_to_encode is not None:
+            out["n_dims_to_encode"] = self.n_dims_to_encode
+        if self.otype == "Composite":
+            out["nested"] = [p.to_json() for p in self.nested]
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    otype: str = "Adam"
+    learning_rate: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-15
+    l2_reg: float = 0.0
+    momentum: float = 0.0
+
+    @staticmethod
+    def parse(where: str, doc: Any) -> "OptimizerSpec":
+        doc = _mapping(where, doc)
+        otype = _pick(f"{where}.otype", doc.get("otype", "Adam"), OPTIMIZERS)
+        lr = _float(f"{where}.learning_rate", doc.get("learning_rate", 1e-3), 0.0, 10.0, lo_open=True)
+        if otype == "Adam":
+            _check_keys(where, doc, {"otype", "learning_rate", "beta1", "beta2", "epsilon", "l2_reg",
+                                     "relative_decay", "absolute_decay", "adabound"})
+            for extra in ("relative_decay", "absolute_decay"):
+                if doc.get(extra, 0.0) != 0.0:
+                    raise SpecError(f"{where}.{extra}", "only 0 is supported")
+            if doc.get("adabound", False):
+                raise SpecError(f"{where}.adabound", "AdaBound is not supported; use false")
+            return OptimizerSpec(
+                "Adam", lr,
+                beta1=_float(f"{where}.beta1", doc.get("beta1", 0.9), 0.0, 0.999999),
+                beta2=_float(f"{where}.beta2", doc.get("beta2", 0.99), 0.0, 0.999999999),
+                epsilon=_float(f"{where}.epsilon", doc.get("epsilon", 1e-15), 0.0, 1.0),
+                l2_reg=_float(f"{where}.l2_reg", doc.get("l2_reg", 0.0), 0.0, 1.0),
+            )
+        _check_keys(where, doc, {"otype", "learning_rate", "momentum", "l2_reg"})
+        return OptimizerSpec(
+            "SGD", lr,
+            momentum=_float(f"{where}.momentum", doc.get("momentum", 0.0), 0.0, 0.999999),
+            l2_reg=_float(f"{where}.l2_reg", doc.get("l2_reg", 0.0), 0.0, 1.0),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        if self.otype == "Adam":
+            return {"otype": "Adam", "learning_rate": self.learning_rate, "beta1": self.beta1,
+                    "beta2": self.beta2, "epsilon": self.epsilon, "l2_reg": self.l2_reg}
+        return {"otype": "SGD", "learning_rate": self.learning_rate, "momentum": self.momentum,
+                "l2_reg": self.l2_reg}
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A validated model. Widths are the user's; backends pad internally."""
+
+    n_input_dims: int
+    n_output_dims: int
+    n_neurons: int = 64
+    n_hidden_layers: int = 2
+    activation: str = "ReLU"
+    output_activation: str = "None"
+    network_otype: str = "FullyFusedMLP"
+    encoding: EncodingSpec = field(default_factory=EncodingSpec)
+    loss: str = "L2"
+    huber_delta: float = 1.0
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    precision: str = "fp16"
+    loss_scale: float = 128.0
+    seed: int = 1337
+
+    # -- derived shapes -------------------------------------------------------------------
+    @property
+    def n_encoded_dims(self) -> int:
+        return self.encoding.n_output_dims(self.n_input_dims)
+
+    @property
+    def layer_dims(self) -> list[tuple[int, int]]:
+        """(fan_in, fan_out) of every layer, unpadded, input layer first."""
+        dims = [self.n_encoded_dims] + [self.n_neurons] * self.n_hidden_layers + [self.n_output_dims]
+        return list(zip(dims[:-1], dims[1:]))
+
+    @property
+    def n_params(self) -> int:
+        return sum(i * o + o for i, o in self.layer_dims)
+
+    def flops_per_sample(self) -> int:
+        """2 × Σ(in × out): multiply-adds of one forward pass."""
+        return 2 * sum(i * o for i, o in self.layer_dims)
+
+    # -- (de)serialisation ----------------------------------------------------------------
+    @classmethod
+    def from_json(cls, doc: Any, *, n_input_dims: int | None = None,
+                  n_output_dims: int | None = None) -> "MLPSpec":
+        if isinstance(doc, (str, bytes)):
+            try:
+                doc = json.loads(doc)
+            except json.JSONDecodeError as exc:
+                raise SpecError("(document)", f"not valid JSON: {exc}") from exc
+        doc = _mapping("(document)", doc)
+        _check_keys("", doc, {"n_input_dims", "n_output_dims", "network", "encoding", "loss",
+                              "optimizer", "precision", "seed", "loss_scale"})
+        n_in = doc.get("n_input_dims", n_input_dims)
+        n_out = doc.get("n_output_dims", n_output_dims)
+        if n_in is None:
+            raise SpecError("n_input_dims", "is required (a positive integer)")
+        if n_out is None:
+            raise SpecError("n_output_dims", "is required (a positive integer)")
+        n_in = _int("n_input_dims", n_in, 1, MAX_IO_DIMS)
+        n_out = _int("n_output_dims", n_out, 1, MAX_IO_DIMS)
+
+        net = _mapping("network", doc.get("network", {}))
+        _check_keys("network", net, {"otype", "activation", "output_activation", "n_neurons",
+                                      "n_hidden_layers", "feedback_alignment"})
+        otype = _pick("network.otype", net.get("otype", "FullyFusedMLP"), MLP_OTYPES)
+        width = _int("network.n_neurons", net.get("n_neurons", 64), MIN_WIDTH, MAX_WIDTH)
+        if width % WIDTH_STEP:
+            raise SpecError("network.n_neurons",
+                            f"must be a multiple of {WIDTH_STEP} from {MIN_WIDTH} to {MAX_WIDTH}; got {width}")
+        layers = _int("network.n_hidden_layers", net.get("n_hidden_layers", 2), 1, MAX_HIDDEN_LAYERS)
+        act = _pick("network.activation", net.get("activation", "ReLU"), ACTIVATIONS)
+        out_act = _pick("network.output_activation", net.get("output_activation", "None"), ACTIVATIONS)
+        if net.get("feedback_alignment", False):
+            raise SpecError("network.feedback_alignment", "is not supported; use false")
+
+        encoding = EncodingSpec.parse("encoding", doc.get("encoding", {"otype": "Identity"}), n_in)
+        if encoding.n_output_dims(n_in) > MAX_IO_DIMS:
+            raise SpecError("encoding", f"encodes to {encoding.n_output_dims(n_in)} dims; at most {MAX_IO_DIMS}")
+
+        loss_doc = _mapping("loss", doc.get("loss", {"otype": "L2"}))
+        _check_keys("loss", loss_doc, {"otype", "delta"})
+        loss = _pick("loss.otype", loss_doc.get("otype", "L2"), LOSSES)
+        delta = 1.0
+        if "delta" in loss_doc:
+            if loss != "Huber":
+                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss}")
+            delta = _float("loss.delta", loss_doc["delta"], 0.0, 1e6, lo_open=True)
+
+        optimizer = OptimizerSpec.parse("optimizer", doc.get("optimizer", {"otype": "Adam"}))
+        precision = _pick("precision", doc.get("precision", "fp16"), PRECISIONS)
+        seed = _int("seed", doc.get("seed", 1337), 0, 2**63 - 1)
+        loss_scale = _float("loss_scale", doc.get("loss_scale", 128.0), 1.0, 65536.0)
+        return cls(n_in, n_out, width, layers, act, out_act, otype, encoding, loss, delta,
+                   optimizer, precision, loss_scale, seed)
+
+    def to_json(self) -> dict[str, Any]:
+        loss: dict[str, Any] = {"otype": self.loss}
+        if self.loss == "Huber":
+            loss["delta"] = self.huber_delta
+        return {
+            "n_input_dims": self.n_input_dims,
+            "n_output_dims": self.n_output_dims,
+            "network": {"otype": self.network_otype, "activation": self.activation,
+                        "output_activation": self.output_activation, "n_neurons": self.n_neurons,
+                        "n_hidden_layers": self.n_hidden_layers},
+            "encoding": self.encoding.to_json(),
+            "loss": loss,
+            "optimizer": self.optimizer.to_json(),
+            "precision": self.precision,
+            "loss_scale": self.loss_scale,
+            "seed": self.seed,
+        }
+
+    def content_hash(self) -> str:
+        """Stable hash of everything that changes compiled kernels or results."""
+        blob = json.dumps(self.to_json(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "MLPSpec":
+        """A re-validated copy with some fields changed (``n_neurons=128`` and so on)."""
+        doc = self.to_json()
+        for key, value in changes.items():
+            if key in ("n_neurons", "n_hidden_layers", "activation", "output_activation"):
+                doc["network"][key] = value
+            elif key in ("n_input_dims", "n_output_dims", "precision", "seed", "loss_scale"):
+                doc[key] = value
+            elif key == "loss":
+                doc["loss"] = {"otype": value}
+            elif key in ("encoding", "optimizer"):
+                doc[key] = value if isinstance(value, dict) else value.to_json()
+            else:
+                raise SpecError(key, "cannot be replaced")
+        return MLPSpec.from_json(doc)
+
+
+def bench_spec(name: str, **overrides: Any) -> MLPSpec:
+    """The S/M/L/W models of BENCHMARKS.md (ReLU hidden, no output activation, fp16)."""
+    shapes = {"S": (32, 64, 2, 16), "M": (64, 64, 4, 64), "L": (128, 128, 4, 128), "W": (256, 256, 4, 256)}
+    if name not in shapes:
+        raise SpecError("model", f"unknown benchmark model {name!r}; allowed: {', '.join(shapes)}")
+    n_in, width, layers, n_out = shapes[name]
+    doc = {"n_input_dims": n_in, "n_output_dims": n_out,
+           "network": {"otype": "FullyFusedMLP", "activation": "ReLU", "output_activation": "None",
+                       "n_neurons": width, "n_hidden_layers": layers},
+           "loss": {"otype": "L2"},
+           "optimizer": {"otype": "Adam", "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99,
+                         "epsilon": 1e-15},
+           "precision": "fp16", "seed": 1337}
+    spec = MLPSpec.from_json(doc)
+    return spec.replace(**overrides) if overrides else spec
+
+
+__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES",
+           "OPTIMIZERS", "ENCODINGS", "PRECISIONS", "MLP_OTYPES"]
