@@ -68,18 +68,23 @@ def _float(where: str, value: Any, lo: float, hi: float, *, lo_open: bool = Fals
 
 
 def _check_keys(where: str, doc: Mapping[str, Any], allowed: set[str]) -> None:
-    for key in doc:
+    for key, value in doc.items():
         if key not in allowed:
             raise SpecError(
                 f"{where}.{key}" if where else key,
-                f"unknown field; allowed here: {', '.join(sorted(allowed))}",
+                f"unknown field (value {_short(value)}); allowed here: {', '.join(sorted(allowed))}",
             )
 
 
 def _mapping(where: str, value: Any) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise SpecError(where, f"must be a JSON object; got {type(value).__name__}")
+        raise SpecError(where, f"must be a JSON object; got {type(value).__name__} {_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -289,7 +294,7 @@ class MLPSpec:
         delta = 1.0
         if "delta" in loss_doc:
             if loss != "Huber":
-                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss}")
+                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss} (got {loss_doc['delta']!r})")
             delta = _float("loss.delta", loss_doc["delta"], 0.0, 1e6, lo_open=True)
 
         optimizer = OptimizerSpec.parse("optimizer", doc.get("optimizer", {"otype": "Adam"}))

@@ -16,4 +16,6 @@ def read_source(relative_path: str) -> str:
 def list_sources(folder: str) -> list[str]:
     """Relative paths of every source in one folder (``glsl``, ``wgsl`` or ``cuda``)."""
     root = resources.files(__name__).joinpath(folder)
+    if not root.is_dir():
+        return []
     return sorted(f"{folder}/{p.name}" for p in root.iterdir() if p.is_file())

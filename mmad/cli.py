@@ -1,0 +1,167 @@
+"""The ``mmad`` command: probe, serve, bench, demo, cache.
+
+Each subcommand returns an exit status; errors from the :mod:`mmad.errors` tree are printed in
+one line (``mmad: error: ...``) with status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from mmad import __version__
+from mmad.errors import MMADError
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from mmad.backends import parse_forced, probe_all
+
+    forced = parse_forced()  # validates MMAD_BACKEND before anything is probed
+    started = time.perf_counter()
+    rows = probe_all(args.backend or None)
+    elapsed = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({"rows": [r.to_json() for r in rows], "seconds": round(elapsed, 3),
+                          "forced": list(forced) if forced else None}, indent=2))
+        return 0
+    header = ("backend", "variant", "status", "device", "api", "capabilities / reason")
+    table = []
+    for r in rows:
+        if r.available:
+            caps = ", ".join(str(s) for s in r.mma_shapes) or ", ".join(
+                f"{k}={v}" for k, v in r.details.items() if not isinstance(v, (list, dict)))
+            if r.software:
+                caps = "software device (used only when forced); " + caps
+        else:
+            caps = r.reason
+        table.append((r.backend, r.variant, "PASS" if r.available else "FAIL", r.device, r.api_version, caps))
+    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(5)]
+    for row in [header, *table]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + str(row[5]))
+    print(f"({elapsed:.2f} s)")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Train a small MLP on a 2-D field with the best available backend and report it."""
+    import numpy as np
+
+    from mmad.backends import select
+    from mmad.spec import MLPSpec
+
+    backend, row = select()
+    spec = MLPSpec.from_json({
+        "n_input_dims": 2, "n_output_dims": 3,
+        "network": {"otype": "FullyFusedMLP", "activation": "ReLU", "output_activation": "None",
+                    "n_neurons": 64, "n_hidden_layers": 3},
+        "encoding": {"otype": "Frequency", "n_frequencies": 6},
+        "loss": {"otype": "L2"}, "optimizer": {"otype": "Adam", "learning_rate": 1e-2},
+        "precision": "fp16", "seed": 1337})
+    model = backend.compile(spec, variant=row.variant)
+    rng = np.random.default_rng(0)
+    print(f"backend: {row.backend}:{row.variant} on {row.device}")
+    batch = args.batch
+    started = time.perf_counter()
+    loss = float("nan")
+    for step in range(1, args.steps + 1):
+        x = rng.random((batch, 2), dtype=np.float32)
+        y = demo_field(x)
+        loss = float(model.train_step(x, y)[0])
+        if step % max(1, args.steps // 10) == 0 or step == args.steps:
+            print(f"step {step:5d}  loss {loss:.5f}")
+    model.synchronize()
+    elapsed = time.perf_counter() - started
+    print(f"trained {args.steps} steps of {batch} samples in {elapsed:.2f} s: "
+          f"{args.steps * batch / elapsed / 1e6:.3f} M samples/s, final loss {loss:.5f}")
+    model.close()
+    backend.close()
+    return 0
+
+
+def demo_field(x):
+    """A smooth colour field on [0, 1]^2 that the demo model learns."""
+    import numpy as np
+
+    r = 0.5 + 0.5 * np.sin(6.0 * x[:, 0]) * np.cos(4.0 * x[:, 1])
+    g = 0.5 + 0.5 * np.cos(5.0 * (x[:, 0] + x[:, 1]))
+    b = x[:, 0] * x[:, 1]
+    return np.stack([r, g, b], axis=1).astype(np.float32)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from mmad.bench.kernels import main as bench_main
+
+    return bench_main(args)
+
+
+def _serve(argv: list[str]) -> int:
+    from mmad.server.main import main as serve_main
+
+    return serve_main(argv)
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from mmad.backends.cache import KernelCache
+
+    cache = KernelCache()
+    if args.action == "clear":
+        print(f"removed {cache.clear()} entries from {cache.directory}")
+    else:
+        entries = list(cache.directory.glob("*/*.bin")) if cache.directory.exists() else []
+        size = sum(p.stat().st_size for p in entries)
+        print(f"{cache.directory}: {len(entries)} entries, {size / 1e6:.1f} MB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmad", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mmad {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("probe", help="print what every backend can do here (PASS/FAIL with reasons)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--backend", action="append", choices=["cuda", "vulkan", "wgpu", "cpu"],
+                   help="probe only this backend (repeatable)")
+    p.set_defaults(func=_probe)
+
+    sub.add_parser("serve", help="run the HTTP daemon (see `mmad serve --help`)", add_help=False)
+
+    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (BENCHMARKS.md)")
+    p.add_argument("--backend", action="append", help="backend[:variant] to measure (repeatable; default: best available)")
+    p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
+    p.add_argument("--batch", type=int, default=1 << 20, help="rows per batch (default 2^20)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per figure (median reported)")
+    p.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
+    p.add_argument("--no-training", action="store_true", help="measure forward only")
+    p.add_argument("--out", default="bench/results", help="folder for the JSON and markdown results")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("demo", help="train a small MLP with the best available backend")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=4096)
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("cache", help="inspect or clear the kernel cache (MMAD_CACHE_DIR)")
+    p.add_argument("action", choices=["info", "clear"])
+    p.set_defaults(func=_cache)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] == "serve":
+            return _serve(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except MMADError as exc:
+        print(f"mmad: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Kernel cache: content keys, hits without compiling, corrupt entries rebuilt, atomic writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mmad.backends.cache import KernelCache, default_cache_dir
+
+KEY = dict(backend="vulkan", device="lavapipe", compiler="glslang 13", options=["-O"], source="void main(){}")
+
+
+class FakeCompiler:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self) -> bytes:
+        self.calls += 1
+        return os.urandom(64) + b"spirv"
+
+
+def test_miss_then_hit_without_compiling(tmp_path):
+    cache, compiler = KernelCache(tmp_path), FakeCompiler()
+    first = cache.get_or_build(compiler, **KEY)
+    second = KernelCache(tmp_path).get_or_build(compiler, **KEY)  # a new process would see the same
+    assert first == second and compiler.calls == 1
+    assert cache.stats.misses == 1
+
+
+@pytest.mark.parametrize("part,value", [("backend", "cuda"), ("device", "sm_90a"), ("compiler", "glslang 14"),
+                                        ("options", ["-O0"]), ("source", "void main(){ }")])
+def test_every_key_part_changes_the_key(tmp_path, part, value):
+    cache, compiler = KernelCache(tmp_path), FakeCompiler()
+    cache.get_or_build(compiler, **KEY)
+    cache.get_or_build(compiler, **{**KEY, part: value})
+    assert compiler.calls == 2
+
+
+def test_layout_version_is_part_of_the_key():
+    assert KernelCache.key(**KEY)[0] != KernelCache.key(**KEY, layout_version=999)[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty"])
+def test_corrupt_entries_are_rebuilt(tmp_path, damage):
+    cache, compiler = KernelCache(tmp_path), FakeCompiler()
+    good = cache.get_or_build(compiler, **KEY)
+    (entry,) = list(tmp_path.glob("*/*.bin"))
+    raw = entry.read_bytes()
+    entry.write_bytes({"truncate": raw[:-3], "flip": raw[:-1] + bytes([raw[-1] ^ 1]),
+                       "header": b"{not json\n" + raw.split(b"\n", 1)[1], "empty": b""}[damage])
+    rebuilt = cache.get_or_build(compiler, **KEY)
+    assert compiler.calls == 2 and cache.stats.rebuilt_corrupt == 1
+    assert rebuilt != good  # the fake compiler's output is random: it really ran again
+    assert KernelCache(tmp_path).get_or_build(compiler, **KEY) == rebuilt and compiler.calls == 2
+
+
+def test_writes_leave_no_temp_files_and_failed_builds_store_nothing(tmp_path):
+    cache = KernelCache(tmp_path)
+    cache.get_or_build(FakeCompiler(), **KEY)
+
+    def broken() -> bytes:
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError):
+        cache.get_or_build(broken, **{**KEY, "source": "other"})
+    names = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(names) == 1 and not any(n.startswith(".tmp-") for n in names)
+
+
+def test_directory_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMAD_CACHE_DIR", str(tmp_path / "k"))
+    assert default_cache_dir() == tmp_path / "k"
+    KernelCache().get_or_build(FakeCompiler(), **KEY)
+    assert len(list((tmp_path / "k").glob("*/*.bin"))) == 1
+    assert KernelCache().clear() == 1

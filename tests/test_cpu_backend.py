@@ -1,0 +1,204 @@
+"""The cpu backend (the oracle): gradients, numerics modes, training, state round trips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mmad.backends import numerics as nm
+from mmad.backends.contract import init_params
+from mmad.backends.cpu import CpuBackend, CpuModel
+from mmad.errors import InvalidInput
+from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec, bench_spec
+
+
+def small_spec(**network) -> MLPSpec:
+    doc = {"n_input_dims": 3, "n_output_dims": 2,
+           "network": {"otype": "FullyFusedMLP", "activation": "Tanh", "output_activation": "None",
+                       "n_neurons": 16, "n_hidden_layers": 2},
+           "encoding": {"otype": "Identity"}, "loss": {"otype": "L2"},
+           "optimizer": {"otype": "Adam", "learning_rate": 1e-3}, "seed": 3}
+    for key in ("encoding", "loss", "optimizer", "precision"):
+        if key in network:
+            doc[key] = network.pop(key)
+    doc["network"].update(network)
+    return MLPSpec.from_json(doc)
+
+
+def fd_check(spec: MLPSpec, x: np.ndarray, y: np.ndarray, eps: float = 1e-6, n_probe: int = 40) -> float:
+    """Largest relative error between analytic and central-difference gradients."""
+    model = CpuModel(spec, "float64")
+    _, grads = model._loss_and_grads(x, y)  # float64 gradients
+    params = {k: v.astype(np.float64) for k, v in model._params.items()}
+    pred0 = model._forward_chunk(x, keep=False)[0]
+
+    def loss_at(p: dict) -> float:
+        model._params = p
+        model._refresh_compute_weights()
+        pred = model._forward_chunk(x, keep=False)[0]
+        values, _ = nm.loss_terms(spec.loss, pred, y, delta=spec.huber_delta, normaliser_from=pred0)
+        return float(values.mean())
+
+    rng = np.random.default_rng(11)
+    worst = 0.0
+    for name in params:
+        flat_idx = rng.choice(params[name].size, size=min(n_probe, params[name].size), replace=False)
+        for idx in flat_idx:
+            plus = {k: v.copy() for k, v in params.items()}
+            minus = {k: v.copy() for k, v in params.items()}
+            plus[name].flat[idx] += eps
+            minus[name].flat[idx] -= eps
+            numeric = (loss_at(plus) - loss_at(minus)) / (2 * eps)
+            analytic = grads[name].flat[idx]
+            scale = max(abs(numeric), abs(analytic), 1e-7)
+            worst = max(worst, abs(numeric - analytic) / scale)
+    return worst
+
+
+def data(spec: MLPSpec, rows: int, seed: int = 0, low: float = -1.0, high: float = 1.0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(low, high, (rows, spec.n_input_dims))
+    y = rng.uniform(-1, 1, (rows, spec.n_output_dims))
+    return x, y
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradients_every_activation(activation):
+    spec = small_spec(activation=activation, output_activation=activation if activation != "Exponential" else "None")
+    x, y = data(spec, 24)
+    assert fd_check(spec, x, y) < 1e-5
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_gradients_every_loss(loss):
+    spec = small_spec(loss={"otype": loss})
+    x, y = data(spec, 24, seed=1)
+    # MAPE/SMAPE/L1 are not differentiable at zero difference; random data never lands there
+    assert fd_check(spec, x, y) < 1e-5
+
+
+@pytest.mark.parametrize("encoding", [
+    {"otype": "Frequency", "n_frequencies": 3},
+    {"otype": "OneBlob", "n_bins": 8},
+    {"otype": "Composite", "nested": [{"otype": "Frequency", "n_frequencies": 2, "n_dims_to_encode": 2},
+                                      {"otype": "OneBlob", "n_bins": 4}]},
+])
+def test_gradients_every_encoding(encoding):
+    spec = small_spec(encoding=encoding)
+    x, y = data(spec, 24, seed=2, low=0.0, high=1.0)
+    assert fd_check(spec, x, y) < 1e-5
+
+
+def test_encodings_match_their_definitions():
+    x = np.array([[0.28, 0.7]], dtype=np.float64)
+    freq = nm.encode(small_spec(encoding={"otype": "Frequency", "n_frequencies": 2}).encoding, x)
+    expected = [np.sin(np.pi * 0.28), np.cos(np.pi * 0.28), np.sin(2 * np.pi * 0.28), np.cos(2 * np.pi * 0.28)]
+    np.testing.assert_allclose(freq[0, :4], expected, rtol=1e-12)
+    blob = nm.encode(small_spec(encoding={"otype": "OneBlob", "n_bins": 16}).encoding, x)
+    # each dim's bins hold (almost all of) a unit Gaussian mass, peaked at the bin holding x
+    assert blob.shape == (1, 32)
+    assert abs(blob[0, :16].sum() - 1) < 0.01 and blob[0, :16].argmax() == 4
+    assert blob[0, 16:].argmax() == 11
+
+
+def test_erf_approximation():
+    import math
+    xs = np.linspace(-4, 4, 801)
+    assert np.max(np.abs(nm._erf(xs) - np.array([math.erf(v) for v in xs]))) < 2e-7
+
+
+@pytest.mark.parametrize("precision,tolerance", [("fp16", 3e-3), ("bf16", 2e-2), ("fp32", 1e-5)])
+def test_emulated_precision_within_design_tolerance(precision, tolerance):
+    spec = bench_spec("M", precision=precision)
+    x = np.random.default_rng(5).standard_normal((2048, 64)).astype(np.float32)
+    ref = CpuBackend("float64").compile(spec).forward(x)
+    out = CpuBackend("emulate").compile(spec).forward(x)
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert np.isfinite(err) and err <= tolerance
+    if precision != "fp32":
+        assert err > 1e-6, "rounding emulation must actually round"
+
+
+def test_bf16_rounding_is_round_to_nearest_even():
+    a = np.array([1.0, 1.00390625, 1.01171875, -3.3e-3, 65504.0], dtype=np.float32)
+    r = nm.round_to("bf16", a)
+    assert r[0] == 1.0 and r[1] == 1.0 and r[2] == 1.015625
+    assert abs(r[3] - a[3]) / abs(a[3]) < 2 ** -8 and abs(r[4] - a[4]) / a[4] < 2 ** -8
+
+
+def test_initialisation_is_deterministic_from_the_seed():
+    spec = bench_spec("S")
+    a, b = init_params(spec), init_params(spec)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    c = init_params(spec.replace(seed=7))
+    assert not np.array_equal(a["W0"], c["W0"])
+    np.testing.assert_array_equal(CpuBackend().compile(spec).get_params()["W1"], a["W1"])
+
+
+def test_training_fits_a_2d_field():
+    from mmad.cli import demo_field
+
+    spec = MLPSpec.from_json({
+        "n_input_dims": 2, "n_output_dims": 3,
+        "network": {"activation": "ReLU", "n_neurons": 64, "n_hidden_layers": 3},
+        "encoding": {"otype": "Frequency", "n_frequencies": 4},
+        "optimizer": {"otype": "Adam", "learning_rate": 1e-2}, "seed": 5})
+    model = CpuBackend("emulate").compile(spec)
+    rng = np.random.default_rng(0)
+    x_test = rng.random((4096, 2), dtype=np.float32)
+    initial = float(np.mean((model.forward(x_test) - demo_field(x_test)) ** 2))
+    for _ in range(300):
+        x = rng.random((1024, 2), dtype=np.float32)
+        model.train_step(x, demo_field(x))
+    final = float(np.mean((model.forward(x_test) - demo_field(x_test)) ** 2))
+    assert final < 2e-3 and final < initial / 20, (initial, final)
+
+
+def test_sgd_with_momentum_reduces_the_loss():
+    spec = small_spec(optimizer={"otype": "SGD", "learning_rate": 0.05, "momentum": 0.9})
+    x, y = data(spec, 256, seed=4)
+    losses = CpuBackend().compile(spec).train_step(x.astype(np.float32), (0.3 * y).astype(np.float32), steps=100)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_optimizer_state_round_trip_continues_identically():
+    spec = bench_spec("S")
+    x = np.random.default_rng(1).standard_normal((300, 32)).astype(np.float32)
+    y = np.random.default_rng(2).standard_normal((300, 16)).astype(np.float32)
+    straight = CpuBackend().compile(spec)
+    straight.train_step(x, y, steps=6)
+    first = CpuBackend().compile(spec)
+    first.train_step(x, y, steps=3)
+    resumed = CpuBackend().compile(spec)
+    resumed.set_params(first.get_params())
+    resumed.set_optimizer_state(first.get_optimizer_state())
+    resumed.train_step(x, y, steps=3)
+    for k, v in straight.get_params().items():
+        np.testing.assert_array_equal(resumed.get_params()[k], v)
+
+
+def test_bad_inputs_are_refused_clearly():
+    model = CpuBackend().compile(bench_spec("S"))
+    with pytest.raises(InvalidInput, match=r"shape \[rows, 32\]"):
+        model.forward(np.ones((4, 31), dtype=np.float32))
+    with pytest.raises(InvalidInput, match="float32 or float16"):
+        model.forward(np.ones((4, 32), dtype=np.int32))
+    with pytest.raises(InvalidInput, match="target has 3 rows"):
+        model.train_step(np.ones((4, 32), np.float32), np.ones((3, 16), np.float32))
+    params = model.get_params()
+    params["W0"] = params["W0"][:, :-1]
+    with pytest.raises(InvalidInput, match="W0 must have shape"):
+        model.set_params(params)
+    params = model.get_params()
+    params["b1"][0] = np.nan
+    with pytest.raises(InvalidInput, match="NaN"):
+        model.set_params(params)
+
+
+def test_any_row_count_including_one_and_chunk_boundaries():
+    spec = bench_spec("S")
+    model = CpuBackend().compile(spec)
+    x = np.random.default_rng(9).standard_normal((8193, 32)).astype(np.float32)
+    full = model.forward(x)
+    np.testing.assert_allclose(model.forward(x[:1]), full[:1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.forward(x[8190:]), full[8190:], rtol=1e-5, atol=1e-6)

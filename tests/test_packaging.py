@@ -1,0 +1,58 @@
+"""Both an editable install and a built wheel import as ``mmad.*`` and find the shaders."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import mmad.shaders
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_SHADERS = sorted(str(p.relative_to(ROOT / "shaders")) for p in (ROOT / "shaders").glob("*/*")
+                        if p.suffix in (".comp", ".glsl", ".wgsl", ".cu", ".cuh"))
+
+CHECK = """
+import json, sys, mmad, mmad.backends.cpu, mmad.server, mmad.shaders
+found = [p for d in ("glsl", "wgsl", "cuda") for p in mmad.shaders.list_sources(d)]
+text = {p: len(mmad.shaders.read_source(p)) for p in found}
+print(json.dumps({"file": mmad.__file__, "shaders": sorted(found), "empty": [p for p, n in text.items() if not n]}))
+"""
+
+
+def test_namespaced_imports_in_this_install():
+    import mmad.backends
+    import mmad.bench
+    import mmad.server
+
+    assert mmad.backends.__name__ == "mmad.backends"
+    assert Path(mmad.server.__file__).parent == ROOT / "server"
+
+
+def test_editable_install_finds_every_shader():
+    if not SOURCE_SHADERS:
+        pytest.skip("no shader sources in the tree yet")
+    found = [p for d in ("glsl", "wgsl", "cuda") for p in mmad.shaders.list_sources(d)]
+    assert sorted(found) == SOURCE_SHADERS
+
+
+def test_built_wheel_imports_and_finds_every_shader(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist")], check=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("mmad-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mmad/backends/cpu.py" in names and "mmad/server/__init__.py" in names
+    assert not any(n.startswith(("backends/", "server/", "tests/")) for n in names), "bare top-level packages leaked"
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import json
+    doc = json.loads(proc.stdout)
+    assert doc["file"].startswith(str(target))
+    assert doc["shaders"] == SOURCE_SHADERS and not doc["empty"]

@@ -1,0 +1,86 @@
+"""``mmad probe`` and backend selection: PASS/FAIL rows, reasons, MMAD_BACKEND rules, speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mmad.backends import probe_all, select
+from mmad.errors import BackendUnavailable, SpecError
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "mmad.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=60)
+
+
+def test_probe_table_lists_every_backend_quickly():
+    started = time.perf_counter()
+    proc = run_cli("probe")
+    elapsed = time.perf_counter() - started
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:3] == ["backend", "variant", "status"]
+    backends = {line.split()[0] for line in lines[1:-1]}
+    assert backends == {"cuda", "vulkan", "wgpu", "cpu"}
+    assert any(line.startswith("cpu") and "PASS" in line for line in lines)
+    assert elapsed < 10  # the 3 s budget is checked in-process below; this includes interpreter start
+
+
+def test_probe_json_and_every_fail_row_has_a_reason():
+    proc = run_cli("probe", "--json")
+    doc = json.loads(proc.stdout)
+    rows = doc["rows"]
+    assert {r["backend"] for r in rows} == {"cuda", "vulkan", "wgpu", "cpu"}
+    for r in rows:
+        assert r["available"] or r["reason"], r
+
+
+def test_probe_in_process_under_three_seconds():
+    started = time.perf_counter()
+    rows = probe_all()
+    assert time.perf_counter() - started < 3.0
+    assert any(r.backend == "cpu" and r.available for r in rows)
+
+
+def test_unknown_backend_is_an_error_listing_valid_ones():
+    proc = run_cli("probe", env={"MMAD_BACKEND": "metal"})
+    assert proc.returncode == 2
+    assert "unknown backend 'metal'; valid: cuda, vulkan, wgpu, cpu" in proc.stderr
+    with pytest.raises(SpecError, match="valid: cuda, vulkan, wgpu, cpu"):
+        select("opencl")
+
+
+def test_forced_unavailable_backend_is_an_error_with_the_reason():
+    cuda_rows = [r for r in probe_all(["cuda"]) if r.available]
+    if cuda_rows:
+        pytest.skip("CUDA is available here, so forcing it cannot fail")
+    with pytest.raises(BackendUnavailable) as info:
+        select("cuda")
+    assert info.value.reason  # e.g. "CuPy is not installed" or "no CUDA device"
+
+
+def test_forced_variant_that_does_not_exist():
+    with pytest.raises(SpecError, match="no variant 'tensor'"):
+        select("cpu:tensor")
+
+
+def test_forced_cpu_and_auto_selection():
+    backend, row = select("cpu")
+    assert (row.backend, row.available) == ("cpu", True)
+    backend, row = select(None)
+    assert row.available and not row.software
+
+
+def test_demo_command_trains_and_reports(tmp_path):
+    proc = run_cli("demo", "--steps", "60", "--batch", "512", env={"MMAD_BACKEND": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert "backend: cpu:numpy" in proc.stdout and "M samples/s" in proc.stdout
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    assert losses[-1] < losses[0]
