@@ -1,0 +1,87 @@
+"""The FastAPI application: ``create_app(settings)``.
+
+The lifespan probes the devices once, picks the backend (``settings.backend`` or the best
+available, never a silent fallback from a forced one), opens the store, creates the demo model
+when the store is empty, loads every model, and on exit stops training jobs (each writes a
+final checkpoint), stops the batchers and frees every device buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI
+
+import mmad
+from mmad.backends import probe_all, select
+from mmad.server.common import BodyLimitMiddleware, Runtime, install_error_handlers
+from mmad.server.jobs import JobManager
+from mmad.server.metrics import Metrics
+from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
+from mmad.server.routers import ALL as ROUTERS
+from mmad.server.settings import Settings
+from mmad.server.store import Store
+from mmad.spec import MLPSpec
+
+log = logging.getLogger("mmad.server")
+
+
+def _probe_rows(settings: Settings, selected):
+    """Rows for ``/v2/devices``: every backend, or the ones ``settings.probe`` lists."""
+    if settings.probe.strip().lower() == "all":
+        return probe_all()
+    names = [n.strip() for n in settings.probe.split(",") if n.strip()]
+    return probe_all(names) if names else [selected]
+
+
+async def start_runtime(rt: Runtime) -> None:
+    settings = rt.settings
+    backend, row = select(settings.backend or "")
+    rt.backend, rt.selected = backend, row
+    rt.probe_rows = _probe_rows(settings, row)
+    log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
+    rt.store = Store(settings.store_dir)
+    rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics)
+    rt.jobs = JobManager(rt.registry)
+    if settings.demo and not rt.store.list_models():
+        await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
+        log.info("created the demo model %r", DEMO_NAME)
+    await rt.registry.load_all()
+    rt.ready = True
+
+
+async def stop_runtime(rt: Runtime) -> None:
+    rt.shutting_down = True
+    if rt.jobs is not None:
+        await rt.jobs.shutdown()
+    rt.ready = False
+    if rt.registry is not None:
+        await rt.registry.close()
+    if rt.backend is not None:
+        rt.backend.close()
+    rt.executor.shutdown(wait=True)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    rt = Runtime(settings=settings, metrics=Metrics(),
+                 executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            await start_runtime(rt)
+            yield
+        finally:
+            await stop_runtime(rt)
+
+    app = FastAPI(title="mmad", version=mmad.__version__, lifespan=lifespan,
+                  description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
+    app.state.runtime = rt
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app

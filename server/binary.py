@@ -1,0 +1,205 @@
+"""Inference request/response bodies: OIP v2 JSON and Triton's binary tensor extension.
+
+A binary request is a JSON header of ``Inference-Header-Content-Length`` bytes followed by the
+raw little-endian tensors, in input order, each ``parameters.binary_data_size`` bytes long.
+Every length is checked against the body before any tensor is read (``np.frombuffer`` views,
+no copies); anything inconsistent is an :class:`~mmad.errors.InvalidInput` (HTTP 400).
+FP16 travels only as binary data, as Triton does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from mmad.errors import InvalidInput
+
+WIRE_DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
+JSON_DTYPES = ("FP32",)
+MAX_ELEMENTS = 1 << 31
+
+
+@dataclass
+class InferRequest:
+    """A parsed request: the JSON header and its tensors by name (float views of the body)."""
+
+    header: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    binary_inputs: bool = False
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str | None:
+        value = self.header.get("id")
+        return value if isinstance(value, str) else None
+
+
+def parse_header_length(value: str | None, body_len: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError as exc:
+        raise InvalidInput(f"Inference-Header-Content-Length must be an integer; got {value!r}") from exc
+    if length < 0:
+        raise InvalidInput(f"Inference-Header-Content-Length must not be negative; got {length}")
+    if length > body_len:
+        raise InvalidInput(
+            f"Inference-Header-Content-Length {length} is past the end of the body ({body_len} bytes)")
+    return length
+
+
+def _shape(where: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        raise InvalidInput(f"{where}.shape must be a non-empty list of non-negative integers; got {value!r}")
+    if math.prod(value) > MAX_ELEMENTS:
+        raise InvalidInput(f"{where}.shape {value} has more than {MAX_ELEMENTS} elements")
+    return tuple(value)
+
+
+def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """Nested or flat JSON numbers → float32 of ``shape``."""
+    try:
+        array = np.array(data)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"{where}.data must be numbers (nested like the shape, or flat): {exc}") from exc
+    if array.dtype.kind not in "fiu":  # strings, booleans, objects, null
+        raise InvalidInput(f"{where}.data must hold only numbers; got elements of type {array.dtype}")
+    array = array.astype(np.float32)
+    if array.size != math.prod(shape):
+        raise InvalidInput(f"{where}.data holds {array.size} numbers but shape {list(shape)} needs "
+                           f"{math.prod(shape)}")
+    if array.ndim > 1 and array.shape != shape:
+        raise InvalidInput(f"{where}.data is nested as {list(array.shape)} but shape is {list(shape)}")
+    return array.reshape(shape)
+
+
+def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
+    """Split and validate a request body; tensors come back as float32/float16 arrays."""
+    json_part = body if header_length is None else memoryview(body)[:header_length]
+    try:
+        header = orjson.loads(json_part)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"the request header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise InvalidInput("the request must be a JSON object")
+    parameters = header.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters must be a JSON object")
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidInput("inputs must be a non-empty list of tensors")
+
+    offset = header_length if header_length is not None else len(body)
+    tensors: dict[str, np.ndarray] = {}
+    binary_inputs = False
+    for i, tensor in enumerate(inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(tensor, dict):
+            raise InvalidInput(f"{where} must be a JSON object")
+        name = tensor.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"{where}.name must be a non-empty string")
+        if name in tensors:
+            raise InvalidInput(f"input {name!r} is given twice")
+        where = f"input {name!r}"
+        datatype = tensor.get("datatype")
+        if datatype not in WIRE_DTYPES:
+            raise InvalidInput(f"{where}: datatype must be one of {', '.join(WIRE_DTYPES)}; got {datatype!r}")
+        shape = _shape(where, tensor.get("shape"))
+        params = tensor.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInput(f"{where}.parameters must be a JSON object")
+        size = params.get("binary_data_size")
+        if size is not None:
+            if header_length is None:
+                raise InvalidInput(f"{where} has binary_data_size but the request has no "
+                                   "Inference-Header-Content-Length header")
+            if "data" in tensor:
+                raise InvalidInput(f"{where} has both data and binary_data_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer; got {size!r}")
+            dtype = WIRE_DTYPES[datatype]
+            expected = math.prod(shape) * dtype.itemsize
+            if size != expected:
+                raise InvalidInput(f"{where}: binary_data_size is {size} bytes but shape {list(shape)} of "
+                                   f"{datatype} needs {expected}")
+            if offset + size > len(body):
+                raise InvalidInput(f"{where}: the body is truncated: {size} bytes of tensor data expected at "
+                                   f"offset {offset}, only {len(body) - offset} left")
+            tensors[name] = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+            offset += size
+            binary_inputs = True
+        else:
+            if "data" not in tensor:
+                raise InvalidInput(f"{where} has neither data nor parameters.binary_data_size")
+            if datatype not in JSON_DTYPES:
+                raise InvalidInput(f"{where}: datatype {datatype} is only accepted as binary data "
+                                   "(binary tensor extension); JSON carries FP32")
+            tensors[name] = _json_data(where, tensor["data"], shape)
+    if header_length is not None and offset != len(body):
+        raise InvalidInput(f"the body has {len(body) - offset} bytes after the last binary tensor")
+    return InferRequest(header, tensors, binary_inputs, parameters)
+
+
+@dataclass
+class OutputChoice:
+    name: str
+    binary: bool
+    datatype: str
+
+
+def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list[OutputChoice]:
+    """Which outputs to return, in which encoding (``binary_data``) and datatype."""
+    default_binary = bool(request.parameters.get("binary_data_output", False))
+    default_dtype = request.parameters.get("output_datatype", "FP32")
+    asked = request.header.get("outputs")
+    if asked is None or asked == []:
+        asked = [{"name": name} for name in available]
+    if not isinstance(asked, list):
+        raise InvalidInput("outputs must be a list")
+    choices = []
+    for i, out in enumerate(asked):
+        if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+            raise InvalidInput(f"outputs[{i}] must be an object with a name")
+        if out["name"] not in available:
+            raise InvalidInput(f"unknown output {out['name']!r}; this model has {', '.join(available)}")
+        params = out.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInput(f"outputs[{i}].parameters must be a JSON object")
+        binary = bool(params.get("binary_data", default_binary))
+        datatype = params.get("output_datatype", default_dtype)
+        if datatype not in WIRE_DTYPES:
+            raise InvalidInput(f"output_datatype must be one of {', '.join(WIRE_DTYPES)}; got {datatype!r}")
+        if datatype != "FP32" and not binary:
+            raise InvalidInput(f"output {out['name']!r}: {datatype} is only returned as binary data; "
+                               "set parameters.binary_data")
+        if params.get("classification"):
+            raise InvalidInput("the classification extension is not supported")
+        choices.append(OutputChoice(out["name"], binary, datatype))
+    return choices
+
+
+def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoice, np.ndarray]]
+                          ) -> tuple[bytes, int | None]:
+    """(body, header length or None when the body is all JSON)."""
+    entries, blobs = [], []
+    for choice, array in outputs:
+        array = np.ascontiguousarray(array, dtype=WIRE_DTYPES[choice.datatype])
+        entry: dict[str, Any] = {"name": choice.name, "datatype": choice.datatype, "shape": list(array.shape)}
+        if choice.binary:
+            blob = array.tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = array.reshape(-1)
+        entries.append(entry)
+    json_bytes = orjson.dumps({**header, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not blobs:
+        return json_bytes, None
+    return b"".join([json_bytes, *blobs]), len(json_bytes)

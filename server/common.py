@@ -1,0 +1,177 @@
+"""What every router shares: the runtime object, the body cap, auth, and the error mapping."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmad.backends.contract import Backend, ProbeRow
+from mmad.errors import (
+    BackendUnavailable, CacheError, CompileError, ConflictError, InvalidInput, LaunchError,
+    MMADError, ModelNotFound, Overloaded, PayloadTooLarge, SpecError,
+)
+from mmad.server.metrics import Metrics
+from mmad.server.settings import Settings
+
+log = logging.getLogger("mmad.server")
+
+
+class Unauthorized(MMADError):
+    """No API key was sent to a daemon that requires one (HTTP 401)."""
+
+
+class Forbidden(MMADError):
+    """The API key sent is wrong (HTTP 403)."""
+
+
+class NotReady(MMADError):
+    """The daemon or a model cannot serve yet (HTTP 503)."""
+
+
+def status_for(exc: MMADError) -> int:
+    from mmad.server.registry import ModelNotReady  # registry imports this module's neighbours
+
+    table: list[tuple[type, int]] = [
+        (Unauthorized, 401), (Forbidden, 403), (ModelNotFound, 404), (ConflictError, 409),
+        (PayloadTooLarge, 413), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
+        (ModelNotReady, 503), (NotReady, 503), (BackendUnavailable, 503), (CompileError, 500),
+        (LaunchError, 500), (CacheError, 500),
+    ]
+    for cls, status in table:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps({"error": message}), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def install_error_handlers(app) -> None:
+    """Every error leaves as ``{"error": ...}``; mmad's exception tree maps onto statuses here."""
+
+    @app.exception_handler(MMADError)
+    async def _mmad_error(request: Request, exc: MMADError) -> Response:
+        status = status_for(exc)
+        headers = {}
+        if isinstance(exc, Overloaded):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        if isinstance(exc, Unauthorized):
+            headers["WWW-Authenticate"] = "Bearer"
+        if status >= 500 and status != 503:
+            log.error("%s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(status, str(exc), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return error_response(400, f"{where}: {first.get('msg')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail), dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s raised", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over the cap before anything parses them (Content-Length and streamed count)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return await error_response(400, "Content-Length is not an integer")(scope, receive, send)
+            if declared > self.max_bytes:
+                message = f"the body is {declared} bytes; the limit is {self.max_bytes}"
+                return await error_response(413, message, {"Connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise PayloadTooLarge(f"the body exceeds the limit of {self.max_bytes} bytes")
+            return message
+
+        return await self.app(scope, counted_receive, send)
+
+
+@dataclass
+class Runtime:
+    """Everything the routers reach through ``request.app.state.runtime``."""
+
+    settings: Settings
+    metrics: Metrics
+    executor: ThreadPoolExecutor
+    backend: Backend | None = None
+    selected: ProbeRow | None = None
+    probe_rows: list[ProbeRow] | None = None
+    store: Any = None
+    registry: Any = None
+    jobs: Any = None
+    ready: bool = False
+    shutting_down: bool = False
+
+
+def runtime(request: Request) -> Runtime:
+    rt: Runtime = request.app.state.runtime
+    if not rt.ready:
+        raise NotReady("the daemon is starting or stopping")
+    return rt
+
+
+def require_key(request: Request) -> None:
+    """Dependency of every mutating endpoint: ``Authorization: Bearer <key>`` when a key is set."""
+    expected = request.app.state.runtime.settings.api_key_value
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("this endpoint needs 'Authorization: Bearer <api key>'")
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise Forbidden("the API key is not valid")
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body (the middleware has already enforced the cap while it streamed in)."""
+    return await request.body()
+
+
+def json_body(data: bytes, what: str = "the request body") -> Any:
+    if not data:
+        raise InvalidInput(f"{what} is empty; a JSON object is expected")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
+
+
+def json_response(doc: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
+                    media_type="application/json", headers=headers)

@@ -1,0 +1,210 @@
+"""Training jobs: optimizer steps over an uploaded dataset, with progress, cancel and checkpoints.
+
+A job is an asyncio task that takes one optimizer step at a time on the compute threads (so
+inference interleaves with training between steps) on mini-batches drawn epoch by epoch from
+a shuffled dataset. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
+writes a version; a version is announced (``checkpoint`` event, ``versions`` list) only once the
+store has acknowledged it. Progress goes to Server-Sent Events subscribers, throttled to a few
+reports per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound
+from mmad.server.registry import ModelNotReady, Registry
+
+log = logging.getLogger("mmad.server.jobs")
+
+PROGRESS_INTERVAL_S = 0.2
+SSE_KEEPALIVE_S = 15.0
+FINISHED = ("done", "cancelled", "failed")
+
+
+class JobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str
+    steps: int = Field(ge=1, le=1_000_000_000)
+    batch_size: int = Field(ge=1, le=1 << 24)
+    checkpoint_every: int | None = Field(None, ge=1)
+
+    @classmethod
+    def parse(cls, doc: Any) -> "JobRequest":
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(body)"
+            raise InvalidInput(f"{where}: {first['msg']}") from exc
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class Job:
+    def __init__(self, model: str, request: JobRequest, checkpoint_every: int):
+        self.id = uuid.uuid4().hex
+        self.model = model
+        self.request = request
+        self.checkpoint_every = checkpoint_every
+        self.state = "queued"
+        self.step = 0
+        self.loss: float | None = None
+        self.samples_per_s = 0.0
+        self.versions: list[str] = []
+        self.error: str | None = None
+        self.created = time.time()
+        self.cancel_reason: str | None = None
+        self.task: asyncio.Task | None = None
+        self._subscribers: set[asyncio.Queue] = set()
+
+    def status(self) -> dict[str, Any]:
+        loss = self.loss if self.loss is None or math.isfinite(self.loss) else None
+        return {"job": self.id, "model_name": self.model, "state": self.state, "step": self.step,
+                "steps": self.request.steps, "batch_size": self.request.batch_size,
+                "checkpoint_every": self.checkpoint_every, "loss": loss,
+                "samples_per_s": self.samples_per_s, "versions": list(self.versions), "error": self.error}
+
+    def progress(self) -> dict[str, Any]:
+        status = self.status()
+        return {k: status[k] for k in ("step", "steps", "loss", "samples_per_s")}
+
+    def publish(self, event: bytes | None) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The SSE stream: current progress first, then live events until the job ends."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            if self.state in FINISHED:
+                yield sse(self.state, self.status())
+                return
+            yield sse("progress", self.progress())
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield b": keep-alive\n\n"
+                    continue
+                if event is None:  # the job ended; its final event was the previous one
+                    return
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+
+
+class JobManager:
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self.jobs: dict[str, Job] = {}
+
+    def get(self, model: str, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None or job.model != model:
+            raise ModelNotFound(f"model {model!r} has no job {job_id!r}")
+        return job
+
+    async def start(self, model: str, request: JobRequest) -> Job:
+        entry = self.registry.get_ready(model)
+        if entry.busy_job:
+            raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
+        data = await self.registry.run(self.registry.store.load_dataset, model, request.dataset)
+        x, y = self.check_dataset(entry.spec, data, request.batch_size)
+        job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every)
+        entry.busy_job = job.id
+        self.jobs[job.id] = job
+        job.task = asyncio.get_running_loop().create_task(self._run(job, x, y), name=f"job:{job.id}")
+        return job
+
+    @staticmethod
+    def check_dataset(spec, data: dict[str, np.ndarray], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        if set(data) != {"x", "y"}:
+            raise InvalidInput(f"a dataset holds exactly the tensors x and y; got {sorted(data)}")
+        x, y = data["x"], data["y"]
+        for name, a, cols in (("x", x, spec.n_input_dims), ("y", y, spec.n_output_dims)):
+            if a.ndim != 2 or a.shape[1] != cols or a.dtype not in (np.float32, np.float16):
+                raise InvalidInput(f"dataset {name} must be float32/float16 of shape [rows, {cols}]; "
+                                   f"got {a.dtype} {list(a.shape)}")
+        if x.shape[0] != y.shape[0] or x.shape[0] == 0:
+            raise InvalidInput(f"dataset x has {x.shape[0]} rows and y {y.shape[0]}; they must match and be > 0")
+        if batch_size > x.shape[0]:
+            raise InvalidInput(f"batch_size {batch_size} is larger than the dataset ({x.shape[0]} rows)")
+        return x.astype(np.float32), y.astype(np.float32)
+
+    def cancel(self, model: str, job_id: str, reason: str = "cancelled by request") -> Job:
+        job = self.get(model, job_id)
+        if job.state not in FINISHED and job.cancel_reason is None:
+            job.cancel_reason = reason
+        return job
+
+    async def shutdown(self) -> None:
+        """Stop every running job after a final checkpoint (graceful shutdown)."""
+        running = [j for j in self.jobs.values() if j.state not in FINISHED]
+        for job in running:
+            job.cancel_reason = job.cancel_reason or "the server is shutting down"
+        for job in running:
+            if job.task is not None:
+                await asyncio.shield(job.task)
+
+    async def _checkpoint(self, job: Job, entry) -> None:
+        version = (await self.registry.run(self.registry.checkpoint_blocking, entry))["version"]
+        job.versions.append(version)
+        job.publish(sse("checkpoint", {"version": version, "step": job.step}))
+
+    async def _run(self, job: Job, x: np.ndarray, y: np.ndarray) -> None:
+        entry = self.registry.get(job.model)
+        labels = (job.model, self.registry.backend_label)
+        metrics = self.registry.metrics
+        rng = np.random.default_rng()
+        order, cursor = rng.permutation(x.shape[0]), 0
+        batch = job.request.batch_size
+        last_checkpoint_step = 0
+        job.state = "running"
+        started = last_report = time.perf_counter()
+        try:
+            while job.step < job.request.steps and job.cancel_reason is None:
+                if cursor + batch > order.size:
+                    order, cursor = rng.permutation(x.shape[0]), 0
+                idx = np.sort(order[cursor:cursor + batch])
+                cursor += batch
+                losses, _ = await self.registry.run(entry.train_live, x[idx], y[idx], 1)
+                job.step += 1
+                job.loss = float(losses[-1])
+                metrics.training_steps.labels(*labels).inc()
+                metrics.training_samples.labels(*labels).inc(batch)
+                now = time.perf_counter()
+                job.samples_per_s = job.step * batch / max(now - started, 1e-9)
+                if now - last_report >= PROGRESS_INTERVAL_S or job.step == job.request.steps:
+                    last_report = now
+                    metrics.training_samples_per_s.labels(*labels).set(job.samples_per_s)
+                    job.publish(sse("progress", job.progress()))
+                if job.step % job.checkpoint_every == 0 or job.step == job.request.steps:
+                    await self._checkpoint(job, entry)
+                    last_checkpoint_step = job.step
+            if job.step > last_checkpoint_step:  # cancelled between checkpoints: keep the work
+                await self._checkpoint(job, entry)
+            job.state = "done" if job.cancel_reason is None else "cancelled"
+            job.error = job.cancel_reason
+        except (MMADError, ModelNotReady) as exc:
+            job.state, job.error = "failed", str(exc)
+        except Exception as exc:  # a bug: report it on the job instead of losing it in the task
+            log.exception("training job %s failed", job.id)
+            job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
+        finally:
+            entry.busy_job = None
+            job.publish(sse(job.state, job.status()))
+            job.publish(None)

@@ -1,0 +1,78 @@
+"""``mmad serve``: run the daemon under uvicorn.
+
+Options default to the ``MMAD_*`` environment (see :class:`~mmad.server.settings.Settings`).
+On SIGINT/SIGTERM the daemon stops reporting ready, lets running training jobs write a final
+checkpoint, lets in-flight requests finish (up to ``--graceful-timeout`` seconds) and frees the
+devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from mmad.server.settings import Settings
+
+log = logging.getLogger("mmad.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mmad serve", description="Serve and train MLPs over the Open Inference Protocol v2.")
+    p.add_argument("--host", help="address to listen on (MMAD_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (MMAD_PORT, default 8000)")
+    p.add_argument("--store", dest="store_dir", help="model store directory (MMAD_STORE_DIR)")
+    p.add_argument("--backend", help="cuda|vulkan|wgpu|cpu[:variant] (MMAD_BACKEND, default: best available)")
+    p.add_argument("--probe", help="backends listed in /v2/devices: 'all' or a comma list (MMAD_PROBE)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on mutating endpoints (MMAD_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, help="request body cap (MMAD_MAX_BODY_BYTES, default 64 MiB)")
+    p.add_argument("--max-batch-rows", type=int, help="dynamic batching: rows per launch (MMAD_MAX_BATCH_ROWS)")
+    p.add_argument("--max-queue-delay-us", type=int, help="dynamic batching: longest wait (MMAD_MAX_QUEUE_DELAY_US)")
+    p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
+    p.add_argument("--checkpoint-every", type=int, help="training jobs' default checkpoint interval in steps")
+    p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
+    p.add_argument("--no-demo", dest="demo", action="store_const", const=False,
+                   help="do not create the demo model in an empty store")
+    p.add_argument("--graceful-timeout", dest="graceful_timeout_s", type=float,
+                   help="seconds to wait for in-flight requests at shutdown (default 30)")
+    p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help="(MMAD_LOG_LEVEL)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings(**{k: v for k, v in vars(args).items() if v is not None})
+    except ValidationError as exc:
+        print(f"mmad serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from mmad.server.app import create_app
+
+    app = create_app(settings)
+    runtime = app.state.runtime
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # stop jobs first: their SSE streams are in-flight requests the drain would wait for
+            runtime.shutting_down = True
+            if runtime.jobs is not None:
+                for job in runtime.jobs.jobs.values():
+                    job.cancel_reason = job.cancel_reason or "the server is shutting down"
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=settings.graceful_timeout_s, lifespan="on",
+                            access_log=settings.log_level == "debug")
+    server = GracefulServer(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

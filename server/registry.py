@@ -1,0 +1,385 @@
+"""Loaded models: compiled weights on the device, versions in the store, consistent snapshots.
+
+Each model has one *live* compiled model (the weights training updates) and a lock: every
+forward, train step, weight upload and snapshot of the live model holds it, so a forward sees
+the weights before or after a whole optimizer step, never in between. A version is an
+immutable snapshot in the store; infer pinned to a version runs a separate compiled copy loaded
+from the store (kept in a small cache), so a new version becomes visible in one step (the
+store's listing is replaced atomically) and old versions never change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mmad.backends.contract import Backend, CompiledModel, ProbeRow, check_params
+from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound
+from mmad.server.batcher import Batcher, BatchLimits
+from mmad.server.metrics import Metrics
+from mmad.server.settings import Settings
+from mmad.server.store import Store, check_model_name, check_version
+from mmad.spec import MLPSpec
+
+log = logging.getLogger("mmad.server.registry")
+
+PINNED_CACHE_SIZE = 2
+INPUT, OUTPUT, TARGET = "INPUT", "OUTPUT", "TARGET"
+
+DEMO_NAME = "demo"
+# a small neural field: 2-D coordinates -> RGB, frequency-encoded like NeRF-style models
+DEMO_SPEC = {
+    "n_input_dims": 2, "n_output_dims": 3,
+    "network": {"otype": "FullyFusedMLP", "activation": "ReLU", "output_activation": "None",
+                "n_neurons": 64, "n_hidden_layers": 2},
+    "encoding": {"otype": "Frequency", "n_frequencies": 6},
+    "loss": {"otype": "L2"},
+    "optimizer": {"otype": "Adam", "learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15},
+    "precision": "fp16", "seed": 1337,
+}
+
+
+class ModelConfig(BaseModel):
+    """Per-model serving settings; unset fields take the daemon's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_rows: int | None = Field(None, ge=1, le=1 << 24)
+    max_queue_delay_us: int | None = Field(None, ge=0, le=10_000_000)
+    max_queue_requests: int | None = Field(None, ge=1, le=1 << 20)
+    allow_nonfinite: bool = False
+
+    @classmethod
+    def parse(cls, doc: Any) -> "ModelConfig":
+        try:
+            return cls.model_validate(doc or {})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidInput(f"config.{where}: {first['msg']}; got {first.get('input')!r}") from exc
+
+    def limits(self, settings: Settings) -> BatchLimits:
+        return BatchLimits(
+            self.max_batch_rows if self.max_batch_rows is not None else settings.max_batch_rows,
+            self.max_queue_delay_us if self.max_queue_delay_us is not None else settings.max_queue_delay_us,
+            self.max_queue_requests if self.max_queue_requests is not None else settings.max_queue_requests,
+        )
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class InferStats:
+    """Triton's statistics extension counters for one model."""
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, Duration] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record_batch(self, rows: int, compute_ns: int) -> None:
+        with self.lock:
+            self.execution_count += 1
+            self.batches.setdefault(rows, Duration()).add(compute_ns)
+
+    def to_json(self, name: str, version: str) -> dict[str, Any]:
+        with self.lock:
+            durations = {k: getattr(self, k).to_json() for k in
+                         ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")}
+            batch_stats = [{"batch_size": rows, "compute_input": {"count": d.count, "ns": 0},
+                            "compute_infer": d.to_json(), "compute_output": {"count": d.count, "ns": 0}}
+                           for rows, d in sorted(self.batches.items())]
+            return {"name": name, "version": version, "last_inference": self.last_inference_ms,
+                    "inference_count": self.inference_count, "execution_count": self.execution_count,
+                    "inference_stats": {**durations, "cache_hit": {"count": 0, "ns": 0},
+                                        "cache_miss": {"count": 0, "ns": 0}},
+                    "batch_stats": batch_stats}
+
+
+class ModelEntry:
+    """One model known to the daemon (loaded or not)."""
+
+    def __init__(self, name: str, spec: MLPSpec, config: ModelConfig):
+        self.name = name
+        self.spec = spec
+        self.config = config
+        self.live: CompiledModel | None = None
+        self.lock = threading.Lock()  # held by every use of ``live``
+        self.checkpoint_lock = threading.Lock()  # orders snapshots with their version numbers
+        self.batcher: Batcher | None = None
+        self.pinned: collections.OrderedDict[str, CompiledModel] = collections.OrderedDict()
+        self.pinned_lock = threading.Lock()
+        self.stats = InferStats()
+        self.busy_job: str | None = None  # a running training job owns the model's lifecycle
+        self.reason = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.live is not None
+
+    def forward_live(self, x: np.ndarray) -> np.ndarray:
+        with self.lock:
+            if self.live is None:
+                raise ModelNotReady(self.name)
+            return self.live.forward(x)
+
+    def train_live(self, x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, int]:
+        with self.lock:
+            if self.live is None:
+                raise ModelNotReady(self.name)
+            losses = self.live.train_step(x, y, steps)
+            return losses, self.live.step_count
+
+
+class ModelNotReady(MMADError):
+    """The model exists in the store but is not loaded (HTTP 503)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r} is not loaded; POST /v2/repository/models/{name}/load")
+
+
+class Registry:
+    """Every model of the store, with its compiled form when loaded."""
+
+    def __init__(self, settings: Settings, store: Store, backend: Backend, row: ProbeRow,
+                 executor: Executor, metrics: Metrics):
+        self.settings = settings
+        self.store = store
+        self.backend = backend
+        self.row = row
+        self.executor = executor
+        self.metrics = metrics
+        self.models: dict[str, ModelEntry] = {}
+        self._admin = asyncio.Lock()  # create / replace / delete / load / unload, one at a time
+
+    @property
+    def backend_label(self) -> str:
+        return f"{self.row.backend}:{self.row.variant}"
+
+    async def run(self, fn: Callable, *args: Any) -> Any:
+        """Run blocking (device or disk) work on the compute threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def get(self, name: str) -> ModelEntry:
+        check_model_name(name)
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model {name!r}")
+        return entry
+
+    def get_ready(self, name: str) -> ModelEntry:
+        entry = self.get(name)
+        if not entry.ready:
+            raise ModelNotReady(name)
+        return entry
+
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        self.get(name)
+        return self.store.versions(name)
+
+    def latest_version(self, name: str) -> str:
+        return self.versions(name)[-1]["version"]
+
+    def check_version(self, name: str, version: str) -> str:
+        check_version(version)
+        self.store.version_entry(name, version)
+        return version
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _compile(self, spec: MLPSpec) -> CompiledModel:
+        return self.backend.compile(spec, variant=self.row.variant)
+
+    def _load_blocking(self, entry: ModelEntry) -> CompiledModel:
+        """Compile and restore the latest acknowledged version (weights + optimizer state)."""
+        self.store.remove_unlisted_files(entry.name)
+        versions = self.store.versions(entry.name)
+        for v in versions:  # every acknowledged version must be intact
+            self.store.weights_bytes(entry.name, v["version"])
+        params, optimizer_state = self.store.load_version(entry.name, versions[-1]["version"])
+        compiled = self._compile(entry.spec)
+        try:
+            compiled.set_params(params)
+            compiled.set_optimizer_state(optimizer_state)
+        except BaseException:
+            compiled.close()
+            raise
+        return compiled
+
+    def _activate(self, entry: ModelEntry, compiled: CompiledModel) -> None:
+        entry.live = compiled
+        entry.reason = ""
+        entry.batcher = Batcher(entry.name, entry.forward_live, self.executor,
+                                entry.config.limits(self.settings),
+                                on_batch=lambda rows, n, ns, e=entry: self._on_batch(e, rows, n, ns))
+        entry.batcher.start()
+        self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
+
+    def _on_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int) -> None:
+        entry.stats.record_batch(rows, compute_ns)
+        labels = (entry.name, self.backend_label)
+        self.metrics.compute_seconds.labels(*labels).observe(compute_ns / 1e9)
+        self.metrics.batch_rows.labels(*labels).observe(rows)
+        self.metrics.batch_requests.labels(*labels).observe(requests)
+        self.metrics.inference_samples.labels(*labels).inc(rows)
+
+    async def _deactivate(self, entry: ModelEntry) -> None:
+        if entry.batcher is not None:
+            await entry.batcher.stop()
+            entry.batcher = None
+
+        def close_all() -> None:
+            with entry.lock:
+                if entry.live is not None:
+                    entry.live.close()
+                    entry.live = None
+            with entry.pinned_lock:
+                for compiled in entry.pinned.values():
+                    compiled.close()
+                entry.pinned.clear()
+
+        await self.run(close_all)
+        self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
+
+    async def load_all(self) -> None:
+        for name in self.store.list_models():
+            if name in self.models:  # created by this process already (the demo model)
+                continue
+            try:
+                doc = self.store.read_model_doc(name)
+                entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
+            except (MMADError, OSError, KeyError, ValueError) as exc:
+                log.error("model %s in the store is unreadable and stays unloaded: %s", name, exc)
+                continue
+            self.models[name] = entry
+            try:
+                self._activate(entry, await self.run(self._load_blocking, entry))
+                log.info("loaded model %s (version %s)", name, self.latest_version(name))
+            except MMADError as exc:
+                entry.reason = str(exc)
+                log.error("model %s could not be loaded: %s", name, exc)
+
+    async def create(self, name: str, spec: MLPSpec, config: ModelConfig) -> bool:
+        """Create or replace a model at version 1; True when it did not exist before."""
+        check_model_name(name)
+        async with self._admin:
+            old = self.models.get(name)
+            if old is not None and old.busy_job:
+                raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
+            entry = ModelEntry(name, spec, config)
+
+            def build() -> CompiledModel:
+                compiled = self._compile(spec)
+                try:
+                    self.store.create_model(name, {"spec": spec.to_json(), "config": config.model_dump(),
+                                                   "created": time.time()},
+                                            compiled.get_params(), compiled.get_optimizer_state())
+                except BaseException:
+                    compiled.close()
+                    raise
+                return compiled
+
+            compiled = await self.run(build)
+            if old is not None:
+                await self._deactivate(old)
+            self.models[name] = entry
+            self._activate(entry, compiled)
+            return old is None
+
+    async def delete(self, name: str) -> None:
+        async with self._admin:
+            entry = self.get(name)
+            if entry.busy_job:
+                raise ConflictError(f"model {name!r} is training (job {entry.busy_job}); cancel it first")
+            await self._deactivate(entry)
+            del self.models[name]
+            await self.run(self.store.delete_model, name)
+
+    async def load(self, name: str) -> None:
+        check_model_name(name)
+        async with self._admin:
+            entry = self.models.get(name)
+            if entry is not None and entry.ready:
+                return
+            if entry is None:
+                if not self.store.exists(name):
+                    raise ModelNotFound(f"unknown model {name!r}")
+                doc = self.store.read_model_doc(name)
+                entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
+                self.models[name] = entry
+            self._activate(entry, await self.run(self._load_blocking, entry))
+
+    async def unload(self, name: str) -> None:
+        async with self._admin:
+            entry = self.get(name)
+            if entry.busy_job:
+                raise ConflictError(f"model {name!r} is training (job {entry.busy_job}); cancel it first")
+            await self._deactivate(entry)
+            entry.reason = "unloaded"
+
+    async def close(self) -> None:
+        for entry in list(self.models.values()):
+            await self._deactivate(entry)
+
+    # -- weights and versions -------------------------------------------------------------
+    def checkpoint_blocking(self, entry: ModelEntry) -> dict[str, Any]:
+        """Persist the live weights and optimizer state as a new version (acknowledged on return)."""
+        with entry.checkpoint_lock:
+            with entry.lock:
+                if entry.live is None:
+                    raise ModelNotReady(entry.name)
+                params = entry.live.get_params()
+                optimizer_state = entry.live.get_optimizer_state()
+                step = entry.live.step_count
+            return self.store.add_version(entry.name, params, optimizer_state, step)
+
+    def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
+        params = check_params(entry.spec, params)
+        with entry.checkpoint_lock:
+            with entry.lock:
+                if entry.live is None:
+                    raise ModelNotReady(entry.name)
+                entry.live.set_params(params)
+                optimizer_state = entry.live.get_optimizer_state()
+                step = entry.live.step_count
+            return self.store.add_version(entry.name, params, optimizer_state, step)
+
+    def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray) -> np.ndarray:
+        """Forward through an immutable stored version (compiled copy cached per version)."""
+        with entry.pinned_lock:
+            compiled = entry.pinned.get(version)
+            if compiled is None:
+                params, _ = self.store.load_version(entry.name, version)
+                compiled = self._compile(entry.spec)
+                compiled.set_params(params)
+                entry.pinned[version] = compiled
+                while len(entry.pinned) > PINNED_CACHE_SIZE:
+                    entry.pinned.popitem(last=False)[1].close()
+            entry.pinned.move_to_end(version)
+            return compiled.forward(x)

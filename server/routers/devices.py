@@ -1,0 +1,14 @@
+"""``GET /v2/devices``: the probe report taken once at startup."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from mmad.server.common import Runtime, json_response, runtime
+
+router = APIRouter(tags=["devices"])
+
+
+@router.get("/v2/devices")
+async def devices(rt: Runtime = Depends(runtime)):
+    return json_response({"selected": rt.selected.to_json(), "rows": [r.to_json() for r in rt.probe_rows]})

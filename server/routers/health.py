@@ -1,0 +1,34 @@
+"""Health and server metadata (OIP v2)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+import mmad
+from mmad.server.common import NotReady, json_response
+
+router = APIRouter(tags=["health"])
+
+EXTENSIONS = [
+    "binary_tensor_data", "model_repository", "statistics", "model_configuration",
+    "mmad_model_management", "mmad_weights", "mmad_versions", "mmad_training", "mmad_training_jobs",
+    "mmad_devices", "mmad_metrics",
+]
+
+
+@router.get("/v2/health/live")
+async def live():
+    return json_response({"live": True})
+
+
+@router.get("/v2/health/ready")
+async def ready(request: Request):
+    rt = request.app.state.runtime
+    if not rt.ready or rt.shutting_down:
+        raise NotReady("the daemon is not ready")
+    return json_response({"ready": True})
+
+
+@router.get("/v2")
+async def server_metadata():
+    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": EXTENSIONS})

@@ -1,0 +1,35 @@
+"""Training jobs: start, status, cancel, and progress as Server-Sent Events."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from mmad.server.common import Runtime, json_body, json_response, require_key, runtime
+from mmad.server.jobs import JobRequest
+
+router = APIRouter(tags=["jobs"])
+
+
+@router.post("/v2/models/{model}/jobs", dependencies=[Depends(require_key)], status_code=202)
+async def start_job(model: str, request: Request, rt: Runtime = Depends(runtime)):
+    job_request = JobRequest.parse(json_body(await request.body()))
+    job = await rt.jobs.start(model, job_request)
+    return json_response({"job": job.id, **job.status()}, status=202)
+
+
+@router.get("/v2/models/{model}/jobs/{job_id}")
+async def job_status(model: str, job_id: str, rt: Runtime = Depends(runtime)):
+    return json_response(rt.jobs.get(model, job_id).status())
+
+
+@router.delete("/v2/models/{model}/jobs/{job_id}", dependencies=[Depends(require_key)])
+async def cancel_job(model: str, job_id: str, rt: Runtime = Depends(runtime)):
+    return json_response(rt.jobs.cancel(model, job_id).status())
+
+
+@router.get("/v2/models/{model}/jobs/{job_id}/events")
+async def job_events(model: str, job_id: str, rt: Runtime = Depends(runtime)):
+    job = rt.jobs.get(model, job_id)
+    return StreamingResponse(job.events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

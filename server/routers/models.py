@@ -1,0 +1,241 @@
+"""Models: OIP v2 metadata, ready and infer, plus mmad's create/replace, delete, versions, weights."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request, Response
+
+from mmad.errors import InvalidInput, MMADError, SpecError
+from mmad.server.binary import (
+    InferRequest, encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
+)
+from mmad.server.common import Runtime, json_body, json_response, require_key, runtime, status_for
+from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
+from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
+from mmad.spec import MLPSpec
+
+router = APIRouter(tags=["models"])
+
+CREATE_BODY_SCHEMA = {
+    "type": "object", "required": ["spec"],
+    "properties": {
+        "spec": {"type": "object", "description": "tiny-cuda-nn model JSON (DESIGN.md 'Model specification')"},
+        "config": ModelConfig.model_json_schema(),
+    },
+}
+
+
+def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
+    versions = rt.registry.versions(entry.name)
+    limits = entry.config.limits(rt.settings)
+    return {
+        "name": entry.name, "versions": [v["version"] for v in versions], "platform": "mmad",
+        "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, entry.spec.n_input_dims]}],
+        "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, entry.spec.n_output_dims]}],
+        "state": "READY" if entry.ready else "UNAVAILABLE", "reason": entry.reason,
+        "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"],
+        "step": entry.live.step_count if entry.live is not None else versions[-1]["step"],
+        "spec": entry.spec.to_json(),
+        "config": {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
+                   "max_queue_requests": limits.max_queue_requests,
+                   "allow_nonfinite": entry.config.allow_nonfinite},
+    }
+
+
+def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int]) -> dict[str, np.ndarray]:
+    """The request's tensors as float32 [rows, cols], all with the same rows, finite unless allowed."""
+    unknown = sorted(set(request.tensors) - set(names))
+    if unknown:
+        raise InvalidInput(f"unknown input {unknown[0]!r}; model {entry.name!r} takes {', '.join(names)}")
+    out, rows = {}, None
+    for name, cols in names.items():
+        if name not in request.tensors:
+            raise InvalidInput(f"input {name!r} is missing")
+        array = request.tensors[name]
+        if array.ndim != 2 or array.shape[1] != cols or array.shape[0] < 1:
+            raise InvalidInput(f"input {name!r} must have shape [rows >= 1, {cols}]; got {list(array.shape)}")
+        if rows is not None and array.shape[0] != rows:
+            raise InvalidInput(f"input {name!r} has {array.shape[0]} rows; {INPUT} has {rows}")
+        rows = array.shape[0]
+        array = array.astype(np.float32, copy=False)
+        if not entry.config.allow_nonfinite and not np.isfinite(array).all():
+            raise InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
+        out[name] = array
+    return out
+
+
+async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
+    body = await request.body()
+    header_length = parse_header_length(request.headers.get("inference-header-content-length"), len(body))
+    return await rt.registry.run(parse_infer_request, body, header_length)
+
+
+def tensor_response(body: bytes, header_length: int | None) -> Response:
+    if header_length is None:
+        return Response(body, media_type="application/json")
+    return Response(body, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(header_length)})
+
+
+# -- OIP v2 ---------------------------------------------------------------------------------
+@router.get("/v2/models/{model}")
+async def model_metadata(model: str, rt: Runtime = Depends(runtime)):
+    return json_response(metadata(rt, rt.registry.get(model)))
+
+
+@router.get("/v2/models/{model}/versions/{version}")
+async def model_version_metadata(model: str, version: str, rt: Runtime = Depends(runtime)):
+    entry = rt.registry.get(model)
+    rt.registry.check_version(model, version)
+    return json_response(metadata(rt, entry))
+
+
+@router.get("/v2/models/{model}/ready")
+async def model_ready(model: str, rt: Runtime = Depends(runtime)):
+    rt.registry.get_ready(model)
+    return json_response({"name": model, "ready": True})
+
+
+@router.get("/v2/models/{model}/versions/{version}/ready")
+async def model_version_ready(model: str, version: str, rt: Runtime = Depends(runtime)):
+    rt.registry.get_ready(model)
+    rt.registry.check_version(model, version)
+    return json_response({"name": model, "version": version, "ready": True})
+
+
+@router.get("/v2/models/{model}/config")
+async def model_config(model: str, rt: Runtime = Depends(runtime)):
+    meta = metadata(rt, rt.registry.get(model))
+    return json_response({
+        "name": model, "platform": "mmad", "backend": meta["backend"], "max_batch_size": 0,
+        "input": [{"name": INPUT, "data_type": "TYPE_FP32", "dims": meta["inputs"][0]["shape"]}],
+        "output": [{"name": OUTPUT, "data_type": "TYPE_FP32", "dims": meta["outputs"][0]["shape"]}],
+        "dynamic_batching": {"max_queue_delay_microseconds": meta["config"]["max_queue_delay_us"]},
+        "parameters": meta["config"],
+    })
+
+
+async def _infer(request: Request, rt: Runtime, model: str, version: str | None) -> Response:
+    registry, stats = rt.registry, None
+    labels = (check_model_name(model), registry.backend_label)
+    rt.metrics.requests.labels(*labels, "infer").inc()
+    t0 = time.perf_counter_ns()
+    try:
+        entry = registry.get_ready(model)
+        stats = entry.stats
+        if version is not None:
+            registry.check_version(model, version)
+        parsed = await parse_tensors(rt, request)
+        x = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims})[INPUT]
+        outputs = requested_outputs(parsed, (OUTPUT,))
+        t1 = time.perf_counter_ns()
+        if version is None:
+            result = await entry.batcher.submit(x)
+            out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
+        else:
+            out = await registry.run(registry.forward_pinned, entry, version, x)
+            queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+            registry._on_batch(entry, x.shape[0], 1, compute_ns)
+        t2 = time.perf_counter_ns()
+        header = {"model_name": model, "model_version": version or registry.latest_version(model)}
+        if parsed.id is not None:
+            header["id"] = parsed.id
+        body, header_length = await registry.run(encode_infer_response, header, [(o, out) for o in outputs])
+    except MMADError as exc:
+        if stats is not None:
+            with stats.lock:
+                stats.fail.add(time.perf_counter_ns() - t0)
+        rt.metrics.failures.labels(*labels, "infer", str(status_for(exc))).inc()
+        raise
+    t3 = time.perf_counter_ns()
+    with stats.lock:
+        stats.inference_count += x.shape[0]
+        stats.last_inference_ms = int(time.time() * 1000)
+        stats.success.add(t3 - t0)
+        stats.queue.add(queue_ns)
+        stats.compute_input.add(t1 - t0)
+        stats.compute_infer.add(compute_ns)
+        stats.compute_output.add(t3 - t2)
+    rt.metrics.queue_seconds.labels(*labels).observe(queue_ns / 1e9)
+    return tensor_response(body, header_length)
+
+
+@router.post("/v2/models/{model}/infer")
+async def infer(model: str, request: Request, rt: Runtime = Depends(runtime)):
+    return await _infer(request, rt, model, None)
+
+
+@router.post("/v2/models/{model}/versions/{version}/infer")
+async def infer_version(model: str, version: str, request: Request, rt: Runtime = Depends(runtime)):
+    return await _infer(request, rt, model, version)
+
+
+# -- mmad: create / replace / delete ----------------------------------------------------------
+@router.put("/v2/models/{model}", dependencies=[Depends(require_key)], status_code=201,
+            openapi_extra={"requestBody": {"required": True,
+                                           "content": {"application/json": {"schema": CREATE_BODY_SCHEMA}}}},
+            responses={200: {"description": "replaced"}, 201: {"description": "created"}})
+async def create_model(model: str, request: Request, rt: Runtime = Depends(runtime)):
+    """Create (201) or replace (200) a model from a tiny-cuda-nn spec; version 1 holds the seed's weights."""
+    check_model_name(model)
+    doc = json_body(await request.body())
+    if not isinstance(doc, dict):
+        raise InvalidInput("the body must be a JSON object {\"spec\": ..., \"config\": ...}")
+    if "spec" not in doc:
+        raise SpecError("spec", "is required: {\"spec\": <tiny-cuda-nn model JSON>, \"config\": {...}}")
+    unknown = sorted(set(doc) - {"spec", "config"})
+    if unknown:
+        raise InvalidInput(f"unknown field {unknown[0]!r}; the body has spec and config")
+    spec = MLPSpec.from_json(doc["spec"])
+    config = ModelConfig.parse(doc.get("config"))
+    created = await rt.registry.create(model, spec, config)
+    return json_response(metadata(rt, rt.registry.get(model)), status=201 if created else 200)
+
+
+@router.delete("/v2/models/{model}", dependencies=[Depends(require_key)])
+async def delete_model(model: str, rt: Runtime = Depends(runtime)):
+    await rt.registry.delete(model)
+    return json_response({"model_name": model, "deleted": True})
+
+
+# -- mmad: versions and weights -------------------------------------------------------------
+@router.get("/v2/models/{model}/versions")
+async def list_versions(model: str, rt: Runtime = Depends(runtime)):
+    versions = rt.registry.versions(model)
+    return json_response({"versions": versions, "latest": versions[-1]["version"]})
+
+
+@router.post("/v2/models/{model}/versions", dependencies=[Depends(require_key)])
+async def checkpoint(model: str, rt: Runtime = Depends(runtime)):
+    entry = rt.registry.get_ready(model)
+    version = await rt.registry.run(rt.registry.checkpoint_blocking, entry)
+    return json_response(version)
+
+
+@router.get("/v2/models/{model}/weights")
+async def get_weights(model: str, version: str | None = None, rt: Runtime = Depends(runtime)):
+    """A stored version's safetensors file (``?version=``), else the live weights right now."""
+    registry = rt.registry
+    if version is not None:
+        registry.get(model)
+        data = await registry.run(registry.store.weights_bytes, model, registry.check_version(model, version))
+        return Response(data, media_type="application/octet-stream", headers={"Mmad-Model-Version": version})
+    entry = registry.get_ready(model)
+
+    def snapshot() -> tuple[bytes, int]:
+        with entry.lock:
+            return tensors_to_bytes(entry.live.get_params()), entry.live.step_count
+
+    data, step = await registry.run(snapshot)
+    return Response(data, media_type="application/octet-stream", headers={"Mmad-Step": str(step)})
+
+
+@router.put("/v2/models/{model}/weights", dependencies=[Depends(require_key)])
+async def set_weights(model: str, request: Request, rt: Runtime = Depends(runtime)):
+    entry = rt.registry.get_ready(model)
+    params = tensors_from_bytes(await request.body(), "the body")
+    version = await rt.registry.run(rt.registry.set_weights_blocking, entry, params)
+    return json_response(version)

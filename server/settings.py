@@ -1,0 +1,50 @@
+"""Daemon settings: environment variables ``MMAD_*`` (pydantic-settings), overridable from the CLI.
+
+``MMAD_BACKEND`` is the same variable :func:`mmad.backends.select` honours, so a backend forced
+for the library is forced for the daemon too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_store_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "mmad" / "store"
+
+
+class Settings(BaseSettings):
+    """Everything ``mmad serve`` can be told; see docs/service.md for the table."""
+
+    model_config = SettingsConfigDict(env_prefix="MMAD_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    store_dir: Path = Field(default_factory=default_store_dir)
+    backend: str | None = Field(None, description="cuda|vulkan|wgpu|cpu[:variant]; unset = best available")
+    probe: str = Field("all", description="backends listed in /v2/devices: 'all' or a comma list")
+    api_key: SecretStr | None = None
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # dynamic batching defaults; a model's config overrides them
+    max_batch_rows: int = Field(65536, ge=1)
+    max_queue_delay_us: int = Field(500, ge=0)
+    max_queue_requests: int = Field(256, ge=1)
+    checkpoint_every: int = Field(100, ge=1, description="default for training jobs")
+    compute_threads: int = Field(4, ge=1, description="worker threads that run device work")
+    demo: bool = True
+    log_level: str = "info"
+    graceful_timeout_s: float = Field(30.0, ge=0)
+
+    @field_validator("backend", "api_key", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value):
+        return None if value == "" else value
+
+    @property
+    def api_key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None

@@ -1,0 +1,256 @@
+"""The model store: one directory, every write atomic (temp file, fsync, rename, fsync dir).
+
+Layout::
+
+    <store>/models/<name>/model.json           spec + config
+    <store>/models/<name>/versions.json        the acknowledged versions (the commit record)
+    <store>/models/<name>/weights/<v>.safetensors     fp32 W{i}, b{i}
+    <store>/models/<name>/optimizer/<v>.safetensors   optimizer slots + step
+    <store>/datasets/<name>/<id>.safetensors    x, y of an uploaded training set
+
+A version exists once ``versions.json`` lists it: its weight and optimizer files are written
+(and fsynced) first, the listing last, so a crash at any point leaves either the old listing or
+the new one, never a listed version without its files. Files no listing names are leftovers of
+an interrupted write and are removed at startup. No pickle: JSON and safetensors only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load as st_load, save as st_save
+
+from mmad.errors import InvalidInput, ModelNotFound, MMADError
+
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+VERSION_RE = re.compile(r"^[1-9][0-9]{0,17}$")
+DATASET_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME_RE.match(name) or ".." in name:
+        raise InvalidInput(
+            f"invalid model name {name!r}: 1-64 characters from A-Z a-z 0-9 _ . -, starting with a "
+            "letter or digit, no '..'")
+    return name
+
+
+def check_version(version: str) -> str:
+    if not VERSION_RE.match(version):
+        raise InvalidInput(f"invalid version {version!r}: a positive integer")
+    return version
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def _dump_json(doc: Any) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def tensors_to_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    return st_save({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())})
+
+
+def tensors_from_bytes(data: bytes, what: str) -> dict[str, np.ndarray]:
+    try:
+        return st_load(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError on malformed input
+        raise InvalidInput(f"{what} is not a valid safetensors file: {exc}") from exc
+
+
+class Store:
+    """One store directory; methods are thread-safe per model (one lock each)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.models_dir = self.root / "models"
+        self.datasets_dir = self.root / "datasets"
+        try:
+            self.models_dir.mkdir(parents=True, exist_ok=True)
+            self.datasets_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MMADError(f"cannot create the model store at {self.root}: {exc}") from exc
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    def model_dir(self, name: str) -> Path:
+        return self.models_dir / check_model_name(name)
+
+    # -- models ---------------------------------------------------------------------------
+    def list_models(self) -> list[str]:
+        names = []
+        for entry in sorted(self.models_dir.iterdir()):
+            if entry.name.startswith("."):
+                shutil.rmtree(entry, ignore_errors=True)  # an interrupted create or delete
+            elif (entry / "versions.json").is_file() and MODEL_NAME_RE.match(entry.name):
+                names.append(entry.name)
+        return names
+
+    def exists(self, name: str) -> bool:
+        return (self.model_dir(name) / "versions.json").is_file()
+
+    def create_model(self, name: str, model_doc: dict[str, Any], params: dict[str, np.ndarray],
+                     optimizer_state: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Write a complete model (version 1) next to the target, then swap it in.
+
+        Replacing an existing model renames the old directory away first; a crash between the
+        two renames loses the old model but never leaves a half-written one.
+        """
+        final = self.model_dir(name)
+        staging = self.models_dir / f".new-{name}-{uuid.uuid4().hex}"
+        staging.mkdir()
+        try:
+            entry = self._write_version_files(staging, "1", params, optimizer_state, step=0)
+            atomic_write(staging / "model.json", _dump_json(model_doc))
+            atomic_write(staging / "versions.json", _dump_json({"versions": [entry]}))
+            if final.exists():
+                trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
+                os.replace(final, trash)
+                os.replace(staging, final)
+                _fsync_dir(self.models_dir)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(staging, final)
+                _fsync_dir(self.models_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
+        return entry
+
+    def delete_model(self, name: str) -> None:
+        path = self.model_dir(name)
+        if not path.exists():
+            raise ModelNotFound(f"unknown model {name!r}")
+        trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
+        os.replace(path, trash)
+        _fsync_dir(self.models_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
+
+    def read_model_doc(self, name: str) -> dict[str, Any]:
+        return json.loads((self.model_dir(name) / "model.json").read_bytes())
+
+    def write_model_doc(self, name: str, doc: dict[str, Any]) -> None:
+        atomic_write(self.model_dir(name) / "model.json", _dump_json(doc))
+
+    # -- versions -------------------------------------------------------------------------
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        path = self.model_dir(name) / "versions.json"
+        try:
+            return json.loads(path.read_bytes())["versions"]
+        except FileNotFoundError as exc:
+            raise ModelNotFound(f"unknown model {name!r}") from exc
+
+    def _write_version_files(self, model_dir: Path, version: str, params: dict[str, np.ndarray],
+                             optimizer_state: dict[str, np.ndarray], step: int) -> dict[str, Any]:
+        weights = tensors_to_bytes({k: np.asarray(v, dtype=np.float32) for k, v in params.items()})
+        atomic_write(model_dir / "weights" / f"{version}.safetensors", weights)
+        atomic_write(model_dir / "optimizer" / f"{version}.safetensors", tensors_to_bytes(optimizer_state))
+        return {"version": version, "step": int(step), "created": time.time(),
+                "sha256": hashlib.sha256(weights).hexdigest()}
+
+    def add_version(self, name: str, params: dict[str, np.ndarray],
+                    optimizer_state: dict[str, np.ndarray], step: int) -> dict[str, Any]:
+        """Persist a new version; when this returns, it survives a crash (it is acknowledged)."""
+        model_dir = self.model_dir(name)
+        with self.lock(name):
+            listing = self.versions(name)
+            version = str(max((int(v["version"]) for v in listing), default=0) + 1)
+            entry = self._write_version_files(model_dir, version, params, optimizer_state, step)
+            atomic_write(model_dir / "versions.json", _dump_json({"versions": listing + [entry]}))
+        return entry
+
+    def version_entry(self, name: str, version: str) -> dict[str, Any]:
+        check_version(version)
+        for entry in self.versions(name):
+            if entry["version"] == version:
+                return entry
+        raise ModelNotFound(f"model {name!r} has no version {version!r}")
+
+    def weights_bytes(self, name: str, version: str) -> bytes:
+        entry = self.version_entry(name, version)
+        data = (self.model_dir(name) / "weights" / f"{version}.safetensors").read_bytes()
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise MMADError(f"stored weights of {name!r} version {version} do not match their sha256")
+        return data
+
+    def load_version(self, name: str, version: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(params, optimizer state) of one acknowledged version, sha256-checked."""
+        params = tensors_from_bytes(self.weights_bytes(name, version), f"weights of {name} v{version}")
+        opt_path = self.model_dir(name) / "optimizer" / f"{version}.safetensors"
+        optimizer_state = tensors_from_bytes(opt_path.read_bytes(), f"optimizer state of {name} v{version}")
+        return params, optimizer_state
+
+    def remove_unlisted_files(self, name: str) -> int:
+        """Delete weight/optimizer files of versions that were never acknowledged."""
+        listed = {v["version"] for v in self.versions(name)}
+        removed = 0
+        for sub in ("weights", "optimizer"):
+            for path in (self.model_dir(name) / sub).glob("*"):
+                if path.name.startswith(".") or path.name.removesuffix(".safetensors") not in listed:
+                    path.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+    # -- datasets -------------------------------------------------------------------------
+    def add_dataset(self, name: str, data: bytes) -> str:
+        if not self.exists(name):
+            raise ModelNotFound(f"unknown model {name!r}")
+        dataset_id = uuid.uuid4().hex
+        atomic_write(self.datasets_dir / check_model_name(name) / f"{dataset_id}.safetensors", data)
+        return dataset_id
+
+    def load_dataset(self, name: str, dataset_id: str) -> dict[str, np.ndarray]:
+        if not DATASET_RE.match(dataset_id):
+            raise InvalidInput(f"invalid dataset id {dataset_id!r}")
+        path = self.datasets_dir / check_model_name(name) / f"{dataset_id}.safetensors"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError as exc:
+            raise ModelNotFound(f"model {name!r} has no dataset {dataset_id!r}") from exc
+        return tensors_from_bytes(data, "dataset")
+
+
+__all__ = ["Store", "atomic_write", "check_model_name", "check_version", "tensors_to_bytes",
+           "tensors_from_bytes", "MODEL_NAME_RE"]
