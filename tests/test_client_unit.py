@@ -404,6 +404,8 @@ def test_every_method_calls_its_documented_endpoint(client, fake):
         (lambda: client.metrics(), "GET", "/metrics"),
         (lambda: client.job_status("m", "j1"), "GET", "/v2/models/m/jobs/j1"),
         (lambda: client.cancel_job("m", "j1"), "DELETE", "/v2/models/m/jobs/j1"),
+        (lambda: client.upload_dataset("m", x, y), "POST", "/v2/models/m/datasets"),
+        (lambda: client.start_job("m", "d1", 5, 2), "POST", "/v2/models/m/jobs"),
     ]
     for call, method, path in calls:
         before = len(fake.requests)
@@ -526,6 +528,20 @@ def test_train_failed_job_raises_and_early_end_polls_status(client, fake):
     status = client.train("m", x, y, steps=2, batch_size=8, progress=False)
     assert status["state"] == "done"
     assert fake.requests[-1].method == "GET" and fake.requests[-1].url.path == "/v2/models/m/jobs/j1"
+
+
+def test_interrupt_while_training_cancels_the_job(client, fake):
+    def interrupt(event, data):
+        raise KeyboardInterrupt
+
+    x, y = training_data()
+    with pytest.raises(KeyboardInterrupt):
+        client.train("m", x, y, steps=3, batch_size=8, progress=interrupt)
+    assert (fake.requests[-1].method, fake.requests[-1].url.path) == ("DELETE", "/v2/models/m/jobs/j1")
+    before = len(fake.requests)
+    with pytest.raises(KeyboardInterrupt):  # following a job someone else started leaves it running
+        client.follow_job("m", "j1", progress=interrupt)
+    assert all(r.method == "GET" for r in fake.requests[before:])
 
 
 # -- AsyncClient -------------------------------------------------------------------------------

@@ -68,7 +68,8 @@ class AsyncClient(BaseClient):
         return await self._send(self._model_ready(name, version))
 
     # -- models ---------------------------------------------------------------------------
-    async def create_model(self, name: str, spec: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
+    async def create_model(self, name: str, spec: Mapping[str, Any],
+                           config: Mapping[str, Any] | None = None) -> dict:
         """Create or replace ``name`` from a tiny-cuda-nn JSON spec; returns the model metadata.
 
         ``config`` may hold ``max_batch_rows``, ``max_queue_delay_us``, ``max_queue_requests``,
@@ -82,7 +83,7 @@ class AsyncClient(BaseClient):
 
     # -- inference and training steps -----------------------------------------------------
     async def infer(self, name: str, x: Any, version: str | int | None = None, *, binary: bool = True,
-              output_dtype: Any = np.float32) -> np.ndarray:
+                    output_dtype: Any = np.float32) -> np.ndarray:
         """Run the model on ``x`` ``[rows, n_input_dims]``; returns ``[rows, n_output_dims]``.
 
         Binary tensors by default (FP16 on the wire when ``x`` is float16, FP32 otherwise);
@@ -96,7 +97,7 @@ class AsyncClient(BaseClient):
         return await self._send(self._train_step(name, x, y, steps, binary))
 
     async def train(self, name: str, x: Any, y: Any, steps: int, batch_size: int,
-              checkpoint_every: int | None = None, progress: bool | ProgressCallback = True) -> dict:
+                    checkpoint_every: int | None = None, progress: bool | ProgressCallback = True) -> dict:
         """Train on a dataset: upload ``(x, y)``, start a job, follow its progress, return its
         final status (``state`` done or cancelled, ``step``, ``loss``, ``versions``, ...).
 
@@ -104,9 +105,25 @@ class AsyncClient(BaseClient):
         nothing, a callable ``progress(event, data)`` gets every Server-Sent Event.
         Raises :class:`JobFailed` when the job fails. Cancelling the task cancels the job on the server.
         """
-        dataset = await self._send(self._upload_dataset(name, x, y))
-        job = await self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
-        follower = JobFollower(name, job, steps, progress)
+        dataset = await self.upload_dataset(name, x, y)
+        job = await self.start_job(name, dataset, steps, batch_size, checkpoint_every)
+        return await self.follow_job(name, job, progress, cancel_on_interrupt=True)
+
+    async def upload_dataset(self, name: str, x: Any, y: Any) -> str:
+        """Upload a training set (fp32 safetensors ``x``, ``y``); returns the dataset id."""
+        return await self._send(self._upload_dataset(name, x, y))
+
+    async def start_job(self, name: str, dataset: str, steps: int, batch_size: int,
+                        checkpoint_every: int | None = None) -> str:
+        """Start a training job over an uploaded dataset; returns the job id."""
+        return await self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
+
+    async def follow_job(self, name: str, job: str, progress: bool | ProgressCallback = True, *,
+                         cancel_on_interrupt: bool = False) -> dict:
+        """Follow a job's events until it ends (see :meth:`train` for ``progress``); returns its
+        final status, raises :class:`JobFailed` when it failed. With ``cancel_on_interrupt``,
+        an interrupt while following cancels the job on the server first."""
+        follower = JobFollower(name, job, progress)
         try:
             for _ in range(EVENT_STREAM_RECONNECTS):
                 async with contextlib.aclosing(self._event_lines(name, job)) as lines:
@@ -117,7 +134,8 @@ class AsyncClient(BaseClient):
                 if follower.final is not None or follower.take_status(await self.job_status(name, job)):
                     break
         except (KeyboardInterrupt, asyncio.CancelledError):
-            await self._cancel_quietly(name, job)
+            if cancel_on_interrupt:
+                await self._cancel_quietly(name, job)
             raise
         finally:
             follower.close()

@@ -392,12 +392,13 @@ class JobFollower:
     callable ``progress(event_name, data)`` called for every event.
     """
 
-    def __init__(self, name: str, job: str, steps: int, progress: bool | ProgressCallback) -> None:
+    def __init__(self, name: str, job: str, progress: bool | ProgressCallback) -> None:
+        self.name = name
         self.job = job
         self.final: dict[str, Any] | None = None
-        self.versions: list[str] = []
         self._callback = progress if callable(progress) else None
-        self._bar = _progress_bar(steps, f"train {name}") if progress is True else None
+        self._show_bar = progress is True
+        self._bar: _StderrBar | _TqdmBar | None = None  # made when the first event gives the total
         self._parser = SSEParser()
 
     def feed_line(self, line: str) -> bool:
@@ -413,8 +414,6 @@ class JobFollower:
             self._callback(event.event, data)
         if event.event == "progress":
             self._show(data)
-        elif event.event == "checkpoint" and "version" in data:
-            self.versions.append(str(data["version"]))
         elif event.event in JOB_STATES_FINAL:
             self.take_status(data)
         return self.final is not None
@@ -427,8 +426,10 @@ class JobFollower:
         return self.final is not None
 
     def _show(self, data: dict[str, Any], force: bool = False) -> None:
-        if self._bar is None or "step" not in data:
+        if not self._show_bar or "step" not in data:
             return
+        if self._bar is None:
+            self._bar = _progress_bar(int(data.get("steps") or data["step"]), f"train {self.name}")
         parts = []
         if data.get("loss") is not None:
             parts.append(f"loss {data['loss']:.4g}")
@@ -439,7 +440,7 @@ class JobFollower:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-            self._bar = None
+        self._bar, self._show_bar = None, False
 
     def result(self) -> dict[str, Any]:
         if self.final is None:

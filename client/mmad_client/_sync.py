@@ -69,7 +69,8 @@ class Client(BaseClient):
         return self._send(self._model_ready(name, version))
 
     # -- models ---------------------------------------------------------------------------
-    def create_model(self, name: str, spec: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> dict:
+    def create_model(self, name: str, spec: Mapping[str, Any],
+                     config: Mapping[str, Any] | None = None) -> dict:
         """Create or replace ``name`` from a tiny-cuda-nn JSON spec; returns the model metadata.
 
         ``config`` may hold ``max_batch_rows``, ``max_queue_delay_us``, ``max_queue_requests``,
@@ -105,9 +106,25 @@ class Client(BaseClient):
         nothing, a callable ``progress(event, data)`` gets every Server-Sent Event.
         Raises :class:`JobFailed` when the job fails. Ctrl-C cancels the job on the server.
         """
-        dataset = self._send(self._upload_dataset(name, x, y))
-        job = self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
-        follower = JobFollower(name, job, steps, progress)
+        dataset = self.upload_dataset(name, x, y)
+        job = self.start_job(name, dataset, steps, batch_size, checkpoint_every)
+        return self.follow_job(name, job, progress, cancel_on_interrupt=True)
+
+    def upload_dataset(self, name: str, x: Any, y: Any) -> str:
+        """Upload a training set (fp32 safetensors ``x``, ``y``); returns the dataset id."""
+        return self._send(self._upload_dataset(name, x, y))
+
+    def start_job(self, name: str, dataset: str, steps: int, batch_size: int,
+                  checkpoint_every: int | None = None) -> str:
+        """Start a training job over an uploaded dataset; returns the job id."""
+        return self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
+
+    def follow_job(self, name: str, job: str, progress: bool | ProgressCallback = True, *,
+                   cancel_on_interrupt: bool = False) -> dict:
+        """Follow a job's events until it ends (see :meth:`train` for ``progress``); returns its
+        final status, raises :class:`JobFailed` when it failed. With ``cancel_on_interrupt``,
+        an interrupt while following cancels the job on the server first."""
+        follower = JobFollower(name, job, progress)
         try:
             for _ in range(EVENT_STREAM_RECONNECTS):
                 with contextlib.closing(self._event_lines(name, job)) as lines:
@@ -118,7 +135,8 @@ class Client(BaseClient):
                 if follower.final is not None or follower.take_status(self.job_status(name, job)):
                     break
         except KeyboardInterrupt:
-            self._cancel_quietly(name, job)
+            if cancel_on_interrupt:
+                self._cancel_quietly(name, job)
             raise
         finally:
             follower.close()
