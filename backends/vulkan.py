@@ -1,0 +1,690 @@
+"""vulkan backend: fused MLP training and inference through Vulkan compute (GLSL → SPIR-V).
+
+Two variants share the host code (``vulkan_runtime``), the buffers and the kernels for the
+loss, weight gradients and optimizer; they differ in the fused forward/backward kernels:
+
+* ``simt`` — any Vulkan 1.2 device: shared-memory tile products with 4×4 register tiles.
+* ``coopmat`` — ``VK_KHR_cooperative_matrix`` with an fp16×fp16→fp32 subgroup shape; the
+  tile shape comes from the probed list (``shaders/glsl/coopmat_*.comp``).
+
+Numerics (the contract in ``backends/contract.py``): activations, deltas and the weight copies
+the kernels multiply are rounded to fp16 — in fp32 storage, with an exact integer
+round-to-nearest-even (``r16`` in ``mlp_common.glsl``) so that the result does not depend on
+the device having ``shaderFloat16``/16-bit storage (lavapipe has neither in every version);
+every product accumulates in fp32; bias and activation act on the fp32 accumulator; the output
+layer stays fp32. Masters and Adam/SGD state are fp32 on the device; the fp16 copies (two
+layouts: transposed for forward, plain for backward) are refreshed by the optimizer kernel.
+Encodings run on the host (``numerics.encode``) before upload. Rows are padded to a multiple
+of ``ROW_ALIGN`` internally; padded rows get zero gradients and never reach the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmad.backends import numerics as nm
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import (
+    Backend, CompiledModel, MMAShape, ProbeRow, check_params, init_params, optimizer_state_names,
+    param_shapes,
+)
+from mmad.backends.glsl_compiler import build_spirv
+from mmad.backends import vulkan_runtime as vr
+from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
+from mmad.shaders import read_source
+from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
+
+VARIANTS = ("coopmat", "simt")
+ROW_ALIGN = 128
+HIST_CAP = 1024  # loss history slots in the control block: steps per submission
+COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
+# shape families the coopmat kernels are written for (M, N, K), best first
+COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def usable_coopmat_shapes(shapes: list[dict[str, Any]]) -> list[tuple[int, int, int]]:
+    """fp16×fp16→fp32 subgroup shapes of the probed list that a kernel family covers, best first."""
+    have = {(s["m"], s["n"], s["k"]) for s in shapes
+            if s["a"] == "f16" and s["b"] == "f16" and s["c"] == "f32" and s["result"] == "f32"
+            and s["scope"] == "subgroup"}
+    return [f for f in COOPMAT_FAMILIES if f in have]
+
+
+# -- model geometry ------------------------------------------------------------------------
+@dataclass
+class Geometry:
+    """Padded shapes, buffer offsets and tiling of one model on one device."""
+
+    spec: MLPSpec
+    threads: int
+    rows_per_tile: int
+    kmax: int
+    mtpt: int
+    wchunk: int
+    in_pad: int
+    out_pad: int
+    k: list[int]
+    n: list[int]
+
+    @classmethod
+    def build(cls, spec: MLPSpec, max_shared: int) -> "Geometry":
+        in_pad = _round_up(spec.n_encoded_dims, 16)
+        out_pad = _round_up(spec.n_output_dims, 16)
+        k = [in_pad] + [spec.n_neurons] * spec.n_hidden_layers
+        n = [spec.n_neurons] * spec.n_hidden_layers + [out_pad]
+        kmax = max(k + n)
+        act_elems = 4096 if max_shared >= 48 * 1024 else 2048
+        threads = act_elems // 16
+        rows = 128
+        while rows > 4 and rows * kmax > act_elems:
+            rows //= 2
+        act_bytes = 2 * rows * kmax * 4 + threads * 4
+        wchunk = min(4096, (max_shared - act_bytes) // 4 // 4 * 4)
+        # the weight chunk must hold at least 4 rows of the widest operand
+        if wchunk < 4 * kmax:
+            raise SpecError("n_output_dims" if out_pad == kmax else "encoding",
+                            f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
+                            f"({max_shared} bytes); at most {max_shared // 64} columns")
+        mtpt = math.ceil((rows // 4) * (kmax // 4) / threads)
+        return cls(spec, threads, rows, kmax, mtpt, wchunk, in_pad, out_pad, k, n)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.k)
+
+    def chunk_rows(self, outer: int) -> int:
+        return max(4, min(self.wchunk // outer // 4 * 4, 1 << 30))
+
+    def offsets(self) -> dict[str, list[int]]:
+        wt, wr, b, zc, gw, gb, p = [], [], [], [], [], [], []
+        w_total = sum(ki * ni for ki, ni in zip(self.k, self.n))
+        pos = bias_pos = zcol = g = param = 0
+        for i, (ki, ni) in enumerate(zip(self.k, self.n)):
+            wt.append(pos)
+            wr.append(w_total + pos)
+            pos += ki * ni
+            b.append(bias_pos)
+            bias_pos += ni
+            zc.append(zcol)
+            zcol += ni
+            gw.append(g)
+            g += ki * ni
+            gb.append(g)
+            g += ni
+            p.append(param)
+            fan_in, fan_out = self.spec.layer_dims[i]
+            param += fan_out * fan_in + fan_out
+        return {"WT_OFF": wt, "WR_OFF": wr, "B_OFF": b, "Z_COL": zc, "GW_OFF": gw, "GB_OFF": gb,
+                "P_OFF": p, "totals": [2 * w_total, bias_pos, zcol, g, param]}
+
+    @property
+    def weight_floats(self) -> int:
+        return self.offsets()["totals"][0]
+
+    @property
+    def bias_floats(self) -> int:
+        return self.offsets()["totals"][1]
+
+    @property
+    def z_cols(self) -> int:
+        return self.offsets()["totals"][2]
+
+    @property
+    def grad_floats(self) -> int:
+        return self.offsets()["totals"][3]
+
+    @property
+    def n_params(self) -> int:
+        return self.offsets()["totals"][4]
+
+    def header(self) -> str:
+        """``#define``s and constant arrays the kernels are specialised with."""
+        off = self.offsets()
+        lines = [f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}",
+                 f"#define KMAX {self.kmax}", f"#define MTPT {self.mtpt}",
+                 f"#define WCHUNK4 {self.wchunk // 4}", f"#define N_LAYERS {self.n_layers}",
+                 f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}"]
+        arrays = {"LAYER_K": self.k, "LAYER_N": self.n,
+                  "KC_FWD": [self.chunk_rows(ni) for ni in self.n],
+                  "KC_BWD": [self.chunk_rows(ki) for ki in self.k],
+                  "FAN_IN": [d[0] for d in self.spec.layer_dims],
+                  "FAN_OUT": [d[1] for d in self.spec.layer_dims]}
+        arrays.update({k: v for k, v in off.items() if k != "totals"})
+        for name, values in arrays.items():
+            lines.append(f"const int {name}[{len(values)}] = int[{len(values)}]({', '.join(map(str, values))});")
+        return "\n".join(lines) + "\n"
+
+
+def specialization(spec: MLPSpec) -> dict[int, int | float]:
+    opt = spec.optimizer
+    return {0: ACTIVATIONS.index(spec.activation), 1: ACTIVATIONS.index(spec.output_activation),
+            2: LOSSES.index(spec.loss), 3: float(spec.loss_scale), 4: float(spec.huber_delta),
+            5: 1 if spec.precision != "fp32" else 0,
+            6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
+            9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
+
+
+def shader_source(path: str, header: str) -> str:
+    """A kernel's source with the model header placed right after its ``#version`` line."""
+    text = read_source(path)
+    first, _, rest = text.partition("\n")
+    return f"{first}\n{header}{rest}"
+
+
+# -- device arrays -------------------------------------------------------------------------
+@dataclass
+class VulkanArray:
+    """Rows of a model's input, target or output, resident in a device buffer (padded)."""
+
+    buffer: vr.Buffer
+    rows: int
+    cols: int
+    padded_cols: int
+    kind: str  # "input", "target" or "output"
+    owner: "VulkanModel"
+
+    @property
+    def rows_pad(self) -> int:
+        return _round_up(max(self.rows, 1), ROW_ALIGN)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    def free(self) -> None:
+        if self.buffer.handle is not None:
+            self.owner._untrack(self.buffer)
+            self.buffer.free()
+
+
+class VulkanModel(CompiledModel):
+    backend = "vulkan"
+
+    def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, kernels: dict[str, bytes],
+                 geometry: Geometry, shape: tuple[int, int, int] | None = None):
+        super().__init__(spec)
+        if spec.precision == "bf16":
+            raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
+        self.variant = variant
+        self.device = device
+        self.geo = geometry
+        self.coopmat_shape = shape
+        self._lock = threading.RLock()
+        self._buffers: list[vr.Buffer] = []
+        self._programs: dict[Any, vr.Program] = {}
+        self._closed = False
+        spec_consts = specialization(spec)
+        self._pipelines: dict[str, vr.Pipeline] = {}
+        bindings = {"forward": (5, 12), "backward": (5, 16), "wgrad": (4, 16), "optimizer": (8, 20),
+                    "finalize": (2, 16)}
+        try:
+            for name, spirv in kernels.items():
+                n_bind, push = bindings[name]
+                self._pipelines[name] = vr.Pipeline(device, spirv, n_bind, push, spec_consts,
+                                                    name=f"{variant}/{name}")
+            geo = geometry
+            self.n_params = geo.n_params
+            self._wall = self._alloc(geo.weight_floats * 4)
+            self._bias = self._alloc(geo.bias_floats * 4)
+            self._master = self._alloc(self.n_params * 4)
+            self._slot_a = self._alloc(self.n_params * 4)
+            self._slot_b = self._alloc(self.n_params * 4 if spec.optimizer.otype == "Adam" else 16)
+            self._grad = self._alloc(self.n_params * 4)
+            self._ctrl = self._alloc(16 + HIST_CAP * 4, host_visible=True)
+            for buf in (self._wall, self._bias, self._slot_a, self._slot_b):
+                buf.fill_zero()
+            self._ctrl.write(np.zeros(4, np.uint32))
+            self._batch: dict[str, vr.Buffer] = {}
+            self._batch_rows = 0
+            self.set_params(init_params(spec))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- buffers --------------------------------------------------------------------------
+    def _alloc(self, nbytes: int, host_visible: bool = False) -> vr.Buffer:
+        buf = self.device.buffer(nbytes, host_visible)
+        self._buffers.append(buf)
+        return buf
+
+    def _untrack(self, buf: vr.Buffer) -> None:
+        if buf in self._buffers:
+            self._buffers.remove(buf)
+        for key in [k for k, p in self._programs.items() if any(buf in d.buffers for d in p.dispatches)]:
+            self._programs.pop(key).destroy()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LaunchError("this vulkan model was closed")
+
+    def _ensure_batch(self, rows_pad: int) -> dict[str, vr.Buffer]:
+        """Per-batch buffers for at least ``rows_pad`` rows (grown, never shrunk)."""
+        if rows_pad <= self._batch_rows:
+            return self._batch
+        for buf in self._batch.values():
+            self._untrack(buf)
+            buf.free()
+        geo = self.geo
+        splits, _ = self._splits(rows_pad)
+        tiles = rows_pad // geo.rows_per_tile
+        self._batch = {
+            "x": self._alloc(rows_pad * geo.in_pad * 4), "y": self._alloc(rows_pad * geo.out_pad * 4),
+            "out": self._alloc(rows_pad * geo.out_pad * 4), "z": self._alloc(rows_pad * geo.z_cols * 4),
+            "d": self._alloc(rows_pad * geo.z_cols * 4), "loss": self._alloc(tiles * 4),
+            "part": self._alloc(splits * geo.grad_floats * 4),
+        }
+        self._batch_rows = rows_pad
+        return self._batch
+
+    @staticmethod
+    def _splits(rows_pad: int) -> tuple[int, int]:
+        """(number of batch splits, rows per split) of the weight-gradient reduction."""
+        per_split = max(256, _round_up(math.ceil(rows_pad / 128), 16))
+        return math.ceil(rows_pad / per_split), per_split
+
+    def _grid(self, tiles: int) -> tuple[int, int, int]:
+        x = min(tiles, 32768)
+        y = math.ceil(tiles / x)
+        if y > self.device.info.max_group_count[1]:
+            raise InvalidInput(f"batch of {tiles * self.geo.rows_per_tile} rows exceeds the device's dispatch limits")
+        return x, y, 1
+
+    # -- host <-> device ------------------------------------------------------------------
+    def _encode(self, x: np.ndarray, rows_pad: int) -> np.ndarray:
+        enc = nm.encode(self.spec.encoding, x.astype(np.float32))
+        out = np.zeros((rows_pad, self.geo.in_pad), np.float32)
+        out[:x.shape[0], :enc.shape[1]] = enc
+        return out
+
+    def _pad_target(self, y: np.ndarray, rows_pad: int) -> np.ndarray:
+        out = np.zeros((rows_pad, self.geo.out_pad), np.float32)
+        out[:y.shape[0], :y.shape[1]] = y
+        return out
+
+    def upload(self, x: np.ndarray) -> VulkanArray:
+        """Encode, pad and copy inputs to the device (a ``VulkanArray`` of kind ``input``)."""
+        with self._lock:
+            self._check_open()
+            x = self.check_input(x)
+            rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
+            buf = self._alloc(rows_pad * self.geo.in_pad * 4)
+            buf.write(self._encode(x, rows_pad))
+            return VulkanArray(buf, x.shape[0], self.spec.n_input_dims, self.geo.in_pad, "input", self)
+
+    def upload_target(self, y: np.ndarray) -> VulkanArray:
+        """Copy training targets to the device (a ``VulkanArray`` of kind ``target``)."""
+        with self._lock:
+            self._check_open()
+            y = check_target_rows(y, self.spec.n_output_dims)
+            rows_pad = _round_up(max(y.shape[0], 1), ROW_ALIGN)
+            buf = self._alloc(rows_pad * self.geo.out_pad * 4)
+            buf.write(self._pad_target(y, rows_pad))
+            return VulkanArray(buf, y.shape[0], self.spec.n_output_dims, self.geo.out_pad, "target", self)
+
+    def download(self, a: Any) -> np.ndarray:
+        if not isinstance(a, VulkanArray):
+            return np.asarray(a)
+        with self._lock:
+            self._check_open()
+            raw = a.buffer.read(a.rows * a.padded_cols * 4)
+            full = np.frombuffer(raw, np.float32).reshape(a.rows, a.padded_cols)
+            if a.kind == "input":
+                return full[:, :self.spec.n_encoded_dims].copy()  # encoded inputs
+            return full[:, :a.cols].copy()
+
+    def synchronize(self) -> None:
+        self.device.wait_idle()
+
+    # -- programs -------------------------------------------------------------------------
+    def _forward_program(self, x_buf: vr.Buffer, out_buf: vr.Buffer, rows_pad: int, z_buf: vr.Buffer) -> vr.Program:
+        key = ("forward", id(x_buf), id(out_buf), rows_pad)
+        program = self._programs.get(key)
+        if program is None:
+            tiles = rows_pad // self.geo.rows_per_tile
+            grid = self._grid(tiles)
+            push = np.array([rows_pad, grid[0], 0], np.uint32).tobytes()
+            program = vr.Program(self.device, [vr.Dispatch(
+                self._pipelines["forward"], [x_buf, self._wall, self._bias, out_buf, z_buf], push, grid)])
+            self._programs[key] = program
+        return program
+
+    def _training_program(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
+                          update: bool) -> vr.Program:
+        key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad)
+        program = self._programs.get(key)
+        if program is not None:
+            return program
+        geo = self.geo
+        b = self._ensure_batch(rows_pad)
+        tiles = rows_pad // geo.rows_per_tile
+        grid = self._grid(tiles)
+        splits, per_split = self._splits(rows_pad)
+        p = self._pipelines
+        u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
+        dispatches = [
+            vr.Dispatch(p["forward"], [x_buf, self._wall, self._bias, b["out"], b["z"]], u32(rows_pad, grid[0], 1), grid),
+            vr.Dispatch(p["backward"], [y_buf, self._wall, b["z"], b["d"], b["loss"]],
+                        u32(rows_pad, grid[0], n_rows, self.spec.n_output_dims), grid),
+        ]
+        for layer in range(geo.n_layers):
+            wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
+            dispatches.append(vr.Dispatch(p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
+                                          u32(rows_pad, layer, per_split, geo.grad_floats), wgrid))
+        dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
+                                      u32(tiles, n_rows, self.spec.n_output_dims, int(update)), (1, 1, 1)))
+        groups = math.ceil(self.n_params / 256)
+        dispatches.append(vr.Dispatch(
+            p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
+                             self._grad, self._ctrl],
+            u32(self.n_params, splits, geo.grad_floats, int(update), groups), (groups, 1, 1)))
+        program = vr.Program(self.device, dispatches)
+        self._programs[key] = program
+        return program
+
+    def _evict_programs(self) -> None:
+        # bounded: recorded programs hold descriptor pools and command buffers
+        if len(self._programs) > 16:
+            for key in list(self._programs)[:-8]:
+                self._programs.pop(key).destroy()
+
+    # -- compute --------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        with self._lock:
+            self._check_open()
+            self._evict_programs()
+            if isinstance(x, VulkanArray):
+                if x.owner is not self or x.kind != "input":
+                    raise InvalidInput("forward takes an input array uploaded by this model")
+                out = self._alloc(x.rows_pad * self.geo.out_pad * 4)
+                z = self._ensure_batch(ROW_ALIGN)["z"]
+                self._forward_program(x.buffer, out, x.rows_pad, z).run()
+                return VulkanArray(out, x.rows, self.spec.n_output_dims, self.geo.out_pad, "output", self)
+            x = self.check_input(x)
+            rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
+            b = self._ensure_batch(rows_pad)
+            b["x"].write(self._encode(x, rows_pad))
+            self._forward_program(b["x"], b["out"], rows_pad, b["z"]).run()
+            raw = b["out"].read(x.shape[0] * self.geo.out_pad * 4)
+            out = np.frombuffer(raw, np.float32).reshape(x.shape[0], self.geo.out_pad)
+            return out[:, :self.spec.n_output_dims].copy()
+
+    def _stage_batch(self, x: Any, y: Any) -> tuple[vr.Buffer, vr.Buffer, int, int]:
+        if isinstance(x, VulkanArray):
+            if x.owner is not self or x.kind != "input":
+                raise InvalidInput("training takes an input array uploaded by this model")
+            rows = x.rows
+        else:
+            x = self.check_input(x)
+            rows = x.shape[0]
+        if rows < 1:
+            raise InvalidInput("training needs at least one row")
+        if isinstance(y, VulkanArray):
+            if y.owner is not self or y.kind != "target" or y.rows != rows:
+                raise InvalidInput(f"the target array must come from upload_target with {rows} rows")
+        else:
+            y = self.check_target(y, rows)
+        rows_pad = _round_up(rows, ROW_ALIGN)
+        b = self._ensure_batch(rows_pad)
+        if isinstance(x, VulkanArray):
+            x_buf = x.buffer
+        else:
+            b["x"].write(self._encode(x, rows_pad))
+            x_buf = b["x"]
+        if isinstance(y, VulkanArray):
+            y_buf = y.buffer
+        else:
+            b["y"].write(self._pad_target(y, rows_pad))
+            y_buf = b["y"]
+        return x_buf, y_buf, rows, rows_pad
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        with self._lock:
+            self._check_open()
+            self._evict_programs()
+            x_buf, y_buf, rows, rows_pad = self._stage_batch(x, y)
+            program = self._training_program(x_buf, y_buf, rows, rows_pad, update=True)
+            losses = []
+            done = 0
+            while done < steps:
+                chunk = min(HIST_CAP, steps - done)
+                self._ctrl.write(np.array([self.step_count, self.step_count], np.uint32))
+                program.run(times=chunk)
+                hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
+                self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
+                losses.append(hist[4:4 + chunk].copy())
+                done += chunk
+            return np.concatenate(losses)
+
+    def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        with self._lock:
+            self._check_open()
+            self._evict_programs()
+            x_buf, y_buf, rows, rows_pad = self._stage_batch(x, y)
+            self._training_program(x_buf, y_buf, rows, rows_pad, update=False).run()
+            loss = float(np.frombuffer(self._ctrl.read(4, offset=16), np.float32)[0])
+            flat = np.frombuffer(self._grad.read(self.n_params * 4), np.float32)
+            return loss, self._unflatten(flat)
+
+    # -- parameters -----------------------------------------------------------------------
+    def _unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        out, pos = {}, 0
+        for name, shape in param_shapes(self.spec).items():
+            size = int(np.prod(shape))
+            out[name] = flat[pos:pos + size].reshape(shape).copy()
+            pos += size
+        return out
+
+    def _flatten(self, params: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([params[name].reshape(-1) for name in param_shapes(self.spec)]).astype(np.float32)
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            self._check_open()
+            return self._unflatten(np.frombuffer(self._master.read(self.n_params * 4), np.float32))
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        geo = self.geo
+        off = geo.offsets()
+        wall = np.zeros(geo.weight_floats, np.float32)
+        bias = np.zeros(geo.bias_floats, np.float32)
+        precision = "fp16" if self.spec.precision != "fp32" else "fp32"
+        for i, (ki, ni) in enumerate(zip(geo.k, geo.n)):
+            w = np.zeros((ni, ki), np.float32)
+            fan_in, fan_out = self.spec.layer_dims[i]
+            w[:fan_out, :fan_in] = nm.round_to(precision, params[f"W{i}"])
+            wall[off["WT_OFF"][i]:off["WT_OFF"][i] + ki * ni] = w.T.reshape(-1)
+            wall[off["WR_OFF"][i]:off["WR_OFF"][i] + ki * ni] = w.reshape(-1)
+            bias[off["B_OFF"][i]:off["B_OFF"][i] + fan_out] = params[f"b{i}"]
+        with self._lock:
+            self._check_open()
+            self._master.write(self._flatten(params))
+            self._wall.write(wall)
+            self._bias.write(bias)
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            self._check_open()
+            state: dict[str, np.ndarray] = {}
+            slots = {"m": self._slot_a, "v": self._slot_b, "velocity": self._slot_a}
+            for slot in {n.split(".", 1)[0] for n in optimizer_state_names(self.spec)}:
+                flat = np.frombuffer(slots[slot].read(self.n_params * 4), np.float32)
+                state.update({f"{slot}.{k}": v for k, v in self._unflatten(flat).items()})
+            state["step"] = np.array([self.step_count], np.int64)
+            return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        names = optimizer_state_names(self.spec)
+        shapes = param_shapes(self.spec)
+        for name in names:
+            if name not in state or np.shape(state[name]) != shapes[name.split(".", 1)[1]]:
+                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
+        if "step" not in state:
+            raise InvalidInput("optimizer state lacks 'step'")
+        step = int(np.asarray(state["step"]).reshape(-1)[0])
+        if not 0 <= step < 2**32 - HIST_CAP:
+            raise InvalidInput(f"optimizer step {step} is out of range")
+        slots = {"m": self._slot_a, "v": self._slot_b, "velocity": self._slot_a}
+        with self._lock:
+            self._check_open()
+            for slot in {n.split(".", 1)[0] for n in names}:
+                flat = self._flatten({k: np.asarray(state[f"{slot}.{k}"], np.float32) for k in shapes})
+                slots[slot].write(flat)
+            self.step_count = step
+            self._ctrl.write(np.array([step, step], np.uint32))
+
+    def device_bytes(self) -> int:
+        return sum(b.allocated for b in self._buffers if b.handle is not None)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self.device.closed:
+                self.device.wait_idle()
+            for program in self._programs.values():
+                program.destroy()
+            self._programs.clear()
+            for buf in self._buffers:
+                buf.free()
+            self._buffers.clear()
+            for pipeline in getattr(self, "_pipelines", {}).values():
+                pipeline.destroy()
+
+
+def check_target_rows(y: Any, cols: int) -> np.ndarray:
+    from mmad.backends.contract import check_rows
+    return check_rows(y, cols, "target")
+
+
+# -- backend -------------------------------------------------------------------------------
+class VulkanBackend(Backend):
+    name = "vulkan"
+
+    def __init__(self) -> None:
+        self._infos: list[vr.DeviceInfo] | None = None
+        self._probe_error = ""
+        self._device: vr.Device | None = None
+        self._lock = threading.Lock()
+
+    def _survey(self) -> list[vr.DeviceInfo]:
+        if self._infos is None:
+            try:
+                self._infos = vr.probe_devices()
+            except (BackendUnavailable, LaunchError) as exc:
+                self._infos, self._probe_error = [], str(exc)
+            except Exception as exc:  # noqa: BLE001 - a probe never raises
+                self._infos, self._probe_error = [], f"{type(exc).__name__}: {exc}"
+        return self._infos
+
+    def probe(self) -> list[ProbeRow]:
+        infos = self._survey()
+        if not infos:
+            reason = self._probe_error or "no Vulkan physical device found"
+            return [ProbeRow("vulkan", v, False, reason=reason) for v in VARIANTS]
+        dev = infos[0]
+        try:
+            from mmad.backends.glsl_compiler import compiler_version
+            compiler = compiler_version()
+            compiler_error = ""
+        except Exception as exc:  # noqa: BLE001
+            compiler, compiler_error = "", f"no GLSL compiler: {exc}"
+        details = {"device_type": dev.device_type, "subgroup_size": dev.subgroup_size,
+                   "max_shared_bytes": dev.max_shared_bytes, "shader_float16": dev.shader_float16,
+                   "storage_16bit": dev.storage_16bit, "compiler": compiler,
+                   "fp16_storage": "fp32 storage with exact fp16 rounding (r16)",
+                   "devices": [f"{d.name} ({d.device_type})" for d in infos]}
+        common = dict(device=dev.name, api_version=dev.api_version, software=dev.software)
+        major, minor = (int(p) for p in dev.api_version.split(".")[:2])
+        simt_reason = compiler_error or ("" if (major, minor) >= (1, 2) else f"Vulkan {dev.api_version} < 1.2")
+        simt = ProbeRow("vulkan", "simt", not simt_reason, reason=simt_reason, details=dict(details), **common)
+        shapes = [MMAShape(s["m"], s["n"], s["k"], s["a"], s["b"], s["c"], s["result"], s["scope"])
+                  for s in dev.coopmat_shapes]
+        usable = usable_coopmat_shapes(dev.coopmat_shapes)
+        if os.environ.get(COOPMAT_ENV, "1").strip() == "0":
+            reason = f"disabled by {COOPMAT_ENV}=0"
+        elif vr.COOPMAT_EXT not in dev.extensions:
+            reason = f"{dev.name} does not offer {vr.COOPMAT_EXT}"
+        elif not usable:
+            reason = ("no fp16*fp16+fp32 subgroup shape among " + ", ".join(map(str, shapes))
+                      + " matches a kernel family (" + ", ".join("x".join(map(str, f)) for f in COOPMAT_FAMILIES) + ")")
+        elif not dev.shader_float16:
+            reason = f"{dev.name} lacks shaderFloat16, which the coopmat kernels need"
+        else:
+            reason = compiler_error
+        coop_details = dict(details)
+        if usable and not reason:
+            coop_details["tile_shape"] = "x".join(map(str, usable[0]))
+        coop = ProbeRow("vulkan", "coopmat", not reason, reason=reason, mma_shapes=shapes,
+                        details=coop_details, **common)
+        return [coop, simt]
+
+    def _open_device(self, coopmat: bool) -> vr.Device:
+        with self._lock:
+            if self._device is None or self._device.closed:
+                infos = self._survey()
+                if not infos:
+                    raise BackendUnavailable("vulkan", self._probe_error or "no Vulkan physical device found")
+                info = infos[0]
+                self._device = vr.Device(info, enable_coopmat=vr.COOPMAT_EXT in info.extensions)
+            return self._device
+
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> VulkanModel:
+        rows = {r.variant: r for r in self.probe()}
+        if variant is None:
+            variant = next((v for v in VARIANTS if rows[v].available), None)
+            if variant is None:
+                raise BackendUnavailable("vulkan", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
+        if variant not in VARIANTS:
+            raise SpecError("variant", f"the vulkan backend has variants {', '.join(VARIANTS)}; got {variant!r}")
+        if not rows[variant].available:
+            raise BackendUnavailable(f"vulkan:{variant}", rows[variant].reason)
+        if spec.precision == "bf16":
+            raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
+        device = self._open_device(coopmat=variant == "coopmat")
+        geometry = Geometry.build(spec, device.info.max_shared_bytes)
+        cache = cache if cache is not None else KernelCache()
+        shape = None
+        sources = kernel_sources(spec, geometry, variant)
+        if variant == "coopmat":
+            shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0]
+            sources = kernel_sources(spec, geometry, variant, shape)
+        kernels = {name: build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
+                   for name, src in sources.items()}
+        return VulkanModel(spec, device, variant, kernels, geometry, shape)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._device is not None:
+                self._device.close()
+                self._device = None
+
+
+def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str,
+                   shape: tuple[int, int, int] | None = None) -> dict[str, str]:
+    """GLSL of every kernel a model needs, specialised for its geometry (and coopmat shape)."""
+    header = geometry.header()
+    files = {"forward": "glsl/simt_forward.comp", "backward": "glsl/simt_backward.comp",
+             "wgrad": "glsl/simt_wgrad.comp", "optimizer": "glsl/optimizer.comp",
+             "finalize": "glsl/loss_finalize.comp"}
+    if variant == "coopmat":
+        if shape is None:
+            raise CompileError("vulkan coopmat kernels", "no cooperative-matrix shape given")
+        m, n, k = shape
+        header += f"#define CM_M {m}\n#define CM_N {n}\n#define CM_K {k}\n"
+        files["forward"] = "glsl/coopmat_forward.comp"
+        files["backward"] = "glsl/coopmat_backward.comp"
+    return {name: shader_source(path, header) for name, path in files.items()}

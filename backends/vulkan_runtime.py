@@ -1,0 +1,661 @@
+"""Vulkan host plumbing for the vulkan backend, on the raw cffi layer of the ``vulkan`` package.
+
+Everything goes through ``vulkan.ffi``/``vulkan.lib`` directly rather than the package's
+Python wrappers, so this module owns every struct's lifetime: each ``ffi.new`` that a call
+reads is held in a local (or in ``keep``) until the call returns, nested structs included
+(DESIGN.md: the wrappers keep only pointer fields alive). Sizes are always passed explicitly
+(``VK_WHOLE_SIZE`` overflows in the bindings) and every ``VkResult`` is checked; device loss
+and memory exhaustion become :class:`~mmad.errors.LaunchError` with the driver's result name.
+
+Pieces: :func:`probe_devices` (quick, read-only survey of every physical device),
+:class:`Device` (instance, device, compute queue, command pool, fence), :class:`Buffer`
+(device-local storage buffers with a staging path, or host-visible mapped ones),
+:class:`Pipeline` (SPIR-V + specialization constants + push-constant range) and
+:class:`Program` (a command buffer recorded once with its descriptor sets and re-submitted).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from mmad.errors import BackendUnavailable, LaunchError
+
+try:
+    import vulkan as _vk
+    ffi, lib = _vk.ffi, _vk.lib
+    IMPORT_ERROR = ""
+except (ImportError, OSError) as exc:  # OSError: the package is there but no libvulkan.so.1
+    _vk = None
+    ffi = lib = None
+    IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+API_VERSION_1_2 = (1 << 22) | (2 << 12)
+DEVICE_TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete > integrated > virtual > cpu > other
+DEVICE_TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
+COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: "s64",
+                  7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
+SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
+COOPMAT_EXT = "VK_KHR_cooperative_matrix"
+
+# VkStructureType values used below (core 1.0-1.2 plus the cooperative-matrix extension)
+ST = {
+    "app": 0, "instance": 1, "queue": 2, "device": 3, "submit": 4, "alloc": 5, "fence": 8,
+    "buffer": 12, "shader": 16, "stage": 18, "compute_pipeline": 29, "pipeline_layout": 30,
+    "dsl": 32, "pool": 33, "ds_alloc": 34, "write_ds": 35, "cmd_pool": 39, "cb_alloc": 40,
+    "cb_begin": 42, "mem_barrier": 46, "features2": 1000059000, "properties2": 1000059001,
+    "subgroup_props": 1000094000, "vk11_features": 49, "vk12_features": 51,
+    "coopmat_features": 1000506000, "coopmat_props": 1000506001,
+}
+
+
+def _result_name(code: int) -> str:
+    if _vk is not None:
+        for name in ("VK_ERROR_DEVICE_LOST", "VK_ERROR_OUT_OF_DEVICE_MEMORY", "VK_ERROR_OUT_OF_HOST_MEMORY",
+                     "VK_ERROR_INITIALIZATION_FAILED", "VK_ERROR_EXTENSION_NOT_PRESENT",
+                     "VK_ERROR_FEATURE_NOT_PRESENT", "VK_ERROR_INCOMPATIBLE_DRIVER",
+                     "VK_ERROR_TOO_MANY_OBJECTS", "VK_ERROR_INVALID_SHADER_NV", "VK_TIMEOUT",
+                     "VK_ERROR_FRAGMENTED_POOL", "VK_ERROR_OUT_OF_POOL_MEMORY", "VK_ERROR_UNKNOWN"):
+            if getattr(_vk, name, None) == code:
+                return name
+    return f"VkResult {code}"
+
+
+def check(code: int, what: str) -> None:
+    """Raise :class:`LaunchError` naming the call and the driver's result unless it succeeded."""
+    if code != 0:
+        raise LaunchError(f"{what} failed: {_result_name(code)}")
+
+
+def require_vulkan() -> None:
+    if _vk is None:
+        raise BackendUnavailable("vulkan", f"the vulkan Python package cannot load: {IMPORT_ERROR}")
+
+
+def _cstr(chars: Any) -> str:
+    return ffi.string(chars).decode("utf-8", "replace")
+
+
+def _version(v: int) -> str:
+    return f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
+
+
+# -- instance & survey ---------------------------------------------------------------------
+def _create_instance() -> Any:
+    app_name = ffi.new("char[]", b"mmad")
+    app = ffi.new("VkApplicationInfo*")
+    app.sType = ST["app"]
+    app.pApplicationName = app_name
+    app.pEngineName = app_name
+    app.apiVersion = API_VERSION_1_2
+    info = ffi.new("VkInstanceCreateInfo*")
+    info.sType = ST["instance"]
+    info.pApplicationInfo = app
+    out = ffi.new("VkInstance*")
+    check(lib.vkCreateInstance(info, ffi.NULL, out), "vkCreateInstance")
+    return out[0]
+
+
+def _physical_devices(instance: Any) -> list[Any]:
+    count = ffi.new("uint32_t*")
+    check(lib.vkEnumeratePhysicalDevices(instance, count, ffi.NULL), "vkEnumeratePhysicalDevices")
+    handles = ffi.new("VkPhysicalDevice[]", count[0])
+    check(lib.vkEnumeratePhysicalDevices(instance, count, handles), "vkEnumeratePhysicalDevices")
+    return [handles[i] for i in range(count[0])]
+
+
+def _extensions(pd: Any) -> set[str]:
+    count = ffi.new("uint32_t*")
+    check(lib.vkEnumerateDeviceExtensionProperties(pd, ffi.NULL, count, ffi.NULL), "vkEnumerateDeviceExtensionProperties")
+    props = ffi.new("VkExtensionProperties[]", count[0])
+    check(lib.vkEnumerateDeviceExtensionProperties(pd, ffi.NULL, count, props), "vkEnumerateDeviceExtensionProperties")
+    return {_cstr(props[i].extensionName) for i in range(count[0])}
+
+
+def _coopmat_shapes(instance: Any, pd: Any) -> list[dict[str, Any]]:
+    """The raw cooperative-matrix property list; only call once the extension is listed."""
+    ptr = lib.vkGetInstanceProcAddr(instance, b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    if ptr == ffi.NULL:
+        return []
+    fn = ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", ptr)
+    count = ffi.new("uint32_t*")
+    check(fn(pd, count, ffi.NULL), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    props = ffi.new("VkCooperativeMatrixPropertiesKHR[]", count[0])
+    for i in range(count[0]):
+        props[i].sType = ST["coopmat_props"]  # the package's wrapper leaves sType unset
+    check(fn(pd, count, props), "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR")
+    shapes = []
+    for i in range(count[0]):
+        p = props[i]
+        shapes.append({"m": p.MSize, "n": p.NSize, "k": p.KSize,
+                       "a": COMPONENT_TYPE.get(p.AType, str(p.AType)),
+                       "b": COMPONENT_TYPE.get(p.BType, str(p.BType)),
+                       "c": COMPONENT_TYPE.get(p.CType, str(p.CType)),
+                       "result": COMPONENT_TYPE.get(p.ResultType, str(p.ResultType)),
+                       "scope": SCOPE.get(p.scope, str(p.scope))})
+    return shapes
+
+
+@dataclass
+class DeviceInfo:
+    """What the survey learned about one physical device."""
+
+    index: int
+    name: str
+    device_type: str
+    api_version: str
+    driver: str
+    subgroup_size: int
+    max_shared_bytes: int
+    max_workgroup_invocations: int
+    max_group_count: tuple[int, int, int]
+    shader_float16: bool
+    storage_16bit: bool
+    extensions: set[str] = field(repr=False, default_factory=set)
+    coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def software(self) -> bool:
+        return self.device_type == "cpu"
+
+    @property
+    def rank(self) -> int:
+        order = {"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3}
+        return order.get(self.device_type, 4)
+
+
+def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
+    props = ffi.new("VkPhysicalDeviceProperties*")
+    lib.vkGetPhysicalDeviceProperties(pd, props)
+    extensions = _extensions(pd)
+    subgroup = ffi.new("VkPhysicalDeviceSubgroupProperties*")
+    subgroup.sType = ST["subgroup_props"]
+    props2 = ffi.new("VkPhysicalDeviceProperties2*")
+    props2.sType = ST["properties2"]
+    props2.pNext = subgroup
+    lib.vkGetPhysicalDeviceProperties2(pd, props2)
+    f12 = ffi.new("VkPhysicalDeviceVulkan12Features*")
+    f12.sType = ST["vk12_features"]
+    f11 = ffi.new("VkPhysicalDeviceVulkan11Features*")
+    f11.sType = ST["vk11_features"]
+    f11.pNext = f12
+    feats = ffi.new("VkPhysicalDeviceFeatures2*")
+    feats.sType = ST["features2"]
+    feats.pNext = f11
+    lib.vkGetPhysicalDeviceFeatures2(pd, feats)
+    limits = props.limits
+    info = DeviceInfo(
+        index=index, name=_cstr(props.deviceName),
+        device_type=DEVICE_TYPE_NAME.get(props.deviceType, "other"),
+        api_version=_version(props.apiVersion), driver=f"{props.driverVersion:#x}",
+        subgroup_size=int(subgroup.subgroupSize),
+        max_shared_bytes=int(limits.maxComputeSharedMemorySize),
+        max_workgroup_invocations=int(limits.maxComputeWorkGroupInvocations),
+        max_group_count=tuple(int(limits.maxComputeWorkGroupCount[i]) for i in range(3)),
+        shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
+        extensions=extensions)
+    if COOPMAT_EXT in extensions:
+        info.coopmat_shapes = _coopmat_shapes(instance, pd)
+    return info
+
+
+def probe_devices() -> list[DeviceInfo]:
+    """Every physical device, best first (discrete > integrated > virtual > cpu)."""
+    require_vulkan()
+    instance = _create_instance()
+    try:
+        infos = [_survey(instance, i, pd) for i, pd in enumerate(_physical_devices(instance))]
+    finally:
+        lib.vkDestroyInstance(instance, ffi.NULL)
+    return sorted(infos, key=lambda d: (d.rank, d.index))
+
+
+# -- device --------------------------------------------------------------------------------
+class Device:
+    """An open logical device with one compute queue; close() releases everything."""
+
+    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False):
+        require_vulkan()
+        self.info = info
+        self.instance = _create_instance()
+        self.closed = False
+        try:
+            self.physical = _physical_devices(self.instance)[info.index]
+            self._open(enable_coopmat)
+        except BaseException:
+            lib.vkDestroyInstance(self.instance, ffi.NULL)
+            raise
+
+    def _open(self, enable_coopmat: bool) -> None:
+        count = ffi.new("uint32_t*")
+        lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, ffi.NULL)
+        families = ffi.new("VkQueueFamilyProperties[]", count[0])
+        lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, families)
+        compute = [i for i in range(count[0]) if families[i].queueFlags & 0x2]
+        if not compute:
+            raise LaunchError(f"{self.info.name} has no compute queue family")
+        # a compute-only family first (no graphics bit), else any with compute
+        self.queue_family = sorted(compute, key=lambda i: bool(families[i].queueFlags & 0x1))[0]
+        priority = ffi.new("float[]", [1.0])
+        queue_info = ffi.new("VkDeviceQueueCreateInfo*")
+        queue_info.sType = ST["queue"]
+        queue_info.queueFamilyIndex = self.queue_family
+        queue_info.queueCount = 1
+        queue_info.pQueuePriorities = priority
+        f12 = ffi.new("VkPhysicalDeviceVulkan12Features*")
+        f12.sType = ST["vk12_features"]
+        f12.shaderFloat16 = int(self.info.shader_float16)
+        f11 = ffi.new("VkPhysicalDeviceVulkan11Features*")
+        f11.sType = ST["vk11_features"]
+        f11.storageBuffer16BitAccess = int(self.info.storage_16bit)
+        f11.pNext = f12
+        ext_names = []
+        coop = None
+        if enable_coopmat:
+            coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*")
+            coop.sType = ST["coopmat_features"]
+            coop.cooperativeMatrix = 1
+            f12.pNext = coop
+            ext_names.append(ffi.new("char[]", COOPMAT_EXT.encode()))
+        ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
+        feats = ffi.new("VkPhysicalDeviceFeatures2*")
+        feats.sType = ST["features2"]
+        feats.pNext = f11
+        info = ffi.new("VkDeviceCreateInfo*")
+        info.sType = ST["device"]
+        info.pNext = feats
+        info.queueCreateInfoCount = 1
+        info.pQueueCreateInfos = queue_info
+        info.enabledExtensionCount = len(ext_names)
+        info.ppEnabledExtensionNames = ext_array
+        out = ffi.new("VkDevice*")
+        check(lib.vkCreateDevice(self.physical, info, ffi.NULL, out), f"vkCreateDevice on {self.info.name}")
+        self.device = out[0]
+        queue = ffi.new("VkQueue*")
+        lib.vkGetDeviceQueue(self.device, self.queue_family, 0, queue)
+        self.queue = queue[0]
+        pool_info = ffi.new("VkCommandPoolCreateInfo*")
+        pool_info.sType = ST["cmd_pool"]
+        pool_info.flags = 0x2  # RESET_COMMAND_BUFFER
+        pool_info.queueFamilyIndex = self.queue_family
+        pool = ffi.new("VkCommandPool*")
+        check(lib.vkCreateCommandPool(self.device, pool_info, ffi.NULL, pool), "vkCreateCommandPool")
+        self.command_pool = pool[0]
+        fence_info = ffi.new("VkFenceCreateInfo*")
+        fence_info.sType = ST["fence"]
+        fence = ffi.new("VkFence*")
+        check(lib.vkCreateFence(self.device, fence_info, ffi.NULL, fence), "vkCreateFence")
+        self.fence = fence[0]
+        mem = ffi.new("VkPhysicalDeviceMemoryProperties*")
+        lib.vkGetPhysicalDeviceMemoryProperties(self.physical, mem)
+        self.memory_types = [(mem.memoryTypes[i].propertyFlags, mem.memoryTypes[i].heapIndex)
+                             for i in range(mem.memoryTypeCount)]
+        self.bytes_allocated = 0
+        self._staging: Buffer | None = None
+        self.lock = threading.RLock()  # one queue: submissions and staging are serialised
+
+    # -- memory ---------------------------------------------------------------------------
+    def memory_type(self, type_bits: int, host_visible: bool) -> int:
+        want = 0x2 | 0x4 if host_visible else 0x1  # HOST_VISIBLE|HOST_COHERENT, or DEVICE_LOCAL
+        for i, (flags, _) in enumerate(self.memory_types):
+            if type_bits & (1 << i) and flags & want == want:
+                return i
+        for i, (flags, _) in enumerate(self.memory_types):  # device-local not offered: any
+            if type_bits & (1 << i) and (not host_visible or flags & 0x6 == 0x6):
+                return i
+        raise LaunchError(f"{self.info.name} offers no suitable memory type (bits {type_bits:#x})")
+
+    def buffer(self, nbytes: int, host_visible: bool = False) -> "Buffer":
+        return Buffer(self, nbytes, host_visible)
+
+    def staging(self, nbytes: int) -> "Buffer":
+        if self._staging is None or self._staging.size < nbytes:
+            if self._staging is not None:
+                self._staging.free()
+            self._staging = Buffer(self, max(nbytes, 1 << 20), host_visible=True)
+        return self._staging
+
+    # -- command submission ---------------------------------------------------------------
+    def allocate_command_buffer(self) -> Any:
+        alloc = ffi.new("VkCommandBufferAllocateInfo*")
+        alloc.sType = ST["cb_alloc"]
+        alloc.commandPool = self.command_pool
+        alloc.level = 0
+        alloc.commandBufferCount = 1
+        out = ffi.new("VkCommandBuffer*")
+        check(lib.vkAllocateCommandBuffers(self.device, alloc, out), "vkAllocateCommandBuffers")
+        return out[0]
+
+    def submit(self, command_buffers: Sequence[Any], wait: bool = True) -> None:
+        """Submit and (by default) wait on the fence; device loss surfaces here."""
+        handles = ffi.new("VkCommandBuffer[]", list(command_buffers))
+        info = ffi.new("VkSubmitInfo*")
+        info.sType = ST["submit"]
+        info.commandBufferCount = len(command_buffers)
+        info.pCommandBuffers = handles
+        fences = ffi.new("VkFence[]", [self.fence])
+        with self.lock:
+            check(lib.vkResetFences(self.device, 1, fences), "vkResetFences")
+            check(lib.vkQueueSubmit(self.queue, 1, info, self.fence), "vkQueueSubmit")
+            if wait:
+                self.wait()
+
+    def wait(self) -> None:
+        fences = ffi.new("VkFence[]", [self.fence])
+        check(lib.vkWaitForFences(self.device, 1, fences, 1, 2**64 - 1), "vkWaitForFences")
+
+    def wait_idle(self) -> None:
+        with self.lock:
+            check(lib.vkQueueWaitIdle(self.queue), "vkQueueWaitIdle")
+
+    def one_shot(self, record) -> None:
+        """Record commands with ``record(cb)`` into a fresh command buffer, run it, wait."""
+        with self.lock:
+            self._one_shot(record)
+
+    def _one_shot(self, record) -> None:
+        cb = self.allocate_command_buffer()
+        try:
+            begin = ffi.new("VkCommandBufferBeginInfo*")
+            begin.sType = ST["cb_begin"]
+            begin.flags = 0x1  # ONE_TIME_SUBMIT
+            check(lib.vkBeginCommandBuffer(cb, begin), "vkBeginCommandBuffer")
+            record(cb)
+            check(lib.vkEndCommandBuffer(cb), "vkEndCommandBuffer")
+            self.submit([cb])
+        finally:
+            cbs = ffi.new("VkCommandBuffer[]", [cb])
+            lib.vkFreeCommandBuffers(self.device, self.command_pool, 1, cbs)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        lib.vkDeviceWaitIdle(self.device)
+        if self._staging is not None:
+            self._staging.free()
+        lib.vkDestroyFence(self.device, self.fence, ffi.NULL)
+        lib.vkDestroyCommandPool(self.device, self.command_pool, ffi.NULL)
+        lib.vkDestroyDevice(self.device, ffi.NULL)
+        lib.vkDestroyInstance(self.instance, ffi.NULL)
+
+
+def full_barrier(cb: Any) -> None:
+    """Make every earlier shader/transfer write visible to every later shader/transfer access."""
+    barrier = ffi.new("VkMemoryBarrier*")
+    barrier.sType = ST["mem_barrier"]
+    barrier.srcAccessMask = 0x40 | 0x1000 | 0x20 | 0x800  # SHADER_WRITE | TRANSFER_WRITE | SHADER_READ | TRANSFER_READ
+    barrier.dstAccessMask = 0x20 | 0x40 | 0x800 | 0x1000 | 0x2000  # + HOST_READ
+    stages = 0x800 | 0x1000  # COMPUTE_SHADER | TRANSFER
+    lib.vkCmdPipelineBarrier(cb, stages, stages | 0x4000, 0, 1, barrier, 0, ffi.NULL, 0, ffi.NULL)
+
+
+class Buffer:
+    """A storage buffer; host-visible ones stay mapped, device-local ones go through staging."""
+
+    def __init__(self, device: Device, nbytes: int, host_visible: bool = False):
+        self.device = device
+        self.size = max(int(nbytes), 16)
+        self.host_visible = host_visible
+        dev = device.device
+        info = ffi.new("VkBufferCreateInfo*")
+        info.sType = ST["buffer"]
+        info.size = self.size
+        info.usage = 0x20 | 0x1 | 0x2  # STORAGE | TRANSFER_SRC | TRANSFER_DST
+        out = ffi.new("VkBuffer*")
+        check(lib.vkCreateBuffer(dev, info, ffi.NULL, out), f"vkCreateBuffer ({self.size} bytes)")
+        self.handle = out[0]
+        req = ffi.new("VkMemoryRequirements*")
+        lib.vkGetBufferMemoryRequirements(dev, self.handle, req)
+        alloc = ffi.new("VkMemoryAllocateInfo*")
+        alloc.sType = ST["alloc"]
+        alloc.allocationSize = req.size
+        alloc.memoryTypeIndex = device.memory_type(req.memoryTypeBits, host_visible)
+        mem = ffi.new("VkDeviceMemory*")
+        code = lib.vkAllocateMemory(dev, alloc, ffi.NULL, mem)
+        if code != 0:
+            lib.vkDestroyBuffer(dev, self.handle, ffi.NULL)
+            check(code, f"vkAllocateMemory ({req.size} bytes)")
+        self.memory = mem[0]
+        check(lib.vkBindBufferMemory(dev, self.handle, self.memory, 0), "vkBindBufferMemory")
+        self.allocated = int(req.size)
+        device.bytes_allocated += self.allocated
+        self.mapped = None
+        if host_visible:
+            ptr = ffi.new("void**")
+            check(lib.vkMapMemory(dev, self.memory, 0, self.size, 0, ptr), "vkMapMemory")
+            self.mapped = ffi.buffer(ptr[0], self.size)
+
+    def write(self, data: np.ndarray | bytes, offset: int = 0) -> None:
+        raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
+        n = raw.nbytes
+        if offset + n > self.size:
+            raise LaunchError(f"write of {n} bytes at {offset} overruns a {self.size}-byte buffer")
+        if self.mapped is not None:
+            self.mapped[offset:offset + n] = raw
+            return
+        with self.device.lock:
+            staging = self.device.staging(n)
+            staging.mapped[0:n] = raw
+            self.device.one_shot(lambda cb: _copy(cb, staging, self, n, 0, offset))
+
+    def read(self, nbytes: int, offset: int = 0) -> bytes:
+        if offset + nbytes > self.size:
+            raise LaunchError(f"read of {nbytes} bytes at {offset} overruns a {self.size}-byte buffer")
+        if self.mapped is not None:
+            return bytes(self.mapped[offset:offset + nbytes])
+        with self.device.lock:
+            staging = self.device.staging(nbytes)
+            self.device.one_shot(lambda cb: _copy(cb, self, staging, nbytes, offset, 0))
+            return bytes(staging.mapped[0:nbytes])
+
+    def fill_zero(self) -> None:
+        self.device.one_shot(lambda cb: lib.vkCmdFillBuffer(cb, self.handle, 0, self.size // 4 * 4, 0))
+
+    def free(self) -> None:
+        if self.handle is None:
+            return
+        dev = self.device.device
+        if self.mapped is not None:
+            lib.vkUnmapMemory(dev, self.memory)
+            self.mapped = None
+        lib.vkDestroyBuffer(dev, self.handle, ffi.NULL)
+        lib.vkFreeMemory(dev, self.memory, ffi.NULL)
+        self.device.bytes_allocated -= self.allocated
+        self.handle = None
+
+
+def _copy(cb: Any, src: Buffer, dst: Buffer, nbytes: int, src_offset: int, dst_offset: int) -> None:
+    full_barrier(cb)
+    region = ffi.new("VkBufferCopy*")
+    region.srcOffset = src_offset
+    region.dstOffset = dst_offset
+    region.size = nbytes
+    lib.vkCmdCopyBuffer(cb, src.handle, dst.handle, 1, region)
+    full_barrier(cb)
+
+
+class Pipeline:
+    """A compute pipeline over ``n_bindings`` storage buffers (set 0, bindings 0..n-1)."""
+
+    def __init__(self, device: Device, spirv: bytes, n_bindings: int, push_bytes: int = 0,
+                 spec_constants: dict[int, int | float] | None = None, name: str = "kernel"):
+        self.device = device
+        self.name = name
+        self.n_bindings = n_bindings
+        self.push_bytes = push_bytes
+        dev = device.device
+        code = ffi.new("uint32_t[]", len(spirv) // 4)
+        ffi.memmove(code, spirv, len(spirv))
+        module_info = ffi.new("VkShaderModuleCreateInfo*")
+        module_info.sType = ST["shader"]
+        module_info.codeSize = len(spirv)
+        module_info.pCode = code
+        module = ffi.new("VkShaderModule*")
+        check(lib.vkCreateShaderModule(dev, module_info, ffi.NULL, module), f"vkCreateShaderModule ({name})")
+        self.module = module[0]
+        bindings = ffi.new("VkDescriptorSetLayoutBinding[]", n_bindings)
+        for i in range(n_bindings):
+            bindings[i].binding = i
+            bindings[i].descriptorType = 7  # STORAGE_BUFFER
+            bindings[i].descriptorCount = 1
+            bindings[i].stageFlags = 0x20  # COMPUTE
+        dsl_info = ffi.new("VkDescriptorSetLayoutCreateInfo*")
+        dsl_info.sType = ST["dsl"]
+        dsl_info.bindingCount = n_bindings
+        dsl_info.pBindings = bindings
+        dsl = ffi.new("VkDescriptorSetLayout*")
+        check(lib.vkCreateDescriptorSetLayout(dev, dsl_info, ffi.NULL, dsl), "vkCreateDescriptorSetLayout")
+        self.set_layout = dsl[0]
+        push_range = ffi.new("VkPushConstantRange*")
+        push_range.stageFlags = 0x20
+        push_range.offset = 0
+        push_range.size = push_bytes
+        layouts = ffi.new("VkDescriptorSetLayout[]", [self.set_layout])
+        layout_info = ffi.new("VkPipelineLayoutCreateInfo*")
+        layout_info.sType = ST["pipeline_layout"]
+        layout_info.setLayoutCount = 1
+        layout_info.pSetLayouts = layouts
+        layout_info.pushConstantRangeCount = 1 if push_bytes else 0
+        layout_info.pPushConstantRanges = push_range if push_bytes else ffi.NULL
+        layout = ffi.new("VkPipelineLayout*")
+        check(lib.vkCreatePipelineLayout(dev, layout_info, ffi.NULL, layout), "vkCreatePipelineLayout")
+        self.layout = layout[0]
+        spec_constants = spec_constants or {}
+        entries = ffi.new("VkSpecializationMapEntry[]", max(len(spec_constants), 1))
+        data = bytearray()
+        for i, (cid, value) in enumerate(sorted(spec_constants.items())):
+            entries[i].constantID = cid
+            entries[i].offset = len(data)
+            entries[i].size = 4
+            data += struct.pack("<f" if isinstance(value, float) else "<i", value)
+        spec_data = ffi.new("char[]", bytes(data) or b"\0")
+        spec_info = ffi.new("VkSpecializationInfo*")
+        spec_info.mapEntryCount = len(spec_constants)
+        spec_info.pMapEntries = entries
+        spec_info.dataSize = len(data)
+        spec_info.pData = spec_data
+        entry_name = ffi.new("char[]", b"main")
+        info = ffi.new("VkComputePipelineCreateInfo*")
+        info.sType = ST["compute_pipeline"]
+        info.stage.sType = ST["stage"]
+        info.stage.stage = 0x20
+        info.stage.module = self.module
+        info.stage.pName = entry_name
+        info.stage.pSpecializationInfo = spec_info
+        info.layout = self.layout
+        pipeline = ffi.new("VkPipeline*")
+        result = lib.vkCreateComputePipelines(dev, ffi.NULL, 1, info, ffi.NULL, pipeline)
+        if result != 0:
+            self._destroy_layouts()
+            check(result, f"vkCreateComputePipelines ({name})")
+        self.pipeline = pipeline[0]
+
+    def _destroy_layouts(self) -> None:
+        dev = self.device.device
+        lib.vkDestroyPipelineLayout(dev, self.layout, ffi.NULL)
+        lib.vkDestroyDescriptorSetLayout(dev, self.set_layout, ffi.NULL)
+        lib.vkDestroyShaderModule(dev, self.module, ffi.NULL)
+
+    def destroy(self) -> None:
+        if self.pipeline is None:
+            return
+        lib.vkDestroyPipeline(self.device.device, self.pipeline, ffi.NULL)
+        self._destroy_layouts()
+        self.pipeline = None
+
+
+@dataclass
+class Dispatch:
+    """One recorded dispatch: a pipeline, its buffers in binding order, push constants, groups."""
+
+    pipeline: Pipeline
+    buffers: Sequence[Buffer]
+    push: bytes
+    groups: tuple[int, int, int]
+
+
+class Program:
+    """A command buffer recorded once (dispatches separated by barriers) and re-submitted.
+
+    Recorded with SIMULTANEOUS_USE so one submission may list it several times (several
+    training steps); a barrier at its start orders it after anything submitted before.
+    """
+
+    def __init__(self, device: Device, dispatches: Sequence[Dispatch]):
+        self.device = device
+        self.dispatches = list(dispatches)  # keeps the buffers referenced while recorded
+        dev = device.device
+        sizes = ffi.new("VkDescriptorPoolSize*")
+        sizes.type = 7
+        sizes.descriptorCount = max(1, sum(d.pipeline.n_bindings for d in dispatches))
+        pool_info = ffi.new("VkDescriptorPoolCreateInfo*")
+        pool_info.sType = ST["pool"]
+        pool_info.maxSets = max(1, len(dispatches))
+        pool_info.poolSizeCount = 1
+        pool_info.pPoolSizes = sizes
+        pool = ffi.new("VkDescriptorPool*")
+        check(lib.vkCreateDescriptorPool(dev, pool_info, ffi.NULL, pool), "vkCreateDescriptorPool")
+        self.pool = pool[0]
+        self.cb = device.allocate_command_buffer()
+        begin = ffi.new("VkCommandBufferBeginInfo*")
+        begin.sType = ST["cb_begin"]
+        begin.flags = 0x4  # SIMULTANEOUS_USE
+        check(lib.vkBeginCommandBuffer(self.cb, begin), "vkBeginCommandBuffer")
+        for d in dispatches:
+            full_barrier(self.cb)
+            ds = self._descriptor_set(d)
+            lib.vkCmdBindPipeline(self.cb, 1, d.pipeline.pipeline)  # COMPUTE bind point
+            sets = ffi.new("VkDescriptorSet[]", [ds])
+            lib.vkCmdBindDescriptorSets(self.cb, 1, d.pipeline.layout, 0, 1, sets, 0, ffi.NULL)
+            if d.pipeline.push_bytes:
+                push = ffi.from_buffer(bytearray(d.push.ljust(d.pipeline.push_bytes, b"\0")))
+                lib.vkCmdPushConstants(self.cb, d.pipeline.layout, 0x20, 0, d.pipeline.push_bytes, push)
+            lib.vkCmdDispatch(self.cb, *d.groups)
+        full_barrier(self.cb)
+        check(lib.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
+
+    def _descriptor_set(self, d: Dispatch) -> Any:
+        dev = self.device.device
+        layouts = ffi.new("VkDescriptorSetLayout[]", [d.pipeline.set_layout])
+        alloc = ffi.new("VkDescriptorSetAllocateInfo*")
+        alloc.sType = ST["ds_alloc"]
+        alloc.descriptorPool = self.pool
+        alloc.descriptorSetCount = 1
+        alloc.pSetLayouts = layouts
+        out = ffi.new("VkDescriptorSet*")
+        check(lib.vkAllocateDescriptorSets(dev, alloc, out), "vkAllocateDescriptorSets")
+        n = d.pipeline.n_bindings
+        if len(d.buffers) != n:
+            raise LaunchError(f"{d.pipeline.name} takes {n} buffers; got {len(d.buffers)}")
+        infos = ffi.new("VkDescriptorBufferInfo[]", n)
+        writes = ffi.new("VkWriteDescriptorSet[]", n)
+        for i, buf in enumerate(d.buffers):
+            infos[i].buffer = buf.handle
+            infos[i].offset = 0
+            infos[i].range = buf.size  # the real size: VK_WHOLE_SIZE overflows in the bindings
+            writes[i].sType = ST["write_ds"]
+            writes[i].dstSet = out[0]
+            writes[i].dstBinding = i
+            writes[i].descriptorCount = 1
+            writes[i].descriptorType = 7
+            writes[i].pBufferInfo = infos + i
+        lib.vkUpdateDescriptorSets(dev, n, writes, 0, ffi.NULL)
+        return out[0]
+
+    def run(self, times: int = 1, wait: bool = True) -> None:
+        self.device.submit([self.cb] * times, wait=wait)
+
+    def destroy(self) -> None:
+        if self.cb is None:
+            return
+        dev = self.device.device
+        cbs = ffi.new("VkCommandBuffer[]", [self.cb])
+        lib.vkFreeCommandBuffers(dev, self.device.command_pool, 1, cbs)
+        lib.vkDestroyDescriptorPool(dev, self.pool, ffi.NULL)
+        self.cb = None
+        self.dispatches = []

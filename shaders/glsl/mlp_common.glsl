@@ -1,0 +1,113 @@
+// Shared by every mmad GLSL kernel: fp16 rounding, activations, losses.
+// The host prepends #defines for the model's padded shapes (see backends/vulkan.py).
+// Activation and loss choices are specialization constants so one SPIR-V serves them all.
+
+layout(constant_id = 0) const int HIDDEN_ACT = 1;
+layout(constant_id = 1) const int OUTPUT_ACT = 0;
+layout(constant_id = 2) const int LOSS_ID = 0;
+layout(constant_id = 3) const float LOSS_SCALE = 128.0;
+layout(constant_id = 4) const float HUBER_DELTA = 1.0;
+layout(constant_id = 5) const int ROUND_FP16 = 1;
+
+// activation ids: the order of mmad.spec.ACTIVATIONS
+#define ACT_NONE 0
+#define ACT_RELU 1
+#define ACT_LEAKY 2
+#define ACT_SIGMOID 3
+#define ACT_TANH 4
+#define ACT_SILU 5
+#define ACT_SOFTPLUS 6
+#define ACT_SQUAREPLUS 7
+#define ACT_EXP 8
+#define ACT_SINE 9
+
+// Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage.
+// Done with integer arithmetic so the result is the same on every driver (packHalf2x16's
+// rounding mode is implementation-defined).
+float r16(float x) {
+    if (ROUND_FP16 == 0) return x;
+    uint u = floatBitsToUint(x);
+    uint sign_bit = u & 0x80000000u;
+    uint a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) return x;                                   // Inf, NaN
+    if (a >= 0x477ff000u) return uintBitsToFloat(sign_bit | 0x7f800000u);  // >= 65520 -> Inf
+    if (a < 0x38800000u) {                                            // fp16 subnormal range
+        float q = roundEven(uintBitsToFloat(a) * 16777216.0) * (1.0 / 16777216.0);
+        return uintBitsToFloat(sign_bit | floatBitsToUint(q));
+    }
+    uint r = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
+    return uintBitsToFloat(sign_bit | r);
+}
+vec4 r16(vec4 v) { return vec4(r16(v.x), r16(v.y), r16(v.z), r16(v.w)); }
+
+float sigmoid_stable(float z) {
+    float e = exp(-abs(z));
+    return z >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
+}
+
+float activate(int id, float z) {
+    switch (id) {
+    case ACT_RELU: return max(z, 0.0);
+    case ACT_LEAKY: return z > 0.0 ? z : z * 0.01;
+    case ACT_SIGMOID: return sigmoid_stable(z);
+    case ACT_TANH: { float t = exp(-2.0 * abs(z)); return sign(z) * (1.0 - t) / (1.0 + t); }
+    case ACT_SILU: return z * sigmoid_stable(z);
+    case ACT_SOFTPLUS: return max(z, 0.0) + log(1.0 + exp(-abs(z)));
+    case ACT_SQUAREPLUS: return 0.5 * (z + sqrt(z * z + 4.0));
+    case ACT_EXP: return exp(z);
+    case ACT_SINE: return sin(z);
+    default: return z;
+    }
+}
+
+float activation_grad(int id, float z) {
+    switch (id) {
+    case ACT_RELU: return z > 0.0 ? 1.0 : 0.0;
+    case ACT_LEAKY: return z > 0.0 ? 1.0 : 0.01;
+    case ACT_SIGMOID: { float s = sigmoid_stable(z); return s * (1.0 - s); }
+    case ACT_TANH: { float t = exp(-2.0 * abs(z)); float th = (1.0 - t) / (1.0 + t); return 1.0 - th * th; }
+    case ACT_SILU: { float s = sigmoid_stable(z); return s * (1.0 + z * (1.0 - s)); }
+    case ACT_SOFTPLUS: return sigmoid_stable(z);
+    case ACT_SQUAREPLUS: return 0.5 * (1.0 + z / sqrt(z * z + 4.0));
+    case ACT_EXP: return exp(z);
+    case ACT_SINE: return cos(z);
+    default: return 1.0;
+    }
+}
+
+vec4 activate4(int id, vec4 z) {
+    return vec4(activate(id, z.x), activate(id, z.y), activate(id, z.z), activate(id, z.w));
+}
+vec4 activation_grad4(int id, vec4 z) {
+    return vec4(activation_grad(id, z.x), activation_grad(id, z.y), activation_grad(id, z.z), activation_grad(id, z.w));
+}
+
+// loss ids: the order of mmad.spec.LOSSES
+#define LOSS_L2 0
+#define LOSS_L1 1
+#define LOSS_REL_L2 2
+#define LOSS_REL_L1 3
+#define LOSS_REL_L2_LUM 4
+#define LOSS_MAPE 5
+#define LOSS_SMAPE 6
+#define LOSS_HUBER 7
+#define LOSS_EPSILON 0.01
+
+// Per-element loss value (x) and d value / d pred (y), tiny-cuda-nn's definitions
+// (relative losses hold their normaliser constant); lum is the row's luminance.
+vec2 loss_term(float pred, float target, float lum) {
+    float d = pred - target;
+    float s = sign(d);
+    switch (LOSS_ID) {
+    case LOSS_L1: return vec2(abs(d), s);
+    case LOSS_REL_L2: { float n = pred * pred + LOSS_EPSILON; return vec2(d * d / n, 2.0 * d / n); }
+    case LOSS_REL_L1: { float n = abs(pred) + LOSS_EPSILON; return vec2(abs(d) / n, s / n); }
+    case LOSS_REL_L2_LUM: { float n = lum * lum + LOSS_EPSILON; return vec2(d * d / n, 2.0 * d / n); }
+    case LOSS_MAPE: { float n = abs(target) + LOSS_EPSILON; return vec2(abs(d) / n, s / n); }
+    case LOSS_SMAPE: { float n = abs(pred) + abs(target) + LOSS_EPSILON; return vec2(2.0 * abs(d) / n, 2.0 * s / n); }
+    case LOSS_HUBER:
+        if (abs(d) <= HUBER_DELTA) return vec2(0.5 * d * d, d);
+        return vec2(HUBER_DELTA * (abs(d) - 0.5 * HUBER_DELTA), HUBER_DELTA * s);
+    default: return vec2(d * d, 2.0 * d);
+    }
+}

@@ -1,0 +1,73 @@
+#version 450
+// One invocation per (unpadded) parameter: sums the gradient splits in a fixed order, divides
+// by the loss scale, and either stores the gradient (mode 0) or applies Adam/SGD to the fp32
+// master (mode 1), refreshing the fp16-rounded copies the kernels read (both layouts).
+layout(local_size_x = 256) in;
+#include "mlp_common.glsl"
+
+layout(constant_id = 6) const int OPT_ADAM = 1;
+layout(constant_id = 7) const float LR = 1e-3;
+layout(constant_id = 8) const float BETA1 = 0.9;
+layout(constant_id = 9) const float BETA2 = 0.99;
+layout(constant_id = 10) const float EPSILON = 1e-15;
+layout(constant_id = 11) const float L2_REG = 0.0;
+layout(constant_id = 12) const float MOMENTUM = 0.0;
+
+layout(std430, binding = 0) readonly buffer PartBuf { float PART[]; };
+layout(std430, binding = 1) buffer MasterBuf { float MASTER[]; };
+layout(std430, binding = 2) buffer SlotA { float SLOT_A[]; };
+layout(std430, binding = 3) buffer SlotB { float SLOT_B[]; };
+layout(std430, binding = 4) buffer WeightBuf { float WALL[]; };
+layout(std430, binding = 5) buffer BiasBuf { float BIAS[]; };
+layout(std430, binding = 6) writeonly buffer GradBuf { float GRAD[]; };
+layout(std430, binding = 7) readonly buffer Control { uint step; uint base; uint pad0; uint pad1; float hist[]; } ctrl;
+layout(push_constant) uniform Push { uint n_params; uint splits; uint gsize; uint mode; uint groups_x; } pc;
+
+void main() {
+    uint i = gl_WorkGroupID.y * pc.groups_x * 256u + gl_GlobalInvocationID.x;
+    if (i >= pc.n_params) return;
+    int l = 0;
+    for (; l < N_LAYERS - 1; ++l)
+        if (i < uint(P_OFF[l + 1])) break;
+    int fan_in = FAN_IN[l], fan_out = FAN_OUT[l];
+    int local = int(i) - P_OFF[l];
+    bool is_bias = local >= fan_out * fan_in;
+    int n, k = 0, gidx;
+    if (is_bias) {
+        n = local - fan_out * fan_in;
+        gidx = GB_OFF[l] + n;
+    } else {
+        n = local / fan_in;
+        k = local - n * fan_in;
+        gidx = GW_OFF[l] + n * LAYER_K[l] + k;
+    }
+    float g = 0.0;
+    for (uint s = 0u; s < pc.splits; ++s) g += PART[s * pc.gsize + uint(gidx)];
+    g /= LOSS_SCALE;
+    if (pc.mode == 0u) {
+        GRAD[i] = g;
+        return;
+    }
+    float w = MASTER[i];
+    g += L2_REG * w;
+    if (OPT_ADAM != 0) {
+        float m = BETA1 * SLOT_A[i] + (1.0 - BETA1) * g;
+        float v = BETA2 * SLOT_B[i] + (1.0 - BETA2) * g * g;
+        float t = float(ctrl.step);
+        float lr_t = LR * sqrt(1.0 - pow(BETA2, t)) / (1.0 - pow(BETA1, t));
+        w -= lr_t * m / (sqrt(v) + EPSILON);
+        SLOT_A[i] = m;
+        SLOT_B[i] = v;
+    } else {
+        float vel = MOMENTUM * SLOT_A[i] + g;
+        w -= LR * vel;
+        SLOT_A[i] = vel;
+    }
+    MASTER[i] = w;
+    if (is_bias) {
+        BIAS[B_OFF[l] + n] = w;
+    } else {
+        WALL[WT_OFF[l] + k * LAYER_N[l] + n] = r16(w);
+        WALL[WR_OFF[l] + n * LAYER_K[l] + k] = r16(w);
+    }
+}
