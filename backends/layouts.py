@@ -848,9 +848,14 @@ def explain_register_permutation(src: LinearLayout, dst: LinearLayout) -> str:
 
 
 # ---------------------------------------------------------------------- code generation
+# ``register`` is a C/C++ keyword; everything else keeps its dim name.
+_DEFAULT_VARIABLE_NAMES = {"register": "reg"}
+_RESERVED_WORDS = {"register", "int", "uint", "unsigned", "float", "double", "half", "in", "out", "inout", "const", "return"}
+
+
 def index_expression(layout: LinearLayout, out_dim: str, lang: str = "cuda", names: Mapping[str, str] | None = None) -> str:
     """An XOR/shift expression computing ``out_dim`` from unsigned variables named after the
-    input dims (``names`` renames them), pasteable into CUDA (``lang="cuda"``) or GLSL
+    input dims (``register`` becomes ``reg``, a C keyword otherwise; ``names`` renames), pasteable into CUDA (``lang="cuda"``) or GLSL
     (``lang="glsl"``, literals get the ``u`` suffix so ``uint`` variables type-check).
 
     Every input bit contributes its image's set bits; the (input bit -> output bit) pairs that
@@ -862,7 +867,11 @@ def index_expression(layout: LinearLayout, out_dim: str, lang: str = "cuda", nam
     if out_dim not in layout.out_dims:
         raise LayoutError(f"{out_dim!r} is not an output dim of this layout ({list(layout.out_dims)})")
     suffix = "u" if lang == "glsl" else ""
-    names = dict(names or {})
+    names = {**_DEFAULT_VARIABLE_NAMES, **(names or {})}
+    for in_dim in layout.in_dims:
+        var = names.get(in_dim, in_dim)
+        if not var.isidentifier() or var in _RESERVED_WORDS:
+            raise LayoutError(f"{var!r} cannot be a CUDA/GLSL variable; pass names={{{in_dim!r}: ...}}")
     out_index = list(layout.out_dims).index(out_dim)
 
     def lit(value: int, hexadecimal: bool = False) -> str:
