@@ -1,0 +1,668 @@
+"""cuda backend: fused MLP kernels on NVIDIA GPUs, through CuPy (memory, streams, NVRTC).
+
+Variants (``probe()`` reports each, with the reason when it cannot run):
+
+* ``wgmma`` — Hopper warpgroup MMA (sm_90a). The probe checks that the GPU is compute
+  capability 9.0 and that NVRTC accepts an sm_90a wgmma instruction; mmad's wgmma kernels are
+  not written yet, so the row is unavailable with that reason.
+* ``mma`` — ``shaders/cuda/mlp_mma.cu``: mma.sync.m16n8k16 (fp16 in, fp32 accumulate), compute
+  capability 8.0 or newer, hidden widths 16-128. One kernel runs the whole forward pass with
+  activations chained in registers; a training step is one fused forward + loss + backward
+  kernel (per-layer activations and gradients written once for the weight gradients), one
+  weight-gradient kernel per layer (mma over fixed row chunks: deterministic), and one
+  reduction + optimizer kernel per layer that also refreshes the packed fp16 weight images.
+* ``cublaslt`` — cuBLASLt through nvmath-python; see :mod:`mmad.backends.cuda_cublaslt`.
+
+Kernels are specialised per model (widths, depth, activations, loss, optimizer constants as
+``#define``s), compiled by NVRTC to a cubin and stored in the kernel cache (key: backend,
+architecture, NVRTC version, options, source); a cache hit loads the cubin without calling
+NVRTC. This module imports without CuPy: the probe then reports why nothing can run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from mmad.backends import numerics as nm
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import (
+    Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
+    optimizer_state_names,
+)
+from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
+from mmad.shaders import read_source
+from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
+
+VARIANTS = ("wgmma", "mma", "cublaslt")
+MMA_MAX_WIDTH = 128
+WARPS_PER_BLOCK = 4
+ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
+WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
+SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
+
+ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
+# activations whose derivative follows from the stored fp16 output (no extra buffer)
+DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
+
+_WGMMA_PROBE_SOURCE = r"""
+extern "C" __global__ void wgmma_probe(float* out) {
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+    unsigned long long desc = 0ull;
+    unsigned a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u;
+    asm volatile("wgmma.fence.sync.aligned;");
+    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 1;"
+                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+    asm volatile("wgmma.commit_group.sync.aligned;");
+    asm volatile("wgmma.wait_group.sync.aligned 0;");
+    out[threadIdx.x] = d0 + d1 + d2 + d3;
+}
+"""
+
+
+# -- CuPy access ---------------------------------------------------------------------------
+def _cupy():
+    """The cupy module, or BackendUnavailable saying why not."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailable("cuda", f"CuPy is not installed ({exc})") from exc
+    except Exception as exc:  # a broken CUDA install can fail at import time
+        raise BackendUnavailable("cuda", f"CuPy failed to import: {type(exc).__name__}: {exc}") from exc
+    return cupy
+
+
+def _nvrtc():
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def _device_errors(cp) -> tuple[type[BaseException], ...]:
+    return (cp.cuda.driver.CUDADriverError, cp.cuda.runtime.CUDARuntimeError,
+            cp.cuda.memory.OutOfMemoryError)
+
+
+def _version_text(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def nvrtc_compile(source: str, options: tuple[str, ...], what: str) -> bytes:
+    """Compile CUDA C++ to a cubin with NVRTC; CompileError with the log on failure."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source, f"{what}.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            log = ""
+            try:
+                log = nvrtc.getProgramLog(prog)
+            except Exception:  # the log is a courtesy; the error itself is reported regardless
+                pass
+            raise CompileError(what, log or str(exc), source) from exc
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class LoadedModule:
+    """A cubin loaded into the current context; kernels by name."""
+
+    def __init__(self, cp, cubin: bytes):
+        # RawModule(path=...) is CuPy's documented way to load a prebuilt cubin
+        fd, path = tempfile.mkstemp(suffix=".cubin", prefix="mmad-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            self.module = cp.RawModule(path=path)
+            self.kernels = {}
+        finally:
+            os.unlink(path)
+
+    def kernel(self, name: str):
+        if name not in self.kernels:
+            self.kernels[name] = self.module.get_function(name)
+        return self.kernels[name]
+
+
+def device_info(cp) -> dict[str, Any]:
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    name = props["name"]
+    return {
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "cc": (int(props["major"]), int(props["minor"])),
+        "sm_count": int(props["multiProcessorCount"]),
+        "smem_per_sm": int(props.get("sharedMemPerMultiprocessor", 228 * 1024)),
+        "smem_optin": int(props.get("sharedMemPerBlockOptin", 227 * 1024)),
+        "regs_per_sm": int(props.get("regsPerMultiprocessor", 65536)),
+    }
+
+
+def pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def b_image_index(k_dim: int, k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Where element (k, n) of a K x N B operand sits in its packed image (halves).
+
+    Mirrors ``b_image_index`` in mlp_mma.cu: n-tile (8 columns) major, then k-chunk (16),
+    then lane (g = n % 8, t = (k % 8) // 2 -> lane 4g + t), then the four halves b0 b1 b2 b3
+    (b0 b1: k % 16 < 8, b2 b3: k % 16 >= 8; low/high half by k % 2).
+    """
+    k = np.asarray(k)
+    n = np.asarray(n)
+    kc, kk = k >> 4, k & 15
+    hi, rr = kk >> 3, kk & 7
+    lane = (n & 7) * 4 + (rr >> 1)
+    return ((((n >> 3) * (k_dim >> 4) + kc) * 32 + lane) * 4 + hi * 2 + (rr & 1)).astype(np.int64)
+
+
+# -- the mma.sync model ------------------------------------------------------------------------
+class CudaMmaModel(CompiledModel):
+    """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
+
+    backend = "cuda"
+    variant = "mma"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
+        super().__init__(spec)
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda mma variant computes in fp16; got {spec.precision!r}")
+        if spec.n_neurons > MMA_MAX_WIDTH:
+            raise SpecError("network.n_neurons",
+                            f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got "
+                            f"{spec.n_neurons} (the cublaslt variant runs wider models)")
+        self.cp = cp
+        self.info = info
+        self.width = spec.n_neurons
+        self.n_hidden = spec.n_hidden_layers
+        self.k_in = pad16(spec.n_encoded_dims)
+        self.n_out_pad = pad16(spec.n_output_dims)
+        # (fan_in, fan_out, K padded, N padded) per layer
+        self.layers = [(fi, fo, pad16(fi), pad16(fo)) for fi, fo in spec.layer_dims]
+        self.n_layers = len(self.layers)
+        self.wf_total = sum(k * n for _, _, k, n in self.layers)
+        self.wb_total = sum(k * n for _, _, k, n in self.layers[1:])
+        self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
+        self.smem_fwd = self.wf_total * 2
+        self.smem_train = (self.wf_total + self.wb_total) * 2
+        self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
+        self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
+        self.mt_fwd = 2 if self.width <= 64 else 1
+        self.source = self._source()
+        self.arch = f"sm_{info['cc'][0]}{info['cc'][1]}"
+        self.options = (f"-arch={self.arch}", "-std=c++17")
+        self._module = self._build(cache)
+        self._allocate()
+        self.set_params(init_params(spec))
+
+    # -- build ------------------------------------------------------------------------------
+    def _source(self) -> str:
+        s, opt = self.spec, self.spec.optimizer
+
+        def f32(v: float) -> str:
+            return f"{float(np.float32(v))!r}f"
+
+        defines = {
+            "NIN": s.n_encoded_dims, "KIN": self.k_in, "WIDTH": self.width, "NHID": self.n_hidden,
+            "NOUT": s.n_output_dims, "NOUT_PAD": self.n_out_pad,
+            "ACT": ACT_CODES[s.activation], "OUT_ACT": ACT_CODES[s.output_activation],
+            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32(s.huber_delta),
+            "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": WARPS_PER_BLOCK,
+            "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
+            "STORE_DACT": int(self.store_dact), "OPT_ADAM": int(opt.otype == "Adam"),
+            "LR": f32(opt.learning_rate), "BETA1": f32(opt.beta1), "BETA2": f32(opt.beta2),
+            "EPS": f32(opt.epsilon), "L2REG": f32(opt.l2_reg), "MOMENTUM": f32(opt.momentum),
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return head + read_source("cuda/mlp_mma.cu")
+
+    def _build(self, cache: KernelCache | None) -> LoadedModule:
+        nvrtc = _nvrtc()
+        what = f"mma kernels for model {self.spec.content_hash()} ({self.describe()})"
+
+        def build() -> bytes:
+            return nvrtc_compile(self.source, self.options, what)
+
+        compiler = "nvrtc-%d.%d" % tuple(nvrtc.getVersion())
+        if cache is None:
+            cubin = build()
+        else:
+            cubin = cache.get_or_build(build, backend="cuda-mma", device=self.arch, compiler=compiler,
+                                       options=list(self.options), source=self.source)
+        try:
+            module = LoadedModule(self.cp, cubin)
+            fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
+            if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
+                fwd.max_dynamic_shared_size_bytes = self.smem_fwd
+            if self.w_smem_train and self.smem_train > 48 * 1024:
+                train.max_dynamic_shared_size_bytes = self.smem_train
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+        self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
+        self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
+        return module
+
+    def _resident_blocks(self, kernel, smem: int) -> int:
+        """Blocks of one launch that fit on the GPU at once (the persistent grid)."""
+        threads = WARPS_PER_BLOCK * 32
+        regs = max(int(kernel.num_regs), 1)
+        regs_per_warp = math.ceil(regs * 32 / 256) * 256
+        by_regs = self.info["regs_per_sm"] // (regs_per_warp * WARPS_PER_BLOCK)
+        by_smem = self.info["smem_per_sm"] // (smem + 1024) if smem else 64
+        by_threads = 2048 // threads
+        return max(1, min(by_regs, by_smem, by_threads, 32)) * self.info["sm_count"]
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"{s.n_encoded_dims}->{s.n_neurons}x{s.n_hidden_layers}->{s.n_output_dims}, "
+                f"{s.activation}/{s.output_activation}, {s.loss}, {s.optimizer.otype}")
+
+    # -- buffers ----------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        cp = self.cp
+        try:
+            n_w = [n * k for _, _, k, n in self.layers]
+            n_b = [n for _, _, _, n in self.layers]
+            total_w, total_b = sum(n_w), sum(n_b)
+            self.w_all = cp.zeros(total_w, dtype=cp.float32)
+            self.b_all = cp.zeros(total_b, dtype=cp.float32)  # the kernels read biases here
+            n_slots = 2 if self.spec.optimizer.otype == "Adam" else 1
+            self.slot_w = [cp.zeros(total_w, dtype=cp.float32) for _ in range(n_slots)]
+            self.slot_b = [cp.zeros(total_b, dtype=cp.float32) for _ in range(n_slots)]
+            self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
+            self.dummy = cp.zeros(4, dtype=cp.float32)
+        except _device_errors(cp) as exc:
+            raise LaunchError(f"allocating the model's device buffers failed: {exc}") from exc
+        self.w_off, self.b_off, self.wf_off, self.wb_off = [], [], [], []
+        ow = ob = of = 0
+        ob_img = self.wf_total
+        for i, (_, _, k, n) in enumerate(self.layers):
+            self.w_off.append(ow)
+            self.b_off.append(ob)
+            self.wf_off.append(of)
+            self.wb_off.append(ob_img if i > 0 else -1)
+            ow += n * k
+            ob += n
+            of += n * k
+            if i > 0:
+                ob_img += n * k
+        self._workspace: dict[int, dict[str, Any]] = {}
+
+    def _layer_views(self, i: int, arrays: list) -> list:
+        _, _, k, n = self.layers[i]
+        return [a[self.w_off[i]:self.w_off[i] + n * k] for a in arrays]
+
+    def _workspace_for(self, rows_pad: int) -> dict[str, Any]:
+        ws = self._workspace.get(rows_pad)
+        if ws is not None:
+            return ws
+        self._workspace.clear()  # one batch size at a time: large buffers are not hoarded
+        cp = self.cp
+        w, nh = self.width, self.n_hidden
+        sm = self.info["sm_count"]
+        chunks = []
+        max_partial = 0
+        for _, _, k, n in self.layers:
+            tiles = math.ceil(n / 64) * math.ceil(k / 64)
+            n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * sm / tiles)))
+            chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
+            n_chunks = math.ceil(rows_pad / chunk_rows)
+            chunks.append((n_chunks, chunk_rows))
+            max_partial = max(max_partial, n_chunks * (n * k + n))
+        try:
+            ws = {
+                "h": cp.empty(rows_pad * (self.k_in + nh * w) // 2, dtype=cp.uint32),
+                "d": cp.empty(rows_pad * (nh * w + self.n_out_pad) // 2, dtype=cp.uint32),
+                "dact": cp.empty(rows_pad * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
+                "partial": cp.empty(max_partial, dtype=cp.float32),
+                "loss": cp.zeros(self.grid_train * WARPS_PER_BLOCK, dtype=cp.float64),
+                "chunks": chunks,
+            }
+        except _device_errors(cp) as exc:
+            raise LaunchError(f"allocating training buffers for {rows_pad} rows failed: {exc}") from exc
+        self._workspace[rows_pad] = ws
+        return ws
+
+    # -- host <-> device ----------------------------------------------------------------------
+    def upload(self, x: np.ndarray) -> Any:
+        try:
+            return self.cp.asarray(np.ascontiguousarray(x, dtype=np.float32))
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"copying {np.shape(x)} to the device failed: {exc}") from exc
+
+    def download(self, a: Any) -> np.ndarray:
+        try:
+            return self.cp.asnumpy(a)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"copying from the device failed: {exc}") from exc
+
+    def synchronize(self) -> None:
+        try:
+            self.cp.cuda.get_current_stream().synchronize()
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"a CUDA kernel failed: {exc}") from exc
+
+    def _device_input(self, x: Any, cols: int, name: str, encode: bool) -> tuple[Any, bool]:
+        """(device fp32 C-contiguous rows x encoded cols, whether x came from the host)."""
+        cp = self.cp
+        on_device = isinstance(x, cp.ndarray)
+        if not on_device:
+            host = check_rows(x, cols, name)
+            if encode and self.spec.encoding.otype != "Identity":
+                host = np.ascontiguousarray(nm.encode(self.spec.encoding, host), dtype=np.float32)
+            return self.upload(host), True
+        if x.ndim == 1 and cols == 1:
+            x = x.reshape(-1, 1)
+        if x.ndim != 2 or x.shape[1] != cols:
+            raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
+        if x.dtype not in (cp.float32, cp.float16, cp.float64):
+            raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if encode and self.spec.encoding.otype != "Identity":
+            # encodings are defined once, in NumPy (numerics.encode): applied on the host
+            x = self.upload(nm.encode(self.spec.encoding, self.download(x)))
+        return x, False
+
+    def _launch(self, name: str, grid, block, args, smem: int = 0) -> None:
+        try:
+            self._module.kernel(name)(grid, block, args, shared_mem=smem)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"launching {name} failed: {exc}") from exc
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        cp = self.cp
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        rows = dx.shape[0]
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        if rows:
+            rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
+            tiles = rows_pad // (16 * self.mt_fwd)
+            grid = max(1, min(self.grid_fwd, math.ceil(tiles / WARPS_PER_BLOCK)))
+            self._launch("mlp_forward", (grid,), (WARPS_PER_BLOCK * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), out, self.wimage, self.b_all),
+                         self.smem_fwd if self.w_smem_fwd else 0)
+        if from_host:
+            return self.download(out)
+        return out
+
+    def _forward_backward(self, dx, dy, rows: int, step_slot) -> dict[str, Any]:
+        """Fused forward + loss + backward, then each layer's chunked weight gradients."""
+        rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
+        ws = self._workspace_for(rows_pad)
+        grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / WARPS_PER_BLOCK)))
+        grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
+        loss_slots = ws["loss"][: grid * WARPS_PER_BLOCK]
+        self._launch("mlp_train_fwd_bwd", (grid,), (WARPS_PER_BLOCK * 32,),
+                     (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
+                      ws["h"], ws["d"], ws["dact"], loss_slots),
+                     self.smem_train if self.w_smem_train else 0)
+        step_slot[...] = loss_slots.sum()
+        ws["rows_pad"] = rows_pad
+        return ws
+
+    def _layer_grads(self, ws: dict[str, Any], i: int) -> tuple[int, Any, Any]:
+        """Launch layer i's weight-gradient kernel; (chunks, partial W sums, partial b sums)."""
+        rows_pad = ws["rows_pad"]
+        _, _, k, n = self.layers[i]
+        n_chunks, chunk_rows = ws["chunks"][i]
+        h_off = 0 if i == 0 else rows_pad * (self.k_in + (i - 1) * self.width)
+        d_off = rows_pad * i * self.width
+        h = ws["h"].view(self.cp.uint16)[h_off:h_off + rows_pad * k]
+        d = ws["d"].view(self.cp.uint16)[d_off:d_off + rows_pad * n]
+        pw = ws["partial"][: n_chunks * n * k]
+        pb = ws["partial"][n_chunks * n * k: n_chunks * (n * k + n)]
+        tiles = math.ceil(n / 64) * math.ceil(k / 64)
+        self._launch("mlp_wgrad", (n_chunks, tiles), (128,),
+                     (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb))
+        return n_chunks, pw, pb
+
+    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, lr_t: float,
+                        grad_w=None, grad_b=None) -> None:
+        fan_in, fan_out, k, n = self.layers[i]
+        w = self.w_all[self.w_off[i]:self.w_off[i] + n * k]
+        b = self.b_all[self.b_off[i]:self.b_off[i] + n]
+        s1w = self.slot_w[0][self.w_off[i]:self.w_off[i] + n * k]
+        s1b = self.slot_b[0][self.b_off[i]:self.b_off[i] + n]
+        s2w = self.slot_w[-1][self.w_off[i]:self.w_off[i] + n * k]
+        s2b = self.slot_b[-1][self.b_off[i]:self.b_off[i] + n]
+        total = n * k + n
+        d = self.dummy
+        self._launch("mlp_optimize", (math.ceil(total / 256),), (256,),
+                     (np.int32(mode), w, b, s1w, s1b, s2w, s2b, d if pw is None else pw,
+                      d if pb is None else pb, np.int32(n_chunks), np.int32(n), np.int32(k),
+                      np.int32(fan_out), np.int32(fan_in), self.wimage, np.int32(self.wf_off[i]),
+                      np.int32(self.wb_off[i]), np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale),
+                      d if grad_w is None else grad_w, d if grad_b is None else grad_b))
+
+    def _prepare_batch(self, x: Any, y: Any) -> tuple[Any, Any, int]:
+        dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        dy, _ = self._device_input(y, self.spec.n_output_dims, "target", encode=False)
+        if dy.shape[0] != dx.shape[0]:
+            raise InvalidInput(f"target has {dy.shape[0]} rows but input has {dx.shape[0]}")
+        if dx.shape[0] == 0:
+            raise InvalidInput("a training batch needs at least one row")
+        return dx, dy, dx.shape[0]
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        dx, dy, rows = self._prepare_batch(x, y)
+        losses = self.cp.zeros(steps, dtype=self.cp.float64)
+        opt = self.spec.optimizer
+        for s in range(steps):
+            ws = self._forward_backward(dx, dy, rows, losses[s])
+            step = self.step_count + 1
+            lr_t = opt.learning_rate * math.sqrt(1 - opt.beta2 ** step) / (1 - opt.beta1 ** step) \
+                if opt.otype == "Adam" else opt.learning_rate
+            for i in reversed(range(self.n_layers)):
+                n_chunks, pw, pb = self._layer_grads(ws, i)
+                self._optimize_layer(i, 0, n_chunks, pw, pb, lr_t)
+            self.step_count = step
+        total = self.download(losses) / (rows * self.spec.n_output_dims)
+        return total.astype(np.float32)
+
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        cp = self.cp
+        dx, dy, rows = self._prepare_batch(x, y)
+        loss = cp.zeros((), dtype=cp.float64)
+        ws = self._forward_backward(dx, dy, rows, loss)
+        grads: dict[str, np.ndarray] = {}
+        for i in reversed(range(self.n_layers)):
+            fan_in, fan_out, k, n = self.layers[i]
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            gw = cp.zeros(n * k, dtype=cp.float32)
+            gb = cp.zeros(n, dtype=cp.float32)
+            self._optimize_layer(i, 1, n_chunks, pw, pb, 0.0, gw, gb)
+            grads[f"W{i}"] = self.download(gw).reshape(n, k)[:fan_out, :fan_in].copy()
+            grads[f"b{i}"] = self.download(gb)[:fan_out].copy()
+        value = float(self.download(loss)) / (rows * self.spec.n_output_dims)
+        return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
+
+    # -- parameters -------------------------------------------------------------------------------
+    def _padded(self, flat: Any, offsets: list[int], i: int, is_w: bool) -> np.ndarray:
+        fan_in, fan_out, k, n = self.layers[i]
+        if is_w:
+            return self.download(flat[offsets[i]:offsets[i] + n * k]).reshape(n, k)[:fan_out, :fan_in].copy()
+        return self.download(flat[offsets[i]:offsets[i] + n])[:fan_out].copy()
+
+    def _upload_padded(self, flat: Any, offsets: list[int], i: int, value: np.ndarray, is_w: bool) -> None:
+        fan_in, fan_out, k, n = self.layers[i]
+        if is_w:
+            host = np.zeros((n, k), dtype=np.float32)
+            host[:fan_out, :fan_in] = value
+            flat[offsets[i]:offsets[i] + n * k] = self.cp.asarray(host.reshape(-1))
+        else:
+            host = np.zeros(n, dtype=np.float32)
+            host[:fan_out] = value
+            flat[offsets[i]:offsets[i] + n] = self.cp.asarray(host)
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self._padded(self.w_all, self.w_off, i, True)
+            out[f"b{i}"] = self._padded(self.b_all, self.b_off, i, False)
+        return out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        try:
+            for i in range(self.n_layers):
+                self._upload_padded(self.w_all, self.w_off, i, params[f"W{i}"], True)
+                self._upload_padded(self.b_all, self.b_off, i, params[f"b{i}"], False)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading parameters failed: {exc}") from exc
+        for i in range(self.n_layers):  # refresh the fp16 images the kernels read
+            self._optimize_layer(i, 2, 0, None, None, 0.0)
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {}
+        slots = ("m", "v") if self.spec.optimizer.otype == "Adam" else ("velocity",)
+        for j, slot in enumerate(slots):
+            for i in range(self.n_layers):
+                state[f"{slot}.W{i}"] = self._padded(self.slot_w[j], self.w_off, i, True)
+                state[f"{slot}.b{i}"] = self._padded(self.slot_b[j], self.b_off, i, False)
+        state["step"] = np.array([self.step_count], dtype=np.int64)
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        expected = optimizer_state_names(self.spec)
+        shapes = {**{f"W{i}": (fo, fi) for i, (fi, fo, _, _) in enumerate(self.layers)},
+                  **{f"b{i}": (fo,) for i, (_, fo, _, _) in enumerate(self.layers)}}
+        for name in expected:
+            if name not in state or np.shape(state[name]) != shapes[name.split(".", 1)[1]]:
+                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
+        if "step" not in state:
+            raise InvalidInput("optimizer state lacks 'step'")
+        slots = ("m", "v") if self.spec.optimizer.otype == "Adam" else ("velocity",)
+        for j, slot in enumerate(slots):
+            for i in range(self.n_layers):
+                self._upload_padded(self.slot_w[j], self.w_off, i, np.asarray(state[f"{slot}.W{i}"], np.float32), True)
+                self._upload_padded(self.slot_b[j], self.b_off, i, np.asarray(state[f"{slot}.b{i}"], np.float32), False)
+        self.step_count = int(np.asarray(state["step"]).reshape(-1)[0])
+
+    def device_bytes(self) -> int:
+        arrays = [self.w_all, self.b_all, self.wimage, *self.slot_w, *self.slot_b]
+        for ws in self._workspace.values():
+            arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
+        return int(sum(a.nbytes for a in arrays))
+
+    def close(self) -> None:
+        self._workspace.clear()
+        for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+
+# -- the cuBLASLt model (nvmath-python) ----------------------------------------------------------
+def cublaslt_availability() -> tuple[bool, str, str]:
+    """(usable, reason when not, nvmath version)."""
+    try:
+        import nvmath
+        from nvmath.linalg.advanced import Matmul, MatmulEpilog  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA library it could not load
+        return False, f"nvmath-python is not importable ({type(exc).__name__}: {exc})", ""
+    version = getattr(nvmath, "__version__", "?")
+    if CublasLtModel is None:
+        return False, "nvmath-python imports, but mmad's cuBLASLt model is not implemented yet", version
+    return True, "", version
+
+
+CublasLtModel = None
+
+
+# -- the backend ---------------------------------------------------------------------------------
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._rows: list[ProbeRow] | None = None
+
+    def probe(self) -> list[ProbeRow]:
+        if self._rows is None:
+            self._rows = self._probe()
+        return self._rows
+
+    def _probe(self) -> list[ProbeRow]:
+        def all_unavailable(reason: str, **kw: Any) -> list[ProbeRow]:
+            return [ProbeRow("cuda", v, False, reason=reason, **kw) for v in VARIANTS]
+
+        try:
+            cp = _cupy()
+        except BackendUnavailable as exc:
+            return all_unavailable(exc.reason)
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no driver, no device, broken install: all the same to the user
+            return all_unavailable(f"no CUDA device is usable: {exc}")
+        if count == 0:
+            return all_unavailable("no CUDA device is present")
+        try:
+            info = device_info(cp)
+            nvrtc = _nvrtc()
+            nvrtc_version = "%d.%d" % tuple(nvrtc.getVersion())
+            api = (f"driver {_version_text(cp.cuda.runtime.driverGetVersion())}, runtime "
+                   f"{_version_text(cp.cuda.runtime.runtimeGetVersion())}, NVRTC {nvrtc_version}, "
+                   f"CuPy {cp.__version__}")
+        except Exception as exc:
+            return all_unavailable(f"querying the CUDA device failed: {type(exc).__name__}: {exc}")
+        cc = info["cc"]
+        common = {"device": info["name"], "api_version": api}
+        details = {"compute_capability": f"{cc[0]}.{cc[1]}", "multiprocessors": info["sm_count"]}
+        mma_shape = [MMAShape(16, 8, 16, scope="warp")]
+
+        # wgmma: the hardware and NVRTC are checked; the kernels themselves do not exist yet
+        if cc != (9, 0):
+            wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
+                          f"this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+        else:
+            try:
+                nvrtc_compile(_WGMMA_PROBE_SOURCE, ("-arch=sm_90a", "-std=c++17"), "the wgmma probe")
+                wg = ProbeRow("cuda", "wgmma", False,
+                              reason="the GPU and NVRTC accept sm_90a wgmma, but mmad's wgmma kernels are "
+                                     "not implemented yet; the mma variant runs on this GPU",
+                              details={**details, "nvrtc_sm_90a_wgmma": True},
+                              mma_shapes=[MMAShape(64, n, 16, scope="warpgroup") for n in (8, 64, 128, 256)],
+                              **common)
+            except CompileError as exc:
+                wg = ProbeRow("cuda", "wgmma", False, reason=f"NVRTC rejects sm_90a wgmma: {exc.log.strip()[:300]}",
+                              details=dict(details), **common)
+        if cc >= (8, 0):
+            mma = ProbeRow("cuda", "mma", True, mma_shapes=mma_shape,
+                           details={**details, "max_width": MMA_MAX_WIDTH}, **common)
+        else:
+            mma = ProbeRow("cuda", "mma", False, reason=f"mma.sync m16n8k16 kernels need compute capability "
+                           f"8.0 or newer; this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+        lt_ok, lt_reason, lt_version = cublaslt_availability()
+        lt = ProbeRow("cuda", "cublaslt", lt_ok, reason=lt_reason,
+                      details={**details, "nvmath": lt_version}, **common)
+        return [wg, mma, lt]
+
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
+        rows = {r.variant: r for r in self.probe()}
+        if variant is not None and variant not in rows:
+            raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
+        if variant is None:
+            # widths the fused kernels hold in registers go to mma; wider models to cuBLASLt
+            variant = "mma" if spec.n_neurons <= MMA_MAX_WIDTH else "cublaslt"
+        row = rows[variant]
+        if not row.available:
+            raise BackendUnavailable(f"cuda:{variant}", row.reason)
+        cp = _cupy()
+        info = device_info(cp)
+        if cache is None:
+            cache = KernelCache()
+        if variant == "mma":
+            return CudaMmaModel(spec, cp, info, cache)
+        return CublasLtModel(spec, cp, info, cache)
+
+
+__all__ = ["CudaBackend", "CudaMmaModel", "VARIANTS", "nvrtc_compile", "b_image_index"]

@@ -1,0 +1,307 @@
+"""CUDA-side timings and checks for the cuda backend (BENCHMARKS.md rules), in one process.
+
+``python -m mmad.bench.cuda_bench --out DIR`` measures, in the same run: the hardware ceilings
+(device-to-device copy, cuBLAS fp16 GEMM through PyTorch), the PyTorch fp16 peers (CUDA-graph
+forward; autocast + fused Adam training step), and mmad's cuda models S/M/L/W at batch 2^20:
+forward and one full training step (forward, L2 loss, backward, Adam), each the median of
+``--repeats`` timed runs (CUDA events) after warm-up, on random data, after checking the output
+against the float64 cpu oracle on 4096 rows. Also ``--sass``: the instruction mix of the compiled
+cubins (cuobjdump), and ``--nvmath-check``: what nvmath-python's cuBLASLt epilogs do here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mmad.spec import bench_spec
+
+
+def cuda_median_s(fn: Callable[[], Any], repeats: int, warmup: int = 3) -> float:
+    import cupy as cp
+
+    for _ in range(warmup):
+        fn()
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict[str, float]:
+    import torch
+
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_(0, 255)
+    copy = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); b.copy_(a); e.record(); e.synchronize()
+        copy.append(s.elapsed_time(e) / 1e3)
+    n = 8192
+    x = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    y = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    gemm = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); x @ y; e.record(); e.synchronize()
+        gemm.append(s.elapsed_time(e) / 1e3)
+    return {"copy_bytes_per_s": 2 * a.numel() / statistics.median(copy[2:]),
+            "gemm_flops_per_s": 2 * n ** 3 / statistics.median(gemm[2:])}
+
+
+def floor_s(name: str, batch: int, ceilings: dict[str, float], training: bool) -> float:
+    """max(bytes / copy rate, FLOPs / GEMM rate); bytes of the fp32 inputs/outputs the kernels move."""
+    spec = bench_spec(name)
+    per_row = 4 * (spec.n_input_dims + spec.n_output_dims * (2 if training else 1))
+    flops = spec.flops_per_sample() * (3 if training else 1) * batch
+    return max(per_row * batch / ceilings["copy_bytes_per_s"], flops / ceilings["gemm_flops_per_s"])
+
+
+def torch_peers(names: list[str], batch: int, repeats: int) -> dict[str, dict[str, float]]:
+    import torch
+
+    out = {}
+    for name in names:
+        spec = bench_spec(name)
+        layers: list[torch.nn.Module] = []
+        for i, (fi, fo) in enumerate(spec.layer_dims):
+            layers.append(torch.nn.Linear(fi, fo))
+            if i < len(spec.layer_dims) - 1:
+                layers.append(torch.nn.ReLU())
+        net = torch.nn.Sequential(*layers).cuda()
+        x = torch.randn(batch, spec.n_input_dims, device="cuda")
+        y = torch.randn(batch, spec.n_output_dims, device="cuda")
+        half = torch.nn.Sequential(*layers).cuda().half()
+        xh = x.half()
+        with torch.inference_mode():
+            half(xh)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                half(xh)
+            fwd = _torch_median(graph.replay, repeats)
+        net = net.float()
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-15, fused=True)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type="cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(net(x).float(), y)
+            loss.backward()
+            opt.step()
+
+        out[name] = {"forward_s": fwd, "train_s": _torch_median(step, repeats)}
+        del net, half, opt, x, y
+        torch.cuda.empty_cache()
+    return out
+
+
+def _torch_median(fn: Callable[[], Any], repeats: int) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times)
+
+
+def bench_mmad(names: list[str], batch: int, repeats: int, variant: str | None) -> dict[str, dict[str, Any]]:
+    import cupy as cp
+
+    from mmad.backends.cpu import CpuBackend
+    from mmad.backends.cuda import CudaBackend
+
+    backend = CudaBackend()
+    rng = np.random.default_rng(2026)
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        spec = bench_spec(name)
+        entry: dict[str, Any] = {}
+        try:
+            model = backend.compile(spec, variant=variant)
+        except Exception as exc:  # reported in the table, not hidden
+            results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+            continue
+        entry["variant"] = model.variant
+        x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
+        y = rng.standard_normal((batch, spec.n_output_dims), dtype=np.float32)
+        oracle = CpuBackend("float64").compile(spec)
+        oracle.set_params(model.get_params())
+        check = np.sort(rng.choice(batch, 4096, replace=False))
+        dx, dy = model.upload(x), model.upload(y)
+        out = model.download(model.forward(dx))[check]
+        ref = oracle.forward(x[check])
+        entry["rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else float("inf")
+        # several input sets so repeated runs do not time a cache-resident input
+        xs = [dx] + [model.upload(rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)) for _ in range(2)]
+        it = iter(range(10 ** 9))
+        entry["forward_s"] = cuda_median_s(lambda: model.forward(xs[next(it) % 3]), repeats)
+        entry["train_s"] = cuda_median_s(lambda: model.train_step(dx, dy), repeats)
+        results[name] = entry
+        model.close()
+        cp.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
+    """Compile S/M/L, dump each cubin's SASS with cuobjdump, count the instructions that matter."""
+    import tempfile
+
+    from mmad.backends.cache import KernelCache
+    from mmad.backends.cuda import CudaBackend
+
+    cache_dir = Path(tempfile.mkdtemp(prefix="mmad-sass-"))
+    cache = KernelCache(cache_dir)
+    backend = CudaBackend()
+    mix: dict[str, dict[str, int]] = {}
+    for name in ("S", "M", "L"):
+        before = set(cache_dir.glob("*/*.bin"))
+        backend.compile(bench_spec(name), variant="mma", cache=cache)
+        for entry in set(cache_dir.glob("*/*.bin")) - before:
+            payload = entry.read_bytes().partition(b"\n")[2]
+            cubin = out_dir / f"mma_{name}.cubin"
+            cubin.write_bytes(payload)
+            sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+            (out_dir / f"mma_{name}.sass.txt").write_text(sass)
+            per_kernel: dict[str, int] = {}
+            current = "?"
+            for line in sass.splitlines():
+                m = re.search(r"Function : (\w+)", line)
+                if m:
+                    current = m.group(1)
+                for op in ("HMMA", "LDSM", "LDS", "LDG", "STG", "LDL", "STL", "HGMMA"):
+                    if re.search(rf"\b{op}\b", line):
+                        key = f"{current}:{op}"
+                        per_kernel[key] = per_kernel.get(key, 0) + 1
+            mix[name] = per_kernel
+            cubin.unlink()
+    return mix
+
+
+def nvmath_check() -> list[str]:
+    """What nvmath's cuBLASLt epilogs accept and compute here (a probe for the cublaslt model)."""
+    import cupy as cp
+
+    lines = []
+    try:
+        import nvmath
+        from nvmath.linalg.advanced import Matmul, MatmulEpilog, matmul
+    except Exception as exc:
+        return [f"nvmath import failed: {type(exc).__name__}: {exc}"]
+    lines.append(f"nvmath {nvmath.__version__}")
+    rng = cp.random.default_rng(0)
+    m, k, n = 1000, 64, 48
+    a = rng.standard_normal((m, k), dtype=cp.float32).astype(cp.float16)
+    w = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
+    bias16 = rng.standard_normal(n, dtype=cp.float32).astype(cp.float16)
+    bias32 = bias16.astype(cp.float32)
+    ref = a.astype(cp.float32) @ w.astype(cp.float32).T
+    attempts = {
+        "plain a@w.T": lambda: matmul(a, w.T),
+        "RELU_BIAS bias16 (n,)": lambda: matmul(a, w.T, epilog=MatmulEpilog.RELU_BIAS, epilog_inputs={"bias": bias16}),
+        "RELU_BIAS bias32 (n,)": lambda: matmul(a, w.T, epilog=MatmulEpilog.RELU_BIAS, epilog_inputs={"bias": bias32}),
+        "RELU_AUX_BIAS bias16": lambda: matmul(a, w.T, epilog=MatmulEpilog.RELU_AUX_BIAS, epilog_inputs={"bias": bias16}),
+        "c fp32 beta=1": lambda: matmul(a, w.T, c=cp.zeros((m, n), cp.float32), beta=1.0),
+        "BGRADB (w.T @ a) ": lambda: matmul(a.T, rng.standard_normal((m, n), dtype=cp.float32).astype(cp.float16), epilog=MatmulEpilog.BGRADB),
+        "DRELU_BGRAD": lambda: matmul(a, w.T, epilog=MatmulEpilog.DRELU_BGRAD,
+                                      epilog_inputs={"relu_aux": matmul(a, w.T, epilog=MatmulEpilog.RELU_AUX_BIAS, epilog_inputs={"bias": bias16})[1]["relu_aux"]}),
+    }
+    for label, fn in attempts.items():
+        try:
+            res = fn()
+            if isinstance(res, tuple):
+                d, aux = res
+                aux_desc = {key: (getattr(v, "shape", None), str(getattr(v, "dtype", type(v)))) for key, v in aux.items()}
+            else:
+                d, aux_desc = res, {}
+            err = ""
+            if label.startswith("plain") or label.startswith("c fp32"):
+                err = f" relerr {float(cp.linalg.norm(d.astype(cp.float32) - ref) / cp.linalg.norm(ref)):.2e}"
+            if label.startswith("RELU_BIAS"):
+                r2 = cp.maximum(ref + bias32, 0)
+                err = f" relerr {float(cp.linalg.norm(d.astype(cp.float32) - r2) / cp.linalg.norm(r2)):.2e}"
+            lines.append(f"OK   {label}: out {d.shape} {d.dtype} aux {aux_desc}{err}")
+        except Exception as exc:
+            lines.append(f"FAIL {label}: {type(exc).__name__}: {str(exc)[:300]}")
+    try:
+        mm = Matmul(a, w.T)
+        mm.plan(epilog=MatmulEpilog.RELU_BIAS, epilog_inputs={"bias": bias16})
+        mm.execute()
+        t = cuda_median_s(lambda: mm.execute(), 10)
+        lines.append(f"OK   stateful Matmul plan/execute; reset_operands: {hasattr(mm, 'reset_operands')}; {t * 1e6:.1f} us")
+        mm.free()
+    except Exception as exc:
+        lines.append(f"FAIL stateful Matmul: {type(exc).__name__}: {str(exc)[:300]}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--models", default="S,M,L,W")
+    p.add_argument("--batch", type=int, default=1 << 20)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--variant", default=None, help="force a variant (default: the backend's choice per model)")
+    p.add_argument("--sass", action="store_true")
+    p.add_argument("--nvmath-check", action="store_true")
+    p.add_argument("--no-bench", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "batch": args.batch}
+    if args.nvmath_check:
+        lines = nvmath_check()
+        report["nvmath_check"] = lines
+        print("\n".join(lines), flush=True)
+    if args.sass:
+        report["sass"] = sass_mix(out)
+        print(json.dumps(report["sass"], indent=1), flush=True)
+    if not args.no_bench:
+        names = [n.strip().upper() for n in args.models.split(",") if n.strip()]
+        ceilings = measure_ceilings()
+        peers = torch_peers(names, args.batch, args.repeats)
+        mine = bench_mmad(names, args.batch, args.repeats, args.variant)
+        report.update(ceilings=ceilings, torch=peers, mmad=mine)
+        rows = [f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 GEMM {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s",
+                "| model | variant | rel.err | fwd Ms/s | torch fwd | x torch | % floor | train Ms/s | torch train | x torch | % floor |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for name in names:
+            e, t = mine.get(name, {}), peers[name]
+            if "error" in e:
+                rows.append(f"| {name} | error: {e['error']} |")
+                continue
+            b = args.batch
+            rows.append(
+                f"| {name} | {e['variant']} | {e['rel_err']:.1e} | {b / e['forward_s'] / 1e6:.0f} | {b / t['forward_s'] / 1e6:.0f} | "
+                f"{t['forward_s'] / e['forward_s']:.2f} | {100 * floor_s(name, b, ceilings, False) / e['forward_s']:.0f}% | "
+                f"{b / e['train_s'] / 1e6:.0f} | {b / t['train_s'] / 1e6:.0f} | {t['train_s'] / e['train_s']:.2f} | "
+                f"{100 * floor_s(name, b, ceilings, True) / e['train_s']:.0f}% |")
+        report["table"] = rows
+        print("\n".join(rows), flush=True)
+    (out / "cuda_bench.json").write_text(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,657 @@
+// Fused MLP on mma.sync.m16n8k16 (fp16 x fp16 -> fp32), sm_80 and later.
+//
+// The host prepends the specialisation as #defines (see backends/cuda.py, _mma_defines):
+//   NIN KIN            encoded input dims, and padded to 16
+//   WIDTH NHID         hidden width (multiple of 16, <= 128) and number of hidden layers
+//   NOUT NOUT_PAD      output dims, and padded to 16
+//   ACT OUT_ACT LOSS   activation / output activation / loss codes (ACT_* / LOSS_* below)
+//   HUBER_DELTA        Huber's delta
+//   MT_FWD MT_TRAIN    row tiles of 16 per warp in the forward / training kernel
+//   WARPS              warps per block
+//   W_SMEM_FWD W_SMEM_TRAIN  weights staged in shared memory (else read through L1)
+//   STORE_DACT         the hidden activation's derivative is stored (not derivable from h)
+//   OPT_ADAM LR BETA1 BETA2 EPS L2REG MOMENTUM   optimizer
+//
+// Fragment layouts are the PTX ISA's for mma.m16n8k16 .f16 (g = lane / 4, t = lane % 4):
+//   A (16x16, row): reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][8+2t..], reg3 = A[g+8][8+2t..]
+//   B (16x8, col):  reg0 = B[2t..2t+1][g], reg1 = B[8+2t..8+2t+1][g]
+//   C (16x8) f32:   c0,c1 = C[g][2t..2t+1], c2,c3 = C[g+8][2t..2t+1]
+// so the accumulators of n-tiles 2j and 2j+1, packed to f16x2 in order (c0c1, c2c3), are the
+// A fragment of k-chunk j of the next product: layers chain in registers.
+//
+// Packed weights ("B images"): the B fragments of a K x N operand, n-tile major, then k-chunk,
+// then lane, 4 halves per lane (b0 b1 b2 b3): one conflict-free 8-byte load per lane per mma.
+// The forward image of layer l packs B = W_l^T (K = fan_in, N = fan_out); the backward image
+// packs B = W_l (K = fan_out, N = fan_in) for delta_l @ W_l.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define ACT_NONE 0
+#define ACT_RELU 1
+#define ACT_LEAKY 2
+#define ACT_SIGMOID 3
+#define ACT_TANH 4
+#define ACT_SILU 5
+#define ACT_SOFTPLUS 6
+#define ACT_SQUAREPLUS 7
+#define ACT_EXP 8
+#define ACT_SINE 9
+
+#define LOSS_L2 0
+#define LOSS_L1 1
+#define LOSS_REL_L2 2
+#define LOSS_REL_L1 3
+#define LOSS_REL_L2_LUM 4
+#define LOSS_MAPE 5
+#define LOSS_SMAPE 6
+#define LOSS_HUBER 7
+
+#define NL (NHID + 1)
+#define NTW (WIDTH / 8)
+#define KCW (WIDTH / 16)
+#define KC0 (KIN / 16)
+#define KCO (NOUT_PAD / 16)
+#define WF_TOTAL (KIN * WIDTH + (NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
+#define WB_TOTAL ((NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
+
+// ---- small helpers -------------------------------------------------------------------------
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+    u32 r;  // cvt packs a into the upper half, b into the lower
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float2 unpack_h2(u32 v) {
+    float lo, hi;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(v));
+    return make_float2(lo, hi);
+}
+
+__device__ __forceinline__ u16 to_half_bits(float x) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ float half_bits_to_float(u16 h) {
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const u32* a, uint2 b) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
+__device__ __forceinline__ float sigmoidf_(float z) {
+    float e = expf(-fabsf(z));
+    return z >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+}
+
+__device__ __forceinline__ float activate(int act, float z) {
+    switch (act) {
+        case ACT_RELU: return fmaxf(z, 0.f);
+        case ACT_LEAKY: return z > 0.f ? z : z * 0.01f;
+        case ACT_SIGMOID: return sigmoidf_(z);
+        case ACT_TANH: return tanhf(z);
+        case ACT_SILU: return z * sigmoidf_(z);
+        case ACT_SOFTPLUS: return fmaxf(z, 0.f) + log1pf(expf(-fabsf(z)));
+        case ACT_SQUAREPLUS: return 0.5f * (z + sqrtf(z * z + 4.f));
+        case ACT_EXP: return expf(z);
+        case ACT_SINE: return sinf(z);
+        default: return z;
+    }
+}
+
+__device__ __forceinline__ float activation_grad(int act, float z) {
+    switch (act) {
+        case ACT_RELU: return z > 0.f ? 1.f : 0.f;
+        case ACT_LEAKY: return z > 0.f ? 1.f : 0.01f;
+        case ACT_SIGMOID: { float s = sigmoidf_(z); return s * (1.f - s); }
+        case ACT_TANH: { float th = tanhf(z); return 1.f - th * th; }
+        case ACT_SILU: { float s = sigmoidf_(z); return s * (1.f + z * (1.f - s)); }
+        case ACT_SOFTPLUS: return sigmoidf_(z);
+        case ACT_SQUAREPLUS: return 0.5f * (1.f + z / sqrtf(z * z + 4.f));
+        case ACT_EXP: return expf(z);
+        case ACT_SINE: return cosf(z);
+        default: return 1.f;
+    }
+}
+
+// derivative of the hidden activation from what the forward pass stored: h itself where the
+// sign of h decides it (ReLU, LeakyReLU), the stored derivative otherwise
+__device__ __forceinline__ float hidden_grad_from_stored(float stored) {
+#if ACT == ACT_RELU
+    return stored > 0.f ? 1.f : 0.f;
+#elif ACT == ACT_LEAKY
+    return stored > 0.f ? 1.f : 0.01f;
+#elif ACT == ACT_NONE
+    return 1.f;
+#else
+    return stored;
+#endif
+}
+
+__device__ __forceinline__ float signf_(float d) { return d > 0.f ? 1.f : (d < 0.f ? -1.f : 0.f); }
+
+// per-element loss value and d value / d pred (numerics.loss_terms); lum: the row's luminance
+__device__ __forceinline__ float loss_term(float p, float y, float lum, float* grad) {
+    float d = p - y;
+#if LOSS == LOSS_L2
+    *grad = 2.f * d; return d * d;
+#elif LOSS == LOSS_L1
+    *grad = signf_(d); return fabsf(d);
+#elif LOSS == LOSS_REL_L2
+    float n = p * p + 0.01f; *grad = 2.f * d / n; return d * d / n;
+#elif LOSS == LOSS_REL_L1
+    float n = fabsf(p) + 0.01f; *grad = signf_(d) / n; return fabsf(d) / n;
+#elif LOSS == LOSS_REL_L2_LUM
+    float n = lum * lum + 0.01f; *grad = 2.f * d / n; return d * d / n;
+#elif LOSS == LOSS_MAPE
+    float n = fabsf(y) + 0.01f; *grad = signf_(d) / n; return fabsf(d) / n;
+#elif LOSS == LOSS_SMAPE
+    float n = fabsf(p) + fabsf(y) + 0.01f; *grad = 2.f * signf_(d) / n; return 2.f * fabsf(d) / n;
+#else  // Huber
+    if (fabsf(d) <= HUBER_DELTA) { *grad = d; return 0.5f * d * d; }
+    *grad = HUBER_DELTA * signf_(d); return HUBER_DELTA * (fabsf(d) - 0.5f * HUBER_DELTA);
+#endif
+}
+
+// ---- layer geometry ------------------------------------------------------------------------
+__device__ __forceinline__ int wf_off(int l) { return l == 0 ? 0 : KIN * WIDTH + (l - 1) * WIDTH * WIDTH; }
+__device__ __forceinline__ int wb_off(int l) { return WF_TOTAL + (l - 1) * WIDTH * WIDTH; }   // l >= 1
+__device__ __forceinline__ int bias_off(int l) { return l * WIDTH; }
+// per-row activation buffers (halves): h_l is the input of layer l, d_l its output gradient
+__device__ __forceinline__ i64 h_off(int l, i64 rows_pad) { return l == 0 ? 0 : rows_pad * (KIN + (i64)(l - 1) * WIDTH); }
+__device__ __forceinline__ i64 d_off(int l, i64 rows_pad) { return rows_pad * (i64)l * WIDTH; }
+
+__device__ __forceinline__ uint2 load_b(const uint2* w, int off_halves, int nt, int kc, int kcn, int lane) {
+    return w[off_halves / 4 + (nt * kcn + kc) * 32 + lane];
+}
+
+__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, i64 rows) {
+    float a = 0.f, b = 0.f;
+    if (row < rows) {
+        const float* p = x + row * NIN + col;
+#if NIN % 2 == 0
+        if (col < NIN) { float2 v = __ldg(reinterpret_cast<const float2*>(p)); a = v.x; b = v.y; }
+#else
+        if (col < NIN) a = __ldg(p);
+        if (col + 1 < NIN) b = __ldg(p + 1);
+#endif
+    }
+    return pack_h2(a, b);
+}
+
+// ---- the fused forward (and, with TRAIN, loss + backward) ------------------------------------
+template <bool TRAIN, int MT>
+__device__ __forceinline__ void mlp_tile_loop(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
+    const uint2* __restrict__ wglobal, const float* __restrict__ bias,
+    const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
+    u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    extern __shared__ uint4 smem_w[];
+    const uint2* w = wglobal;
+    if (TRAIN ? W_SMEM_TRAIN : W_SMEM_FWD) {
+        const int n16 = (WF_TOTAL + (TRAIN ? WB_TOTAL : 0)) / 8;
+        const uint4* src = reinterpret_cast<const uint4*>(wglobal);
+        for (int i = threadIdx.x; i < n16; i += blockDim.x) smem_w[i] = src[i];
+        __syncthreads();
+        w = reinterpret_cast<const uint2*>(smem_w);
+    }
+    double loss_sum = 0.0;
+    constexpr int ROWS_PER_WARP = 16 * MT;
+    const i64 n_tiles = rows_pad / ROWS_PER_WARP;
+    for (i64 tile = (i64)blockIdx.x * WARPS + warp; tile < n_tiles; tile += (i64)gridDim.x * WARPS) {
+        const i64 row0 = tile * ROWS_PER_WARP;
+        u32 A[MT][KCW][4];
+        // layer 0: A straight from the fp32 input, rounded to fp16
+        {
+            float C[MT][NTW][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) C[mt][nt][q] = 0.f;
+#pragma unroll 2
+            for (int kc = 0; kc < KC0; ++kc) {
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const i64 r = row0 + mt * 16 + g;
+                    a[mt][0] = load_x2(x, r, kc * 16 + 2 * t, rows);
+                    a[mt][1] = load_x2(x, r + 8, kc * 16 + 2 * t, rows);
+                    a[mt][2] = load_x2(x, r, kc * 16 + 8 + 2 * t, rows);
+                    a[mt][3] = load_x2(x, r + 8, kc * 16 + 8 + 2 * t, rows);
+                    if (TRAIN) {
+                        u32* h0 = hbuf;  // h_0 = the rounded input, for W0's gradient
+                        h0[(r * KIN + kc * 16 + 2 * t) / 2] = a[mt][0];
+                        h0[((r + 8) * KIN + kc * 16 + 2 * t) / 2] = a[mt][1];
+                        h0[(r * KIN + kc * 16 + 8 + 2 * t) / 2] = a[mt][2];
+                        h0[((r + 8) * KIN + kc * 16 + 8 + 2 * t) / 2] = a[mt][3];
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    uint2 b = load_b(w, wf_off(0), nt, kc, KC0, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816(C[mt][nt], a[mt], b);
+                }
+            }
+            // epilogue of every hidden layer: bias, activation, round, chain into A
+#define HIDDEN_EPILOGUE(L)                                                                         \
+            _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) {                                     \
+                const i64 r = row0 + mt * 16 + g;                                                   \
+                const bool ok0 = r < rows, ok1 = r + 8 < rows;                                      \
+                _Pragma("unroll") for (int nt = 0; nt < NTW; ++nt) {                                \
+                    const int col = nt * 8 + 2 * t;                                                 \
+                    const float2 bv = __ldg(reinterpret_cast<const float2*>(bias + bias_off(L) + col)); \
+                    const float z0 = C[mt][nt][0] + bv.x, z1 = C[mt][nt][1] + bv.y;                 \
+                    const float z2 = C[mt][nt][2] + bv.x, z3 = C[mt][nt][3] + bv.y;                 \
+                    u32 h01 = pack_h2(activate(ACT, z0), activate(ACT, z1));                        \
+                    u32 h23 = pack_h2(activate(ACT, z2), activate(ACT, z3));                        \
+                    if (TRAIN) {                                                                    \
+                        if (!ok0) h01 = 0u;                                                         \
+                        if (!ok1) h23 = 0u;                                                         \
+                        u32* hn = hbuf + h_off((L) + 1, rows_pad) / 2;                              \
+                        hn[(r * WIDTH + col) / 2] = h01;                                            \
+                        hn[((r + 8) * WIDTH + col) / 2] = h23;                                      \
+                        if (STORE_DACT) {                                                           \
+                            u32* dn = dactbuf + (i64)(L) * rows_pad * WIDTH / 2;                    \
+                            dn[(r * WIDTH + col) / 2] = ok0 ? pack_h2(activation_grad(ACT, z0), activation_grad(ACT, z1)) : 0u; \
+                            dn[((r + 8) * WIDTH + col) / 2] = ok1 ? pack_h2(activation_grad(ACT, z2), activation_grad(ACT, z3)) : 0u; \
+                        }                                                                           \
+                    }                                                                               \
+                    A[mt][nt >> 1][(nt & 1) * 2 + 0] = h01;                                         \
+                    A[mt][nt >> 1][(nt & 1) * 2 + 1] = h23;                                         \
+                }                                                                                   \
+            }
+            HIDDEN_EPILOGUE(0)
+        }
+        // hidden layers 1 .. NHID-1: A from the previous layer's registers
+#pragma unroll 1
+        for (int l = 1; l < NHID; ++l) {
+            float C[MT][NTW][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) C[mt][nt][q] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KCW; ++kc)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    uint2 b = load_b(w, wf_off(l), nt, kc, KCW, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816(C[mt][nt], A[mt][kc], b);
+                }
+            HIDDEN_EPILOGUE(l)
+        }
+#undef HIDDEN_EPILOGUE
+
+        // output layer, 16 columns at a time; with TRAIN also loss, delta and delta @ W_out
+        float G[MT][NTW][4];
+        if (TRAIN) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) G[mt][nt][q] = 0.f;
+        }
+#if LOSS == LOSS_REL_L2_LUM
+        float lum[MT][2];
+#endif
+#pragma unroll 1
+        for (int og = 0; og < KCO; ++og) {
+            float Z[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) Z[mt][j][q] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KCW; ++kc)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    uint2 b = load_b(w, wf_off(NL - 1), og * 2 + j, kc, KCW, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816(Z[mt][j], A[mt][kc], b);
+                }
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int col = og * 16 + j * 8 + 2 * t;
+                    const float2 bv = __ldg(reinterpret_cast<const float2*>(bias + bias_off(NL - 1) + col));
+                    Z[mt][j][0] += bv.x; Z[mt][j][1] += bv.y; Z[mt][j][2] += bv.x; Z[mt][j][3] += bv.y;
+                }
+            if (!TRAIN) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int j = 0; j < 2; ++j)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const i64 r = row0 + mt * 16 + g + half * 8;
+                            const int col = og * 16 + j * 8 + 2 * t;
+                            const float p0 = activate(OUT_ACT, Z[mt][j][half * 2]);
+                            const float p1 = activate(OUT_ACT, Z[mt][j][half * 2 + 1]);
+                            if (r < rows) {
+                                float* o = out + r * NOUT + col;
+#if NOUT % 2 == 0
+                                if (col < NOUT) *reinterpret_cast<float2*>(o) = make_float2(p0, p1);
+#else
+                                if (col < NOUT) o[0] = p0;
+                                if (col + 1 < NOUT) o[1] = p1;
+#endif
+                            }
+                        }
+                continue;
+            }
+            // ---- loss and output delta
+            float P[MT][2][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) P[mt][j][q] = activate(OUT_ACT, Z[mt][j][q]);
+#if LOSS == LOSS_REL_L2_LUM
+            if (og == 0) {
+                const int base = lane & ~3;
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float q0 = __shfl_sync(0xffffffffu, P[mt][0][half * 2], base);
+                        const float q1 = __shfl_sync(0xffffffffu, P[mt][0][half * 2 + 1], base);
+                        const float q2 = __shfl_sync(0xffffffffu, P[mt][0][half * 2], base + 1);
+#if NOUT >= 3
+                        lum[mt][half] = 0.299f * q0 + 0.587f * q1 + 0.114f * q2;
+#elif NOUT == 2
+                        lum[mt][half] = 0.5f * (fabsf(q0) + fabsf(q1));
+#else
+                        lum[mt][half] = fabsf(q0);
+#endif
+                    }
+            }
+#endif
+            u32 Ad[MT][4];
+            u32* dout = dbuf + d_off(NL - 1, rows_pad) / 2;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const i64 r = row0 + mt * 16 + g + half * 8;
+                        const int col = og * 16 + j * 8 + 2 * t;
+                        float y0 = 0.f, y1 = 0.f;
+                        const bool rok = r < rows;
+                        if (rok) {
+                            const float* yp = target + r * NOUT + col;
+#if NOUT % 2 == 0
+                            if (col < NOUT) { float2 v = __ldg(reinterpret_cast<const float2*>(yp)); y0 = v.x; y1 = v.y; }
+#else
+                            if (col < NOUT) y0 = __ldg(yp);
+                            if (col + 1 < NOUT) y1 = __ldg(yp + 1);
+#endif
+                        }
+                        float l_lum = 0.f;
+#if LOSS == LOSS_REL_L2_LUM
+                        l_lum = lum[mt][half];
+#endif
+                        float gr0, gr1;
+                        const float v0 = loss_term(P[mt][j][half * 2], y0, l_lum, &gr0);
+                        const float v1 = loss_term(P[mt][j][half * 2 + 1], y1, l_lum, &gr1);
+                        const bool ok0 = rok && col < NOUT, ok1 = rok && col + 1 < NOUT;
+                        if (ok0) loss_sum += (double)v0;
+                        if (ok1) loss_sum += (double)v1;
+                        const float d0 = ok0 ? gr0 * grad_scale * activation_grad(OUT_ACT, Z[mt][j][half * 2]) : 0.f;
+                        const float d1 = ok1 ? gr1 * grad_scale * activation_grad(OUT_ACT, Z[mt][j][half * 2 + 1]) : 0.f;
+                        const u32 dh = pack_h2(d0, d1);
+                        Ad[mt][j * 2 + half] = dh;
+                        dout[(r * NOUT_PAD + col) / 2] = dh;
+                    }
+            // G += delta_out[:, og*16 .. +16] @ W_out[og*16 .. +16, :]
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                uint2 b = load_b(w, wb_off(NL - 1), nt, og, KCO, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma16816(G[mt][nt], Ad[mt], b);
+            }
+        }
+        if (!TRAIN) continue;
+        // ---- hidden layers, last to first: delta_{l-1} = round(G * act'(z_{l-1})), G = delta @ W
+#pragma unroll 1
+        for (int l = NL - 1; l >= 1; --l) {
+            const u32* stored = STORE_DACT ? dactbuf + (i64)(l - 1) * rows_pad * WIDTH / 2
+                                           : hbuf + h_off(l, rows_pad) / 2;
+            u32* dn = dbuf + d_off(l - 1, rows_pad) / 2;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const i64 r = row0 + mt * 16 + g;
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    const int col = nt * 8 + 2 * t;
+                    const float2 s01 = unpack_h2(stored[(r * WIDTH + col) / 2]);
+                    const float2 s23 = unpack_h2(stored[((r + 8) * WIDTH + col) / 2]);
+                    const u32 d01 = pack_h2(G[mt][nt][0] * hidden_grad_from_stored(s01.x),
+                                            G[mt][nt][1] * hidden_grad_from_stored(s01.y));
+                    const u32 d23 = pack_h2(G[mt][nt][2] * hidden_grad_from_stored(s23.x),
+                                            G[mt][nt][3] * hidden_grad_from_stored(s23.y));
+                    A[mt][nt >> 1][(nt & 1) * 2 + 0] = d01;
+                    A[mt][nt >> 1][(nt & 1) * 2 + 1] = d23;
+                    dn[(r * WIDTH + col) / 2] = d01;
+                    dn[((r + 8) * WIDTH + col) / 2] = d23;
+                }
+            }
+            if (l == 1) break;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) G[mt][nt][q] = 0.f;
+#pragma unroll
+            for (int kc = 0; kc < KCW; ++kc)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    uint2 b = load_b(w, wb_off(l - 1), nt, kc, KCW, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816(G[mt][nt], A[mt][kc], b);
+                }
+        }
+    }
+    if (TRAIN) {
+        // fixed-order reduction: lanes by xor tree, warps each to their own slot
+#pragma unroll
+        for (int s = 16; s >= 1; s >>= 1) loss_sum += __shfl_xor_sync(0xffffffffu, loss_sum, s);
+        if (lane == 0) loss_partial[(i64)blockIdx.x * WARPS + warp] = loss_sum;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
+    const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD>(x, rows, rows_pad, out, wpack, bias, nullptr, 0.f, nullptr, nullptr,
+                         nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
+    u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
+    double* __restrict__ loss_partial) {
+    mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, nullptr, wpack, bias, target, grad_scale, hbuf, dbuf,
+                        dactbuf, loss_partial);
+}
+
+// ---- weight gradients: dW = delta^T @ h over one chunk of rows, per 64 x 64 tile -------------
+// D: rows_pad x N halves (delta, row-major), H: rows_pad x K halves. Partial sums per chunk go
+// to pw[chunk][N][K] and pb[chunk][N]; a later kernel adds the chunks in a fixed order.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+#define WG_ROWS 32
+#define WG_LD 72  // 64 + 8 halves: rows 144 bytes apart, ldmatrix conflict-free
+
+extern "C" __global__ void __launch_bounds__(128) mlp_wgrad(
+    const u16* __restrict__ D, int N, const u16* __restrict__ H, int K, i64 chunk_rows,
+    i64 rows_pad, float* __restrict__ pw, float* __restrict__ pb) {
+    __shared__ __align__(16) u16 sD[2][WG_ROWS][WG_LD];
+    __shared__ __align__(16) u16 sH[2][WG_ROWS][WG_LD];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int tiles_k = (K + 63) / 64;
+    const int o0 = (blockIdx.y / tiles_k) * 64, k0 = (blockIdx.y % tiles_k) * 64;
+    const i64 r_begin = (i64)blockIdx.x * chunk_rows;
+    i64 r_end = r_begin + chunk_rows;
+    if (r_end > rows_pad) r_end = rows_pad;
+    const bool warp_active = o0 + warp * 16 < N;
+    const bool do_bias = k0 == 0 && tid < 64;
+
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
+    float bsum = 0.f;
+
+    auto load_stage = [&](int s, i64 r0) {
+#pragma unroll
+        for (int i = tid; i < WG_ROWS * 8; i += 128) {
+            const int rr = i >> 3, c8 = (i & 7) * 8;
+            const i64 row = r0 + rr;
+            const bool okd = o0 + c8 < N, okh = k0 + c8 < K;
+            cp_async16(&sD[s][rr][c8], okd ? D + row * N + o0 + c8 : D, okd ? 16 : 0);
+            cp_async16(&sH[s][rr][c8], okh ? H + row * K + k0 + c8 : H, okh ? 16 : 0);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    int s = 0;
+    if (r_begin < r_end) load_stage(0, r_begin);
+    for (i64 r0 = r_begin; r0 < r_end; r0 += WG_ROWS) {
+        if (r0 + WG_ROWS < r_end) {
+            load_stage(s ^ 1, r0 + WG_ROWS);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();
+        if (warp_active) {
+#pragma unroll
+            for (int kk = 0; kk < WG_ROWS / 16; ++kk) {
+                const int j = lane >> 3, rr = lane & 7;
+                u32 a[4];
+                ldmatrix_x4_trans(a, &sD[s][kk * 16 + (j >> 1) * 8 + rr][warp * 16 + (j & 1) * 8]);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, &sH[s][kk * 16 + (j & 1) * 8 + rr][p * 16 + (j >> 1) * 8]);
+                    mma16816(acc[2 * p], a, make_uint2(b[0], b[1]));
+                    mma16816(acc[2 * p + 1], a, make_uint2(b[2], b[3]));
+                }
+            }
+        }
+        if (do_bias) {
+#pragma unroll 8
+            for (int rr = 0; rr < WG_ROWS; ++rr) bsum += half_bits_to_float(sD[s][rr][tid]);
+        }
+        __syncthreads();
+        s ^= 1;
+    }
+    if (warp_active) {
+        const int o = o0 + warp * 16 + g;
+        float* base = pw + (i64)blockIdx.x * N * K;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+            const int k = k0 + nt * 8 + 2 * t;
+            if (k < K) {
+                if (o < N) *reinterpret_cast<float2*>(base + (i64)o * K + k) = make_float2(acc[nt][0], acc[nt][1]);
+                if (o + 8 < N) *reinterpret_cast<float2*>(base + (i64)(o + 8) * K + k) = make_float2(acc[nt][2], acc[nt][3]);
+            }
+        }
+    }
+    if (do_bias && o0 + tid < N) pb[(i64)blockIdx.x * N + o0 + tid] = bsum;
+}
+
+// ---- chunk reduction + optimizer step + fp16 repack, one layer per launch --------------------
+// Index of element (k, n) of a K x N operand in its packed B image (see the header comment).
+__device__ __forceinline__ int b_image_index(int Kdim, int k, int n) {
+    const int kc = k >> 4, kk = k & 15, hi = kk >> 3, rr = kk & 7;
+    const int lane = (n & 7) * 4 + (rr >> 1);
+    return (((n >> 3) * (Kdim >> 4) + kc) * 32 + lane) * 4 + hi * 2 + (rr & 1);
+}
+
+// mode 0: reduce + optimizer step + repack; 1: reduce into grad_w/grad_b only; 2: repack only
+extern "C" __global__ void mlp_optimize(
+    int mode, float* __restrict__ w, float* __restrict__ b, float* __restrict__ s1w,
+    float* __restrict__ s1b, float* __restrict__ s2w, float* __restrict__ s2b,
+    const float* __restrict__ pw, const float* __restrict__ pb, int n_chunks, int N, int K,
+    int fan_out, int fan_in, u16* __restrict__ wimage, int wf_offset, int wb_offset,
+    float lr_t, float inv_scale, float* __restrict__ grad_w, float* __restrict__ grad_b) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int n_w = N * K;
+    if (i >= n_w + N) return;
+    const bool is_w = i < n_w;
+    const int o = is_w ? i / K : i - n_w, c = is_w ? i % K : 0;
+    if (o >= fan_out || (is_w && c >= fan_in)) return;
+    float* param = is_w ? w + i : b + o;
+    if (mode != 2) {
+        float gsum = 0.f;
+        if (is_w) for (int ch = 0; ch < n_chunks; ++ch) gsum += pw[(i64)ch * n_w + i];
+        else for (int ch = 0; ch < n_chunks; ++ch) gsum += pb[(i64)ch * N + o];
+        float grad = gsum * inv_scale;
+        if (mode == 1) {
+            if (is_w) grad_w[i] = grad; else grad_b[o] = grad;
+            return;
+        }
+        float p = *param;
+        if (L2REG != 0.f) grad += L2REG * p;
+#if OPT_ADAM
+        float* m = is_w ? s1w + i : s1b + o;
+        float* v = is_w ? s2w + i : s2b + o;
+        const float mn = BETA1 * *m + (1.f - BETA1) * grad;
+        const float vn = BETA2 * *v + (1.f - BETA2) * (grad * grad);
+        *m = mn; *v = vn;
+        p -= lr_t * mn / (sqrtf(vn) + EPS);
+#else
+        float* vel = is_w ? s1w + i : s1b + o;
+        const float vn = MOMENTUM * *vel + grad;
+        *vel = vn;
+        p -= LR * vn;
+#endif
+        *param = p;
+    }
+    if (is_w) {
+        const u16 hb = to_half_bits(*param);
+        wimage[wf_offset + b_image_index(K, c, o)] = hb;
+        if (wb_offset >= 0) wimage[wb_offset + b_image_index(N, o, c)] = hb;
+    }
+}

@@ -1,0 +1,58 @@
+"""CPU checks of the cuda backend's fragment assumptions against backends/layouts.py (no GPU).
+
+mlp_mma.cu (1) packs weights as images of mma.m16n8k16 B fragments (``b_image_index``), and
+(2) turns the accumulators of two adjacent n8 tiles into the next layer's A fragment register
+for register. Both are checked here against the layouts module, which is itself tested against
+the PTX ISA. Also: the module imports and probes cleanly where CuPy is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from mmad.backends import layouts as L
+from mmad.backends.cuda import CudaBackend, b_image_index
+
+
+def test_b_image_index_matches_the_mma_b_fragment() -> None:
+    layout = L.mma_m16n8k16_b()  # (register = b0..b3, lane) -> (row = k, col = n)
+    for lane in range(32):
+        for reg in range(4):
+            where = layout.apply(register=reg, lane=lane)
+            assert int(b_image_index(16, where["row"], where["col"])) == lane * 4 + reg
+
+
+def test_b_image_index_is_a_bijection_over_a_padded_operand() -> None:
+    k_dim, n_dim = 48, 40
+    k, n = np.meshgrid(np.arange(k_dim), np.arange(n_dim), indexing="ij")
+    idx = b_image_index(k_dim, k.ravel(), n.ravel())
+    assert sorted(idx.tolist()) == list(range(k_dim * n_dim))
+    # each (n-tile, k-chunk) block is one contiguous 128-half run that lane l reads at 4 l
+    block = idx.reshape(k_dim, n_dim)[16:32, 8:16]
+    start = ((1 * (k_dim // 16)) + 1) * 128
+    assert block.min() == start and block.max() == start + 127
+
+
+def test_two_accumulator_tiles_are_the_next_a_fragment() -> None:
+    # the accumulators of n-tiles 2j and 2j+1 as one 16x16 tile: the third register bit is +8 columns
+    c_pair = L.LinearLayout({"register": [(0, 1), (8, 0), (0, 8)],
+                             "lane": L.mma_m16n8k16_c().bases["lane"]},
+                            [("row", 16), ("col", 16)])
+    for reg in range(4):  # the pair layout agrees with the single-tile C layout on its first tile
+        for lane in range(32):
+            assert c_pair.apply(register=reg, lane=lane) == L.mma_m16n8k16_c().apply(register=reg, lane=lane)
+    # the kernel sets A reg i (halves 2i, 2i+1) from accumulator elements 2i, 2i+1: the identity
+    assert L.register_permutation(c_pair, L.mma_m16n8k16_a()) == list(range(8))
+
+
+def test_probe_without_cupy_reports_why() -> None:
+    rows = CudaBackend().probe()
+    assert [r.variant for r in rows] == ["wgmma", "mma", "cublaslt"]
+    if importlib.util.find_spec("cupy") is None:
+        for row in rows:
+            assert not row.available
+            assert "CuPy is not installed" in row.reason
+    for row in rows:
+        assert row.available or row.reason
