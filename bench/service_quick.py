@@ -1,0 +1,139 @@
+"""Quick loopback measurement: binary FP32 infer through the daemon vs the cpu backend in-process.
+
+Starts ``python -m mmad.server.main`` (cpu backend, empty temp store) on a free loopback port,
+creates bench model M (BENCHMARKS.md), and in the same run times
+
+* ``server``: one client sending 65,536-row binary FP32 infer requests back to back, and
+* ``in-process``: ``CpuBackend().compile(spec).forward`` on the same 65,536-row array,
+
+after checking that both give the same outputs. Prints samples/s (median of the timed
+repetitions) and writes a JSON record with ``--out``.
+
+    python bench/service_quick.py [--rows 65536] [--reps 10] [--out bench/results/service_quick.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import orjson
+
+from mmad.backends.cpu import CpuBackend
+from mmad.spec import bench_spec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(store: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "MMAD_BACKEND": "cpu", "MMAD_PROBE": "cpu", "MMAD_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--port", str(port), "--store", str(store),
+                             "--no-demo"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("the daemon did not become ready")
+
+
+def binary_request(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    blob = x.tobytes()
+    header = orjson.dumps({"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": list(x.shape),
+                                       "parameters": {"binary_data_size": len(blob)}}],
+                           "outputs": [{"name": "OUTPUT", "parameters": {"binary_data": True}}]})
+    return header + blob, {"Inference-Header-Content-Length": str(len(header)),
+                           "Content-Type": "application/octet-stream"}
+
+
+def decode(r: httpx.Response, shape: tuple[int, int]) -> np.ndarray:
+    r.raise_for_status()
+    n = int(r.headers["Inference-Header-Content-Length"])
+    return np.frombuffer(r.content, "<f4", offset=n).reshape(shape)
+
+
+def timed(fn, reps: int) -> list[float]:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    spec = bench_spec("M")
+    x = np.random.default_rng(0).uniform(-1, 1, (args.rows, spec.n_input_dims)).astype(np.float32)
+    body, headers = binary_request(x)
+    local = CpuBackend().compile(spec)  # same seed -> same initial weights as the served model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_daemon(Path(tmp) / "store")
+        try:
+            with httpx.Client(base_url=url, timeout=120) as client:
+                r = client.put("/v2/models/M", json={"spec": spec.to_json()})
+                r.raise_for_status()
+                shape = (args.rows, spec.n_output_dims)
+                served = decode(client.post("/v2/models/M/infer", content=body, headers=headers), shape)
+                reference = local.forward(x)
+                err = float(np.linalg.norm(served - reference) / np.linalg.norm(reference))
+                assert np.isfinite(served).all() and err <= 1e-6, f"server and in-process outputs differ ({err})"
+                server_times = timed(lambda: decode(client.post("/v2/models/M/infer", content=body,
+                                                                headers=headers), shape), args.reps)
+                local.forward(x)
+                local_times = timed(lambda: local.forward(x), args.reps)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    server_sps = args.rows / statistics.median(server_times)
+    local_sps = args.rows / statistics.median(local_times)
+    record = {
+        "what": "binary FP32 infer, model M, cpu backend, loopback, one client, sequential requests",
+        "rows_per_request": args.rows, "reps": args.reps, "request_bytes": len(body),
+        "server_samples_per_s": server_sps, "in_process_samples_per_s": local_sps,
+        "server_over_in_process": server_sps / local_sps,
+        "server_MB_per_s": (len(body) + args.rows * spec.n_output_dims * 4) / statistics.median(server_times) / 1e6,
+        "outputs_rel_err": err, "machine": f"{platform.machine()} {os.cpu_count()} threads",
+        "python": platform.python_version(), "numpy": np.__version__,
+    }
+    print(f"server     {server_sps:12,.0f} samples/s  (median of {args.reps} x {args.rows} rows, "
+          f"{record['server_MB_per_s']:.0f} MB/s in+out)")
+    print(f"in-process {local_sps:12,.0f} samples/s")
+    print(f"server / in-process = {record['server_over_in_process']:.2f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
