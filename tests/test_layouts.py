@@ -621,3 +621,332 @@ def test_register_permutation_agrees_with_brute_force(dst, data):
     if perm is not None:
         for v in _all_inputs(dst):
             assert src.apply(**{**v, "register": perm[v["register"]]}) == dst.apply(**v)
+
+
+# ------------------------------------------------------- on a Hopper GPU: the real units
+# The layouts drive real mma.sync / wgmma instructions: operands packed with pack(), results
+# read back with unpack(), compared with the float64 product. Skipped without CuPy, nvcc and
+# an sm_90 GPU (run on the device machine; CPU CI checks the same layouts against the ISA).
+
+SS_NS = (16, 32, 64, 128, 256)
+CHAIN_NS = (64, 128, 256)
+K_TILE = 64  # every operand tile here is (M or N) x 64 K: four k16 steps
+
+
+def _wgmma_asm(n: int, trans_a: int | None, trans_b: int, acc: str, a: str, desc_b: str, scale: str) -> str:
+    """Inline PTX for wgmma m64nNk16 f32 += f16*f16; ``trans_a is None`` = A from registers."""
+    nd = n // 2
+    outputs = ", ".join(f'"+f"({acc}[{i}])' for i in range(nd))
+    d_ops = ", ".join(f"%{i}" for i in range(nd))
+    if trans_a is None:
+        a_op, b_op, s_op = "{" + ", ".join(f"%{nd + i}" for i in range(4)) + "}", f"%{nd + 4}", f"%{nd + 5}"
+        inputs = [f'"r"({a}[{i}])' for i in range(4)]
+        tail = f"p, 1, 1, {trans_b}"
+    else:
+        a_op, b_op, s_op = f"%{nd}", f"%{nd + 1}", f"%{nd + 2}"
+        inputs = [f'"l"({a})']
+        tail = f"p, 1, 1, {trans_a}, {trans_b}"
+    inputs += [f'"l"({desc_b})', f'"r"({scale})']
+    return (
+        f'asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, {s_op}, 0;\\n'
+        f'wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{d_ops}}}, {a_op}, {b_op}, {tail};\\n}}\\n"'
+        f" : {outputs} : {', '.join(inputs)} : \"memory\");"
+    )
+
+
+_CUDA_PRELUDE = r"""
+#define WG_FENCE() asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory")
+#define WG_COMMIT_WAIT() asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory")
+// Copy packed images (16-byte chunks) into 1024-byte aligned shared memory, one after another.
+__device__ unsigned stage(unsigned char* smem, const uint4* const* imgs, const int* chunks, int n, unsigned* bases) {
+  unsigned raw = (unsigned)__cvta_generic_to_shared(smem);
+  unsigned at = (1024u - (raw & 1023u)) & 1023u;
+  for (int m = 0; m < n; ++m) {
+    uint4* dst = (uint4*)(smem + at);
+    for (int i = threadIdx.x; i < chunks[m]; i += blockDim.x) dst[i] = imgs[m][i];
+    bases[m] = raw + at;
+    at += (chunks[m] * 16 + 1023) & ~1023;
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  return at;
+}
+__device__ unsigned pack_f16x2(float lo, float hi) {  // cvt puts its first source in the upper half
+  unsigned r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+extern "C" __global__ void mma16816(const unsigned* a, const unsigned* b, float* c) {
+  unsigned l = threadIdx.x;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[4*l]), "r"(a[4*l+1]), "r"(a[4*l+2]), "r"(a[4*l+3]), "r"(b[2*l]), "r"(b[2*l+1]));
+  for (int i = 0; i < 4; ++i) c[4*l + i] = d[i];
+}
+"""
+
+
+def _ss_kernel(n: int, trans_a: int, trans_b: int) -> str:
+    nd = n // 2
+    body = "\n".join(
+        f"  {{ unsigned long long da = a_desc[{k}] + (a_base >> 4), db = b_desc[{k}] + (b_base >> 4); int sc = {int(k > 0)};\n"
+        f"    {_wgmma_asm(n, trans_a, trans_b, 'd', 'da', 'db', 'sc')} }}"
+        for k in range(K_TILE // 16)
+    )
+    return f"""
+extern "C" __global__ void __launch_bounds__(128) ss_{n}_{trans_a}{trans_b}(
+    const uint4* a_img, int a_chunks, const uint4* b_img, int b_chunks,
+    const unsigned long long* a_desc, const unsigned long long* b_desc, float* out) {{
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint4* imgs[2] = {{a_img, b_img}}; int chunks[2] = {{a_chunks, b_chunks}}; unsigned bases[2];
+  stage(smem, imgs, chunks, 2, bases);
+  unsigned long long a_base = bases[0], b_base = bases[1];
+  float d[{nd}];
+  #pragma unroll
+  for (int i = 0; i < {nd}; ++i) d[i] = 0.f;
+  WG_FENCE();
+{body}
+  WG_COMMIT_WAIT();
+  #pragma unroll
+  for (int i = 0; i < {nd}; ++i) out[threadIdx.x * {nd} + i] = d[i];
+}}
+"""
+
+
+def _rs_kernel(n: int, trans_b: int) -> str:
+    nd, steps = n // 2, K_TILE // 16
+    body = "\n".join(
+        f"  {{ unsigned long long db = b_desc[{k}] + (b_base >> 4); int sc = {int(k > 0)};\n"
+        f"    {_wgmma_asm(n, None, trans_b, 'd', f'(a + {4 * k})', 'db', 'sc')} }}"
+        for k in range(steps)
+    )
+    return f"""
+extern "C" __global__ void __launch_bounds__(128) rs_{n}_{trans_b}(
+    const unsigned* a_frag, const uint4* b_img, int b_chunks, const unsigned long long* b_desc, float* out) {{
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint4* imgs[1] = {{b_img}}; int chunks[1] = {{b_chunks}}; unsigned bases[1];
+  stage(smem, imgs, chunks, 1, bases);
+  unsigned long long b_base = bases[0];
+  unsigned a[{4 * steps}];
+  #pragma unroll
+  for (int j = 0; j < {4 * steps}; ++j) a[j] = a_frag[threadIdx.x * {4 * steps} + j];
+  float d[{nd}];
+  #pragma unroll
+  for (int i = 0; i < {nd}; ++i) d[i] = 0.f;
+  WG_FENCE();
+{body}
+  WG_COMMIT_WAIT();
+  #pragma unroll
+  for (int i = 0; i < {nd}; ++i) out[threadIdx.x * {nd} + i] = d[i];
+}}
+"""
+
+
+def _chain_kernel(name: str, n1: int, perm: list[int]) -> str:
+    """Layer 1: x (64x64) @ W1^T (N1 x 64), both smem K-major; its f32 accumulator becomes the
+    fp16 A operand of layer 2 (K = N1) in registers, by ``perm``; layer 2: @ W2^T (64 x N1)."""
+    layer1 = "\n".join(
+        f"  {{ unsigned long long da = x_desc[{k}] + (bases[0] >> 4), db = w1_desc[{k}] + (bases[1] >> 4); int sc = {int(k > 0)};\n"
+        f"    {_wgmma_asm(n1, 0, 0, 'd1', 'da', 'db', 'sc')} }}"
+        for k in range(K_TILE // 16)
+    )
+    convert = "\n".join(f"  a2[{j}] = pack_f16x2(d1[{perm[2 * j]}], d1[{perm[2 * j + 1]}]);" for j in range(n1 // 4))
+    layer2 = "\n".join(
+        f"  {{ unsigned long long db = w2_desc[{s}] + (bases[2] >> 4); int sc = {int(s > 0)};\n"
+        f"    {_wgmma_asm(64, None, 0, 'd2', f'(a2 + {4 * s})', 'db', 'sc')} }}"
+        for s in range(n1 // 16)
+    )
+    return f"""
+extern "C" __global__ void __launch_bounds__(128) {name}(
+    const uint4* x_img, int x_chunks, const uint4* w1_img, int w1_chunks, const uint4* w2_img, int w2_chunks,
+    const unsigned long long* x_desc, const unsigned long long* w1_desc, const unsigned long long* w2_desc, float* out) {{
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint4* imgs[3] = {{x_img, w1_img, w2_img}}; int chunks[3] = {{x_chunks, w1_chunks, w2_chunks}};
+  unsigned long long bases[3]; unsigned b32[3];
+  stage(smem, imgs, chunks, 3, b32);
+  for (int m = 0; m < 3; ++m) bases[m] = b32[m];
+  float d1[{n1 // 2}];
+  #pragma unroll
+  for (int i = 0; i < {n1 // 2}; ++i) d1[i] = 0.f;
+  WG_FENCE();
+{layer1}
+  WG_COMMIT_WAIT();
+  unsigned a2[{n1 // 4}];
+{convert}
+  float d2[32];
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) d2[i] = 0.f;
+  WG_FENCE();
+{layer2}
+  WG_COMMIT_WAIT();
+  #pragma unroll
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d2[i];
+}}
+"""
+
+
+def _wrong_permutation(perm: list[int]) -> list[int]:
+    """Swap rows 0-7 with rows 8-15 of every slice: a plausible-looking but wrong shuffle."""
+    return [perm[r ^ 2] for r in range(len(perm))]
+
+
+@pytest.fixture(scope="module")
+def hopper(tmp_path_factory):
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed (GPU check runs on the device machine)")
+    nvcc = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed; cannot build the sm_90a test kernels")
+    try:
+        major = cp.cuda.Device(0).compute_capability
+    except Exception as exc:  # no driver / no device
+        pytest.skip(f"no usable CUDA device: {exc}")
+    if int(major) < 90:
+        pytest.skip(f"wgmma needs an sm_90 GPU; this one is sm_{major}")
+    perms = {n: L.register_permutation(L.wgmma_accumulator(n), L.wgmma_a_registers()) for n in CHAIN_NS}
+    source = _CUDA_PRELUDE + "".join(_ss_kernel(n, ta, tb) for n in SS_NS for ta in (0, 1) for tb in (0, 1))
+    source += "".join(_rs_kernel(n, tb) for n in SS_NS for tb in (0, 1))
+    source += "".join(_chain_kernel(f"chain_{n}", n, perms[n]) for n in CHAIN_NS)
+    source += _chain_kernel("chain_wrong_64", 64, _wrong_permutation(perms[64]))
+    build = tmp_path_factory.mktemp("hopper")
+    (build / "layouts.cu").write_text(source)
+    result = subprocess.run(
+        [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(build / "layouts.cubin"), str(build / "layouts.cu")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return cp, cp.RawModule(path=str(build / "layouts.cubin"))
+
+
+def _smem_image(cp, array: np.ndarray, major: str, swizzle_bytes: int):
+    rows, cols = array.shape
+    image = L.pack(array, L.wgmma_smem_operand(rows, cols, major, swizzle_bytes))
+    descs = np.array(
+        [L.wgmma_smem_descriptor(rows, cols, major, swizzle_bytes, col0=k).encode(0) for k in range(0, cols, 16)],
+        dtype=np.uint64,
+    )
+    return cp.asarray(image.view(np.uint32)), image.nbytes // 16, cp.asarray(descs)
+
+
+def _launch(cp, kernel, args, smem_bytes: int):
+    kernel.max_dynamic_shared_size_bytes = smem_bytes
+    kernel((1,), (128,), args, shared_mem=smem_bytes)
+    cp.cuda.Device(0).synchronize()
+
+
+def _relative_error(out: np.ndarray, ref_value: np.ndarray) -> float:
+    assert np.isfinite(out).all()
+    return float(np.linalg.norm(out - ref_value) / np.linalg.norm(ref_value))
+
+
+def _smem_bytes(*arrays: np.ndarray) -> int:
+    return 1024 + sum((a.nbytes + 1023) // 1024 * 1024 for a in arrays)
+
+
+@pytest.mark.gpu
+def test_hopper_mma_sync_fragments(hopper):
+    cp, module = hopper
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 8)).astype(np.float16)  # K x N
+    c = cp.zeros(128, dtype=cp.float32)
+    a_frag = cp.asarray(L.pack(a, L.mma_m16n8k16_a()).view(np.uint32))
+    b_frag = cp.asarray(L.pack(b, L.mma_m16n8k16_b()).view(np.uint32))
+    module.get_function("mma16816")((1,), (32,), (a_frag, b_frag, c))
+    out = L.unpack(cp.asnumpy(c), L.mma_m16n8k16_c())
+    assert _relative_error(out, a.astype(np.float64) @ b.astype(np.float64)) < 1e-5
+
+
+SS_CASES = [
+    (n, ma, sa, mb, sb)
+    for n in SS_NS
+    for ma in ("K", "MN")
+    for sa in SWIZZLES
+    for mb in ("K", "MN")
+    for sb in SWIZZLES
+    if _fits(64, K_TILE, ma, sa, 2) and _fits(n, K_TILE, mb, sb, 2)
+]
+
+
+@pytest.mark.gpu
+def test_hopper_wgmma_smem_operands_all_majors_and_swizzles(hopper):
+    """Every (A major, A swizzle) x (B major, B swizzle) x N: pack, run wgmma, unpack D."""
+    cp, module = hopper
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, K_TILE)).astype(np.float16)
+    failures = []
+    for n, ma, sa, mb, sb in SS_CASES:
+        w = rng.standard_normal((n, K_TILE)).astype(np.float16)
+        a_img, a_chunks, a_desc = _smem_image(cp, x, ma, sa)
+        b_img, b_chunks, b_desc = _smem_image(cp, w, mb, sb)
+        out = cp.zeros(128 * n // 2, dtype=cp.float32)
+        kernel = module.get_function(f"ss_{n}_{int(ma == 'MN')}{int(mb == 'MN')}")
+        _launch(cp, kernel, (a_img, np.int32(a_chunks), b_img, np.int32(b_chunks), a_desc, b_desc, out), _smem_bytes(x, w))
+        error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(n)), x.astype(np.float64) @ w.astype(np.float64).T)
+        if not error < 1e-5:
+            failures.append((n, ma, sa, mb, sb, error))
+    assert len(SS_CASES) > 200 and not failures
+
+
+@pytest.mark.gpu
+def test_hopper_wgmma_wrong_layout_is_detected(hopper):
+    """Negative control: an image packed without the swizzle the descriptor announces fails."""
+    cp, module = hopper
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, K_TILE)).astype(np.float16)
+    w = rng.standard_normal((64, K_TILE)).astype(np.float16)
+    a_img, a_chunks, a_desc = _smem_image(cp, x, "K", 128)
+    wrong = L.pack(w, L.row_major(64, K_TILE))  # plain row-major, not swizzled
+    _, b_chunks, b_desc = _smem_image(cp, w, "K", 128)
+    out = cp.zeros(128 * 32, dtype=cp.float32)
+    args = (a_img, np.int32(a_chunks), cp.asarray(wrong.view(np.uint32)), np.int32(b_chunks), a_desc, b_desc, out)
+    _launch(cp, module.get_function("ss_64_00"), args, _smem_bytes(x, w))
+    error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(64)), x.astype(np.float64) @ w.astype(np.float64).T)
+    assert error > 0.1
+
+
+@pytest.mark.gpu
+def test_hopper_wgmma_a_from_registers(hopper):
+    cp, module = hopper
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((64, K_TILE)).astype(np.float16)
+    a_frag = cp.asarray(L.pack(x, L.wgmma_a_registers(K_TILE)).view(np.uint32))
+    failures = []
+    for n in SS_NS:
+        for mb in ("K", "MN"):
+            for sb in SWIZZLES:
+                if not _fits(n, K_TILE, mb, sb, 2):
+                    continue
+                w = rng.standard_normal((n, K_TILE)).astype(np.float16)
+                b_img, b_chunks, b_desc = _smem_image(cp, w, mb, sb)
+                out = cp.zeros(128 * n // 2, dtype=cp.float32)
+                kernel = module.get_function(f"rs_{n}_{int(mb == 'MN')}")
+                _launch(cp, kernel, (a_frag, b_img, np.int32(b_chunks), b_desc, out), _smem_bytes(w))
+                ref_value = x.astype(np.float64) @ w.astype(np.float64).T
+                error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(n)), ref_value)
+                if not error < 1e-5:
+                    failures.append((n, mb, sb, error))
+    assert not failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n1", CHAIN_NS)
+def test_hopper_accumulator_feeds_next_layer_by_register_permutation(hopper, n1):
+    """Two chained layers with no shared-memory round trip: layer 1's accumulator becomes
+    layer 2's A operand through register_permutation(); a wrong shuffle is caught."""
+    cp, module = hopper
+    rng = np.random.default_rng(5 + n1)
+    x = rng.standard_normal((64, K_TILE)).astype(np.float16)
+    w1 = (rng.standard_normal((n1, K_TILE)) / 8).astype(np.float16)
+    w2 = rng.standard_normal((64, n1)).astype(np.float16)
+    hidden = (x.astype(np.float64) @ w1.astype(np.float64).T).astype(np.float16)
+    ref_value = hidden.astype(np.float64) @ w2.astype(np.float64).T
+    names = [f"chain_{n1}"] + (["chain_wrong_64"] if n1 == 64 else [])
+    errors = {}
+    for name in names:
+        images = [_smem_image(cp, a, "K", 128) for a in (x, w1, w2)]
+        out = cp.zeros(128 * 32, dtype=cp.float32)
+        args = tuple(v for img, chunks, _ in images for v in (img, np.int32(chunks))) + tuple(d for *_, d in images) + (out,)
+        _launch(cp, module.get_function(name), args, _smem_bytes(x, w1, w2))
+        errors[name] = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(64)), ref_value)
+    assert errors[f"chain_{n1}"] < 3e-3, errors
+    if n1 == 64:
+        assert errors["chain_wrong_64"] > 0.1, errors
