@@ -569,6 +569,19 @@ def test_async_client_same_methods_same_results(fake):
     assert all(r.headers["authorization"] == "Bearer k" for r in fake.requests)
 
 
+def test_async_task_cancelled_while_training_cancels_the_job(fake):
+    def cancelled(event, data):
+        raise asyncio.CancelledError
+
+    async def main():
+        async with AsyncClient("http://mmad.test", transport=httpx.MockTransport(fake)) as client:
+            await client.train("m", *training_data(), steps=3, batch_size=8, progress=cancelled)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
+    assert (fake.requests[-1].method, fake.requests[-1].url.path) == ("DELETE", "/v2/models/m/jobs/j1")
+
+
 def test_async_and_sync_clients_expose_the_same_api():
     public = {n for n in dir(Client) if not n.startswith("_")} - {"close"}
     async_public = {n for n in dir(AsyncClient) if not n.startswith("_")} - {"aclose"}
