@@ -1,0 +1,880 @@
+"""Service load benchmark (../shared/BENCHMARKS.md "Service throughput and latency").
+
+One command reproduces the figures of docs/service-performance.md:
+
+    .venv/bin/python -m mmad.bench.load            # or: mmad bench --service
+
+It starts, as separate processes on 127.0.0.1 (free ports), the mmad daemon (cpu backend,
+model M of ``bench_spec("M")``) and the peer (:mod:`mmad.bench.peer_app`: plain FastAPI + NumPy
+per request, serving the weights exported from the daemon), checks every server's output
+against the float64 cpu oracle, and then runs each measurement in a fresh load-generator
+process (``--generator``), bounded in requests and in time:
+
+* in-process: the cpu backend's forward on 65,536 rows in this process (the ceiling);
+* large batches: one client streams 65,536-row requests, binary FP16 in/out and JSON FP32
+  -> samples/s, MB/s (request + response bytes), latency;
+* concurrency sweep: 1, 8, 64, 256 clients, each with its own keep-alive connection, sending
+  requests of 1-16 rows (uniformly drawn) back to back, to mmad with dynamic batching on and off
+  and to the peer -> requests/s, p50/p90/p99 latency, errors, and executions per request
+  (the daemon's ``/v2/models/M/stats``: execution_count / successful requests);
+* tritonclient: ``tritonclient.http.InferenceServerClient(concurrency=N).async_infer`` with N
+  requests in flight against the daemon, as Triton users drive it.
+
+Request bodies are encoded before the clock starts (a load generator's job is to drive the
+server); responses are decoded to NumPy and their shape checked inside the clock. Every point
+also records how much CPU other processes on the machine used meanwhile ("foreign cores"),
+since the 2-core machine is shared.
+
+Results: ``<out>/service-<backend>.json``, a markdown table written between the markers of
+``--docs`` (docs/service-performance.md) and a PNG plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from mmad.errors import MMADError
+
+HOST = "127.0.0.1"
+MODEL = "M"
+FP16_TOLERANCE = 3e-3
+FP32_TOLERANCE = 1e-5
+MARK_BEGIN = "<!-- service-bench:begin (written by python -m mmad.bench.load) -->"
+MARK_END = "<!-- service-bench:end -->"
+
+
+class BenchError(MMADError):
+    """The benchmark could not run or a server answered wrongly."""
+
+
+# == wire formats ===========================================================================
+def mmad_binary_body(x: np.ndarray, wire_dtype: str) -> tuple[bytes, dict[str, str]]:
+    """Binary tensor extension request: JSON header + raw little-endian tensor."""
+    data = np.ascontiguousarray(x, dtype="<f2" if wire_dtype == "FP16" else "<f4")
+    header = orjson.dumps({
+        "inputs": [{"name": "INPUT", "datatype": wire_dtype, "shape": list(data.shape),
+                    "parameters": {"binary_data_size": data.nbytes}}],
+        "outputs": [{"name": "OUTPUT", "parameters": {"binary_data": True, "output_datatype": wire_dtype}}],
+    })
+    return header + data.tobytes(), {"Inference-Header-Content-Length": str(len(header)),
+                                     "Content-Type": "application/octet-stream"}
+
+
+def mmad_json_body(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    doc = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": list(x.shape),
+                       "data": np.ascontiguousarray(x, dtype=np.float32).reshape(-1)}]}
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY), {"Content-Type": "application/json"}
+
+
+def peer_body(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    return (orjson.dumps({"inputs": np.asarray(x, dtype=np.float32)}, option=orjson.OPT_SERIALIZE_NUMPY),
+            {"Content-Type": "application/json"})
+
+
+def encode(wire: str, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    if wire == "binary16":
+        return mmad_binary_body(x, "FP16")
+    if wire == "binary32":
+        return mmad_binary_body(x, "FP32")
+    if wire == "json":
+        return mmad_json_body(x)
+    if wire == "peer":
+        return peer_body(x)
+    raise BenchError(f"unknown wire format {wire!r}")
+
+
+def decode(wire: str, headers: dict[bytes, bytes], body: bytes) -> np.ndarray:
+    """The OUTPUT tensor of a response (flat)."""
+    if wire in ("binary16", "binary32"):
+        length = int(headers[b"inference-header-content-length"])
+        dtype = "<f2" if wire == "binary16" else "<f4"
+        return np.frombuffer(body, dtype=dtype, offset=length)
+    doc = orjson.loads(body)
+    if wire == "peer":
+        return np.asarray(doc["outputs"], dtype=np.float32).reshape(-1)
+    return np.asarray(doc["outputs"][0]["data"], dtype=np.float32)
+
+
+# == a minimal keep-alive HTTP/1.1 client (cheap, so the generator steals little CPU) ========
+class HttpConnection:
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.reader = self.writer = None
+
+    async def post(self, head: bytes, body: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        if self.writer is None:
+            await self._connect()
+        self.writer.write(head)
+        self.writer.write(body)
+        await self.writer.drain()
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        lines = raw[:-4].split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            key, _, value = line.partition(b":")
+            headers[key.strip().lower()] = value.strip()
+        if b"content-length" in headers:
+            data = await self.reader.readexactly(int(headers[b"content-length"]))
+        elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                chunk = await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                parts.append(chunk[:-2])
+            data = b"".join(parts)
+        else:
+            raise BenchError(f"response without Content-Length or chunked encoding: {raw!r}")
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.close()
+        return status, headers, data
+
+
+def request_head(path: str, headers: dict[str, str], body_len: int) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {HOST}", f"Content-Length: {body_len}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+# == load generator (runs in its own process: python -m mmad.bench.load --generator JSON) ====
+def _rows_for(scenario: dict[str, Any], rng: np.random.Generator, count: int) -> list[int]:
+    lo, hi = scenario["rows"]
+    return [int(r) for r in rng.integers(lo, hi + 1, size=count)]
+
+
+def build_pool(scenario: dict[str, Any]) -> list[tuple[bytes, bytes, int, int]]:
+    """(head, body, rows, request bytes) for ``pool`` distinct requests of fresh random data."""
+    rng = np.random.default_rng(scenario["seed"])
+    pool = []
+    for rows in _rows_for(scenario, rng, scenario["pool"]):
+        x = rng.uniform(-1.0, 1.0, size=(rows, scenario["n_input_dims"])).astype(np.float32)
+        body, headers = encode(scenario["wire"], x)
+        head = request_head(scenario["path"], headers, len(body))
+        pool.append((head, body, rows, len(head) + len(body)))
+    return pool
+
+
+def summarize(latencies_s: list[float], window_s: float, rows: int, nbytes: int) -> dict[str, Any]:
+    done = len(latencies_s)
+    lat_ms = np.asarray(latencies_s) * 1e3 if done else np.asarray([math.nan])
+    window_s = max(window_s, 1e-9)
+    return {
+        "requests": done, "window_s": round(window_s, 3),
+        "requests_per_s": done / window_s, "samples_per_s": rows / window_s, "mb_per_s": nbytes / window_s / 1e6,
+        "p50_ms": float(np.percentile(lat_ms, 50)), "p90_ms": float(np.percentile(lat_ms, 90)),
+        "p99_ms": float(np.percentile(lat_ms, 99)), "mean_ms": float(lat_ms.mean()),
+    }
+
+
+async def run_http_load(scenario: dict[str, Any]) -> dict[str, Any]:
+    """``clients`` connections sending requests back to back, bounded in count and time."""
+    pool = build_pool(scenario)
+    n_out = scenario["n_output_dims"]
+    clients, max_requests = scenario["clients"], scenario["max_requests"]
+    start = time.perf_counter()
+    t0 = start + scenario["warmup_s"]
+    deadline = t0 + scenario["duration_s"]
+    latencies: list[float] = []
+    measured = {"rows": 0, "bytes": 0, "last_end": t0}
+    errors: dict[str, int] = {}
+    first_error: list[str] = []
+    stop = asyncio.Event()
+
+    def fail(kind: str, detail: str) -> None:
+        errors[kind] = errors.get(kind, 0) + 1
+        if not first_error:
+            first_error.append(detail[:300])
+
+    async def client(index: int) -> None:
+        conn = HttpConnection(scenario["host"], scenario["port"])
+        k = index * 7919  # each client walks the pool from its own place
+        sent = 0
+        try:
+            while not stop.is_set():
+                head, body, rows, req_bytes = pool[k % len(pool)]
+                k += 1
+                began = time.perf_counter()
+                try:
+                    status, headers, data = await conn.post(head, body)
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    conn.close()
+                    fail("connection", f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(0.01)
+                    continue
+                ended = time.perf_counter()
+                sent += 1
+                if status != 200:
+                    fail(f"http {status}", data.decode(errors="replace"))
+                else:
+                    out = decode(scenario["wire"], headers, data)
+                    if out.size != rows * n_out or not np.isfinite(out).all():
+                        fail("wrong output", f"{out.size} values for {rows} rows, finite={np.isfinite(out).all()}")
+                    elif began >= t0 and sent > scenario["warmup_requests"]:
+                        latencies.append(ended - began)
+                        measured["rows"] += rows
+                        measured["bytes"] += req_bytes + len(data)
+                        measured["last_end"] = max(measured["last_end"], ended)
+                if ended >= deadline or len(latencies) >= max_requests:
+                    stop.set()
+        finally:
+            conn.close()
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    result = summarize(latencies, measured["last_end"] - t0, measured["rows"], measured["bytes"])
+    result.update(errors=errors, first_error=first_error[0] if first_error else None,
+                  elapsed_s=round(time.perf_counter() - start, 3))
+    return result
+
+
+def run_tritonclient_load(scenario: dict[str, Any]) -> dict[str, Any]:
+    """tritonclient.http with ``concurrency=N``: N async_infer requests kept in flight."""
+    import collections
+
+    import tritonclient.http as httpclient
+
+    rng = np.random.default_rng(scenario["seed"])
+    n_in, n_out = scenario["n_input_dims"], scenario["n_output_dims"]
+    arrays = [rng.uniform(-1, 1, size=(r, n_in)).astype(np.float32) for r in _rows_for(scenario, rng, scenario["pool"])]
+    in_flight = scenario["clients"]
+    client = httpclient.InferenceServerClient(f"{scenario['host']}:{scenario['port']}", concurrency=in_flight,
+                                              connection_timeout=30.0, network_timeout=30.0)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT", binary_data=True)]
+
+    def submit(k: int):
+        x = arrays[k % len(arrays)]
+        inp = httpclient.InferInput("INPUT", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        return time.perf_counter(), x.shape[0], client.async_infer(MODEL, [inp], outputs=outputs)
+
+    start = time.perf_counter()
+    t0, latencies, rows_done, errors, first_error = start + scenario["warmup_s"], [], 0, {}, None
+    deadline = t0 + scenario["duration_s"]
+    pending = collections.deque(submit(k) for k in range(in_flight))
+    k, last_end = in_flight, t0
+    try:
+        while pending:
+            began, rows, handle = pending.popleft()
+            try:
+                out = handle.get_result().as_numpy("OUTPUT")
+                ended = time.perf_counter()
+                if out is None or out.shape != (rows, n_out) or not np.isfinite(out).all():
+                    raise BenchError(f"OUTPUT {None if out is None else out.shape} for {rows} rows")
+                if began >= t0:
+                    latencies.append(ended - began)
+                    rows_done += rows
+                    last_end = ended
+            except Exception as exc:  # tritonclient raises its own InferenceServerException
+                ended = time.perf_counter()
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"[:300]
+            if ended < deadline and len(latencies) < scenario["max_requests"]:
+                pending.append(submit(k))
+                k += 1
+    finally:
+        client.close()
+    result = summarize(latencies, last_end - t0, rows_done, 0)
+    result.pop("mb_per_s")
+    result.update(errors=errors, first_error=first_error, elapsed_s=round(time.perf_counter() - start, 3))
+    return result
+
+
+async def run_tritonclient_aio_load(scenario: dict[str, Any]) -> dict[str, Any]:
+    """tritonclient.http.aio: N asyncio tasks, each awaiting ``infer`` back to back."""
+    import tritonclient.http.aio as aioclient
+
+    rng = np.random.default_rng(scenario["seed"])
+    n_in, n_out = scenario["n_input_dims"], scenario["n_output_dims"]
+    arrays = [rng.uniform(-1, 1, size=(r, n_in)).astype(np.float32) for r in _rows_for(scenario, rng, scenario["pool"])]
+    client = aioclient.InferenceServerClient(f"{scenario['host']}:{scenario['port']}", conn_limit=scenario["clients"])
+    outputs = [aioclient.InferRequestedOutput("OUTPUT", binary_data=True)]
+    start = time.perf_counter()
+    t0 = start + scenario["warmup_s"]
+    deadline = t0 + scenario["duration_s"]
+    latencies: list[float] = []
+    state = {"rows": 0, "last_end": t0, "first_error": None}
+    errors: dict[str, int] = {}
+
+    async def worker(index: int) -> None:
+        k = index * 7919
+        while time.perf_counter() < deadline and len(latencies) < scenario["max_requests"]:
+            x = arrays[k % len(arrays)]
+            k += 1
+            inp = aioclient.InferInput("INPUT", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            began = time.perf_counter()
+            try:
+                out = (await client.infer(MODEL, [inp], outputs=outputs)).as_numpy("OUTPUT")
+                if out is None or out.shape != x.shape[:1] + (n_out,) or not np.isfinite(out).all():
+                    raise BenchError(f"OUTPUT {None if out is None else out.shape} for {x.shape[0]} rows")
+            except Exception as exc:  # tritonclient raises its own InferenceServerException
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                state["first_error"] = state["first_error"] or f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            ended = time.perf_counter()
+            if began >= t0:
+                latencies.append(ended - began)
+                state["rows"] += x.shape[0]
+                state["last_end"] = max(state["last_end"], ended)
+
+    try:
+        await asyncio.gather(*(worker(i) for i in range(scenario["clients"])))
+    finally:
+        await client.close()
+    result = summarize(latencies, state["last_end"] - t0, state["rows"], 0)
+    result.pop("mb_per_s")
+    result.update(errors=errors, first_error=state["first_error"], elapsed_s=round(time.perf_counter() - start, 3))
+    return result
+
+
+def generator_main(scenario_json: str) -> int:
+    scenario = json.loads(scenario_json)
+    if scenario["kind"] == "tritonclient":
+        result = run_tritonclient_load(scenario)
+    else:
+        try:
+            import uvloop
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        load = run_tritonclient_aio_load if scenario["kind"] == "tritonclient-aio" else run_http_load
+        result = runner(load(scenario))
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+# == orchestration ==========================================================================
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def cpu_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat), or NaN off Linux."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return math.nan
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class Service:
+    """A server process of ours on loopback, its log, and its end."""
+
+    def __init__(self, name: str, argv: list[str], port: int, ready_path: str, log_dir: Path):
+        self.name, self.port, self.ready_path = name, port, ready_path
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self, chars: int = 2000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BenchError(f"{self.name} exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise BenchError(f"{self.name} was not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+class Bench:
+    """One run: services up, checks, measurements, results."""
+
+    def __init__(self, opts: argparse.Namespace, workdir: Path):
+        self.opts = opts
+        self.workdir = workdir
+        self.services: list[Service] = []
+        from mmad.spec import bench_spec
+
+        self.spec = bench_spec(MODEL)
+        self.daemon: Service | None = None
+        self.peer: Service | None = None
+
+    # -- services ---------------------------------------------------------------------------
+    def start_daemon(self, extra: list[str]) -> Service:
+        port = free_port()
+        argv = [sys.executable, "-m", "mmad.server.main", "--host", HOST, "--port", str(port),
+                "--store", str(self.workdir / f"store-{port}"), "--backend", "cpu", "--no-demo",
+                "--log-level", "warning", *extra]
+        service = Service(f"daemon-{port}", argv, port, "/v2/health/ready", self.workdir)
+        self.services.append(service)
+        service.wait_ready(self.opts.start_timeout_s)
+        return service
+
+    def start_peer(self, weights: Path, spec_path: Path) -> Service:
+        port = free_port()
+        argv = [sys.executable, "-m", "mmad.bench.peer_app", "--host", HOST, "--port", str(port),
+                "--weights", str(weights), "--spec", str(spec_path)]
+        service = Service("peer", argv, port, "/health", self.workdir)
+        self.services.append(service)
+        service.wait_ready(self.opts.start_timeout_s)
+        return service
+
+    def stop_service(self, service: Service) -> None:
+        service.stop()
+        self.services.remove(service)
+
+    def close(self) -> None:
+        for service in list(self.services):
+            self.stop_service(service)
+
+    def put_model(self, daemon: Service, config: dict[str, Any]) -> None:
+        import httpx
+
+        r = httpx.put(f"{daemon.url}/v2/models/{MODEL}", json={"spec": self.spec.to_json(), "config": config},
+                      timeout=60.0)
+        if r.status_code not in (200, 201):
+            raise BenchError(f"PUT /v2/models/{MODEL} answered {r.status_code}: {r.text}")
+
+    def stats(self, daemon: Service) -> dict[str, int]:
+        import httpx
+
+        doc = httpx.get(f"{daemon.url}/v2/models/{MODEL}/stats", timeout=10.0).json()["model_stats"][0]
+        return {"executions": doc["execution_count"], "requests": doc["inference_stats"]["success"]["count"],
+                "rows": doc["inference_count"]}
+
+    # -- measurements ---------------------------------------------------------------------
+    def generate(self, scenario: dict[str, Any]) -> dict[str, Any]:
+        """Run one scenario in a fresh generator process; note the foreign CPU load meanwhile."""
+        scenario = {"seed": 1, "pool": 64, "warmup_requests": 0, "host": HOST,
+                    "n_input_dims": self.spec.n_input_dims, "n_output_dims": self.spec.n_output_dims, **scenario}
+        ours = [s.proc.pid for s in self.services]
+        before_busy, before_ours, before_children = cpu_busy_seconds(), sum(map(process_cpu_seconds, ours)), os.times()
+        started = time.monotonic()
+        limit = scenario["warmup_s"] + scenario["duration_s"] + self.opts.generator_slack_s
+        try:
+            done = subprocess.run([sys.executable, "-m", "mmad.bench.load", "--generator", json.dumps(scenario)],
+                                  capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired as exc:
+            raise BenchError(f"the load generator ran past {limit:.0f} s on {scenario}") from exc
+        wall = time.monotonic() - started
+        if done.returncode != 0:
+            raise BenchError(f"the load generator failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        after_children = os.times()
+        ours_s = (sum(map(process_cpu_seconds, ours)) - before_ours
+                  + (after_children.children_user - before_children.children_user)
+                  + (after_children.children_system - before_children.children_system)
+                  + (after_children.user - before_children.user) + (after_children.system - before_children.system))
+        busy = cpu_busy_seconds() - before_busy
+        result["foreign_cores"] = round(max(0.0, busy - ours_s) / wall, 2)
+        result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        return result
+
+    def in_process(self) -> dict[str, Any]:
+        """The cpu backend's own forward throughput on 65,536 rows, in this process."""
+        from mmad.backends import select
+
+        backend, row = select("cpu")
+        model = backend.compile(self.spec, variant=row.variant)
+        try:
+            x = np.random.default_rng(7).uniform(-1, 1, size=(self.opts.large_rows, self.spec.n_input_dims)
+                                                 ).astype(np.float32)
+            for _ in range(2):
+                model.forward(x)
+            times = []
+            for _ in range(self.opts.in_process_repeats):
+                began = time.perf_counter()
+                model.forward(x)
+                times.append(time.perf_counter() - began)
+        finally:
+            model.close()
+            backend.close()
+        median = statistics.median(times)
+        return {"backend": f"{row.backend}:{row.variant}", "rows": self.opts.large_rows,
+                "median_s": median, "samples_per_s": self.opts.large_rows / median,
+                "repeats": len(times), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+    def check_outputs(self, daemon: Service, peer: Service | None, weights: dict[str, np.ndarray]) -> dict[str, float]:
+        """Relative error of each server path against the float64 oracle, on fresh random data."""
+        import httpx
+
+        from mmad.backends.cpu import CpuBackend
+
+        oracle = CpuBackend("float64").compile(self.spec)
+        oracle.set_params(weights)
+        x = np.random.default_rng(int(time.time())).uniform(-1, 1, size=(257, self.spec.n_input_dims)).astype(np.float32)
+        checks = {}
+        paths = [("mmad binary16", daemon, "binary16", f"/v2/models/{MODEL}/infer", FP16_TOLERANCE),
+                 ("mmad binary32", daemon, "binary32", f"/v2/models/{MODEL}/infer", FP32_TOLERANCE),
+                 ("mmad json", daemon, "json", f"/v2/models/{MODEL}/infer", FP32_TOLERANCE)]
+        if peer is not None:
+            paths.append(("peer json", peer, "peer", "/infer", FP32_TOLERANCE))
+        for name, service, wire, path, tolerance in paths:
+            x_sent = x.astype(np.float16).astype(np.float32) if wire == "binary16" else x
+            body, headers = encode(wire, x)
+            r = httpx.post(service.url + path, content=body, headers=headers, timeout=30.0)
+            if r.status_code != 200:
+                raise BenchError(f"{name}: HTTP {r.status_code}: {r.text[:500]}")
+            out = decode(wire, {k.encode(): v.encode() for k, v in r.headers.items()}, r.content)
+            ref = oracle.forward(x_sent.astype(np.float64)).reshape(-1)
+            err = float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+            if not err <= tolerance:  # NaN fails too
+                raise BenchError(f"{name}: relative error {err:.3g} against the float64 oracle exceeds {tolerance}")
+            checks[name] = err
+        return checks
+
+
+CLIENT_LABELS = {
+    "tritonclient": "tritonclient.http InferenceServerClient(concurrency=N).async_infer",
+    "tritonclient-aio": "tritonclient.http.aio InferenceServerClient, N tasks awaiting infer",
+}
+
+
+def scenario_http(port: int, path: str, wire: str, rows: tuple[int, int], clients: int,
+                  max_requests: int, duration_s: float, warmup_s: float, **extra: Any) -> dict[str, Any]:
+    return {"kind": "http", "port": port, "path": path, "wire": wire, "rows": list(rows), "clients": clients,
+            "max_requests": max_requests, "duration_s": duration_s, "warmup_s": warmup_s, **extra}
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+    from safetensors.numpy import load as load_safetensors
+
+    started = time.time()
+    doc: dict[str, Any] = {
+        "benchmark": "service", "model": MODEL, "backend": "cpu",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_at_start": [round(v, 2) for v in os.getloadavg()]},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "command": " ".join(["python -m mmad.bench.load", *opts.argv]),
+        "settings": {"large_rows": opts.large_rows, "small_rows": [1, 16], "concurrency": opts.concurrency,
+                     "duration_s": opts.duration_s, "warmup_s": opts.warmup_s, "max_requests": opts.max_requests,
+                     "batching_on": batching_config(opts, True), "batching_off": batching_config(opts, False),
+                     "server_args": opts.server_args},
+    }
+    with tempfile.TemporaryDirectory(prefix="mmad-load-") as tmp:
+        bench = Bench(opts, Path(tmp))
+        try:
+            daemon = bench.start_daemon(opts.server_args)
+            bench.put_model(daemon, batching_config(opts, True))
+            weights_bytes = httpx.get(f"{daemon.url}/v2/models/{MODEL}/weights", timeout=30.0).content
+            weights_path, spec_path = Path(tmp) / "M.safetensors", Path(tmp) / "M.json"
+            weights_path.write_bytes(weights_bytes)
+            spec_path.write_text(json.dumps(bench.spec.to_json()))
+            peer = bench.start_peer(weights_path, spec_path) if opts.peer else None
+            doc["oracle_relative_error"] = bench.check_outputs(daemon, peer, load_safetensors(weights_bytes))
+            progress("outputs match the float64 oracle: " + ", ".join(
+                f"{k} {v:.1e}" for k, v in doc["oracle_relative_error"].items()))
+
+            doc["in_process"] = bench.in_process()
+            progress(f"in-process cpu forward: {doc['in_process']['samples_per_s']:,.0f} samples/s")
+
+            doc["large"] = []
+            infer_path = f"/v2/models/{MODEL}/infer"
+            for wire in ("binary16", "json"):
+                res = bench.generate(scenario_http(
+                    daemon.port, infer_path, wire, (opts.large_rows, opts.large_rows), 1, opts.large_requests,
+                    opts.large_duration_s, 0.0, pool=3, warmup_requests=1))
+                res.update(wire=wire, rows=opts.large_rows)
+                doc["large"].append(res)
+                progress(f"large {wire}: {res['samples_per_s']:,.0f} samples/s, {res['mb_per_s']:.0f} MB/s "
+                         f"({res['requests']} requests, foreign cores {res['foreign_cores']})")
+
+            doc["sweep"] = []
+            series = [("mmad", "on", w) for w in opts.sweep_wires] + [("mmad", "off", w) for w in opts.sweep_wires]
+            for server, batching, wire in series:
+                bench.put_model(daemon, batching_config(opts, batching == "on"))
+                for clients in opts.concurrency:
+                    before = bench.stats(daemon)
+                    res = bench.generate(scenario_http(daemon.port, infer_path, wire, (1, 16), clients,
+                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256))
+                    after = bench.stats(daemon)
+                    served = after["requests"] - before["requests"]
+                    res.update(server=server, batching=batching, wire=wire, clients=clients,
+                               executions_per_request=(after["executions"] - before["executions"]) / max(served, 1))
+                    doc["sweep"].append(res)
+                    progress(sweep_line(res))
+            if peer is not None:
+                for clients in opts.concurrency:
+                    res = bench.generate(scenario_http(peer.port, "/infer", "peer", (1, 16), clients,
+                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256))
+                    res.update(server="peer", batching="none", wire="json", clients=clients,
+                               executions_per_request=1.0)
+                    doc["sweep"].append(res)
+                    progress(sweep_line(res))
+
+            doc["tritonclient"] = []
+            if opts.tritonclient:
+                bench.put_model(daemon, batching_config(opts, True))
+                for kind in ("tritonclient", "tritonclient-aio"):
+                    for clients in opts.tritonclient_concurrency:
+                        before = bench.stats(daemon)
+                        res = bench.generate({"kind": kind, "port": daemon.port, "rows": [1, 16],
+                                              "clients": clients, "max_requests": opts.max_requests,
+                                              "duration_s": opts.duration_s, "warmup_s": opts.warmup_s, "pool": 256})
+                        after = bench.stats(daemon)
+                        res.update(client=CLIENT_LABELS[kind], clients=clients,
+                                   executions_per_request=(after["executions"] - before["executions"])
+                                   / max(after["requests"] - before["requests"], 1))
+                        doc["tritonclient"].append(res)
+                        progress(f"{res['client']} N={clients}: {res['requests_per_s']:,.0f} req/s, "
+                                 f"p99 {res['p99_ms']:.1f} ms, exec/req {res['executions_per_request']:.2f}, "
+                                 f"errors {res['errors']}")
+        finally:
+            bench.close()
+    doc["machine"]["load_avg_at_end"] = [round(v, 2) for v in os.getloadavg()]
+    doc["elapsed_s"] = round(time.time() - started, 1)
+    doc["targets"] = targets(doc)
+    return doc
+
+
+def batching_config(opts: argparse.Namespace, on: bool) -> dict[str, int]:
+    if on:
+        return {"max_batch_rows": opts.max_batch_rows, "max_queue_delay_us": opts.max_queue_delay_us,
+                "max_queue_requests": 1024}
+    return {"max_batch_rows": 1, "max_queue_delay_us": 0, "max_queue_requests": 1024}  # every request alone
+
+
+def progress(line: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def sweep_line(res: dict[str, Any]) -> str:
+    return (f"{res['server']} batching={res['batching']} {res['wire']} clients={res['clients']}: "
+            f"{res['requests_per_s']:,.0f} req/s p50 {res['p50_ms']:.1f} p99 {res['p99_ms']:.1f} ms, "
+            f"exec/req {res['executions_per_request']:.2f}, errors {res['errors']}, foreign cores {res['foreign_cores']}")
+
+
+def _find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    return next((r for r in rows if all(r.get(k) == v for k, v in match.items())), None)
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's 'done when' figures, each with its value and whether it is met."""
+    out = []
+    binary, js = _find(doc["large"], wire="binary16"), _find(doc["large"], wire="json")
+    ceiling = doc["in_process"]["samples_per_s"]
+    if binary:
+        out.append({"figure": "large binary FP16 samples/s / in-process cpu samples/s",
+                    "value": binary["samples_per_s"] / ceiling, "target": ">= 0.70",
+                    "met": binary["samples_per_s"] / ceiling >= 0.70})
+    if binary and js:
+        ratio = binary["samples_per_s"] / max(js["samples_per_s"], 1e-9)
+        out.append({"figure": "large binary FP16 samples/s / JSON FP32 samples/s", "value": ratio,
+                    "target": ">= 5", "met": ratio >= 5})
+    peer64 = _find(doc["sweep"], server="peer", clients=64)
+    for wire in sorted({r["wire"] for r in doc["sweep"] if r["server"] == "mmad"}):
+        on64 = _find(doc["sweep"], server="mmad", batching="on", wire=wire, clients=64)
+        if on64 and peer64:
+            ratio = on64["requests_per_s"] / max(peer64["requests_per_s"], 1e-9)
+            out.append({"figure": f"64 clients, 1-16 rows: mmad batching on ({wire}) req/s / peer req/s",
+                        "value": ratio, "target": ">= 3", "met": ratio >= 3})
+        if on64:
+            out.append({"figure": f"64 clients, 1-16 rows: mmad batching on ({wire}) p99 ms",
+                        "value": on64["p99_ms"], "target": "<= 100", "met": on64["p99_ms"] <= 100})
+    return out
+
+
+# == report =================================================================================
+def markdown(doc: dict[str, Any], png_name: str | None) -> str:
+    m = doc["machine"]
+    lines = [f"Measured {doc['started']} on {m['cpus']} CPUs ({m['platform']}, Python {m['python']}); "
+             f"load average {m['load_avg_at_start'][0]} at start, {m['load_avg_at_end'][0]} at end; "
+             f"{doc['elapsed_s']} s. Command: `{doc['command']}`. "
+             "'foreign cores': CPU used by other processes on the machine during that point.", ""]
+    ip = doc["in_process"]
+    lines += ["**Targets**", "", "| figure | value | target | met |", "|---|---|---|---|"]
+    for t in doc["targets"]:
+        lines.append(f"| {t['figure']} | {t['value']:.2f} | {t['target']} | {'yes' if t['met'] else '**no**'} |")
+    lines += ["", f"**Large batches** ({ip['rows']:,} rows per request, one client; in-process "
+              f"{ip['backend']} forward: {ip['samples_per_s']:,.0f} samples/s)", "",
+              "| wire | requests | samples/s | MB/s | p50 ms | vs in-process | foreign cores |",
+              "|---|---|---|---|---|---|---|"]
+    for r in doc["large"]:
+        label = "binary FP16 in/out" if r["wire"] == "binary16" else "JSON FP32 in/out"
+        lines.append(f"| {label} | {r['requests']} | {r['samples_per_s']:,.0f} | {r['mb_per_s']:.1f} | "
+                     f"{r['p50_ms']:.0f} | {r['samples_per_s'] / ip['samples_per_s']:.0%} | {r['foreign_cores']} |")
+    lines += ["", "**Concurrency sweep** (1-16 rows per request, each client one keep-alive connection)", "",
+              "| server | batching | wire | clients | req/s | p50 ms | p90 ms | p99 ms | exec/req | errors | foreign cores |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["sweep"]:
+        errors = sum(r["errors"].values())
+        lines.append(f"| {r['server']} | {r['batching']} | {r['wire']} | {r['clients']} | {r['requests_per_s']:,.0f} | "
+                     f"{r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} | "
+                     f"{r['executions_per_request']:.2f} | {errors} | {r['foreign_cores']} |")
+    if doc["tritonclient"]:
+        lines += ["", "**Triton's Python client** against the daemon (binary FP32, 1-16 rows, N requests in "
+                  "flight, batching on)", "",
+                  "| client | N | req/s | p50 ms | p99 ms | exec/req | errors |", "|---|---|---|---|---|---|---|"]
+        for r in doc["tritonclient"]:
+            lines.append(f"| {r['client']} | {r['clients']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.1f} | "
+                         f"{r['p99_ms']:.1f} | {r['executions_per_request']:.2f} | {sum(r['errors'].values())} |")
+    if png_name:
+        lines += ["", f"![service benchmark]({png_name})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rps, ax_p99, ax_large) = plt.subplots(1, 3, figsize=(15, 4.5))
+    keys = sorted({(r["server"], r["batching"], r["wire"]) for r in doc["sweep"]})
+    for server, batching, wire in keys:
+        rows = sorted((r for r in doc["sweep"] if (r["server"], r["batching"], r["wire"]) == (server, batching, wire)),
+                      key=lambda r: r["clients"])
+        label = "peer (FastAPI + NumPy)" if server == "peer" else f"mmad {wire}, batching {batching}"
+        clients = [r["clients"] for r in rows]
+        ax_rps.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
+        ax_p99.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
+    for ax, title, unit in ((ax_rps, "requests/s (1-16 rows each)", "requests/s"), (ax_p99, "p99 latency", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    ax_p99.set_yscale("log")
+    ax_p99.axhline(100, color="grey", linestyle="--", linewidth=1)
+    ax_rps.legend(fontsize=8)
+    names = ["in-process"] + ["binary FP16" if r["wire"] == "binary16" else "JSON FP32" for r in doc["large"]]
+    values = [doc["in_process"]["samples_per_s"]] + [r["samples_per_s"] for r in doc["large"]]
+    ax_large.bar(names, values, color=["grey", "tab:blue", "tab:orange"][:len(values)])
+    ax_large.set_title(f"{doc['in_process']['rows']:,}-row requests, model M (cpu)")
+    ax_large.set_ylabel("samples/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_docs(doc: dict[str, Any], docs: Path) -> Path:
+    """Replace the results block of ``docs`` (or append one) and write the plot beside it."""
+    png = docs.with_suffix(".png")
+    plot(doc, png)
+    block = f"{MARK_BEGIN}\n{markdown(doc, png.name)}{MARK_END}"
+    text = docs.read_text(encoding="utf-8") if docs.exists() else "# Service performance\n\n"
+    if MARK_BEGIN in text and MARK_END in text:
+        head, rest = text.split(MARK_BEGIN, 1)
+        text = head + block + rest.split(MARK_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    docs.write_text(text, encoding="utf-8")
+    return png
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mmad.bench.load", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results", help="folder for service-cpu.json")
+    p.add_argument("--docs", default="docs/service-performance.md",
+                   help="markdown file whose results block is rewritten (PNG written beside it); '' for none")
+    p.add_argument("--concurrency", default="1,8,64,256", help="clients of the sweep, comma-separated")
+    p.add_argument("--sweep-wires", default="json,binary32",
+                   help="mmad wire formats in the sweep: json (as the peer) and/or binary32")
+    p.add_argument("--duration-s", type=float, default=4.0, help="measured seconds per sweep point")
+    p.add_argument("--warmup-s", type=float, default=1.0, help="unmeasured seconds before each sweep point")
+    p.add_argument("--max-requests", type=int, default=40000, help="measured requests per sweep point at most")
+    p.add_argument("--large-rows", type=int, default=65536)
+    p.add_argument("--large-requests", type=int, default=12, help="measured large requests per wire format at most")
+    p.add_argument("--large-duration-s", type=float, default=10.0, help="measured seconds per wire format at most")
+    p.add_argument("--in-process-repeats", type=int, default=7)
+    p.add_argument("--max-batch-rows", type=int, default=65536, help="batching on: rows per launch")
+    p.add_argument("--max-queue-delay-us", type=int, default=500, help="batching on: longest wait")
+    p.add_argument("--tritonclient-concurrency", default="8,64", help="'' to skip the tritonclient check")
+    p.add_argument("--no-peer", dest="peer", action="store_false")
+    p.add_argument("--server-arg", dest="server_args", action="append", default=[],
+                   help="extra argument for the daemon (repeatable), e.g. --server-arg=--http=h11")
+    p.add_argument("--start-timeout-s", type=float, default=90.0)
+    p.add_argument("--generator-slack-s", type=float, default=60.0,
+                   help="a generator process is killed this long after its point should have ended")
+    p.add_argument("--generator", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    opts = build_parser().parse_args(argv)
+    if opts.generator:
+        return generator_main(opts.generator)
+    opts.argv = argv
+    opts.concurrency = [int(c) for c in opts.concurrency.split(",") if c.strip()]
+    opts.sweep_wires = [w.strip() for w in opts.sweep_wires.split(",") if w.strip()]
+    bad = sorted(set(opts.sweep_wires) - {"json", "binary32", "binary16"})
+    if bad:
+        raise SystemExit(f"--sweep-wires: unknown {bad[0]!r}; use json, binary32, binary16")
+    opts.tritonclient_concurrency = [int(c) for c in opts.tritonclient_concurrency.split(",") if c.strip()]
+    opts.tritonclient = bool(opts.tritonclient_concurrency)
+    try:
+        doc = run(opts)
+    except MMADError as exc:
+        print(f"mmad bench --service: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "service-cpu.json"
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    written = [json_path]
+    if opts.docs:
+        docs = Path(opts.docs)
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        written += [docs, write_docs(doc, docs)]
+    print(markdown(doc, None))
+    print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

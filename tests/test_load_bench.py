@@ -1,0 +1,82 @@
+"""Smoke run of the service load benchmark (mmad.bench.load): a tiny but complete run.
+
+Starts the daemon, the NumPy peer and the load generators as real processes on loopback, with
+small sizes and short bounds, and checks the results' structure and the facts that must hold
+whatever the machine's speed: every request answered correctly, batching off runs every request
+alone, batching on never runs more executions than requests, the report files are written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmad.bench import load
+
+pytest.importorskip("matplotlib", reason="the report's plot needs matplotlib (dev extra)")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("service-bench")
+    docs = out / "service-performance.md"
+    docs.write_text(f"# Service performance\n\nprose kept\n\n{load.MARK_BEGIN}\nold table\n{load.MARK_END}\n\ntail kept\n")
+    argv = ["--out", str(out), "--docs", str(docs), "--concurrency", "1,8", "--sweep-wires", "json",
+            "--duration-s", "0.6", "--warmup-s", "0.2", "--large-rows", "2048", "--large-requests", "2",
+            "--large-duration-s", "2", "--tritonclient-concurrency", "4", "--in-process-repeats", "3"]
+    assert load.main(argv) == 0
+    return json.loads((out / "service-cpu.json").read_text()), docs
+
+
+def test_outputs_checked_against_oracle(smoke_run):
+    doc, _ = smoke_run
+    errors = doc["oracle_relative_error"]
+    assert set(errors) == {"mmad binary16", "mmad binary32", "mmad json", "peer json"}
+    assert errors["mmad binary16"] <= load.FP16_TOLERANCE
+    assert max(errors["mmad binary32"], errors["mmad json"], errors["peer json"]) <= load.FP32_TOLERANCE
+
+
+def test_large_batches_measured(smoke_run):
+    doc, _ = smoke_run
+    assert doc["in_process"]["samples_per_s"] > 0
+    assert [r["wire"] for r in doc["large"]] == ["binary16", "json"]
+    for r in doc["large"]:
+        assert r["errors"] == {} and 1 <= r["requests"] <= 2
+        assert r["samples_per_s"] > 0 and r["mb_per_s"] > 0
+        # bytes on the wire: binary FP16 is 2 bytes per value each way, JSON several
+        assert r["mb_per_s"] * 1e6 / r["samples_per_s"] >= 2 * 2 * 64
+
+
+def test_sweep_batching_and_peer(smoke_run):
+    doc, _ = smoke_run
+    points = {(r["server"], r["batching"], r["clients"]): r for r in doc["sweep"]}
+    assert set(points) == {(s, b, c) for s, b in (("mmad", "on"), ("mmad", "off"), ("peer", "none"))
+                           for c in (1, 8)}
+    for r in doc["sweep"]:
+        assert r["errors"] == {}, r["first_error"]
+        assert r["requests"] > 0 and r["requests_per_s"] > 0
+        assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+    for clients in (1, 8):
+        assert points["mmad", "off", clients]["executions_per_request"] == 1.0
+        assert 0 < points["mmad", "on", clients]["executions_per_request"] <= 1.0
+    assert points["mmad", "on", 1]["executions_per_request"] == 1.0  # one client: nothing to merge
+
+
+def test_tritonclient_against_daemon(smoke_run):
+    doc, _ = smoke_run
+    assert {r["client"] for r in doc["tritonclient"]} == set(load.CLIENT_LABELS.values())
+    for r in doc["tritonclient"]:
+        assert r["errors"] == {}, r["first_error"]
+        assert r["requests"] > 0
+
+
+def test_report_written(smoke_run):
+    doc, docs = smoke_run
+    text = docs.read_text()
+    assert text.count(load.MARK_BEGIN) == 1 and "old table" not in text
+    assert "prose kept" in text and "tail kept" in text and "| mmad | on | json | 8 |" in text
+    assert docs.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = [t["figure"] for t in doc["targets"]]
+    assert any("in-process" in f for f in figures) and any("JSON" in f for f in figures)
+    assert all(isinstance(t["met"], bool) for t in doc["targets"])
