@@ -327,6 +327,7 @@ def test_transport_failures_are_wrapped(raised, kind):
         with pytest.raises(kind) as info:
             client.server_metadata()
     assert info.value.__cause__ is raised
+    assert "GET http://mmad.test/v2" in str(info.value)
     assert isinstance(info.value, E.MMADClientError)
     assert isinstance(info.value, builtins.TimeoutError) == (kind is E.TimeoutError)
 

@@ -55,7 +55,7 @@ def _json_body(doc: Any) -> tuple[bytes, dict[str, str]]:
     try:
         body = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     except ValueError as exc:
-        raise ValueError(f"{exc}: JSON cannot carry NaN or Inf; send tensors with binary=True") from exc
+        raise ValueError(f"{exc}: JSON cannot carry NaN or Inf (tensors can, as binary=True)") from exc
     return body, {"Content-Type": "application/json"}
 
 
@@ -251,7 +251,7 @@ class BaseClient:
         return Call("GET", f"{model_path(name)}/weights", _weights, params=params)
 
     def _set_weights(self, name: str, weights: Mapping[str, Any]) -> Call:
-        tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+        tensors = {k: np.asarray(v, dtype=np.float32, order="C") for k, v in weights.items()}
         return Call("PUT", f"{model_path(name)}/weights", lambda r: str(_field(r, "version")),
                     _binary.encode_safetensors(tensors), {"Content-Type": "application/octet-stream"})
 
@@ -285,8 +285,8 @@ class BaseClient:
 
     # -- training jobs --------------------------------------------------------------------
     def _upload_dataset(self, name: str, x: Any, y: Any) -> Call:
-        xs = np.ascontiguousarray(as_tensor(x, "x"), dtype=np.float32)
-        ys = np.ascontiguousarray(as_tensor(y, "y"), dtype=np.float32)
+        xs = np.asarray(as_tensor(x, "x"), dtype=np.float32, order="C")
+        ys = np.asarray(as_tensor(y, "y"), dtype=np.float32, order="C")
         if xs.shape[0] != ys.shape[0]:
             raise ValueError(f"x has {xs.shape[0]} rows but y has {ys.shape[0]}")
         return Call("POST", f"{model_path(name)}/datasets", lambda r: str(_field(r, "dataset")),
@@ -355,8 +355,10 @@ class _StderrBar:
         now = time.monotonic()
         if force or now - self._shown >= 0.1:
             self._shown = now
-            self._line = f"{self.desc}: {step}/{self.total} steps {postfix}"
-            sys.stderr.write(f"\r{self._line}")
+            line = f"{self.desc}: {step}/{self.total} steps {postfix}"
+            # blank out what is left of a longer previous line
+            sys.stderr.write(f"\r{line}{' ' * max(0, len(self._line) - len(line))}")
+            self._line = line
             sys.stderr.flush()
 
     def close(self) -> None:

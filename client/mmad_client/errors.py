@@ -164,8 +164,10 @@ def status_error(response: httpx.Response) -> HTTPStatusError:
 def transport_error(exc: httpx.TransportError) -> TransportError:
     """Our exception for an ``httpx`` transport failure (raise it ``from exc``)."""
     kind = TimeoutError if isinstance(exc, httpx.TimeoutException) else TransportError
-    request = getattr(exc, "_request", None)  # httpx sets it when the error came from a request
-    where = f" ({request.method} {request.url})" if request is not None else ""
+    try:
+        where = f" ({exc.request.method} {exc.request.url})"
+    except RuntimeError:  # httpx raises this when the error is not tied to a request
+        where = ""
     return kind(f"{type(exc).__name__}{where}: {exc}")
 
 
