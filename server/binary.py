@@ -70,7 +70,8 @@ def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
         raise InvalidInput(f"{where}.data must be numbers (nested like the shape, or flat): {exc}") from exc
     if array.dtype.kind not in "fiu":  # strings, booleans, objects, null
         raise InvalidInput(f"{where}.data must hold only numbers; got elements of type {array.dtype}")
-    array = array.astype(np.float32)
+    with np.errstate(over="ignore"):  # out-of-range numbers become Inf, refused by the finiteness check
+        array = array.astype(np.float32)
     if array.size != math.prod(shape):
         raise InvalidInput(f"{where}.data holds {array.size} numbers but shape {list(shape)} needs "
                            f"{math.prod(shape)}")

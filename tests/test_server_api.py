@@ -6,6 +6,7 @@ Numerics are checked against the float64 cpu oracle loaded with the weights the 
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import hashlib
 import math
 import threading
@@ -185,6 +186,9 @@ def test_oversize_body_is_413_by_length_and_by_stream(http):
 
     r = http.post("/v2/models/demo/infer", content=chunks())  # no Content-Length: counted as it streams
     assert r.status_code == 413 and "limit" in r.json()["error"]
+    bomb = gzip.compress(b"\0" * (5 * 1024 * 1024))  # small on the wire, over the cap once inflated
+    r = http.post("/v2/models/demo/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 413 and "decompressed" in r.json()["error"]
     assert http.get("/v2/health/ready").status_code == 200
 
 

@@ -44,6 +44,15 @@ def test_infer(triton, http, datatype, binary, tol):
     assert rel_err(out, oracle(http, "demo", x.astype(np.float32))) <= tol
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(triton, http, algorithm):
+    x = np.random.default_rng(23).uniform(-1, 1, (50, 2)).astype(np.float32)
+    infer_input = th.InferInput("INPUT", [50, 2], "FP32")
+    infer_input.set_data_from_numpy(x)
+    out = triton.infer("demo", [infer_input], request_compression_algorithm=algorithm).as_numpy("OUTPUT")
+    assert rel_err(out, oracle(http, "demo", x)) <= 1e-5
+
+
 def test_infer_without_requested_outputs_and_pinned_version(triton, http):
     x = np.random.default_rng(22).uniform(-1, 1, (4, 2)).astype(np.float32)
     infer_input = th.InferInput("INPUT", [4, 2], "FP32")

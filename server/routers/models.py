@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
-from mmad.errors import InvalidInput, MMADError, SpecError
+from mmad.errors import InvalidInput, MMADError, PayloadTooLarge, SpecError
 from mmad.server.binary import (
     InferRequest, encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
 )
@@ -67,8 +68,28 @@ def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int
     return out
 
 
+def decompress(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip/deflate body (tritonclient's request_compression_algorithm), inflated to at most ``limit``."""
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
+    if wbits is None:
+        raise InvalidInput(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidInput(f"the {encoding} body cannot be decompressed: {exc}") from exc
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
+    if not inflater.eof:
+        raise InvalidInput(f"the {encoding} body is truncated")
+    return data
+
+
 async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
     body = await request.body()
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":
+        body = await rt.registry.run(decompress, body, encoding, rt.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get("inference-header-content-length"), len(body))
     return await rt.registry.run(parse_infer_request, body, header_length)
 
