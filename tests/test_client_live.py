@@ -289,6 +289,26 @@ def test_repository_load_unload_stats_delete(client):
         client.model_metadata("live-repo")
 
 
+def test_full_queue_is_service_unavailable_with_retry_after(daemon, client):
+    doc = spec_doc(seed=19)
+    # one waiting request at most, held 0.2 s for company: a burst must overflow
+    client.create_model("live-queue", doc, config={"max_queue_requests": 1, "max_queue_delay_us": 200_000})
+    ref_model = oracle(doc, client.get_weights("live-queue"))
+    x = random_rows(10, N_IN, seed=10)
+
+    async def burst():
+        async with AsyncClient(daemon) as aclient:
+            return await asyncio.gather(*(aclient.infer("live-queue", x) for _ in range(12)), return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, Exception)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert refused and served
+    assert all(isinstance(r, E.ServiceUnavailable) and r.retry_after and r.retry_after > 0 for r in refused), refused
+    ref = ref_model.forward(x.astype(np.float64))
+    assert all(rel_err(out, ref) <= 1e-5 for out in served)
+
+
 def test_errors_are_typed(daemon, client):
     client.create_model("live-errors", spec_doc(seed=18))
     with pytest.raises(E.NotFound):
@@ -303,6 +323,10 @@ def test_errors_are_typed(daemon, client):
     bad["network"]["n_neurons"] = 17
     with pytest.raises(E.BadRequest, match="n_neurons"):
         client.create_model("live-bad-spec", bad)
+    with pytest.raises(E.NotFound):
+        client.follow_job("live-errors", "no-such-job", progress=False)
+    with pytest.raises(E.NotFound):
+        client.job_status("live-errors", "no-such-job")
     with pytest.raises(E.PayloadTooLarge):
         client.infer("live-errors", np.zeros((MAX_BODY_BYTES // (4 * N_IN) + 1024, N_IN), np.float32))
     with Client(daemon) as anonymous:
