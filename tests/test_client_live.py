@@ -177,7 +177,7 @@ def test_async_client_concurrent_infers_are_each_right(daemon, client):
             return outs, losses, status
 
     outs, losses, status = asyncio.run(main())
-    for x, out in zip(xs, outs):
+    for x, out in zip(xs, outs, strict=True):
         assert out.shape == (len(x), N_OUT)
         assert rel_err(out, ref_model.forward(x.astype(np.float64))) <= 1e-5
     assert losses.shape == (1,) and np.isfinite(losses).all()

@@ -335,7 +335,8 @@ def test_transport_failures_are_wrapped(raised, kind):
 def test_malformed_binary_response_is_a_protocol_error():
     def handler(request):
         head = b'{"outputs":[{"name":"OUTPUT","datatype":"FP32","shape":[2,3],"parameters":{"binary_data_size":24}}]}'
-        return httpx.Response(200, content=head + b"\0" * 10, headers={"inference-header-content-length": str(len(head))})
+        return httpx.Response(200, content=head + b"\0" * 10,
+                              headers={"inference-header-content-length": str(len(head))})
 
     with Client("http://mmad.test", transport=httpx.MockTransport(handler)) as client:
         with pytest.raises(E.ProtocolError, match="needs bytes"):

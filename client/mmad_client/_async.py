@@ -48,7 +48,8 @@ class AsyncClient(BaseClient):
 
     # -- health and metadata ----------------------------------------------------------------
     async def health_live(self) -> bool:
-        """True when the daemon answers ``GET /v2/health/live`` with 200."""
+        """True when the daemon answers ``GET /v2/health/live`` with 200; :class:`TransportError`
+        when nothing answers."""
         return await self._send(self._health_live())
 
     async def health_ready(self) -> bool:

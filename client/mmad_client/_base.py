@@ -411,7 +411,8 @@ class JobFollower:
         try:
             data = json.loads(event.data) if event.data else {}
         except ValueError as exc:
-            raise ProtocolError(f"job {self.job}: event {event.event!r} data is not JSON: {event.data[:200]!r}") from exc
+            raise ProtocolError(f"job {self.job}: event {event.event!r} data is not JSON: "
+                                f"{event.data[:200]!r}") from exc
         if self._callback is not None:
             self._callback(event.event, data)
         if event.event == "progress":

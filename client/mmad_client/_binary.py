@@ -74,7 +74,7 @@ def encode_binary_request(header: dict[str, Any], tensors: list[np.ndarray]) -> 
     binary_inputs = [i for i in header["inputs"] if "data" not in i]
     if len(binary_inputs) != len(arrays):
         raise ValueError(f"{len(binary_inputs)} binary inputs in the header but {len(arrays)} arrays")
-    for entry, array in zip(binary_inputs, arrays):
+    for entry, array in zip(binary_inputs, arrays, strict=True):
         entry.setdefault("parameters", {})["binary_data_size"] = array.nbytes
     head = _json_bytes(header)
     body = b"".join([head, *map(_raw_bytes, arrays)])

@@ -49,7 +49,8 @@ class Client(BaseClient):
 
     # -- health and metadata ----------------------------------------------------------------
     def health_live(self) -> bool:
-        """True when the daemon answers ``GET /v2/health/live`` with 200."""
+        """True when the daemon answers ``GET /v2/health/live`` with 200; :class:`TransportError`
+        when nothing answers."""
         return self._send(self._health_live())
 
     def health_ready(self) -> bool:
