@@ -129,6 +129,7 @@ class Daemon:
         self.log_path = log_path or self.store.parent / "daemon.log"
         self.pid: int | None = None
         self.proc: subprocess.Popen | None = None
+        self.command = [sys.executable, "-m", "mmad.server.main"]  # without a zygote
 
     def argv(self) -> list[str]:
         return ["--host", "127.0.0.1", "--port", str(self.port), "--store", str(self.store), "--backend", "cpu",
@@ -142,7 +143,7 @@ class Daemon:
             self.proc, self.pid = None, self.zygote.spawn(self.argv(), self.log_path)
         else:
             with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", *self.argv()],
+                self.proc = subprocess.Popen([*self.command, *self.argv()],
                                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
             self.pid = self.proc.pid
         deadline = time.monotonic() + timeout_s
