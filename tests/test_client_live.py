@@ -140,6 +140,7 @@ def test_create_infer_binary_json_fp16_against_oracle(client):
     assert meta["name"] == "live-infer" and meta["platform"] == "mmad"
     assert meta["inputs"][0]["name"] == "INPUT" and meta["inputs"][0]["shape"][-1] == N_IN
     assert client.model_metadata("live-infer")["outputs"][0]["shape"][-1] == N_OUT
+    assert client.model_metadata("live-infer", version="1")["name"] == "live-infer"
     assert client.model_ready("live-infer") is True
     assert client.model_ready("live-infer", version="1") is True
     ref_model = oracle(doc, client.get_weights("live-infer"))
@@ -275,6 +276,7 @@ def test_repository_load_unload_stats_delete(client):
     stats = client.stats("live-repo")["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] >= 3
     assert stats["inference_count"] >= 3
+    assert 'model="live-repo"' in client.metrics()
     index = {m["name"]: m for m in client.repository_index()}
     assert "live-repo" in index
     client.unload("live-repo")
