@@ -61,6 +61,8 @@ async def stop_runtime(rt: Runtime) -> None:
         await rt.registry.close()
     if rt.backend is not None:
         rt.backend.close()
+    if rt.store is not None:
+        rt.store.close()
     rt.executor.shutdown(wait=True)
 
 

@@ -16,6 +16,7 @@ an interrupted write and are removed at startup. No pickle: JSON and safetensors
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -104,10 +105,33 @@ class Store:
         try:
             self.models_dir.mkdir(parents=True, exist_ok=True)
             self.datasets_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = open(self.root / "daemon.lock", "a+b")
         except OSError as exc:
             raise MMADError(f"cannot create the model store at {self.root}: {exc}") from exc
+        try:  # two daemons writing one store would interleave their version numbers
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            self._lock_file.close()
+            raise MMADError(f"the model store {self.root} is in use by another mmad daemon") from exc
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self.sweep_leftovers()
+
+    def close(self) -> None:
+        """Release the store for another daemon."""
+        self._lock_file.close()
+
+    def sweep_leftovers(self) -> int:
+        """Remove what interrupted writes left: temp files, staging and trash directories (dot names)."""
+        removed = 0
+        for top in (self.models_dir, self.datasets_dir):
+            for path in sorted(top.rglob(".*"), key=lambda p: -len(p.parts)):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def lock(self, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -120,9 +144,7 @@ class Store:
     def list_models(self) -> list[str]:
         names = []
         for entry in sorted(self.models_dir.iterdir()):
-            if entry.name.startswith("."):
-                shutil.rmtree(entry, ignore_errors=True)  # an interrupted create or delete
-            elif (entry / "versions.json").is_file() and MODEL_NAME_RE.match(entry.name):
+            if (entry / "versions.json").is_file() and MODEL_NAME_RE.match(entry.name):
                 names.append(entry.name)
         return names
 
