@@ -120,8 +120,10 @@ class Daemon:
     Started with ``python -m mmad.server.main`` or, given a :class:`Zygote`, forked from it.
     """
 
-    def __init__(self, store: Path, *args: str, log_path: Path | None = None, zygote: Zygote | None = None):
+    def __init__(self, store: Path, *args: str, log_path: Path | None = None, zygote: Zygote | None = None,
+                 demo: bool = False):
         self.store = Path(store)
+        self.demo = demo
         self.args = args
         self.zygote = zygote
         self.port = free_port()
@@ -133,7 +135,7 @@ class Daemon:
 
     def argv(self) -> list[str]:
         return ["--host", "127.0.0.1", "--port", str(self.port), "--store", str(self.store), "--backend", "cpu",
-                "--probe", "cpu", "--no-demo", "--log-level", "warning", *self.args]
+                "--probe", "cpu", "--log-level", "warning", *([] if self.demo else ["--no-demo"]), *self.args]
 
     def start(self, timeout_s: float = 60.0) -> "Daemon":
         self.port = free_port()  # a fresh port per start: the killed one may linger in TIME_WAIT
