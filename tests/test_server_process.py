@@ -3,9 +3,11 @@ checkpoints running jobs, the API key guards mutating endpoints, bad settings fa
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -85,14 +87,26 @@ def test_kill_9_during_training_loses_no_acknowledged_version(tmp_path):
 def test_sigterm_checkpoints_the_running_job(tmp_path):
     store = tmp_path / "store"
     daemon = DaemonProcess(store, "--no-demo").start()
-    with httpx.Client(base_url=daemon.url, timeout=30) as client:
+    with httpx.Client(base_url=daemon.url, timeout=30) as client, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # an infer request that sits in its batcher's queue for 1.5 s while the daemon is told to stop
+        r = client.put("/v2/models/slow", json={"spec": SMALL_SPEC, "config": {"max_queue_delay_us": 1_500_000}})
+        assert r.status_code == 201
         job = start_training(client, steps=10**6, checkpoint_every=10**6)
+        in_flight = None
         final = None
         for name, data in events(client, job):
-            if name == "progress" and data["step"] >= 3 and daemon.proc.poll() is None:
+            if name == "progress" and data["step"] >= 3 and in_flight is None:
+                in_flight = pool.submit(binary_infer, httpx.Client(base_url=daemon.url, timeout=30), "slow",
+                                        np.ones((2, 5), np.float32))
+                deadline = time.monotonic() + 10
+                while client.get("/v2/models/slow").json()["queued_requests"] == 0:
+                    assert time.monotonic() < deadline, "the infer request never reached the queue"
+                    time.sleep(0.02)
                 daemon.proc.terminate()  # graceful: the job must write a last version, the stream must end
             if name in ("done", "cancelled", "failed"):
                 final = (name, data)
+        assert in_flight.result().status_code == 200  # the in-flight request finished
     assert daemon.proc.wait(30) in (0, -15)
     assert final is not None and final[0] == "cancelled" and "shutting down" in final[1]["error"]
     assert final[1]["versions"] == ["2"]

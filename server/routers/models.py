@@ -39,6 +39,7 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
         "state": "READY" if entry.ready else "UNAVAILABLE", "reason": entry.reason,
         "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"],
         "step": entry.live.step_count if entry.live is not None else versions[-1]["step"],
+        "queued_requests": entry.batcher.queued if entry.batcher is not None else 0,
         "spec": entry.spec.to_json(),
         "config": {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
                    "max_queue_requests": limits.max_queue_requests,
