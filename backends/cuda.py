@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -56,14 +58,30 @@ extern "C" __global__ void wgmma_probe(float* out) {
     unsigned long long desc = 0ull;
     unsigned a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u;
     asm volatile("wgmma.fence.sync.aligned;");
-    asm volatile("wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, 1, 1;"
+    asm volatile("{.reg .pred p; setp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 1;}"
                  : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
     asm volatile("wgmma.commit_group.sync.aligned;");
     asm volatile("wgmma.wait_group.sync.aligned 0;");
     out[threadIdx.x] = d0 + d1 + d2 + d3;
 }
 """
+
+
+def _nvrtc_accepts_wgmma() -> tuple[bool, str]:
+    """Compile a wgmma instruction for sm_90a in a child process (a compiler crash stays there)."""
+    code = ("import cupy, sys; src = sys.stdin.read(); "
+            "cupy.RawModule(code=src, options=('--gpu-architecture=sm_90a', '-std=c++17')).get_function('wgmma_probe')")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], input=_WGMMA_PROBE_SOURCE, capture_output=True,
+                              text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"the compile check did not finish: {exc}"
+    if done.returncode == 0:
+        return True, ""
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return False, f"exit {done.returncode}: {' '.join(tail)[:300]}"
 
 
 # -- CuPy access ---------------------------------------------------------------------------
@@ -78,10 +96,10 @@ def _cupy():
     return cupy
 
 
-def _nvrtc():
+def _nvrtc_version() -> str:
     from cupy_backends.cuda.libs import nvrtc
 
-    return nvrtc
+    return "%d.%d" % tuple(nvrtc.getVersion())
 
 
 def _device_errors(cp) -> tuple[type[BaseException], ...]:
@@ -93,23 +111,27 @@ def _version_text(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
-def nvrtc_compile(source: str, options: tuple[str, ...], what: str) -> bytes:
-    """Compile CUDA C++ to a cubin with NVRTC; CompileError with the log on failure."""
-    nvrtc = _nvrtc()
-    prog = nvrtc.createProgram(source, f"{what}.cu", (), ())
+def nvrtc_compile(source: str, arch: str, options: tuple[str, ...], what: str) -> bytes:
+    """Compile CUDA C++ to a cubin with NVRTC (through CuPy); CompileError with the log on failure.
+
+    ``arch`` is the compute capability as digits ("90"); CuPy adds ``-arch=sm_<arch>``.
+    """
+    cp = _cupy()
+    from cupy.cuda import compiler
+
     try:
-        try:
-            nvrtc.compileProgram(prog, list(options))
-        except nvrtc.NVRTCError as exc:
-            log = ""
-            try:
-                log = nvrtc.getProgramLog(prog)
-            except Exception:  # the log is a courtesy; the error itself is reported regardless
-                pass
-            raise CompileError(what, log or str(exc), source) from exc
-        return nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+        compiled = compiler.compile_using_nvrtc(source, options=tuple(options), arch=arch,
+                                                filename="mmad_kernel.cu")
+    except compiler.CompileException as exc:
+        log = exc.get_message() if hasattr(exc, "get_message") else str(exc)
+        raise CompileError(what, log, source) from exc
+    except _device_errors(cp) as exc:
+        raise CompileError(what, f"NVRTC could not run: {exc}", source) from exc
+    # CuPy 14 returns (binary, name mapping); older versions the binary alone
+    cubin = compiled[0] if isinstance(compiled, tuple) else compiled
+    if isinstance(cubin, str):  # CuPy chose PTX (an arch newer than its NVRTC knows): still loadable
+        cubin = cubin.encode()
+    return bytes(cubin)
 
 
 class LoadedModule:
@@ -197,8 +219,9 @@ class CudaMmaModel(CompiledModel):
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
         self.mt_fwd = 2 if self.width <= 64 else 1
         self.source = self._source()
-        self.arch = f"sm_{info['cc'][0]}{info['cc'][1]}"
-        self.options = (f"-arch={self.arch}", "-std=c++17")
+        self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
+        self.arch = f"sm_{self.arch_digits}"
+        self.options = ("-std=c++17",)
         self._module = self._build(cache)
         self._allocate()
         self.set_params(init_params(spec))
@@ -225,13 +248,12 @@ class CudaMmaModel(CompiledModel):
         return head + read_source("cuda/mlp_mma.cu")
 
     def _build(self, cache: KernelCache | None) -> LoadedModule:
-        nvrtc = _nvrtc()
         what = f"mma kernels for model {self.spec.content_hash()} ({self.describe()})"
 
         def build() -> bytes:
-            return nvrtc_compile(self.source, self.options, what)
+            return nvrtc_compile(self.source, self.arch_digits, self.options, what)
 
-        compiler = "nvrtc-%d.%d" % tuple(nvrtc.getVersion())
+        compiler = f"nvrtc-{_nvrtc_version()}"
         if cache is None:
             cubin = build()
         else:
@@ -607,8 +629,7 @@ class CudaBackend(Backend):
             return all_unavailable("no CUDA device is present")
         try:
             info = device_info(cp)
-            nvrtc = _nvrtc()
-            nvrtc_version = "%d.%d" % tuple(nvrtc.getVersion())
+            nvrtc_version = _nvrtc_version()
             api = (f"driver {_version_text(cp.cuda.runtime.driverGetVersion())}, runtime "
                    f"{_version_text(cp.cuda.runtime.runtimeGetVersion())}, NVRTC {nvrtc_version}, "
                    f"CuPy {cp.__version__}")
@@ -624,16 +645,16 @@ class CudaBackend(Backend):
             wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
                           f"this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
         else:
-            try:
-                nvrtc_compile(_WGMMA_PROBE_SOURCE, ("-arch=sm_90a", "-std=c++17"), "the wgmma probe")
+            accepted, why = _nvrtc_accepts_wgmma()
+            if accepted:
                 wg = ProbeRow("cuda", "wgmma", False,
                               reason="the GPU and NVRTC accept sm_90a wgmma, but mmad's wgmma kernels are "
                                      "not implemented yet; the mma variant runs on this GPU",
                               details={**details, "nvrtc_sm_90a_wgmma": True},
                               mma_shapes=[MMAShape(64, n, 16, scope="warpgroup") for n in (8, 64, 128, 256)],
                               **common)
-            except CompileError as exc:
-                wg = ProbeRow("cuda", "wgmma", False, reason=f"NVRTC rejects sm_90a wgmma: {exc.log.strip()[:300]}",
+            else:
+                wg = ProbeRow("cuda", "wgmma", False, reason=f"NVRTC rejects sm_90a wgmma: {why}",
                               details=dict(details), **common)
         if cc >= (8, 0):
             mma = ProbeRow("cuda", "mma", True, mma_shapes=mma_shape,

@@ -46,8 +46,9 @@ def backend():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return KernelCache(tmp_path_factory.mktemp("cuda-cache"))
+def cache():
+    # the default directory (MMAD_CACHE_DIR): a spec compiled once is a cache hit everywhere after
+    return KernelCache()
 
 
 def rel_err(out, ref) -> float:
@@ -98,9 +99,13 @@ def test_probe_reports_every_variant(backend):
         assert row.available or row.reason, row
 
 
+# every activation on one of S/M/L (rotating), ReLU (the benchmark models) on all three: each
+# distinct spec costs an NVRTC compile, so the list is chosen to cover, not to multiply
+MODEL_CASES = [("SML"[i % 3], a) for i, a in enumerate(ACTIVATIONS)] + [("S", "ReLU"), ("L", "ReLU")]
+
+
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("name", ["S", "M", "L"])
+@pytest.mark.parametrize(("name", "activation"), MODEL_CASES)
 def test_forward_matches_oracle(backend, cache, name, activation, batch):
     rng = np.random.default_rng(hash((name, activation, batch)) % 2**32)
     spec = bench_spec(name, activation=activation)
@@ -113,7 +118,7 @@ def test_forward_matches_oracle(backend, cache, name, activation, batch):
     assert err <= FWD_TOL, f"{name}/{activation}/batch {batch}: forward rel. err {err:.2e}"
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", ["Sigmoid", "Exponential", "Squareplus", "Sine"])
 def test_output_activation_forward(backend, cache, activation):
     rng = np.random.default_rng(11)
     spec = bench_spec("S", output_activation=activation, activation="Tanh")
@@ -134,8 +139,8 @@ def check_grads(model, oracle, x, y, label):
     return worst
 
 
-GRAD_CASES = ([(n, a, b) for n in ("S", "M", "L") for a in ACTIVATIONS for b in (1, 7, 1000)]
-              + [(n, a, 65_537) for n in ("S", "M", "L") for a in ("ReLU", "Tanh")])
+GRAD_CASES = ([(n, a, b) for n, a in MODEL_CASES for b in (1, 7, 1000)]
+              + [(n, a, 65_537) for n, a in MODEL_CASES if a in ("ReLU", "Tanh", "SiLU")])
 
 
 @pytest.mark.parametrize(("name", "activation", "batch"), GRAD_CASES)
@@ -178,8 +183,7 @@ def test_widths_and_odd_shapes(backend, cache, width, n_in, n_out, layers, encod
     check_grads(model, oracle, x, y, f"width {width}, {n_in}->{n_out}")
 
 
-TRAIN_CASES = [("S", a, "Adam") for a in ACTIVATIONS] + [("M", "ReLU", "Adam"), ("L", "ReLU", "Adam"),
-                                                         ("M", "Tanh", "SGD")]
+TRAIN_CASES = [(n, a, "Adam") for n, a in MODEL_CASES] + [("M", "Tanh", "SGD")]
 
 
 @pytest.mark.parametrize(("name", "activation", "optimizer"), TRAIN_CASES)
