@@ -20,6 +20,7 @@ of ``ROW_ALIGN`` internally; padded rows get zero gradients and never reach the 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
@@ -41,8 +42,12 @@ from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 
 VARIANTS = ("coopmat", "simt")
+# kernel -> (storage buffers, push-constant bytes)
+PIPELINE_INTERFACE = {"forward": (5, 20), "backward": (5, 32), "wgrad": (4, 20), "optimizer": (8, 20),
+                      "finalize": (2, 16)}
 ROW_ALIGN = 128
-HIST_CAP = 1024  # loss history slots in the control block: steps per submission
+HIST_CAP = 1024
+BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
 COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
 # shape families the coopmat kernels are written for (M, N, K), best first
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
@@ -63,26 +68,50 @@ def usable_coopmat_shapes(shapes: list[dict[str, Any]]) -> list[tuple[int, int, 
 # -- model geometry ------------------------------------------------------------------------
 @dataclass
 class Geometry:
-    """Padded shapes, buffer offsets and tiling of one model on one device."""
+    """Padded shapes, buffer offsets and tiling of one model on one device (and variant)."""
 
     spec: MLPSpec
     threads: int
     rows_per_tile: int
     kmax: int
-    mtpt: int
-    wchunk: int
+    mtpt: int      # simt: 4x4 micro-tiles per invocation
+    wchunk: int    # elements of the shared weight chunk (fp32 for simt, fp16 for coopmat)
     in_pad: int
     out_pad: int
     k: list[int]
     n: list[int]
+    coopmat: tuple[int, int, int] | None = None
+    nacc: int = 0  # coopmat: accumulator blocks per subgroup
+    subgroups: int = 0
 
     @classmethod
-    def build(cls, spec: MLPSpec, max_shared: int) -> "Geometry":
+    def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
+              subgroup_size: int = 32) -> "Geometry":
         in_pad = _round_up(spec.n_encoded_dims, 16)
         out_pad = _round_up(spec.n_output_dims, 16)
         k = [in_pad] + [spec.n_neurons] * spec.n_hidden_layers
         n = [spec.n_neurons] * spec.n_hidden_layers + [out_pad]
         kmax = max(k + n)
+        too_wide = SpecError("n_output_dims" if out_pad == kmax else "encoding",
+                             f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
+                             f"({max_shared} bytes)")
+        if coopmat is not None:
+            m_cm, n_cm, _ = coopmat
+            subgroups = 4
+            threads = subgroups * subgroup_size
+            rows = 128
+            while rows > 16:
+                blocks = (rows // m_cm) * (kmax // n_cm)
+                act_bytes = 4 * rows * kmax + threads * 4
+                if math.ceil(blocks / subgroups) <= 8 and act_bytes + 32 * kmax <= max_shared:
+                    break
+                rows //= 2
+            act_bytes = 4 * rows * kmax + threads * 4
+            wchunk = min(8192, (max_shared - act_bytes) // 2 // 16 * 16)
+            if wchunk < 16 * kmax:
+                raise too_wide
+            nacc = math.ceil((rows // m_cm) * (kmax // n_cm) / subgroups)
+            return cls(spec, threads, rows, kmax, 0, wchunk, in_pad, out_pad, k, n, coopmat, nacc, subgroups)
         act_elems = 4096 if max_shared >= 48 * 1024 else 2048
         threads = act_elems // 16
         rows = 128
@@ -92,9 +121,7 @@ class Geometry:
         wchunk = min(4096, (max_shared - act_bytes) // 4 // 4 * 4)
         # the weight chunk must hold at least 4 rows of the widest operand
         if wchunk < 4 * kmax:
-            raise SpecError("n_output_dims" if out_pad == kmax else "encoding",
-                            f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
-                            f"({max_shared} bytes); at most {max_shared // 64} columns")
+            raise too_wide
         mtpt = math.ceil((rows // 4) * (kmax // 4) / threads)
         return cls(spec, threads, rows, kmax, mtpt, wchunk, in_pad, out_pad, k, n)
 
@@ -103,7 +130,9 @@ class Geometry:
         return len(self.k)
 
     def chunk_rows(self, outer: int) -> int:
-        return max(4, min(self.wchunk // outer // 4 * 4, 1 << 30))
+        """Weight rows per shared chunk for a layer whose rows are ``outer`` long."""
+        step = 16 if self.coopmat else 4
+        return max(step, self.wchunk // outer // step * step)
 
     def offsets(self) -> dict[str, list[int]]:
         wt, wr, b, zc, gw, gb, p = [], [], [], [], [], [], []
@@ -147,29 +176,39 @@ class Geometry:
     def n_params(self) -> int:
         return self.offsets()["totals"][4]
 
-    def header(self) -> str:
-        """``#define``s and constant arrays the kernels are specialised with."""
+    def header(self, with_params: bool = False) -> str:
+        """``#define``s and constant arrays the kernels are specialised with.
+
+        Only the optimizer needs the unpadded parameter layout (``with_params``): leaving it
+        out of the others lets models of one padded geometry share their pipelines.
+        """
         off = self.offsets()
         lines = [f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}",
-                 f"#define KMAX {self.kmax}", f"#define MTPT {self.mtpt}",
-                 f"#define WCHUNK4 {self.wchunk // 4}", f"#define N_LAYERS {self.n_layers}",
-                 f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}"]
+                 f"#define KMAX {self.kmax}", f"#define N_LAYERS {self.n_layers}",
+                 f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}",
+                 f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]
+        if self.coopmat:
+            m_cm, n_cm, k_cm = self.coopmat
+            lines += [f"#define NACC {self.nacc}", f"#define WCHUNK {self.wchunk}",
+                      f"#define CM_M {m_cm}", f"#define CM_N {n_cm}", f"#define CM_K {k_cm}"]
+        else:
+            lines += [f"#define MTPT {self.mtpt}", f"#define WCHUNK4 {self.wchunk // 4}"]
         arrays = {"LAYER_K": self.k, "LAYER_N": self.n,
                   "KC_FWD": [self.chunk_rows(ni) for ni in self.n],
-                  "KC_BWD": [self.chunk_rows(ki) for ki in self.k],
-                  "FAN_IN": [d[0] for d in self.spec.layer_dims],
-                  "FAN_OUT": [d[1] for d in self.spec.layer_dims]}
-        arrays.update({k: v for k, v in off.items() if k != "totals"})
+                  "KC_BWD": [self.chunk_rows(ki) for ki in self.k]}
+        arrays.update({k: v for k, v in off.items() if k not in ("totals", "P_OFF")})
+        if with_params:
+            arrays.update({"FAN_IN": [d[0] for d in self.spec.layer_dims],
+                           "FAN_OUT": [d[1] for d in self.spec.layer_dims], "P_OFF": off["P_OFF"]})
         for name, values in arrays.items():
             lines.append(f"const int {name}[{len(values)}] = int[{len(values)}]({', '.join(map(str, values))});")
         return "\n".join(lines) + "\n"
 
 
 def specialization(spec: MLPSpec) -> dict[int, int | float]:
+    """Specialization constants (ids of ``mlp_common.glsl`` and ``optimizer.comp``)."""
     opt = spec.optimizer
-    return {0: ACTIVATIONS.index(spec.activation), 1: ACTIVATIONS.index(spec.output_activation),
-            2: LOSSES.index(spec.loss), 3: float(spec.loss_scale), 4: float(spec.huber_delta),
-            5: 1 if spec.precision != "fp32" else 0,
+    return {3: float(spec.loss_scale), 5: 1 if spec.precision != "fp32" else 0,
             6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
             9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
 
@@ -210,7 +249,7 @@ class VulkanArray:
 class VulkanModel(CompiledModel):
     backend = "vulkan"
 
-    def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, kernels: dict[str, bytes],
+    def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, pipelines: dict[str, vr.Pipeline],
                  geometry: Geometry, shape: tuple[int, int, int] | None = None):
         super().__init__(spec)
         if spec.precision == "bf16":
@@ -223,19 +262,13 @@ class VulkanModel(CompiledModel):
         self._buffers: list[vr.Buffer] = []
         self._programs: dict[Any, vr.Program] = {}
         self._closed = False
-        spec_consts = specialization(spec)
-        self._pipelines: dict[str, vr.Pipeline] = {}
-        bindings = {"forward": (5, 12), "backward": (5, 16), "wgrad": (4, 16), "optimizer": (8, 20),
-                    "finalize": (2, 16)}
+        self._pipelines = pipelines  # owned by the backend, shared by models with the same kernels
+        self._acts = (ACTIVATIONS.index(spec.activation), ACTIVATIONS.index(spec.output_activation))
         try:
-            for name, spirv in kernels.items():
-                n_bind, push = bindings[name]
-                self._pipelines[name] = vr.Pipeline(device, spirv, n_bind, push, spec_consts,
-                                                    name=f"{variant}/{name}")
             geo = geometry
             self.n_params = geo.n_params
             self._wall = self._alloc(geo.weight_floats * 4)
-            self._bias = self._alloc(geo.bias_floats * 4)
+            self._bias = self._alloc(BIAS_ROWS * geo.bias_floats * 4)
             self._master = self._alloc(self.n_params * 4)
             self._slot_a = self._alloc(self.n_params * 4)
             self._slot_b = self._alloc(self.n_params * 4 if spec.optimizer.otype == "Adam" else 16)
@@ -352,7 +385,7 @@ class VulkanModel(CompiledModel):
         if program is None:
             tiles = rows_pad // self.geo.rows_per_tile
             grid = self._grid(tiles)
-            push = np.array([rows_pad, grid[0], 0], np.uint32).tobytes()
+            push = np.array([rows_pad, grid[0], 0, *self._acts], np.uint32).tobytes()
             program = vr.Program(self.device, [vr.Dispatch(
                 self._pipelines["forward"], [x_buf, self._wall, self._bias, out_buf, z_buf], push, grid)])
             self._programs[key] = program
@@ -371,15 +404,18 @@ class VulkanModel(CompiledModel):
         splits, per_split = self._splits(rows_pad)
         p = self._pipelines
         u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
+        hidden, output = self._acts
+        loss_push = u32(rows_pad, grid[0], n_rows, self.spec.n_output_dims, hidden, output,
+                        LOSSES.index(self.spec.loss)) + np.float32(self.spec.huber_delta).tobytes()
         dispatches = [
-            vr.Dispatch(p["forward"], [x_buf, self._wall, self._bias, b["out"], b["z"]], u32(rows_pad, grid[0], 1), grid),
-            vr.Dispatch(p["backward"], [y_buf, self._wall, b["z"], b["d"], b["loss"]],
-                        u32(rows_pad, grid[0], n_rows, self.spec.n_output_dims), grid),
+            vr.Dispatch(p["forward"], [x_buf, self._wall, self._bias, b["out"], b["z"]],
+                        u32(rows_pad, grid[0], 1, hidden, output), grid),
+            vr.Dispatch(p["backward"], [y_buf, self._wall, b["z"], b["d"], b["loss"]], loss_push, grid),
         ]
         for layer in range(geo.n_layers):
             wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
             dispatches.append(vr.Dispatch(p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
-                                          u32(rows_pad, layer, per_split, geo.grad_floats), wgrid))
+                                          u32(rows_pad, layer, per_split, geo.grad_floats, hidden), wgrid))
         dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
                                       u32(tiles, n_rows, self.spec.n_output_dims, int(update)), (1, 1, 1)))
         groups = math.ceil(self.n_params / 256)
@@ -512,7 +548,7 @@ class VulkanModel(CompiledModel):
             self._check_open()
             self._master.write(self._flatten(params))
             self._wall.write(wall)
-            self._bias.write(bias)
+            self._bias.write(np.tile(bias, BIAS_ROWS))
 
     def get_optimizer_state(self) -> dict[str, np.ndarray]:
         with self._lock:
@@ -561,8 +597,6 @@ class VulkanModel(CompiledModel):
             for buf in self._buffers:
                 buf.free()
             self._buffers.clear()
-            for pipeline in getattr(self, "_pipelines", {}).values():
-                pipeline.destroy()
 
 
 def check_target_rows(y: Any, cols: int) -> np.ndarray:
@@ -578,6 +612,7 @@ class VulkanBackend(Backend):
         self._infos: list[vr.DeviceInfo] | None = None
         self._probe_error = ""
         self._device: vr.Device | None = None
+        self._pipelines: dict[tuple, vr.Pipeline] = {}
         self._lock = threading.Lock()
 
     def _survey(self) -> list[vr.DeviceInfo]:
@@ -621,8 +656,8 @@ class VulkanBackend(Backend):
         elif not usable:
             reason = ("no fp16*fp16+fp32 subgroup shape among " + ", ".join(map(str, shapes))
                       + " matches a kernel family (" + ", ".join("x".join(map(str, f)) for f in COOPMAT_FAMILIES) + ")")
-        elif not dev.shader_float16:
-            reason = f"{dev.name} lacks shaderFloat16, which the coopmat kernels need"
+        elif not (dev.shader_float16 and dev.vulkan_memory_model):
+            reason = f"{dev.name} lacks shaderFloat16 or vulkanMemoryModel, which the coopmat kernels need"
         else:
             reason = compiler_error
         coop_details = dict(details)
@@ -655,36 +690,44 @@ class VulkanBackend(Backend):
         if spec.precision == "bf16":
             raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
         device = self._open_device(coopmat=variant == "coopmat")
-        geometry = Geometry.build(spec, device.info.max_shared_bytes)
+        shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
+        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         cache = cache if cache is not None else KernelCache()
-        shape = None
         sources = kernel_sources(spec, geometry, variant)
-        if variant == "coopmat":
-            shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0]
-            sources = kernel_sources(spec, geometry, variant, shape)
-        kernels = {name: build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
-                   for name, src in sources.items()}
-        return VulkanModel(spec, device, variant, kernels, geometry, shape)
+        consts = specialization(spec)
+        pipelines = {}
+        for name, src in sources.items():
+            spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
+            used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6}
+            key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
+            with self._lock:
+                if key not in self._pipelines:
+                    n_bind, push = PIPELINE_INTERFACE[name]
+                    self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
+                pipelines[name] = self._pipelines[key]
+        return VulkanModel(spec, device, variant, pipelines, geometry, shape)
 
     def close(self) -> None:
         with self._lock:
+            for pipeline in self._pipelines.values():
+                pipeline.destroy()
+            self._pipelines.clear()
             if self._device is not None:
                 self._device.close()
                 self._device = None
 
 
-def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str,
-                   shape: tuple[int, int, int] | None = None) -> dict[str, str]:
+def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str, str]:
     """GLSL of every kernel a model needs, specialised for its geometry (and coopmat shape)."""
     header = geometry.header()
+    param_header = geometry.header(with_params=True)
     files = {"forward": "glsl/simt_forward.comp", "backward": "glsl/simt_backward.comp",
              "wgrad": "glsl/simt_wgrad.comp", "optimizer": "glsl/optimizer.comp",
              "finalize": "glsl/loss_finalize.comp"}
     if variant == "coopmat":
-        if shape is None:
-            raise CompileError("vulkan coopmat kernels", "no cooperative-matrix shape given")
-        m, n, k = shape
-        header += f"#define CM_M {m}\n#define CM_N {n}\n#define CM_K {k}\n"
+        if geometry.coopmat is None:
+            raise CompileError("vulkan coopmat kernels", "the geometry has no cooperative-matrix shape")
         files["forward"] = "glsl/coopmat_forward.comp"
         files["backward"] = "glsl/coopmat_backward.comp"
-    return {name: shader_source(path, header) for name, path in files.items()}
+    return {name: shader_source(path, param_header if name == "optimizer" else header)
+            for name, path in files.items()}

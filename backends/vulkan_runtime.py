@@ -155,6 +155,7 @@ class DeviceInfo:
     max_group_count: tuple[int, int, int]
     shader_float16: bool
     storage_16bit: bool
+    vulkan_memory_model: bool
     extensions: set[str] = field(repr=False, default_factory=set)
     coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)
 
@@ -197,6 +198,7 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         max_workgroup_invocations=int(limits.maxComputeWorkGroupInvocations),
         max_group_count=tuple(int(limits.maxComputeWorkGroupCount[i]) for i in range(3)),
         shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
+        vulkan_memory_model=bool(f12.vulkanMemoryModel),
         extensions=extensions)
     if COOPMAT_EXT in extensions:
         info.coopmat_shapes = _coopmat_shapes(instance, pd)
@@ -249,6 +251,7 @@ class Device:
         f12 = ffi.new("VkPhysicalDeviceVulkan12Features*")
         f12.sType = ST["vk12_features"]
         f12.shaderFloat16 = int(self.info.shader_float16)
+        f12.vulkanMemoryModel = int(self.info.vulkan_memory_model)  # the coopmat SPIR-V declares it
         f11 = ffi.new("VkPhysicalDeviceVulkan11Features*")
         f11.sType = ST["vk11_features"]
         f11.storageBuffer16BitAccess = int(self.info.storage_16bit)

@@ -1,12 +1,10 @@
 // Shared by every mmad GLSL kernel: fp16 rounding, activations, losses.
 // The host prepends #defines for the model's padded shapes (see backends/vulkan.py).
-// Activation and loss choices are specialization constants so one SPIR-V serves them all.
+// Activation and loss choices arrive as push constants (uniform branches), so that models
+// differing only in them share one pipeline; the loss scale and the rounding switch are
+// specialization constants.
 
-layout(constant_id = 0) const int HIDDEN_ACT = 1;
-layout(constant_id = 1) const int OUTPUT_ACT = 0;
-layout(constant_id = 2) const int LOSS_ID = 0;
 layout(constant_id = 3) const float LOSS_SCALE = 128.0;
-layout(constant_id = 4) const float HUBER_DELTA = 1.0;
 layout(constant_id = 5) const int ROUND_FP16 = 1;
 
 // activation ids: the order of mmad.spec.ACTIVATIONS
@@ -95,10 +93,10 @@ vec4 activation_grad4(int id, vec4 z) {
 
 // Per-element loss value (x) and d value / d pred (y), tiny-cuda-nn's definitions
 // (relative losses hold their normaliser constant); lum is the row's luminance.
-vec2 loss_term(float pred, float target, float lum) {
+vec2 loss_term(int loss_id, float huber_delta, float pred, float target, float lum) {
     float d = pred - target;
     float s = sign(d);
-    switch (LOSS_ID) {
+    switch (loss_id) {
     case LOSS_L1: return vec2(abs(d), s);
     case LOSS_REL_L2: { float n = pred * pred + LOSS_EPSILON; return vec2(d * d / n, 2.0 * d / n); }
     case LOSS_REL_L1: { float n = abs(pred) + LOSS_EPSILON; return vec2(abs(d) / n, s / n); }
@@ -106,8 +104,8 @@ vec2 loss_term(float pred, float target, float lum) {
     case LOSS_MAPE: { float n = abs(target) + LOSS_EPSILON; return vec2(abs(d) / n, s / n); }
     case LOSS_SMAPE: { float n = abs(pred) + abs(target) + LOSS_EPSILON; return vec2(2.0 * abs(d) / n, 2.0 * s / n); }
     case LOSS_HUBER:
-        if (abs(d) <= HUBER_DELTA) return vec2(0.5 * d * d, d);
-        return vec2(HUBER_DELTA * (abs(d) - 0.5 * HUBER_DELTA), HUBER_DELTA * s);
+        if (abs(d) <= huber_delta) return vec2(0.5 * d * d, d);
+        return vec2(huber_delta * (abs(d) - 0.5 * huber_delta), huber_delta * s);
     default: return vec2(d * d, 2.0 * d);
     }
 }

@@ -65,7 +65,7 @@ void main() {
     }
     MASTER[i] = w;
     if (is_bias) {
-        BIAS[B_OFF[l] + n] = w;
+        for (int r = 0; r < BIAS_ROWS; ++r) BIAS[r * Z_COLS + B_OFF[l] + n] = w;
     } else {
         WALL[WT_OFF[l] + k * LAYER_N[l] + n] = r16(w);
         WALL[WR_OFF[l] + n * LAYER_K[l] + k] = r16(w);

@@ -11,7 +11,10 @@ layout(std430, binding = 1) readonly buffer WeightBuf { vec4 WALL4[]; };
 layout(std430, binding = 2) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 3) writeonly buffer DBuf { vec4 D4[]; };         // deltas, layer blocks
 layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
-layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint n_rows; uint n_out; } pc;
+layout(push_constant) uniform Push {
+    uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
+    int hidden_act; int output_act; int loss_id; float huber_delta;
+} pc;
 
 #include "simt_tile.glsl"
 shared float LOSS_SH[THREADS];
@@ -26,7 +29,7 @@ void main() {
     uint cur = 0u, nxt = uint(R * KMAX);
     // predictions of the tile into the second buffer (the luminance needs whole rows)
     for (uint i = tid; i < uint(R * OUT_PAD / 4); i += uint(THREADS))
-        ACT4[nxt / 4u + i] = activate4(OUTPUT_ACT, Z4[zlast + row0 * uint(OUT_PAD / 4) + i]);
+        ACT4[nxt / 4u + i] = activate4(pc.output_act, Z4[zlast + row0 * uint(OUT_PAD / 4) + i]);
     barrier();
     float inv_count = 1.0 / (float(pc.n_rows) * float(pc.n_out));
     float loss_sum = 0.0;
@@ -46,10 +49,10 @@ void main() {
                 lum /= float(pc.n_out);
             }
             float target = Y4[(row * uint(OUT_PAD) + c) / 4u][c % 4u];
-            vec2 term = loss_term(pred, target, lum);
+            vec2 term = loss_term(pc.loss_id, pc.huber_delta, pred, target, lum);
             loss_sum += term.x;
             float z = Z4[zlast + (row * uint(OUT_PAD) + c) / 4u][c % 4u];
-            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z));
+            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(pc.output_act, z));
         }
         ACT4[(cur + i) / 4u][i % 4u] = delta;
     }
@@ -77,7 +80,7 @@ void main() {
             for (int r = 0; r < 4; ++r) {
                 uint row = uint(rt * 4 + r);
                 uint at = zbase + (row0 + row) * uint(ncols4) + uint(ct);
-                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * 4 + r] * activation_grad4(HIDDEN_ACT, Z4[at])) : vec4(0.0);
+                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * 4 + r] * activation_grad4(pc.hidden_act, Z4[at])) : vec4(0.0);
                 D4[at] = d;
                 ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = d;
             }

@@ -10,7 +10,7 @@ layout(std430, binding = 1) readonly buffer WeightBuf { vec4 WALL4[]; };  // tra
 layout(std430, binding = 2) readonly buffer BiasBuf { vec4 BIAS4[]; };    // fp32 biases, padded
 layout(std430, binding = 3) writeonly buffer OutBuf { vec4 OUT4[]; };     // rows_pad x OUT_PAD
 layout(std430, binding = 4) writeonly buffer ZBuf { vec4 Z4[]; };         // pre-activations, layer blocks
-layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; } pc;
+layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; } pc;
 
 #include "simt_tile.glsl"
 
@@ -38,8 +38,8 @@ void main() {
                 uint row = uint(rt * 4 + r);
                 vec4 z = acc[j * 4 + r] + bias;
                 if (pc.store_z != 0u) Z4[zbase + (row0 + row) * uint(ncols4) + uint(ct)] = z;
-                if (last) OUT4[(row0 + row) * uint(OUT_PAD / 4) + uint(ct)] = activate4(OUTPUT_ACT, z);
-                else ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = r16(activate4(HIDDEN_ACT, z));
+                if (last) OUT4[(row0 + row) * uint(OUT_PAD / 4) + uint(ct)] = activate4(pc.output_act, z);
+                else ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = r16(activate4(pc.hidden_act, z));
             }
         }
         uint t = cur; cur = nxt; nxt = t;

@@ -10,7 +10,7 @@ layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
 layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
 layout(std430, binding = 3) writeonly buffer PartBuf { vec4 PART4[]; };
-layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; } pc;
+layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; } pc;
 
 shared vec4 DS[16 * 16];  // 16 rows x 64 delta columns
 shared vec4 HS[16 * 16];  // 16 rows x 64 input columns
@@ -37,7 +37,7 @@ void main() {
         vec4 h = vec4(0.0);
         if (load_k < K) {
             if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(load_k / 4)]);
-            else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
+            else h = r16(activate4(pc.hidden_act, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
         }
         HS[tid] = h;
         barrier();

@@ -1,0 +1,87 @@
+#version 450
+// Fused MLP backward with cooperative matrices, one tile of R rows per workgroup: the loss and
+// its gradient element-wise from the stored output pre-activations (as the SIMT kernel), then
+// delta_{l-1} = (delta_l . W_l) * act'(z_{l-1}) with fp16 operands and fp32 accumulators; the
+// pre-activations are loaded as accumulator-shaped matrices so that act' applies element-wise.
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = THREADS) in;
+#include "mlp_common.glsl"
+
+layout(std430, binding = 0) readonly buffer TargetBuf { float Y[]; };
+layout(std430, binding = 1) readonly buffer WeightBuf { float WALL[]; };
+layout(std430, binding = 2) readonly buffer ZBuf { float Z[]; };
+layout(std430, binding = 3) writeonly buffer DBuf { float D[]; };
+layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
+layout(push_constant) uniform Push {
+    uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
+    int hidden_act; int output_act; int loss_id; float huber_delta;
+} pc;
+
+#include "coopmat_tile.glsl"
+shared float LOSS_SH[THREADS];
+
+void main() {
+    uint tile = gl_WorkGroupID.y * pc.tiles_x + gl_WorkGroupID.x;
+    uint row0 = tile * uint(R);
+    if (row0 >= pc.rows_pad) return;
+    uint tid = gl_LocalInvocationID.x;
+    const int L = N_LAYERS - 1;
+    uint zlast = uint(Z_COL[L]) * pc.rows_pad;
+    uint cur = 0u, nxt = uint(R * KMAX);
+    float inv_count = 1.0 / (float(pc.n_rows) * float(pc.n_out));
+    float loss_sum = 0.0;
+    for (uint i = tid; i < uint(R * OUT_PAD); i += uint(THREADS)) {
+        uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
+        uint row = row0 + r;
+        float delta = 0.0;
+        if (row < pc.n_rows && c < pc.n_out) {
+            uint zrow = zlast + row * uint(OUT_PAD);
+            float z = Z[zrow + c];
+            float pred = activate(pc.output_act, z);
+            float lum = 0.0;
+            if (pc.n_out >= 3u) {
+                lum = 0.299 * activate(pc.output_act, Z[zrow]) + 0.587 * activate(pc.output_act, Z[zrow + 1u])
+                    + 0.114 * activate(pc.output_act, Z[zrow + 2u]);
+            } else {
+                for (uint q = 0u; q < pc.n_out; ++q) lum += abs(activate(pc.output_act, Z[zrow + q]));
+                lum /= float(pc.n_out);
+            }
+            vec2 term = loss_term(pc.loss_id, pc.huber_delta, pred, Y[row * uint(OUT_PAD) + c], lum);
+            loss_sum += term.x;
+            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(pc.output_act, z));
+        }
+        D[zlast + row0 * uint(OUT_PAD) + i] = delta;
+        ACT[cur + i] = float16_t(delta);
+    }
+    LOSS_SH[tid] = loss_sum;
+    barrier();
+    for (uint s = uint(THREADS) / 2u; s > 0u; s >>= 1) {
+        if (tid < s) LOSS_SH[tid] += LOSS_SH[tid + s];
+        barrier();
+    }
+    if (tid == 0u) LOSS_PART[tile] = LOSS_SH[0];
+    ACC_T acc[NACC];
+    for (int l = L; l >= 1; --l) {
+        int inner = LAYER_N[l], outer = LAYER_K[l];
+        for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
+        tile_mma(cur, inner, outer, uint(WR_OFF[l]), KC_BWD[l], acc);
+        uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
+        for (int i = 0; i < NACC; ++i) {
+            ivec2 blk = block_of(i, outer);
+            if (blk.x < 0) break;
+            uint at = zbase + (row0 + uint(blk.x * CM_M)) * uint(outer) + uint(blk.y * CM_N);
+            ACC_T z;
+            coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+            for (int e = 0; e < acc[i].length(); ++e)
+                acc[i][e] = r16(acc[i][e] * activation_grad(pc.hidden_act, z[e]));
+            coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+            ACC16_T h = ACC16_T(acc[i]);
+            coopMatStore(h, ACT, nxt + uint(blk.x * CM_M * outer + blk.y * CM_N), uint(outer),
+                         gl_CooperativeMatrixLayoutRowMajor);
+        }
+        uint t = cur; cur = nxt; nxt = t;
+    }
+}
