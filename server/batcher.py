@@ -63,6 +63,7 @@ class Batcher:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     @property
     def queued(self) -> int:
@@ -73,12 +74,11 @@ class Batcher:
             self._task = asyncio.get_running_loop().create_task(self._worker(), name=f"batcher:{self.name}")
 
     async def stop(self) -> None:
+        """Run what is queued (without waiting for more), then stop; later submits get 503."""
+        self._stopping = True
+        self._arrived.set()
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await self._task
             self._task = None
         while self._pending:
             item = self._pending.popleft()
@@ -86,6 +86,8 @@ class Batcher:
                 item.future.set_exception(Overloaded(f"model {self.name!r} is being unloaded"))
 
     async def submit(self, x: np.ndarray) -> BatchResult:
+        if self._stopping:
+            raise Overloaded(f"model {self.name!r} is being unloaded")
         if len(self._pending) >= self.limits.max_queue_requests:
             raise Overloaded(f"the queue of model {self.name!r} is full "
                              f"({self.limits.max_queue_requests} requests waiting); retry later",
@@ -113,7 +115,7 @@ class Batcher:
     async def _gather(self) -> None:
         """Wait until a full batch is queued or the oldest request's delay has passed."""
         delay_ns = self.limits.max_queue_delay_us * 1000
-        while self._pending:
+        while self._pending and not self._stopping:
             rows = sum(p.x.shape[0] for p in self._pending)
             left_ns = self._pending[0].enqueued_ns + delay_ns - time.perf_counter_ns()
             if rows >= self.limits.max_batch_rows or left_ns <= 0:
@@ -128,6 +130,8 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
+                if self._stopping:
+                    return
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue

@@ -237,11 +237,11 @@ class Registry:
         entry.reason = ""
         entry.batcher = Batcher(entry.name, entry.forward_live, self.executor,
                                 entry.config.limits(self.settings),
-                                on_batch=lambda rows, n, ns, e=entry: self._on_batch(e, rows, n, ns))
+                                on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns))
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
 
-    def _on_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int) -> None:
+    def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int) -> None:
         entry.stats.record_batch(rows, compute_ns)
         labels = (entry.name, self.backend_label)
         self.metrics.compute_seconds.labels(*labels).observe(compute_ns / 1e9)
@@ -286,28 +286,32 @@ class Registry:
                 log.error("model %s could not be loaded: %s", name, exc)
 
     async def create(self, name: str, spec: MLPSpec, config: ModelConfig) -> bool:
-        """Create or replace a model at version 1; True when it did not exist before."""
+        """Create or replace a model at version 1; True when it did not exist before.
+
+        The new model is compiled first; an old one is then drained and closed before the store
+        swaps the directories, so nothing of the old model can write into the new one.
+        """
         check_model_name(name)
         async with self._admin:
             old = self.models.get(name)
             if old is not None and old.busy_job:
                 raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
+            compiled = await self.run(self._compile, spec)
+            doc = {"spec": spec.to_json(), "config": config.model_dump(), "created": time.time()}
+            try:
+                if old is not None:
+                    await self._deactivate(old)
+                await self.run(lambda: self.store.create_model(name, doc, compiled.get_params(),
+                                                               compiled.get_optimizer_state()))
+            except BaseException:
+                compiled.close()
+                if old is not None:  # the store still holds the old model: serve it again
+                    try:
+                        self._activate(old, await self.run(self._load_blocking, old))
+                    except MMADError as exc:
+                        old.reason = str(exc)
+                raise
             entry = ModelEntry(name, spec, config)
-
-            def build() -> CompiledModel:
-                compiled = self._compile(spec)
-                try:
-                    self.store.create_model(name, {"spec": spec.to_json(), "config": config.model_dump(),
-                                                   "created": time.time()},
-                                            compiled.get_params(), compiled.get_optimizer_state())
-                except BaseException:
-                    compiled.close()
-                    raise
-                return compiled
-
-            compiled = await self.run(build)
-            if old is not None:
-                await self._deactivate(old)
             self.models[name] = entry
             self._activate(entry, compiled)
             return old is None

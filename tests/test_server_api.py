@@ -391,3 +391,21 @@ def test_repository_stats_devices_metrics(http):
         assert series in text, series
     assert 'model="demo"' in text and 'backend="cpu:numpy"' in text
     assert "/v2/models/{model}" in http.get("/openapi.json").text
+
+
+def test_unload_runs_queued_requests_before_closing(http):
+    create(http, "drain", config={"max_queue_delay_us": 5_000_000})
+    x = np.random.default_rng(6).uniform(-1, 1, (3, 5)).astype(np.float32)
+    ref = oracle(http, "drain", x)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(lambda: binary_infer(httpx.Client(base_url=str(http.base_url), timeout=30), "drain", x))
+        deadline = time.monotonic() + 10
+        while http.get("/v2/models/drain").json()["queued_requests"] == 0:
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.02)
+        started = time.monotonic()
+        assert http.post("/v2/repository/models/drain/unload").status_code == 200
+        assert time.monotonic() - started < 4  # the queued request ran at once, without its 5 s delay
+        assert rel_err(decode_binary(queued.result())[1], ref) <= 1e-5
+    assert binary_infer(http, "drain", x).status_code == 503
+    assert http.delete("/v2/models/drain").status_code == 200

@@ -160,7 +160,7 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         else:
             out = await registry.run(registry.forward_pinned, entry, version, x)
             queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
-            registry._on_batch(entry, x.shape[0], 1, compute_ns)
+            registry.record_batch(entry, x.shape[0], 1, compute_ns)
         t2 = time.perf_counter_ns()
         header = {"model_name": model, "model_version": version or registry.latest_version(model)}
         if parsed.id is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from mmad.errors import InvalidInput
 from mmad.server.common import Runtime, json_body, json_response, require_key, runtime
 
 router = APIRouter(tags=["repository"])
@@ -12,7 +13,10 @@ router = APIRouter(tags=["repository"])
 @router.post("/v2/repository/index")
 async def index(request: Request, rt: Runtime = Depends(runtime)):
     body = await request.body()
-    only_ready = bool(json_body(body).get("ready", False)) if body.strip() else False
+    options = json_body(body) if body.strip() else {}
+    if not isinstance(options, dict):
+        raise InvalidInput("the repository index body must be a JSON object such as {\"ready\": true}")
+    only_ready = bool(options.get("ready", False))
     rows = []
     for name in rt.store.list_models():
         entry = rt.registry.models.get(name)
