@@ -22,13 +22,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound
-from mmad.server.registry import ModelNotReady, Registry
+from mmad.server.registry import Registry
 
 log = logging.getLogger("mmad.server.jobs")
 
 PROGRESS_INTERVAL_S = 0.2
 SSE_KEEPALIVE_S = 15.0
 FINISHED = ("done", "cancelled", "failed")
+KEEP_FINISHED_JOBS = 256  # statuses of finished jobs stay queryable until this many newer ones finish
 
 
 class JobRequest(BaseModel):
@@ -124,11 +125,20 @@ class JobManager:
             raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
         data = await self.registry.run(self.registry.store.load_dataset, model, request.dataset)
         x, y = self.check_dataset(entry.spec, data, request.batch_size)
+        entry = self.registry.get_ready(model)  # the model may have changed while the dataset loaded
+        if entry.busy_job:
+            raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
         job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every)
         entry.busy_job = job.id
+        self._forget_old_jobs()
         self.jobs[job.id] = job
         job.task = asyncio.get_running_loop().create_task(self._run(job, x, y), name=f"job:{job.id}")
         return job
+
+    def _forget_old_jobs(self) -> None:
+        finished = [j for j in self.jobs.values() if j.state in FINISHED]
+        for job in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS)]:
+            del self.jobs[job.id]
 
     @staticmethod
     def check_dataset(spec, data: dict[str, np.ndarray], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +209,7 @@ class JobManager:
                 await self._checkpoint(job, entry)
             job.state = "done" if job.cancel_reason is None else "cancelled"
             job.error = job.cancel_reason
-        except (MMADError, ModelNotReady) as exc:
+        except MMADError as exc:
             job.state, job.error = "failed", str(exc)
         except Exception as exc:  # a bug: report it on the job instead of losing it in the task
             log.exception("training job %s failed", job.id)
