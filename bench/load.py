@@ -205,6 +205,7 @@ async def run_http_load(scenario: dict[str, Any]) -> dict[str, Any]:
     measured = {"rows": 0, "bytes": 0, "last_end": t0}
     errors: dict[str, int] = {}
     first_error: list[str] = []
+    totals = {"completed": 0}  # warm-up included: the server's CPU per request divides by this
     stop = asyncio.Event()
 
     def fail(kind: str, detail: str) -> None:
@@ -230,6 +231,7 @@ async def run_http_load(scenario: dict[str, Any]) -> dict[str, Any]:
                     continue
                 ended = time.perf_counter()
                 sent += 1
+                totals["completed"] += 1
                 if status != 200:
                     fail(f"http {status}", data.decode(errors="replace"))
                 else:
@@ -249,7 +251,7 @@ async def run_http_load(scenario: dict[str, Any]) -> dict[str, Any]:
     await asyncio.gather(*(client(i) for i in range(clients)))
     result = summarize(latencies, measured["last_end"] - t0, measured["rows"], measured["bytes"])
     result.update(errors=errors, first_error=first_error[0] if first_error else None,
-                  elapsed_s=round(time.perf_counter() - start, 3))
+                  elapsed_s=round(time.perf_counter() - start, 3), completed=totals["completed"])
     return result
 
 
@@ -496,8 +498,14 @@ class Bench:
                 "rows": doc["inference_count"]}
 
     # -- measurements ---------------------------------------------------------------------
-    def generate(self, scenario: dict[str, Any]) -> dict[str, Any]:
-        """Run one scenario in a fresh generator process; note the foreign CPU load meanwhile."""
+    def generate(self, scenario: dict[str, Any], target: Service | None = None) -> dict[str, Any]:
+        """Run one scenario in a fresh generator process.
+
+        Notes the foreign CPU load meanwhile and, for ``target``, the server process's CPU time
+        per completed request (warm-up included): a figure that other processes' load disturbs
+        far less than requests/s.
+        """
+        target_before = process_cpu_seconds(target.proc.pid) if target is not None else 0.0
         scenario = {"seed": 1, "pool": 64, "warmup_requests": 0, "host": HOST,
                     "n_input_dims": self.spec.n_input_dims, "n_output_dims": self.spec.n_output_dims, **scenario}
         ours = [s.proc.pid for s in self.services]
@@ -520,32 +528,48 @@ class Bench:
                   + (after_children.user - before_children.user) + (after_children.system - before_children.system))
         busy = cpu_busy_seconds() - before_busy
         result["foreign_cores"] = round(max(0.0, busy - ours_s) / wall, 2)
+        if target is not None and result.get("completed"):
+            result["server_cpu_ms_per_request"] = (process_cpu_seconds(target.proc.pid) - target_before) \
+                / result["completed"] * 1e3
         result["load_avg_1m"] = round(os.getloadavg()[0], 2)
         return result
 
     def in_process(self) -> dict[str, Any]:
-        """The cpu backend's own forward throughput on 65,536 rows, in this process."""
+        """The cpu backend's own forward on 65,536 rows, in this process: the ceiling.
+
+        Measured with the BLAS library's default thread count and with one BLAS thread (what
+        the daemon uses by default, ``--blas-threads``); the faster is the ceiling.
+        """
+        from threadpoolctl import threadpool_info, threadpool_limits
+
         from mmad.backends import select
 
         backend, row = select("cpu")
         model = backend.compile(self.spec, variant=row.variant)
+        x = np.random.default_rng(7).uniform(-1, 1, size=(self.opts.large_rows, self.spec.n_input_dims)
+                                             ).astype(np.float32)
+        default_threads = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
+                              default=1)
+        variants = {}
         try:
-            x = np.random.default_rng(7).uniform(-1, 1, size=(self.opts.large_rows, self.spec.n_input_dims)
-                                                 ).astype(np.float32)
-            for _ in range(2):
-                model.forward(x)
-            times = []
-            for _ in range(self.opts.in_process_repeats):
-                began = time.perf_counter()
-                model.forward(x)
-                times.append(time.perf_counter() - began)
+            for threads in dict.fromkeys([default_threads, 1]):
+                with threadpool_limits(limits=threads, user_api="blas"):
+                    for _ in range(2):
+                        model.forward(x)
+                    times = []
+                    for _ in range(self.opts.in_process_repeats):
+                        began = time.perf_counter()
+                        model.forward(x)
+                        times.append(time.perf_counter() - began)
+                variants[str(threads)] = self.opts.large_rows / statistics.median(times)
         finally:
             model.close()
             backend.close()
-        median = statistics.median(times)
+        best = max(variants, key=variants.get)
         return {"backend": f"{row.backend}:{row.variant}", "rows": self.opts.large_rows,
-                "median_s": median, "samples_per_s": self.opts.large_rows / median,
-                "repeats": len(times), "load_avg_1m": round(os.getloadavg()[0], 2)}
+                "samples_per_s": variants[best], "blas_threads": int(best),
+                "samples_per_s_by_blas_threads": variants, "repeats": self.opts.in_process_repeats,
+                "load_avg_1m": round(os.getloadavg()[0], 2)}
 
     def check_outputs(self, daemon: Service, peer: Service | None, weights: dict[str, np.ndarray]) -> dict[str, float]:
         """Relative error of each server path against the float64 oracle, on fresh random data."""
@@ -603,7 +627,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "settings": {"large_rows": opts.large_rows, "small_rows": [1, 16], "concurrency": opts.concurrency,
                      "duration_s": opts.duration_s, "warmup_s": opts.warmup_s, "max_requests": opts.max_requests,
                      "batching_on": batching_config(opts, True), "batching_off": batching_config(opts, False),
-                     "server_args": opts.server_args},
+                     "server_args": opts.server_args, "uvicorn_matrix": ["/".join(p) for p in opts.uvicorn_matrix]},
     }
     with tempfile.TemporaryDirectory(prefix="mmad-load-") as tmp:
         bench = Bench(opts, Path(tmp))
@@ -620,14 +644,15 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 f"{k} {v:.1e}" for k, v in doc["oracle_relative_error"].items()))
 
             doc["in_process"] = bench.in_process()
-            progress(f"in-process cpu forward: {doc['in_process']['samples_per_s']:,.0f} samples/s")
+            progress("in-process cpu forward, samples/s by BLAS threads: " + ", ".join(
+                f"{k}: {v:,.0f}" for k, v in doc["in_process"]["samples_per_s_by_blas_threads"].items()))
 
             doc["large"] = []
             infer_path = f"/v2/models/{MODEL}/infer"
             for wire in ("binary16", "json"):
                 res = bench.generate(scenario_http(
                     daemon.port, infer_path, wire, (opts.large_rows, opts.large_rows), 1, opts.large_requests,
-                    opts.large_duration_s, 0.0, pool=3, warmup_requests=1))
+                    opts.large_duration_s, 0.0, pool=3, warmup_requests=1), daemon)
                 res.update(wire=wire, rows=opts.large_rows)
                 doc["large"].append(res)
                 progress(f"large {wire}: {res['samples_per_s']:,.0f} samples/s, {res['mb_per_s']:.0f} MB/s "
@@ -640,7 +665,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 for clients in opts.concurrency:
                     before = bench.stats(daemon)
                     res = bench.generate(scenario_http(daemon.port, infer_path, wire, (1, 16), clients,
-                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256))
+                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256),
+                                         daemon)
                     after = bench.stats(daemon)
                     served = after["requests"] - before["requests"]
                     res.update(server=server, batching=batching, wire=wire, clients=clients,
@@ -650,7 +676,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             if peer is not None:
                 for clients in opts.concurrency:
                     res = bench.generate(scenario_http(peer.port, "/infer", "peer", (1, 16), clients,
-                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256))
+                                                       opts.max_requests, opts.duration_s, opts.warmup_s, pool=256),
+                                         peer)
                     res.update(server="peer", batching="none", wire="json", clients=clients,
                                executions_per_request=1.0)
                     doc["sweep"].append(res)
@@ -673,6 +700,22 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                         progress(f"{res['client']} N={clients}: {res['requests_per_s']:,.0f} req/s, "
                                  f"p99 {res['p99_ms']:.1f} ms, exec/req {res['executions_per_request']:.2f}, "
                                  f"errors {res['errors']}")
+            doc["uvicorn"] = []
+            for loop, http in opts.uvicorn_matrix:
+                variant = bench.start_daemon([*opts.server_args, f"--loop={loop}", f"--http={http}"])
+                try:
+                    bench.put_model(variant, batching_config(opts, True))
+                    for wire in opts.sweep_wires:
+                        res = bench.generate(scenario_http(variant.port, infer_path, wire, (1, 16), 64,
+                                                           opts.max_requests, opts.duration_s, opts.warmup_s,
+                                                           pool=256), variant)
+                        res.update(loop=loop, http=http, wire=wire, clients=64)
+                        doc["uvicorn"].append(res)
+                        progress(f"uvicorn loop={loop} http={http} {wire} clients=64: "
+                                 f"{res['requests_per_s']:,.0f} req/s, p99 {res['p99_ms']:.1f} ms, server CPU "
+                                 f"{res.get('server_cpu_ms_per_request', math.nan):.3f} ms/req")
+                finally:
+                    bench.stop_service(variant)
         finally:
             bench.close()
     doc["machine"]["load_avg_at_end"] = [round(v, 2) for v in os.getloadavg()]
@@ -695,7 +738,8 @@ def progress(line: str) -> None:
 def sweep_line(res: dict[str, Any]) -> str:
     return (f"{res['server']} batching={res['batching']} {res['wire']} clients={res['clients']}: "
             f"{res['requests_per_s']:,.0f} req/s p50 {res['p50_ms']:.1f} p99 {res['p99_ms']:.1f} ms, "
-            f"exec/req {res['executions_per_request']:.2f}, errors {res['errors']}, foreign cores {res['foreign_cores']}")
+            f"exec/req {res['executions_per_request']:.2f}, server CPU {res.get('server_cpu_ms_per_request', math.nan):.2f} "
+            f"ms/req, errors {res['errors']}, foreign cores {res['foreign_cores']}")
 
 
 def _find(rows: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -739,8 +783,10 @@ def markdown(doc: dict[str, Any], png_name: str | None) -> str:
     lines += ["**Targets**", "", "| figure | value | target | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
         lines.append(f"| {t['figure']} | {t['value']:.2f} | {t['target']} | {'yes' if t['met'] else '**no**'} |")
+    by_threads = ", ".join(f"{v:,.0f} with {k} BLAS thread{'s' if k != '1' else ''}"
+                           for k, v in ip["samples_per_s_by_blas_threads"].items())
     lines += ["", f"**Large batches** ({ip['rows']:,} rows per request, one client; in-process "
-              f"{ip['backend']} forward: {ip['samples_per_s']:,.0f} samples/s)", "",
+              f"{ip['backend']} forward: {by_threads}; the faster is the reference)", "",
               "| wire | requests | samples/s | MB/s | p50 ms | vs in-process | foreign cores |",
               "|---|---|---|---|---|---|---|"]
     for r in doc["large"]:
@@ -748,13 +794,15 @@ def markdown(doc: dict[str, Any], png_name: str | None) -> str:
         lines.append(f"| {label} | {r['requests']} | {r['samples_per_s']:,.0f} | {r['mb_per_s']:.1f} | "
                      f"{r['p50_ms']:.0f} | {r['samples_per_s'] / ip['samples_per_s']:.0%} | {r['foreign_cores']} |")
     lines += ["", "**Concurrency sweep** (1-16 rows per request, each client one keep-alive connection)", "",
-              "| server | batching | wire | clients | req/s | p50 ms | p90 ms | p99 ms | exec/req | errors | foreign cores |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| server | batching | wire | clients | req/s | p50 ms | p90 ms | p99 ms | exec/req | server CPU ms/req "
+              "| errors | foreign cores |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["sweep"]:
         errors = sum(r["errors"].values())
         lines.append(f"| {r['server']} | {r['batching']} | {r['wire']} | {r['clients']} | {r['requests_per_s']:,.0f} | "
                      f"{r['p50_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} | "
-                     f"{r['executions_per_request']:.2f} | {errors} | {r['foreign_cores']} |")
+                     f"{r['executions_per_request']:.2f} | {r.get('server_cpu_ms_per_request', math.nan):.2f} | "
+                     f"{errors} | {r['foreign_cores']} |")
     if doc["tritonclient"]:
         lines += ["", "**Triton's Python client** against the daemon (binary FP32, 1-16 rows, N requests in "
                   "flight, batching on)", "",
@@ -762,6 +810,14 @@ def markdown(doc: dict[str, Any], png_name: str | None) -> str:
         for r in doc["tritonclient"]:
             lines.append(f"| {r['client']} | {r['clients']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r['executions_per_request']:.2f} | {sum(r['errors'].values())} |")
+    if doc.get("uvicorn"):
+        lines += ["", "**uvicorn settings** (mmad, 64 clients, 1-16 rows, batching on; one daemon per setting)", "",
+                  "| loop | http | wire | req/s | p50 ms | p99 ms | server CPU ms/req | foreign cores |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in doc["uvicorn"]:
+            lines.append(f"| {r['loop']} | {r['http']} | {r['wire']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.1f} | "
+                         f"{r['p99_ms']:.1f} | {r.get('server_cpu_ms_per_request', math.nan):.3f} | "
+                         f"{r['foreign_cores']} |")
     if png_name:
         lines += ["", f"![service benchmark]({png_name})"]
     return "\n".join(lines) + "\n"
@@ -834,6 +890,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=int, default=65536, help="batching on: rows per launch")
     p.add_argument("--max-queue-delay-us", type=int, default=500, help="batching on: longest wait")
     p.add_argument("--tritonclient-concurrency", default="8,64", help="'' to skip the tritonclient check")
+    p.add_argument("--uvicorn-matrix", default="uvloop/httptools,asyncio/httptools,uvloop/h11,asyncio/h11",
+                   help="loop/http pairs measured at 64 clients with a daemon each; '' to skip")
     p.add_argument("--no-peer", dest="peer", action="store_false")
     p.add_argument("--server-arg", dest="server_args", action="append", default=[],
                    help="extra argument for the daemon (repeatable), e.g. --server-arg=--http=h11")
@@ -857,6 +915,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sweep-wires: unknown {bad[0]!r}; use json, binary32, binary16")
     opts.tritonclient_concurrency = [int(c) for c in opts.tritonclient_concurrency.split(",") if c.strip()]
     opts.tritonclient = bool(opts.tritonclient_concurrency)
+    try:
+        opts.uvicorn_matrix = [tuple(pair.split("/")) for pair in opts.uvicorn_matrix.split(",") if pair.strip()]
+        for loop, http in opts.uvicorn_matrix:
+            if loop not in ("asyncio", "uvloop", "auto") or http not in ("h11", "httptools", "auto"):
+                raise ValueError(f"{loop}/{http}")
+    except ValueError as exc:
+        raise SystemExit(f"--uvicorn-matrix: expected loop/http pairs like uvloop/httptools; got {exc}") from exc
     try:
         doc = run(opts)
     except MMADError as exc:

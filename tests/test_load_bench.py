@@ -24,7 +24,8 @@ def smoke_run(tmp_path_factory):
     docs.write_text(f"# Service performance\n\nprose kept\n\n{load.MARK_BEGIN}\nold table\n{load.MARK_END}\n\ntail kept\n")
     argv = ["--out", str(out), "--docs", str(docs), "--concurrency", "1,8", "--sweep-wires", "json",
             "--duration-s", "0.6", "--warmup-s", "0.2", "--large-rows", "2048", "--large-requests", "2",
-            "--large-duration-s", "2", "--tritonclient-concurrency", "4", "--in-process-repeats", "3"]
+            "--large-duration-s", "2", "--tritonclient-concurrency", "4", "--in-process-repeats", "3",
+            "--uvicorn-matrix", "asyncio/h11"]
     assert load.main(argv) == 0
     return json.loads((out / "service-cpu.json").read_text()), docs
 
@@ -80,3 +81,10 @@ def test_report_written(smoke_run):
     figures = [t["figure"] for t in doc["targets"]]
     assert any("in-process" in f for f in figures) and any("JSON" in f for f in figures)
     assert all(isinstance(t["met"], bool) for t in doc["targets"])
+
+
+def test_uvicorn_setting_measured(smoke_run):
+    doc, docs = smoke_run
+    assert [(r["loop"], r["http"]) for r in doc["uvicorn"]] == [("asyncio", "h11")]
+    assert doc["uvicorn"][0]["errors"] == {} and doc["uvicorn"][0]["requests"] > 0
+    assert "| asyncio | h11 | json |" in docs.read_text()
