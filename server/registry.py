@@ -138,6 +138,7 @@ class ModelEntry:
         self.pinned_lock = threading.Lock()
         self.stats = InferStats()
         self.busy_job: str | None = None  # a running training job owns the model's lifecycle
+        self.versions: list[dict[str, Any]] = []  # the store's acknowledged listing, replaced whole
         self.reason = ""
 
     @property
@@ -201,15 +202,19 @@ class Registry:
         return entry
 
     def versions(self, name: str) -> list[dict[str, Any]]:
-        self.get(name)
-        return self.store.versions(name)
+        """The acknowledged versions (cached from the store; every write replaces the list)."""
+        entry = self.get(name)
+        if not entry.versions:  # a model whose load failed: read the listing as it is
+            entry.versions = self.store.versions(name)
+        return entry.versions
 
     def latest_version(self, name: str) -> str:
         return self.versions(name)[-1]["version"]
 
     def check_version(self, name: str, version: str) -> str:
         check_version(version)
-        self.store.version_entry(name, version)
+        if not any(v["version"] == version for v in self.versions(name)):
+            raise ModelNotFound(f"model {name!r} has no version {version!r}")
         return version
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -223,6 +228,7 @@ class Registry:
         for v in versions:  # every acknowledged version must be intact
             self.store.weights_bytes(entry.name, v["version"])
         params, optimizer_state = self.store.load_version(entry.name, versions[-1]["version"])
+        entry.versions = versions
         compiled = self._compile(entry.spec)
         try:
             compiled.set_params(params)
@@ -301,8 +307,8 @@ class Registry:
             try:
                 if old is not None:
                     await self._deactivate(old)
-                await self.run(lambda: self.store.create_model(name, doc, compiled.get_params(),
-                                                               compiled.get_optimizer_state()))
+                first = await self.run(lambda: self.store.create_model(name, doc, compiled.get_params(),
+                                                                       compiled.get_optimizer_state()))
             except BaseException:
                 compiled.close()
                 if old is not None:  # the store still holds the old model: serve it again
@@ -312,6 +318,7 @@ class Registry:
                         old.reason = str(exc)
                 raise
             entry = ModelEntry(name, spec, config)
+            entry.versions = [first]
             self.models[name] = entry
             self._activate(entry, compiled)
             return old is None
@@ -361,7 +368,9 @@ class Registry:
                 params = entry.live.get_params()
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
-            return self.store.add_version(entry.name, params, optimizer_state, step)
+            version = self.store.add_version(entry.name, params, optimizer_state, step)
+            entry.versions = entry.versions + [version]
+            return version
 
     def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
         params = check_params(entry.spec, params)
@@ -372,7 +381,9 @@ class Registry:
                 entry.live.set_params(params)
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
-            return self.store.add_version(entry.name, params, optimizer_state, step)
+            version = self.store.add_version(entry.name, params, optimizer_state, step)
+            entry.versions = entry.versions + [version]
+            return version
 
     def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray) -> np.ndarray:
         """Forward through an immutable stored version (compiled copy cached per version)."""
