@@ -278,7 +278,7 @@ class VulkanModel(CompiledModel):
                 buf.fill_zero()
             self._ctrl.write(np.zeros(4, np.uint32))
             self._batch: dict[str, vr.Buffer] = {}
-            self._batch_rows = 0
+            self._unused = self._alloc(16)  # bound where a kernel's buffer is not used (inference Z)
             self.set_params(init_params(spec))
         except BaseException:
             self.close()
@@ -300,29 +300,43 @@ class VulkanModel(CompiledModel):
         if self._closed:
             raise LaunchError("this vulkan model was closed")
 
-    def _ensure_batch(self, rows_pad: int) -> dict[str, vr.Buffer]:
-        """Per-batch buffers for at least ``rows_pad`` rows (grown, never shrunk)."""
-        if rows_pad <= self._batch_rows:
-            return self._batch
-        for buf in self._batch.values():
-            self._untrack(buf)
-            buf.free()
+    def _ensure_batch(self, rows_pad: int, training: bool = False) -> dict[str, vr.Buffer]:
+        """Per-batch buffers for at least ``rows_pad`` rows (grown, never shrunk): input,
+        target and output always; pre-activations, deltas and partial sums for training."""
         geo = self.geo
-        splits, _ = self._splits(rows_pad)
-        tiles = rows_pad // geo.rows_per_tile
-        self._batch = {
-            "x": self._alloc(rows_pad * geo.in_pad * 4), "y": self._alloc(rows_pad * geo.out_pad * 4),
-            "out": self._alloc(rows_pad * geo.out_pad * 4), "z": self._alloc(rows_pad * geo.z_cols * 4),
-            "d": self._alloc(rows_pad * geo.z_cols * 4), "loss": self._alloc(tiles * 4),
-            "part": self._alloc(splits * geo.grad_floats * 4),
-        }
-        self._batch_rows = rows_pad
+        need = {"x": geo.in_pad, "y": geo.out_pad, "out": geo.out_pad}
+        if training:
+            need.update({"z": geo.z_cols, "d": geo.z_cols})
+        for name, cols in need.items():
+            current = self._batch.get(name)
+            if current is not None and current.size >= rows_pad * cols * 4:
+                continue
+            nbytes = rows_pad * cols * 4
+            if nbytes > self.device.info.max_storage_range:
+                fits = self.device.info.max_storage_range // (cols * 4) // ROW_ALIGN * ROW_ALIGN
+                raise InvalidInput(f"a batch of {rows_pad} rows needs a {nbytes}-byte buffer, over this device's "
+                                   f"maxStorageBufferRange ({self.device.info.max_storage_range}); send at most "
+                                   f"{fits} rows per {'training' if training else 'forward'} call")
+            self._replace_batch_buffer(name, nbytes)
+        if training:
+            splits, _ = self._splits(rows_pad)
+            for name, nbytes in (("loss", rows_pad // geo.rows_per_tile * 4), ("part", splits * geo.grad_floats * 4)):
+                current = self._batch.get(name)
+                if current is None or current.size < nbytes:
+                    self._replace_batch_buffer(name, nbytes)
         return self._batch
+
+    def _replace_batch_buffer(self, name: str, nbytes: int) -> None:
+        old = self._batch.pop(name, None)
+        if old is not None:
+            self._untrack(old)
+            old.free()
+        self._batch[name] = self._alloc(nbytes)
 
     @staticmethod
     def _splits(rows_pad: int) -> tuple[int, int]:
         """(number of batch splits, rows per split) of the weight-gradient reduction."""
-        per_split = max(256, _round_up(math.ceil(rows_pad / 128), 16))
+        per_split = max(256, _round_up(math.ceil(rows_pad / 128), 32))
         return math.ceil(rows_pad / per_split), per_split
 
     def _grid(self, tiles: int) -> tuple[int, int, int]:
@@ -398,7 +412,7 @@ class VulkanModel(CompiledModel):
         if program is not None:
             return program
         geo = self.geo
-        b = self._ensure_batch(rows_pad)
+        b = self._ensure_batch(rows_pad, training=True)
         tiles = rows_pad // geo.rows_per_tile
         grid = self._grid(tiles)
         splits, per_split = self._splits(rows_pad)
@@ -442,17 +456,28 @@ class VulkanModel(CompiledModel):
                 if x.owner is not self or x.kind != "input":
                     raise InvalidInput("forward takes an input array uploaded by this model")
                 out = self._alloc(x.rows_pad * self.geo.out_pad * 4)
-                z = self._ensure_batch(ROW_ALIGN)["z"]
-                self._forward_program(x.buffer, out, x.rows_pad, z).run()
+                self._forward_program(x.buffer, out, x.rows_pad, self._unused).run()
                 return VulkanArray(out, x.rows, self.spec.n_output_dims, self.geo.out_pad, "output", self)
             x = self.check_input(x)
             rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
             b = self._ensure_batch(rows_pad)
             b["x"].write(self._encode(x, rows_pad))
-            self._forward_program(b["x"], b["out"], rows_pad, b["z"]).run()
+            self._forward_program(b["x"], b["out"], rows_pad, self._unused).run()
             raw = b["out"].read(x.shape[0] * self.geo.out_pad * 4)
             out = np.frombuffer(raw, np.float32).reshape(x.shape[0], self.geo.out_pad)
             return out[:, :self.spec.n_output_dims].copy()
+
+    def forward_into(self, x: VulkanArray, out: VulkanArray, run: bool = True) -> vr.Program:
+        """Forward of a device input into an existing device output (no allocation); returns
+        the recorded program, which benchmarks re-submit with ``program.run(times=n)``."""
+        with self._lock:
+            self._check_open()
+            if x.owner is not self or x.kind != "input" or out.owner is not self or out.rows != x.rows:
+                raise InvalidInput("forward_into takes an input and an output array of this model with equal rows")
+            program = self._forward_program(x.buffer, out.buffer, x.rows_pad, self._unused)
+            if run:
+                program.run()
+            return program
 
     def _stage_batch(self, x: Any, y: Any) -> tuple[vr.Buffer, vr.Buffer, int, int]:
         if isinstance(x, VulkanArray):
@@ -470,7 +495,7 @@ class VulkanModel(CompiledModel):
         else:
             y = self.check_target(y, rows)
         rows_pad = _round_up(rows, ROW_ALIGN)
-        b = self._ensure_batch(rows_pad)
+        b = self._ensure_batch(rows_pad, training=True)
         if isinstance(x, VulkanArray):
             x_buf = x.buffer
         else:
@@ -729,5 +754,6 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str,
             raise CompileError("vulkan coopmat kernels", "the geometry has no cooperative-matrix shape")
         files["forward"] = "glsl/coopmat_forward.comp"
         files["backward"] = "glsl/coopmat_backward.comp"
+        files["wgrad"] = "glsl/coopmat_wgrad.comp"
     return {name: shader_source(path, param_header if name == "optimizer" else header)
             for name, path in files.items()}

@@ -153,6 +153,7 @@ class DeviceInfo:
     max_shared_bytes: int
     max_workgroup_invocations: int
     max_group_count: tuple[int, int, int]
+    max_storage_range: int
     shader_float16: bool
     storage_16bit: bool
     vulkan_memory_model: bool
@@ -197,6 +198,7 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         max_shared_bytes=int(limits.maxComputeSharedMemorySize),
         max_workgroup_invocations=int(limits.maxComputeWorkGroupInvocations),
         max_group_count=tuple(int(limits.maxComputeWorkGroupCount[i]) for i in range(3)),
+        max_storage_range=int(limits.maxStorageBufferRange),
         shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
         vulkan_memory_model=bool(f12.vulkanMemoryModel),
         extensions=extensions)

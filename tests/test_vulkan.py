@@ -192,6 +192,16 @@ def test_gradients_match_oracle(backend, variant, cache, name, rows):
     check_grads(spec, model, *data(spec, rows))
 
 
+@pytest.mark.skipif(os.environ.get("MMAD_TEST_VULKAN_LARGE") != "1",
+                    reason="2^20-row cases run on GPU hosts only (MMAD_TEST_VULKAN_LARGE=1)")
+def test_batch_of_2_pow_20(backend, variant, cache):
+    spec = bench_spec("M")
+    model = model_for(backend, variant, cache, spec)
+    x, y = data(spec, 1 << 20)
+    assert rel(model.forward(x), CpuBackend("float64").compile(spec).forward(x)) <= FWD_TOL
+    check_grads(spec, model, x, y)
+
+
 def test_gradients_are_deterministic(backend, variant, cache):
     spec = bench_spec("S")
     model = model_for(backend, variant, cache, spec)

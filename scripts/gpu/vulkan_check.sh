@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Vulkan backend on an offline NVIDIA host (GPU-HOST.md): unpack the Vulkan loader + GL
+# dispatch debs and the wheels carried in .gl/ and .whl/, map the mmad package, run the vulkan
+# tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
+# benchmark vs PyTorch fp16. Logs and JSON go to $OUT (default ./vulkan-check-out).
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/vulkan-check-out}
+mkdir -p "$OUT"
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+rm -rf .devsrc && mkdir -p .devsrc/mmad && cp -r mmad/* .devsrc/mmad/
+for d in backends server shaders bench; do [ -e "$d" ] && ln -s "$PWD/$d" ".devsrc/mmad/$d"; done
+export PYTHONPATH=/tmp/site:$PWD/.devsrc
+export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
+export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py \
+    --durations=10 -o addopts="" >"$OUT/pytest.log" 2>&1
+echo "pytest exit $?" >>"$OUT/pytest.log"
+tail -n 40 "$OUT/pytest.log"
+python3 scripts/gpu/vulkan_bench.py --json "$OUT/vulkan_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 14

@@ -1,0 +1,86 @@
+#version 450
+// Weight and bias gradients of one layer over one split of the batch, with cooperative
+// matrices: PART[split] (N x K) = D^T (N x rows) . H (rows x K). A 64 x 64 output tile per
+// workgroup, its CM_M x CM_N blocks split among the subgroups; rows are staged 32 at a time in
+// shared memory as fp16 (deltas and inputs are fp16-rounded already, so the conversion is
+// exact) and D^T is read with a column-major load. Accumulation is fp32 in a fixed order.
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = THREADS) in;
+#include "mlp_common.glsl"
+
+layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
+layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
+layout(std430, binding = 3) writeonly buffer PartBuf { float PART[]; };
+layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; } pc;
+
+#define RC 32
+#define TILE 64
+#define WG_BLOCKS ((TILE / CM_M) * (TILE / CM_N))
+#define WACC ((WG_BLOCKS + 3) / 4)
+shared float16_t DS[RC * TILE];
+shared float16_t HS[RC * TILE];
+shared float BSUM[TILE];
+
+void main() {
+    int l = int(pc.layer);
+    int N = LAYER_N[l], K = LAYER_K[l];
+    uint tid = gl_LocalInvocationID.x;
+    int n0 = int(gl_WorkGroupID.x) * TILE, k0 = int(gl_WorkGroupID.y) * TILE;
+    uint split = gl_WorkGroupID.z;
+    uint r_begin = split * pc.rows_per_split;
+    uint r_end = min(r_begin + pc.rows_per_split, pc.rows_pad);
+    uint dbase = uint(Z_COL[l]) * pc.rows_pad / 4u;
+    uint zprev = l > 0 ? uint(Z_COL[max(l - 1, 0)]) * pc.rows_pad / 4u : 0u;
+    coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator> acc[WACC];
+    for (int i = 0; i < WACC; ++i) acc[i] = coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>(0.0);
+    float bias_acc = 0.0;
+    for (uint r = r_begin; r < r_end; r += uint(RC)) {
+        barrier();
+        for (uint i = tid; i < uint(RC * TILE / 4); i += uint(THREADS)) {
+            uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
+            uint row = r + rr;
+            int cn = n0 + int(q) * 4, ck = k0 + int(q) * 4;
+            vec4 d = cn < N ? D4[dbase + row * uint(N / 4) + uint(cn / 4)] : vec4(0.0);
+            vec4 h = vec4(0.0);
+            if (ck < K) {
+                if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(ck / 4)]);
+                else h = r16(activate4(pc.hidden_act, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
+            }
+            for (uint c = 0u; c < 4u; ++c) {
+                DS[i * 4u + c] = float16_t(d[c]);
+                HS[i * 4u + c] = float16_t(h[c]);
+            }
+        }
+        barrier();
+        if (gl_WorkGroupID.y == 0u && tid < uint(TILE))
+            for (int rr = 0; rr < RC; ++rr) bias_acc += float(DS[rr * TILE + int(tid)]);
+        for (int kk = 0; kk < RC; kk += CM_K) {
+            for (int i = 0; i < WACC; ++i) {
+                int b = int(gl_SubgroupID) * WACC + i;
+                if (b >= WG_BLOCKS) break;
+                int nb = b / (TILE / CM_N), kb = b - nb * (TILE / CM_N);
+                if (n0 + nb * CM_M >= N || k0 + kb * CM_N >= K) continue;
+                coopmat<float16_t, gl_ScopeSubgroup, CM_M, CM_K, gl_MatrixUseA> a;
+                coopmat<float16_t, gl_ScopeSubgroup, CM_K, CM_N, gl_MatrixUseB> bm;
+                coopMatLoad(a, DS, uint(kk * TILE + nb * CM_M), uint(TILE), gl_CooperativeMatrixLayoutColumnMajor);
+                coopMatLoad(bm, HS, uint(kk * TILE + kb * CM_N), uint(TILE), gl_CooperativeMatrixLayoutRowMajor);
+                acc[i] = coopMatMulAdd(a, bm, acc[i]);
+            }
+        }
+    }
+    uint base = split * pc.gsize;
+    for (int i = 0; i < WACC; ++i) {
+        int b = int(gl_SubgroupID) * WACC + i;
+        if (b >= WG_BLOCKS) break;
+        int nb = b / (TILE / CM_N), kb = b - nb * (TILE / CM_N);
+        int n = n0 + nb * CM_M, k = k0 + kb * CM_N;
+        if (n >= N || k >= K) continue;
+        coopMatStore(acc[i], PART, base + uint(GW_OFF[l] + n * K + k), uint(K), gl_CooperativeMatrixLayoutRowMajor);
+    }
+    if (gl_WorkGroupID.y == 0u && tid < uint(TILE) && n0 + int(tid) < N)
+        PART[base + uint(GB_OFF[l] + n0 + int(tid))] = bias_acc;
+}
