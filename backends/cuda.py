@@ -41,12 +41,13 @@ from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 
 VARIANTS = ("wgmma", "mma", "cublaslt")
-MMA_MAX_WIDTH = 128
+MMA_MAX_WIDTH = 256  # wider than 128 holds 254 registers per thread (see docs/gpu-notes-cuda.md)
 WARPS_PER_BLOCK = 4
 ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
 WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
 
+MMA_KERNELS = ("mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
 ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
@@ -135,22 +136,21 @@ def nvrtc_compile(source: str, arch: str, options: tuple[str, ...], what: str) -
 
 
 class LoadedModule:
-    """A cubin loaded into the current context; kernels by name."""
+    """A cubin loaded into the current context; its kernels by name."""
 
-    def __init__(self, cp, cubin: bytes):
-        # RawModule(path=...) is CuPy's documented way to load a prebuilt cubin
+    def __init__(self, cp, cubin: bytes, names: tuple[str, ...]):
+        # RawModule(path=...) is CuPy's documented way to load a prebuilt cubin; it reads the
+        # file at the first get_function, so every kernel is fetched before the file goes
         fd, path = tempfile.mkstemp(suffix=".cubin", prefix="mmad-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(cubin)
             self.module = cp.RawModule(path=path)
-            self.kernels = {}
+            self.kernels = {name: self.module.get_function(name) for name in names}
         finally:
             os.unlink(path)
 
     def kernel(self, name: str):
-        if name not in self.kernels:
-            self.kernels[name] = self.module.get_function(name)
         return self.kernels[name]
 
 
@@ -199,8 +199,7 @@ class CudaMmaModel(CompiledModel):
             raise SpecError("precision", f"the cuda mma variant computes in fp16; got {spec.precision!r}")
         if spec.n_neurons > MMA_MAX_WIDTH:
             raise SpecError("network.n_neurons",
-                            f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got "
-                            f"{spec.n_neurons} (the cublaslt variant runs wider models)")
+                            f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got {spec.n_neurons}")
         self.cp = cp
         self.info = info
         self.width = spec.n_neurons
@@ -217,7 +216,7 @@ class CudaMmaModel(CompiledModel):
         self.smem_train = (self.wf_total + self.wb_total) * 2
         self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
-        self.mt_fwd = 2 if self.width <= 64 else 1
+        self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
         self.source = self._source()
         self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
         self.arch = f"sm_{self.arch_digits}"
@@ -260,7 +259,7 @@ class CudaMmaModel(CompiledModel):
             cubin = cache.get_or_build(build, backend="cuda-mma", device=self.arch, compiler=compiler,
                                        options=list(self.options), source=self.source)
         try:
-            module = LoadedModule(self.cp, cubin)
+            module = LoadedModule(self.cp, cubin, MMA_KERNELS)
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
@@ -672,8 +671,7 @@ class CudaBackend(Backend):
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
         if variant is None:
-            # widths the fused kernels hold in registers go to mma; wider models to cuBLASLt
-            variant = "mma" if spec.n_neurons <= MMA_MAX_WIDTH else "cublaslt"
+            variant = "mma"  # the only variant implemented; it takes every width 16-256
         row = rows[variant]
         if not row.available:
             raise BackendUnavailable(f"cuda:{variant}", row.reason)

@@ -181,10 +181,21 @@ def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
         for entry in set(cache_dir.glob("*/*.bin")) - before:
             payload = entry.read_bytes().partition(b"\n")[2]
             cubin = out_dir / f"mma_{name}.cubin"
-            cubin.write_bytes(payload)
-            sass = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
-            (out_dir / f"mma_{name}.sass.txt").write_text(sass)
-            per_kernel: dict[str, int] = {}
+            if payload[:4] == b"\x7fELF":
+                cubin.write_bytes(payload)
+                kind = "cubin"
+            else:  # CuPy handed back PTX: assemble it the way the driver would
+                ptx = out_dir / f"mma_{name}.ptx"
+                ptx.write_bytes(payload)
+                done = subprocess.run(["ptxas", "-arch=sm_90", str(ptx), "-o", str(cubin)],
+                                      capture_output=True, text=True)
+                kind = f"ptx (ptxas rc {done.returncode} {done.stderr.strip()[:200]})"
+            dump = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True)
+            sass = dump.stdout
+            (out_dir / f"mma_{name}.sass.txt").write_text(sass + dump.stderr)
+            per_kernel: dict[str, int] = {"binary: " + kind: 1}
+            if not sass:
+                per_kernel["cuobjdump error: " + dump.stderr.strip()[:200]] = dump.returncode
             current = "?"
             for line in sass.splitlines():
                 m = re.search(r"Function : (\w+)", line)
@@ -195,7 +206,6 @@ def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
                         key = f"{current}:{op}"
                         per_kernel[key] = per_kernel.get(key, 0) + 1
             mix[name] = per_kernel
-            cubin.unlink()
     return mix
 
 

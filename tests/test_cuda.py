@@ -99,9 +99,18 @@ def test_probe_reports_every_variant(backend):
         assert row.available or row.reason, row
 
 
-# every activation on one of S/M/L (rotating), ReLU (the benchmark models) on all three: each
-# distinct spec costs an NVRTC compile, so the list is chosen to cover, not to multiply
-MODEL_CASES = [("SML"[i % 3], a) for i, a in enumerate(ACTIVATIONS)] + [("S", "ReLU"), ("L", "ReLU")]
+# every activation once, ReLU (the benchmark activation) on all four models: each distinct spec
+# costs an NVRTC compile, so the list is chosen to cover, not to multiply. Exponential runs on
+# the shallow S with inputs scaled by 1/2: deeper stacks of exp overflow fp16 (65504) on
+# standard-normal data, a limit of fp16 activations, not of the kernels.
+MODEL_CASES = [("S", "None"), ("M", "ReLU"), ("L", "LeakyReLU"), ("S", "Sigmoid"), ("M", "Tanh"),
+               ("L", "SiLU"), ("S", "Softplus"), ("M", "Squareplus"), ("S", "Exponential"),
+               ("M", "Sine"), ("S", "ReLU"), ("L", "ReLU"), ("W", "ReLU")]
+
+
+def inputs(rng, rows, spec):
+    x = rng.standard_normal((rows, spec.n_input_dims), dtype=np.float32)
+    return x * np.float32(0.5) if spec.activation == "Exponential" else x
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -110,7 +119,7 @@ def test_forward_matches_oracle(backend, cache, name, activation, batch):
     rng = np.random.default_rng(hash((name, activation, batch)) % 2**32)
     spec = bench_spec(name, activation=activation)
     model, oracle = cached_pair(backend, cache, spec, rng)
-    x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
+    x = inputs(rng, batch, spec)
     out = model.forward(x)
     assert out.shape == (batch, spec.n_output_dims) and out.dtype == np.float32
     check = np.arange(batch) if batch <= 65_537 else np.sort(rng.choice(batch, 4096, replace=False))
@@ -140,7 +149,7 @@ def check_grads(model, oracle, x, y, label):
 
 
 GRAD_CASES = ([(n, a, b) for n, a in MODEL_CASES for b in (1, 7, 1000)]
-              + [(n, a, 65_537) for n, a in MODEL_CASES if a in ("ReLU", "Tanh", "SiLU")])
+              + [(n, a, 65_537) for n, a in MODEL_CASES if n in ("S", "M")])
 
 
 @pytest.mark.parametrize(("name", "activation", "batch"), GRAD_CASES)
@@ -148,7 +157,7 @@ def test_gradients_match_oracle(backend, cache, name, activation, batch):
     rng = np.random.default_rng(hash((name, activation, batch, "g")) % 2**32)
     spec = bench_spec(name, activation=activation)
     model, oracle = cached_pair(backend, cache, spec, rng)
-    x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
+    x = inputs(rng, batch, spec)
     y = rng.standard_normal((batch, spec.n_output_dims), dtype=np.float32)
     check_grads(model, oracle, x, y, f"{name}/{activation}/batch {batch}")
 
@@ -183,7 +192,8 @@ def test_widths_and_odd_shapes(backend, cache, width, n_in, n_out, layers, encod
     check_grads(model, oracle, x, y, f"width {width}, {n_in}->{n_out}")
 
 
-TRAIN_CASES = [(n, a, "Adam") for n, a in MODEL_CASES] + [("M", "Tanh", "SGD")]
+# W is left out: 200 float64 oracle steps of it take minutes on the CPU
+TRAIN_CASES = [(n, a, "Adam") for n, a in MODEL_CASES if n != "W"] + [("M", "Tanh", "SGD")]
 
 
 @pytest.mark.parametrize(("name", "activation", "optimizer"), TRAIN_CASES)
@@ -194,7 +204,7 @@ def test_200_steps_follow_the_oracle(backend, cache, name, activation, optimizer
     spec = bench_spec(name, activation=activation, optimizer=opt)
     model, oracle = make_pair(backend, cache, spec, rng)
     batch = 512
-    x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
+    x = inputs(rng, batch, spec)
     # a learnable target: a fixed smooth function of the input
     proj = rng.standard_normal((spec.n_input_dims, spec.n_output_dims)) / np.sqrt(spec.n_input_dims)
     y = np.tanh(x @ proj).astype(np.float32)

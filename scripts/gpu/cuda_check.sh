@@ -34,9 +34,11 @@ for r in CudaBackend().probe(): print(r.variant, r.available, r.device, r.api_ve
       start=$(date +%s)
       # several workers: NVRTC compiles (one per distinct spec) and oracle runs overlap
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
-        tests/test_cuda_layouts.py tests/test_cuda.py --timeout 240 -rfEs --durations=15 > "$OUT/pytest.log" 2>&1
+        tests/test_cuda_layouts.py tests/test_cuda.py --timeout 240 -v --tb=short -rfEs --durations=15 > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
-      grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -40 | tee -a "$SUMMARY" ;;
+      # -v prints every result as it lands, so even a run cut off by the timeout says what failed
+      grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40 | tee -a "$SUMMARY"
+      grep -cE " PASSED" "$OUT/pytest.log" | sed 's/^/passed: /' | tee -a "$SUMMARY" ;;
     sass)
       python3 -m mmad.bench.cuda_bench --out "$OUT/sass" --sass --no-bench > "$OUT/sass.log" 2>&1
       python3 - "$OUT/sass/cuda_bench.json" <<'PY' | tee -a "$SUMMARY"
