@@ -789,6 +789,23 @@ def _wrong_permutation(perm: list[int]) -> list[int]:
     return [perm[r ^ 2] for r in range(len(perm))]
 
 
+def _build_hopper_kernels(cp, nvcc: str, build_dir: Path):
+    """Generate every test kernel (the chain kernels bake in register_permutation's answer)
+    and build them for sm_90a; returns the loaded module."""
+    perms = {n: L.register_permutation(L.wgmma_accumulator(n), L.wgmma_a_registers()) for n in CHAIN_NS}
+    source = _CUDA_PRELUDE + "".join(_ss_kernel(n, ta, tb) for n in SS_NS for ta in (0, 1) for tb in (0, 1))
+    source += "".join(_rs_kernel(n, tb) for n in SS_NS for tb in (0, 1))
+    source += "".join(_chain_kernel(f"chain_{n}", n, perms[n]) for n in CHAIN_NS)
+    source += _chain_kernel("chain_wrong_64", 64, _wrong_permutation(perms[64]))
+    (build_dir / "layouts.cu").write_text(source)
+    result = subprocess.run(
+        [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(build_dir / "layouts.cubin"), str(build_dir / "layouts.cu")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return cp.RawModule(path=str(build_dir / "layouts.cubin"))
+
+
 @pytest.fixture(scope="module")
 def hopper(tmp_path_factory):
     cp = pytest.importorskip("cupy", reason="CuPy is not installed (GPU check runs on the device machine)")
@@ -801,19 +818,7 @@ def hopper(tmp_path_factory):
         pytest.skip(f"no usable CUDA device: {exc}")
     if int(major) < 90:
         pytest.skip(f"wgmma needs an sm_90 GPU; this one is sm_{major}")
-    perms = {n: L.register_permutation(L.wgmma_accumulator(n), L.wgmma_a_registers()) for n in CHAIN_NS}
-    source = _CUDA_PRELUDE + "".join(_ss_kernel(n, ta, tb) for n in SS_NS for ta in (0, 1) for tb in (0, 1))
-    source += "".join(_rs_kernel(n, tb) for n in SS_NS for tb in (0, 1))
-    source += "".join(_chain_kernel(f"chain_{n}", n, perms[n]) for n in CHAIN_NS)
-    source += _chain_kernel("chain_wrong_64", 64, _wrong_permutation(perms[64]))
-    build = tmp_path_factory.mktemp("hopper")
-    (build / "layouts.cu").write_text(source)
-    result = subprocess.run(
-        [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(build / "layouts.cubin"), str(build / "layouts.cu")],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return cp, cp.RawModule(path=str(build / "layouts.cubin"))
+    return cp, _build_hopper_kernels(cp, nvcc, tmp_path_factory.mktemp("hopper"))
 
 
 def _smem_image(cp, array: np.ndarray, major: str, swizzle_bytes: int):
@@ -883,7 +888,7 @@ def test_hopper_wgmma_smem_operands_all_majors_and_swizzles(hopper):
         error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(n)), x.astype(np.float64) @ w.astype(np.float64).T)
         if not error < 1e-5:
             failures.append((n, ma, sa, mb, sb, error))
-    assert len(SS_CASES) > 200 and not failures
+    assert len(SS_CASES) > 200 and not failures, failures
 
 
 @pytest.mark.gpu
@@ -900,7 +905,7 @@ def test_hopper_wgmma_wrong_layout_is_detected(hopper):
     args = (a_img, np.int32(a_chunks), cp.asarray(wrong.view(np.uint32)), np.int32(b_chunks), a_desc, b_desc, out)
     _launch(cp, module.get_function("ss_64_00"), args, _smem_bytes(x, w))
     error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(64)), x.astype(np.float64) @ w.astype(np.float64).T)
-    assert error > 0.1
+    assert error > 0.1, error
 
 
 @pytest.mark.gpu
@@ -924,7 +929,7 @@ def test_hopper_wgmma_a_from_registers(hopper):
                 error = _relative_error(L.unpack(cp.asnumpy(out), L.wgmma_accumulator(n)), ref_value)
                 if not error < 1e-5:
                     failures.append((n, mb, sb, error))
-    assert not failures
+    assert not failures, failures
 
 
 @pytest.mark.gpu
