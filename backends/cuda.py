@@ -187,21 +187,16 @@ def b_image_index(k_dim: int, k: np.ndarray, n: np.ndarray) -> np.ndarray:
 
 
 # -- the mma.sync model ------------------------------------------------------------------------
-class CudaMmaModel(CompiledModel):
-    """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
+class MmaPlan:
+    """Geometry and generated source of one spec's mma kernels (needs no GPU, no CuPy)."""
 
-    backend = "cuda"
-    variant = "mma"
-
-    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
-        super().__init__(spec)
+    def __init__(self, spec: MLPSpec):
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda mma variant computes in fp16; got {spec.precision!r}")
         if spec.n_neurons > MMA_MAX_WIDTH:
             raise SpecError("network.n_neurons",
                             f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got {spec.n_neurons}")
-        self.cp = cp
-        self.info = info
+        self.spec = spec
         self.width = spec.n_neurons
         self.n_hidden = spec.n_hidden_layers
         self.k_in = pad16(spec.n_encoded_dims)
@@ -218,14 +213,7 @@ class CudaMmaModel(CompiledModel):
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
         self.source = self._source()
-        self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
-        self.arch = f"sm_{self.arch_digits}"
-        self.options = ("-std=c++17",)
-        self._module = self._build(cache)
-        self._allocate()
-        self.set_params(init_params(spec))
 
-    # -- build ------------------------------------------------------------------------------
     def _source(self) -> str:
         s, opt = self.spec, self.spec.optimizer
 
@@ -246,6 +234,26 @@ class CudaMmaModel(CompiledModel):
         head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return head + read_source("cuda/mlp_mma.cu")
 
+
+class CudaMmaModel(MmaPlan, CompiledModel):
+    """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
+
+    backend = "cuda"
+    variant = "mma"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
+        CompiledModel.__init__(self, spec)
+        MmaPlan.__init__(self, spec)
+        self.cp = cp
+        self.info = info
+        self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
+        self.arch = f"sm_{self.arch_digits}"
+        self.options = ("-std=c++17",)
+        self._module = self._build(cache)
+        self._allocate()
+        self.set_params(init_params(spec))
+
+    # -- build ------------------------------------------------------------------------------
     def _build(self, cache: KernelCache | None) -> LoadedModule:
         what = f"mma kernels for model {self.spec.content_hash()} ({self.describe()})"
 
@@ -684,4 +692,4 @@ class CudaBackend(Backend):
         return CublasLtModel(spec, cp, info, cache)
 
 
-__all__ = ["CudaBackend", "CudaMmaModel", "VARIANTS", "nvrtc_compile", "b_image_index"]
+__all__ = ["CudaBackend", "CudaMmaModel", "MmaPlan", "VARIANTS", "nvrtc_compile", "b_image_index"]
