@@ -232,7 +232,7 @@ class MmaPlan:
             "EPS": f32(opt.epsilon), "L2REG": f32(opt.l2_reg), "MOMENTUM": f32(opt.momentum),
         }
         head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-        return head + read_source("cuda/mlp_mma.cu")
+        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_mma.cu")
 
 
 class CudaMmaModel(MmaPlan, CompiledModel):
@@ -599,13 +599,272 @@ def cublaslt_availability() -> tuple[bool, str, str]:
         from nvmath.linalg.advanced import Matmul, MatmulEpilog  # noqa: F401
     except Exception as exc:  # ImportError, or a CUDA library it could not load
         return False, f"nvmath-python is not importable ({type(exc).__name__}: {exc})", ""
-    version = getattr(nvmath, "__version__", "?")
-    if CublasLtModel is None:
-        return False, "nvmath-python imports, but mmad's cuBLASLt model is not implemented yet", version
-    return True, "", version
+    return True, "", getattr(nvmath, "__version__", "?")
 
 
-CublasLtModel = None
+EW_KERNELS = ("ew_input", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_optimize")
+
+
+class CublasLtModel(CompiledModel):
+    """Per-layer cuBLASLt matmuls (nvmath-python, planned once per shape) + element-wise kernels.
+
+    Activations are feature-major ([features][rows]) so that cuBLASLt's bias runs along M:
+    ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of the fp32
+    master), other hidden layers and the output layer take the fp32 accumulator plus the fp32
+    bias (C broadcast along N, beta 1) and finish in ``shaders/cuda/mlp_elementwise.cu``.
+    Backward: input gradients as fp32 matmuls, weight gradients as fp32 matmuls over the batch,
+    bias gradients as CuPy row sums (both fixed-order), then the optimizer kernel.
+    """
+
+    backend = "cuda"
+    variant = "cublaslt"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
+        super().__init__(spec)
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda cublaslt variant computes in fp16; got {spec.precision!r}")
+        from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+        self._matmul_cls, self._epilog = Matmul, MatmulEpilog
+        self.cp, self.info = cp, info
+        self.layers = spec.layer_dims  # (fan_in, fan_out)
+        self.n_layers = len(self.layers)
+        self.relu_epilog = spec.activation == "ReLU"
+        self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
+        self.source = self._source()
+        self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
+        self.options = ("-std=c++17",)
+        what = f"cuBLASLt element-wise kernels for model {spec.content_hash()}"
+
+        def build() -> bytes:
+            return nvrtc_compile(self.source, self.arch_digits, self.options, what)
+
+        cubin = build() if cache is None else cache.get_or_build(
+            build, backend="cuda-cublaslt", device=f"sm_{self.arch_digits}", compiler=f"nvrtc-{_nvrtc_version()}",
+            options=list(self.options), source=self.source)
+        try:
+            self._module = LoadedModule(cp, cubin, EW_KERNELS)
+            self.w = [cp.zeros((fo, fi), dtype=cp.float32) for fi, fo in self.layers]
+            self.b = [cp.zeros(fo, dtype=cp.float32) for _, fo in self.layers]
+            self.w16 = [cp.zeros((fo, fi), dtype=cp.float16) for fi, fo in self.layers]
+            self.b16 = [cp.zeros(fo, dtype=cp.float16) for _, fo in self.layers]
+            n_slots = 2 if spec.optimizer.otype == "Adam" else 1
+            self.slot_w = [[cp.zeros_like(w) for w in self.w] for _ in range(n_slots)]
+            self.slot_b = [[cp.zeros_like(b) for b in self.b] for _ in range(n_slots)]
+            self.zero_cols = {n: cp.zeros((n, 1), dtype=cp.float32) for n in {d for fi, fo in self.layers for d in (fi, fo)}}
+        except _device_errors(cp) as exc:
+            raise LaunchError(f"setting up the cuBLASLt model failed: {exc}") from exc
+        self._plans: dict[tuple, Any] = {}
+        self.set_params(init_params(spec))
+
+    def _source(self) -> str:
+        s, opt = self.spec, self.spec.optimizer
+
+        def f32(v: float) -> str:
+            return f"{float(np.float32(v))!r}f"
+
+        defines = {
+            "NIN": s.n_encoded_dims, "NOUT": s.n_output_dims, "ACT": ACT_CODES[s.activation],
+            "OUT_ACT": ACT_CODES[s.output_activation], "LOSS": LOSS_CODES[s.loss],
+            "HUBER_DELTA": f32(s.huber_delta), "STORE_DACT": int(self.store_dact),
+            "OPT_ADAM": int(opt.otype == "Adam"), "LR": f32(opt.learning_rate), "BETA1": f32(opt.beta1),
+            "BETA2": f32(opt.beta2), "EPS": f32(opt.epsilon), "L2REG": f32(opt.l2_reg),
+            "MOMENTUM": f32(opt.momentum),
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_elementwise.cu")
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _launch(self, name: str, grid, block, args) -> None:
+        try:
+            self._module.kernel(name)(grid, block, args)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"launching {name} failed: {exc}") from exc
+
+    def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None):
+        """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed)."""
+        try:
+            mm = self._plans.get(key)
+            if mm is None:
+                mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0)
+                mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
+                self._plans[key] = mm
+            else:
+                mm.reset_operands(a=a, b=b, c=c, epilog_inputs=epilog_inputs)
+            result = mm.execute()
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"cuBLASLt matmul {key[0]} of layer {key[1]} failed: {exc}") from exc
+        out = result[0] if isinstance(result, tuple) else result
+        return self.cp.ascontiguousarray(out)  # the element-wise kernels index [features][rows]
+
+    def _input_t(self, dx, rows: int):
+        cp = self.cp
+        xt = cp.empty((self.spec.n_encoded_dims, rows), dtype=cp.float16)
+        self._launch("ew_input", (math.ceil(rows / 32), math.ceil(self.spec.n_encoded_dims / 32)), (32, 8),
+                     (dx, np.int64(rows), xt))
+        return xt
+
+    def _forward_t(self, dx, rows: int, train: bool):
+        """Output pre-activations [n_out][rows] fp32, each layer's input h^T, stored derivatives."""
+        cp = self.cp
+        h = self._input_t(dx, rows)
+        hs, dacts = [h], []
+        for i in range(self.n_layers - 1):
+            fo = self.layers[i][1]
+            if self.relu_epilog:
+                h = self._mm(("fwd", i, rows), self.w16[i], h, epilog=self._epilog.RELU_BIAS,
+                             epilog_inputs={"bias": self.b16[i]})
+            else:
+                z = self._mm(("fwd", i, rows), self.w16[i], h, c=self.b[i].reshape(fo, 1))
+                h = cp.empty((fo, rows), dtype=cp.float16)
+                dact = cp.empty((fo, rows), dtype=cp.float16) if (train and self.store_dact) else h
+                self._launch("ew_hidden", (math.ceil(z.size / 256),), (256,),
+                             (z, np.int64(z.size), h, dact, np.int32(train)))
+                dacts.append(dact)
+            hs.append(h)
+        last = self.n_layers - 1
+        zt = self._mm(("fwd", last, rows), self.w16[last], h, c=self.b[last].reshape(self.layers[last][1], 1))
+        return zt, hs, dacts
+
+    # -- host <-> device ----------------------------------------------------------------------------
+    upload = CudaMmaModel.upload
+    download = CudaMmaModel.download
+    synchronize = CudaMmaModel.synchronize
+    _device_input = CudaMmaModel._device_input
+    _prepare_batch = CudaMmaModel._prepare_batch
+
+    # -- compute ------------------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        cp = self.cp
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        rows = dx.shape[0]
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        if rows:
+            zt, _, _ = self._forward_t(dx, rows, train=False)
+            self._launch("ew_output", (math.ceil(rows / 32), math.ceil(self.spec.n_output_dims / 32)), (32, 8),
+                         (zt, np.int64(rows), out))
+        return self.download(out) if from_host else out
+
+    def _grads(self, dx, dy, rows: int, on_layer) -> Any:
+        """Forward, loss, backward; ``on_layer(i, dW, db)`` once per layer, last first."""
+        cp = self.cp
+        n_out = self.spec.n_output_dims
+        zt, hs, dacts = self._forward_t(dx, rows, train=True)
+        delta = cp.empty((n_out, rows), dtype=cp.float16)
+        values = cp.empty((n_out, rows), dtype=cp.float32)
+        grad_scale = np.float32(self.spec.loss_scale / (rows * n_out))
+        self._launch("ew_loss", (math.ceil(rows / 32), math.ceil(n_out / 32)), (32, 8),
+                     (zt, dy, np.int64(rows), grad_scale, delta, values))
+        loss = values.sum(dtype=cp.float64)
+        for i in reversed(range(self.n_layers)):
+            fi, fo = self.layers[i]
+            dw = self._mm(("wgrad", i, rows), delta, hs[i].T, c=self.zero_cols[fo])
+            db = delta.sum(axis=1, dtype=cp.float32)
+            if i > 0:  # the input gradient uses this layer's weights before the update below
+                g = self._mm(("dgrad", i, rows), self.w16[i].T, delta, c=self.zero_cols[fi])
+                stored = dacts[i - 1] if self.store_dact else hs[i]
+                delta = cp.empty((fi, rows), dtype=cp.float16)
+                self._launch("ew_backward", (math.ceil(g.size / 256),), (256,),
+                             (g, stored, np.int64(g.size), delta))
+            on_layer(i, dw, db)
+        return loss
+
+    def _optimize(self, i: int, mode: int, dw, db, lr_t: float) -> None:
+        w, b = self.w[i], self.b[i]
+        s1w, s1b = self.slot_w[0][i], self.slot_b[0][i]
+        s2w, s2b = self.slot_w[-1][i], self.slot_b[-1][i]
+        total = w.size + b.size
+        self._launch("ew_optimize", (math.ceil(total / 256),), (256,),
+                     (np.int32(mode), np.int32(w.size), np.int32(b.size), w, b,
+                      w if dw is None else dw, b if db is None else db, s1w, s1b, s2w, s2b,
+                      self.w16[i], self.b16[i], np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale)))
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        dx, dy, rows = self._prepare_batch(x, y)
+        opt = self.spec.optimizer
+        losses = self.cp.zeros(steps, dtype=self.cp.float64)
+        for s in range(steps):
+            step = self.step_count + 1
+            lr_t = opt.learning_rate * math.sqrt(1 - opt.beta2 ** step) / (1 - opt.beta1 ** step) \
+                if opt.otype == "Adam" else opt.learning_rate
+            losses[s] = self._grads(dx, dy, rows, lambda i, dw, db: self._optimize(i, 0, dw, db, lr_t))
+            self.step_count = step
+        return (self.download(losses) / (rows * self.spec.n_output_dims)).astype(np.float32)
+
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        dx, dy, rows = self._prepare_batch(x, y)
+        grads: dict[str, np.ndarray] = {}
+
+        def keep(i: int, dw, db) -> None:
+            grads[f"W{i}"] = self.download(dw) / np.float32(self.spec.loss_scale)
+            grads[f"b{i}"] = self.download(db) / np.float32(self.spec.loss_scale)
+
+        loss = self._grads(dx, dy, rows, keep)
+        value = float(self.download(loss)) / (rows * self.spec.n_output_dims)
+        return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def get_params(self) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self.download(self.w[i])
+            out[f"b{i}"] = self.download(self.b[i])
+        return out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        try:
+            for i in range(self.n_layers):
+                self.w[i][...] = self.cp.asarray(params[f"W{i}"])
+                self.b[i][...] = self.cp.asarray(params[f"b{i}"])
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading parameters failed: {exc}") from exc
+        for i in range(self.n_layers):
+            self._optimize(i, 2, None, None, 0.0)
+
+    def _slot_names(self) -> tuple[str, ...]:
+        return ("m", "v") if self.spec.optimizer.otype == "Adam" else ("velocity",)
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {}
+        for j, slot in enumerate(self._slot_names()):
+            for i in range(self.n_layers):
+                state[f"{slot}.W{i}"] = self.download(self.slot_w[j][i])
+                state[f"{slot}.b{i}"] = self.download(self.slot_b[j][i])
+        state["step"] = np.array([self.step_count], dtype=np.int64)
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        for name in optimizer_state_names(self.spec):
+            slot, param = name.split(".", 1)
+            j = self._slot_names().index(slot)
+            i = int(param[1:])
+            target = self.slot_w[j][i] if param[0] == "W" else self.slot_b[j][i]
+            if name not in state or np.shape(state[name]) != target.shape:
+                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
+            target[...] = self.cp.asarray(np.asarray(state[name], dtype=np.float32))
+        if "step" not in state:
+            raise InvalidInput("optimizer state lacks 'step'")
+        self.step_count = int(np.asarray(state["step"]).reshape(-1)[0])
+
+    def device_bytes(self) -> int:
+        arrays = [*self.w, *self.b, *self.w16, *self.b16]
+        for slots in (*self.slot_w, *self.slot_b):
+            arrays += slots
+        return int(sum(a.nbytes for a in arrays))
+
+    def close(self) -> None:
+        for mm in self._plans.values():
+            try:
+                mm.free()
+            except Exception:  # freeing is best effort at teardown
+                pass
+        self._plans.clear()
+        for name in ("w", "b", "w16", "b16", "slot_w", "slot_b", "zero_cols"):
+            if hasattr(self, name):
+                delattr(self, name)
 
 
 # -- the backend ---------------------------------------------------------------------------------
@@ -692,4 +951,4 @@ class CudaBackend(Backend):
         return CublasLtModel(spec, cp, info, cache)
 
 
-__all__ = ["CudaBackend", "CudaMmaModel", "MmaPlan", "VARIANTS", "nvrtc_compile", "b_image_index"]
+__all__ = ["CudaBackend", "CudaMmaModel", "CublasLtModel", "MmaPlan", "VARIANTS", "nvrtc_compile", "b_image_index"]

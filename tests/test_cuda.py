@@ -290,3 +290,42 @@ def test_compile_error_names_the_model_and_shows_the_log(backend, tmp_path, monk
         backend.compile(bench_spec("S"), variant="mma", cache=KernelCache(tmp_path))
     text = str(info.value)
     assert "model" in text and "error" in text.lower() and "this is not CUDA" in text
+
+
+# -- the cublaslt variant (nvmath-python): ReLU through the RELU_BIAS epilog, other activations
+# through fp32 accumulators and the element-wise kernels
+LT_CASES = [("W", "ReLU"), ("M", "Tanh"), ("S", "Sine")]
+
+
+@pytest.fixture(scope="module")
+def lt_backend(backend):
+    rows = {r.variant: r for r in backend.probe()}
+    if not rows["cublaslt"].available:
+        pytest.skip(f"the cuda cublaslt variant is unavailable here: {rows['cublaslt'].reason}")
+    return backend
+
+
+@pytest.mark.parametrize(("name", "activation"), LT_CASES)
+def test_cublaslt_forward_and_gradients(lt_backend, cache, name, activation):
+    rng = np.random.default_rng(hash((name, activation, "lt")) % 2**32)
+    spec = bench_spec(name, activation=activation)
+    model, oracle = make_pair(lt_backend, cache, spec, rng, variant="cublaslt")
+    assert model.variant == "cublaslt"
+    for batch in (1, 7, 1000, 65_537):
+        x = inputs(rng, batch, spec)
+        err = rel_err(model.forward(x), oracle.forward(x))
+        assert err <= FWD_TOL, f"cublaslt {name}/{activation}/batch {batch}: forward rel. err {err:.2e}"
+    x = inputs(rng, 1000, spec)
+    y = rng.standard_normal((1000, spec.n_output_dims), dtype=np.float32)
+    check_grads(model, oracle, x, y, f"cublaslt {name}/{activation}")
+
+
+def test_cublaslt_follows_the_oracle_for_200_steps(lt_backend, cache):
+    rng = np.random.default_rng(21)
+    spec = bench_spec("S", activation="SiLU")
+    model, oracle = make_pair(lt_backend, cache, spec, rng, variant="cublaslt")
+    x = inputs(rng, 512, spec)
+    y = np.tanh(x @ (rng.standard_normal((spec.n_input_dims, spec.n_output_dims)) / 6)).astype(np.float32)
+    losses, ref = model.train_step(x, y, steps=200), oracle.train_step(x, y, steps=200)
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+    assert abs(losses[-1] - ref[-1]) <= 0.05 * ref[-1], f"final loss {losses[-1]} vs oracle {ref[-1]}"

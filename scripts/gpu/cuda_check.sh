@@ -53,7 +53,11 @@ PY
       rm -rf "$OUT/nvm" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --repeats 30 > "$OUT/bench.log" 2>&1
-      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY"
+      # the cuBLASLt variant on the wide model and on M, same rules (its own peers and ceilings)
+      mkdir -p /tmp/lt; timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out /tmp/lt --models W,M \
+        --variant cublaslt --repeats 20 > "$OUT/bench_cublaslt.log" 2>&1
+      echo "bench cublaslt rc=$?" | tee -a "$SUMMARY"; tail -n 5 "$OUT/bench_cublaslt.log" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "================ summary"; cat "$SUMMARY"
