@@ -683,9 +683,12 @@ class CublasLtModel(CompiledModel):
 
     def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None):
         """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed)."""
+        kind, layer, rows = key
         try:
             mm = self._plans.get(key)
             if mm is None:
+                if any(k[2] != rows for k in self._plans):  # plans of one batch size at a time
+                    self._free_plans()
                 mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0)
                 mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
                 self._plans[key] = mm
@@ -693,9 +696,20 @@ class CublasLtModel(CompiledModel):
                 mm.reset_operands(a=a, b=b, c=c, epilog_inputs=epilog_inputs)
             result = mm.execute()
         except _device_errors(self.cp) as exc:
-            raise LaunchError(f"cuBLASLt matmul {key[0]} of layer {key[1]} failed: {exc}") from exc
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) failed: {exc}") from exc
+        except Exception as exc:  # nvmath reports unsupported shapes, types or epilogs as ValueError & co.
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) was refused by "
+                              f"nvmath-python: {type(exc).__name__}: {exc}") from exc
         out = result[0] if isinstance(result, tuple) else result
         return self.cp.ascontiguousarray(out)  # the element-wise kernels index [features][rows]
+
+    def _free_plans(self) -> None:
+        for mm in self._plans.values():
+            try:
+                mm.free()
+            except Exception:  # freeing is best effort; the plan is dropped either way
+                pass
+        self._plans.clear()
 
     def _input_t(self, dx, rows: int):
         cp = self.cp
@@ -856,12 +870,7 @@ class CublasLtModel(CompiledModel):
         return int(sum(a.nbytes for a in arrays))
 
     def close(self) -> None:
-        for mm in self._plans.values():
-            try:
-                mm.free()
-            except Exception:  # freeing is best effort at teardown
-                pass
-        self._plans.clear()
+        self._free_plans()
         for name in ("w", "b", "w16", "b16", "slot_w", "slot_b", "zero_cols"):
             if hasattr(self, name):
                 delattr(self, name)

@@ -108,6 +108,10 @@ MODEL_CASES = [("S", "None"), ("M", "ReLU"), ("L", "LeakyReLU"), ("S", "Sigmoid"
                ("M", "Sine"), ("S", "ReLU"), ("L", "ReLU"), ("W", "ReLU")]
 
 
+def test_the_case_list_covers_every_activation():
+    assert {a for _, a in MODEL_CASES} == set(ACTIVATIONS)
+
+
 def inputs(rng, rows, spec):
     x = rng.standard_normal((rows, spec.n_input_dims), dtype=np.float32)
     return x * np.float32(0.5) if spec.activation == "Exponential" else x
