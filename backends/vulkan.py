@@ -43,7 +43,7 @@ from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 
 VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes)
-PIPELINE_INTERFACE = {"forward": (5, 20), "backward": (5, 32), "wgrad": (4, 20), "optimizer": (8, 20),
+PIPELINE_INTERFACE = {"forward": (5, 20), "backward": (5, 32), "wgrad": (4, 20), "optimizer": (9, 20),
                       "finalize": (2, 16)}
 ROW_ALIGN = 128
 HIST_CAP = 1024
@@ -83,6 +83,7 @@ class Geometry:
     coopmat: tuple[int, int, int] | None = None
     nacc: int = 0  # coopmat: accumulator blocks per subgroup
     subgroups: int = 0
+    micro_rows: int = 4  # simt: rows of an invocation's register tile
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
@@ -102,28 +103,27 @@ class Geometry:
             rows = 128
             while rows > 16:
                 blocks = (rows // m_cm) * (kmax // n_cm)
-                act_bytes = 4 * rows * kmax + threads * 4
-                if math.ceil(blocks / subgroups) <= 8 and act_bytes + 32 * kmax <= max_shared:
+                if math.ceil(blocks / subgroups) <= 8 and 4 * rows * kmax + threads * 4 <= max_shared:
                     break
                 rows //= 2
-            act_bytes = 4 * rows * kmax + threads * 4
-            wchunk = min(8192, (max_shared - act_bytes) // 2 // 16 * 16)
-            if wchunk < 16 * kmax:
+            if 4 * rows * kmax + threads * 4 > max_shared:
                 raise too_wide
             nacc = math.ceil((rows // m_cm) * (kmax // n_cm) / subgroups)
-            return cls(spec, threads, rows, kmax, 0, wchunk, in_pad, out_pad, k, n, coopmat, nacc, subgroups)
+            # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
+            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, subgroups)
         act_elems = 4096 if max_shared >= 48 * 1024 else 2048
-        threads = act_elems // 16
+        micro_rows = 8 if max_shared >= 48 * 1024 else 4  # register tile rows (MR)
+        threads = act_elems // (4 * micro_rows)
         rows = 128
-        while rows > 4 and rows * kmax > act_elems:
+        while rows > micro_rows and rows * kmax > act_elems:
             rows //= 2
         act_bytes = 2 * rows * kmax * 4 + threads * 4
         wchunk = min(4096, (max_shared - act_bytes) // 4 // 4 * 4)
         # the weight chunk must hold at least 4 rows of the widest operand
         if wchunk < 4 * kmax:
             raise too_wide
-        mtpt = math.ceil((rows // 4) * (kmax // 4) / threads)
-        return cls(spec, threads, rows, kmax, mtpt, wchunk, in_pad, out_pad, k, n)
+        mtpt = math.ceil((rows // micro_rows) * (kmax // 4) / threads)
+        return cls(spec, threads, rows, kmax, mtpt, wchunk, in_pad, out_pad, k, n, micro_rows=micro_rows)
 
     @property
     def n_layers(self) -> int:
@@ -189,10 +189,11 @@ class Geometry:
                  f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]
         if self.coopmat:
             m_cm, n_cm, k_cm = self.coopmat
-            lines += [f"#define NACC {self.nacc}", f"#define WCHUNK {self.wchunk}",
+            lines += [f"#define NACC {self.nacc}",
                       f"#define CM_M {m_cm}", f"#define CM_N {n_cm}", f"#define CM_K {k_cm}"]
         else:
-            lines += [f"#define MTPT {self.mtpt}", f"#define WCHUNK4 {self.wchunk // 4}"]
+            lines += [f"#define MTPT {self.mtpt}", f"#define MR {self.micro_rows}",
+                      f"#define WCHUNK4 {self.wchunk // 4}"]
         arrays = {"LAYER_K": self.k, "LAYER_N": self.n,
                   "KC_FWD": [self.chunk_rows(ni) for ni in self.n],
                   "KC_BWD": [self.chunk_rows(ki) for ki in self.k]}
@@ -205,10 +206,11 @@ class Geometry:
         return "\n".join(lines) + "\n"
 
 
-def specialization(spec: MLPSpec) -> dict[int, int | float]:
+def specialization(spec: MLPSpec, hardware_rounding: bool) -> dict[int, int | float]:
     """Specialization constants (ids of ``mlp_common.glsl`` and ``optimizer.comp``)."""
     opt = spec.optimizer
-    return {3: float(spec.loss_scale), 5: 1 if spec.precision != "fp32" else 0,
+    rounding = 0 if spec.precision == "fp32" else (2 if hardware_rounding else 1)
+    return {3: float(spec.loss_scale), 5: rounding,
             6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
             9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
 
@@ -268,6 +270,8 @@ class VulkanModel(CompiledModel):
             geo = geometry
             self.n_params = geo.n_params
             self._wall = self._alloc(geo.weight_floats * 4)
+            # the coopmat kernels read an fp16 copy of the (already fp16-rounded) weights
+            self._wall16 = self._alloc(geo.weight_floats * 2) if variant == "coopmat" else None
             self._bias = self._alloc(BIAS_ROWS * geo.bias_floats * 4)
             self._master = self._alloc(self.n_params * 4)
             self._slot_a = self._alloc(self.n_params * 4)
@@ -279,6 +283,7 @@ class VulkanModel(CompiledModel):
             self._ctrl.write(np.zeros(4, np.uint32))
             self._batch: dict[str, vr.Buffer] = {}
             self._unused = self._alloc(16)  # bound where a kernel's buffer is not used (inference Z)
+            self._mma_weights = self._wall16 if self._wall16 is not None else self._wall
             self.set_params(init_params(spec))
         except BaseException:
             self.close()
@@ -401,7 +406,7 @@ class VulkanModel(CompiledModel):
             grid = self._grid(tiles)
             push = np.array([rows_pad, grid[0], 0, *self._acts], np.uint32).tobytes()
             program = vr.Program(self.device, [vr.Dispatch(
-                self._pipelines["forward"], [x_buf, self._wall, self._bias, out_buf, z_buf], push, grid)])
+                self._pipelines["forward"], [x_buf, self._mma_weights, self._bias, out_buf, z_buf], push, grid)])
             self._programs[key] = program
         return program
 
@@ -422,9 +427,9 @@ class VulkanModel(CompiledModel):
         loss_push = u32(rows_pad, grid[0], n_rows, self.spec.n_output_dims, hidden, output,
                         LOSSES.index(self.spec.loss)) + np.float32(self.spec.huber_delta).tobytes()
         dispatches = [
-            vr.Dispatch(p["forward"], [x_buf, self._wall, self._bias, b["out"], b["z"]],
+            vr.Dispatch(p["forward"], [x_buf, self._mma_weights, self._bias, b["out"], b["z"]],
                         u32(rows_pad, grid[0], 1, hidden, output), grid),
-            vr.Dispatch(p["backward"], [y_buf, self._wall, b["z"], b["d"], b["loss"]], loss_push, grid),
+            vr.Dispatch(p["backward"], [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]], loss_push, grid),
         ]
         for layer in range(geo.n_layers):
             wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
@@ -435,7 +440,7 @@ class VulkanModel(CompiledModel):
         groups = math.ceil(self.n_params / 256)
         dispatches.append(vr.Dispatch(
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
-                             self._grad, self._ctrl],
+                             self._grad, self._ctrl, self._wall16 if self._wall16 is not None else self._unused],
             u32(self.n_params, splits, geo.grad_floats, int(update), groups), (groups, 1, 1)))
         program = vr.Program(self.device, dispatches)
         self._programs[key] = program
@@ -573,6 +578,8 @@ class VulkanModel(CompiledModel):
             self._check_open()
             self._master.write(self._flatten(params))
             self._wall.write(wall)
+            if self._wall16 is not None:
+                self._wall16.write(wall.astype(np.float16))
             self._bias.write(np.tile(bias, BIAS_ROWS))
 
     def get_optimizer_state(self) -> dict[str, np.ndarray]:
@@ -681,8 +688,9 @@ class VulkanBackend(Backend):
         elif not usable:
             reason = ("no fp16*fp16+fp32 subgroup shape among " + ", ".join(map(str, shapes))
                       + " matches a kernel family (" + ", ".join("x".join(map(str, f)) for f in COOPMAT_FAMILIES) + ")")
-        elif not (dev.shader_float16 and dev.vulkan_memory_model):
-            reason = f"{dev.name} lacks shaderFloat16 or vulkanMemoryModel, which the coopmat kernels need"
+        elif not (dev.shader_float16 and dev.vulkan_memory_model and dev.storage_16bit):
+            reason = (f"{dev.name} lacks shaderFloat16, storageBuffer16BitAccess or vulkanMemoryModel, "
+                      "which the coopmat kernels need")
         else:
             reason = compiler_error
         coop_details = dict(details)
@@ -719,7 +727,7 @@ class VulkanBackend(Backend):
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant)
-        consts = specialization(spec)
+        consts = specialization(spec, hardware_rounding=not device.info.software)
         pipelines = {}
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)

@@ -41,14 +41,26 @@ def test_coopmat_kernels_compile_and_validate(tools, family, model):
     devices = [(49152, 32)] + ([(65536, 64), (32768, 16)] if model == "M" else [])
     for max_shared, subgroup in devices:
         geometry = vulkan.Geometry.build(spec, max_shared, family, subgroup)
-        shared = 4 * geometry.rows_per_tile * geometry.kmax + 2 * geometry.wchunk + 4 * geometry.threads
+        shared = 4 * geometry.rows_per_tile * geometry.kmax + 4 * geometry.threads
         assert shared <= max_shared
         assert geometry.rows_per_tile % family[0] == 0
         sources = vulkan.kernel_sources(spec, geometry, "coopmat")
-        for name in ("forward", "backward", "wgrad"):  # the others are the simt ones, built in test_vulkan
+        # finalize is the simt one, built in test_vulkan; the optimizer also writes the fp16 copy here
+        for name in ("forward", "backward", "wgrad", "optimizer"):
             spirv = glsl.compile_glsl(glsl.expand_includes(sources[name]), f"coopmat {name}")  # runs spirv-val
             assert spirv[:4] == b"\x03\x02\x23\x07", "not a SPIR-V module"
-            assert b"SPV_KHR_cooperative_matrix" in spirv, name
+            if name != "optimizer":
+                assert b"SPV_KHR_cooperative_matrix" in spirv, name
+
+
+@pytest.mark.parametrize("model", list(GEOMETRIES))
+def test_simt_kernels_for_gpu_limits_compile(tools, model):
+    """lavapipe runs the 32 KiB geometry; this builds the 48 KiB one (8-row register tiles) too."""
+    spec = GEOMETRIES[model]
+    geometry = vulkan.Geometry.build(spec, 49152)
+    assert geometry.micro_rows == 8 and geometry.rows_per_tile % 8 == 0
+    for name, source in vulkan.kernel_sources(spec, geometry, "simt").items():
+        glsl.compile_glsl(glsl.expand_includes(source), f"simt {name}")
 
 
 def test_shape_selection_follows_the_probed_list():

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   scripts/gpu/cuda_check.sh [phase ...]    phases: env tests sass nvmath bench (default: all)
+#   scripts/gpu/cuda_check.sh [phase ...]    phases: env tests sass nvmath serve bench (default: all)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python);
 # logs go under $OUT (or /tmp/out), the short summary is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-PHASES=${*:-"env tests sass nvmath bench"}
+PHASES=${*:-"env sass serve bench tests"}
 export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
 
 # the repo is not installed there: map the namespaced import names (mmad.backends -> backends/)
@@ -51,6 +51,8 @@ PY
     nvmath)
       python3 -m mmad.bench.cuda_bench --out "$OUT/nvm" --nvmath-check --no-bench 2>&1 | tee "$OUT/nvmath.log" | tail -n 12 | tee -a "$SUMMARY"
       rm -rf "$OUT/nvm" ;;
+    serve)
+      timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve --serve-check --no-bench 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --repeats 30 > "$OUT/bench.log" 2>&1
       echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY"

@@ -17,8 +17,8 @@ export PYTHONPATH=/tmp/site:$PWD/.devsrc
 export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
 export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py \
-    --durations=10 -o addopts="" >"$OUT/pytest.log" 2>&1
+python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py \
+    --durations=10 >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >>"$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 python3 scripts/gpu/vulkan_bench.py --json "$OUT/vulkan_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 14

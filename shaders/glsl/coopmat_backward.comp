@@ -7,11 +7,12 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
 layout(std430, binding = 0) readonly buffer TargetBuf { float Y[]; };
-layout(std430, binding = 1) readonly buffer WeightBuf { float WALL[]; };
+layout(std430, binding = 1) readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
 layout(std430, binding = 2) readonly buffer ZBuf { float Z[]; };
 layout(std430, binding = 3) writeonly buffer DBuf { float D[]; };
 layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
@@ -67,7 +68,7 @@ void main() {
     for (int l = L; l >= 1; --l) {
         int inner = LAYER_N[l], outer = LAYER_K[l];
         for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
-        tile_mma(cur, inner, outer, uint(WR_OFF[l]), KC_BWD[l], acc);
+        tile_mma(cur, inner, outer, uint(WR_OFF[l]), acc);
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
         for (int i = 0; i < NACC; ++i) {
             ivec2 blk = block_of(i, outer);

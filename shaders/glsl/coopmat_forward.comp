@@ -8,11 +8,12 @@
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
 layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
-layout(std430, binding = 1) readonly buffer WeightBuf { float WALL[]; };
+layout(std430, binding = 1) readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
 layout(std430, binding = 2) readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
 layout(std430, binding = 3) writeonly buffer OutBuf { float OUT[]; };
 layout(std430, binding = 4) writeonly buffer ZBuf { float Z[]; };
@@ -38,7 +39,7 @@ void main() {
             if (blk.x < 0) break;
             coopMatLoad(acc[i], BIAS, uint(B_OFF[l] + blk.y * CM_N), uint(Z_COLS), gl_CooperativeMatrixLayoutRowMajor);
         }
-        tile_mma(cur, kin, nout, uint(WT_OFF[l]), KC_FWD[l], acc);
+        tile_mma(cur, kin, nout, uint(WT_OFF[l]), acc);
         bool last = l == N_LAYERS - 1;
         uint zbase = uint(Z_COL[l]) * pc.rows_pad;
         for (int i = 0; i < NACC; ++i) {

@@ -20,10 +20,12 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 #define ACT_SINE 9
 
 // Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage.
-// Done with integer arithmetic so the result is the same on every driver (packHalf2x16's
-// rounding mode is implementation-defined).
+// ROUND_FP16 = 1: integer arithmetic, the same on every driver (packHalf2x16's rounding mode
+// is implementation-defined) - used on software devices; 2: the hardware conversion
+// (one instruction on GPUs, round-to-nearest-even on NVIDIA); 0: no rounding (precision fp32).
 float r16(float x) {
     if (ROUND_FP16 == 0) return x;
+    if (ROUND_FP16 == 2) return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x;
     uint u = floatBitsToUint(x);
     uint sign_bit = u & 0x80000000u;
     uint a = u & 0x7fffffffu;

@@ -2,6 +2,10 @@
 // One invocation per (unpadded) parameter: sums the gradient splits in a fixed order, divides
 // by the loss scale, and either stores the gradient (mode 0) or applies Adam/SGD to the fp32
 // master (mode 1), refreshing the fp16-rounded copies the kernels read (both layouts).
+#ifdef CM_M
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#endif
 layout(local_size_x = 256) in;
 #include "mlp_common.glsl"
 
@@ -21,6 +25,9 @@ layout(std430, binding = 4) buffer WeightBuf { float WALL[]; };
 layout(std430, binding = 5) buffer BiasBuf { float BIAS[]; };
 layout(std430, binding = 6) writeonly buffer GradBuf { float GRAD[]; };
 layout(std430, binding = 7) readonly buffer Control { uint step; uint base; uint pad0; uint pad1; float hist[]; } ctrl;
+#ifdef CM_M
+layout(std430, binding = 8) buffer Weight16Buf { float16_t WALL16[]; };  // the coopmat kernels' copy
+#endif
 layout(push_constant) uniform Push { uint n_params; uint splits; uint gsize; uint mode; uint groups_x; } pc;
 
 void main() {
@@ -67,7 +74,12 @@ void main() {
     if (is_bias) {
         for (int r = 0; r < BIAS_ROWS; ++r) BIAS[r * Z_COLS + B_OFF[l] + n] = w;
     } else {
-        WALL[WT_OFF[l] + k * LAYER_N[l] + n] = r16(w);
-        WALL[WR_OFF[l] + n * LAYER_K[l] + k] = r16(w);
+        float w16 = r16(w);
+        WALL[WT_OFF[l] + k * LAYER_N[l] + n] = w16;
+        WALL[WR_OFF[l] + n * LAYER_K[l] + k] = w16;
+#ifdef CM_M
+        WALL16[WT_OFF[l] + k * LAYER_N[l] + n] = float16_t(w16);
+        WALL16[WR_OFF[l] + n * LAYER_K[l] + k] = float16_t(w16);
+#endif
     }
 }

@@ -66,7 +66,7 @@ void main() {
     uint dlast = uint(Z_COL[L]) * pc.rows_pad / 4u;
     for (uint i = tid; i < uint(R * OUT_PAD / 4); i += uint(THREADS))
         D4[dlast + row0 * uint(OUT_PAD / 4) + i] = ACT4[cur / 4u + i];
-    vec4 acc[MTPT * 4];
+    vec4 acc[MTPT * MR];
     for (int l = L; l >= 1; --l) {
         // delta_{l-1} = (delta_l . W_l) * act'(z_{l-1}); W_l stored (N_l x K_l) is the (inner x outer) operand
         int inner = LAYER_N[l], outer = LAYER_K[l];
@@ -75,12 +75,12 @@ void main() {
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad / 4u;
         for (int j = 0; j < MTPT; ++j) {
             int mt = int(tid) + j * THREADS;
-            if (mt >= (R / 4) * ncols4) break;
+            if (mt >= (R / MR) * ncols4) break;
             int rt = mt / ncols4, ct = mt - rt * ncols4;
-            for (int r = 0; r < 4; ++r) {
-                uint row = uint(rt * 4 + r);
+            for (int r = 0; r < MR; ++r) {
+                uint row = uint(rt * MR + r);
                 uint at = zbase + (row0 + row) * uint(ncols4) + uint(ct);
-                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * 4 + r] * activation_grad4(pc.hidden_act, Z4[at])) : vec4(0.0);
+                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * MR + r] * activation_grad4(pc.hidden_act, Z4[at])) : vec4(0.0);
                 D4[at] = d;
                 ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = d;
             }

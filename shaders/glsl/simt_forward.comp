@@ -22,7 +22,7 @@ void main() {
     for (uint i = tid; i < uint(R * IN_PAD / 4); i += uint(THREADS))
         ACT4[i] = r16(X4[row0 * uint(IN_PAD) / 4u + i]);
     uint cur = 0u, nxt = uint(R * KMAX);
-    vec4 acc[MTPT * 4];
+    vec4 acc[MTPT * MR];
     for (int l = 0; l < N_LAYERS; ++l) {
         int kin = LAYER_K[l], nout = LAYER_N[l];
         tile_product(cur, kin, nout, uint(WT_OFF[l]), KC_FWD[l], acc);
@@ -31,12 +31,12 @@ void main() {
         uint zbase = uint(Z_COL[l]) * pc.rows_pad / 4u;
         for (int j = 0; j < MTPT; ++j) {
             int mt = int(tid) + j * THREADS;
-            if (mt >= (R / 4) * ncols4) break;
+            if (mt >= (R / MR) * ncols4) break;
             int rt = mt / ncols4, ct = mt - rt * ncols4;
             vec4 bias = BIAS4[B_OFF[l] / 4 + ct];
-            for (int r = 0; r < 4; ++r) {
-                uint row = uint(rt * 4 + r);
-                vec4 z = acc[j * 4 + r] + bias;
+            for (int r = 0; r < MR; ++r) {
+                uint row = uint(rt * MR + r);
+                vec4 z = acc[j * MR + r] + bias;
                 if (pc.store_z != 0u) Z4[zbase + (row0 + row) * uint(ncols4) + uint(ct)] = z;
                 if (last) OUT4[(row0 + row) * uint(OUT_PAD / 4) + uint(ct)] = activate4(pc.output_act, z);
                 else ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = r16(activate4(pc.hidden_act, z));
