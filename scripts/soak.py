@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -108,6 +109,22 @@ def serve_main(argv: list[str]) -> int:
                     "unheld_open": sorted(f"{type(m).__name__}:{m.spec.n_input_dims}->{m.spec.n_output_dims}"
                                           for k, m in current.items() if k not in held),
                     "compiled_total": counts.get("compiled", 0), "closed_total": counts.get("closed", 0)}
+
+        if os.environ.get("MMAD_SOAK_TRACEMALLOC"):  # diagnosis only: where does memory grow?
+            import tracemalloc
+
+            tracemalloc.start(8)
+            baseline = {}
+
+            @app.get("/soak/memory", include_in_schema=False)
+            async def memory_growth(reset: bool = False):
+                snapshot = tracemalloc.take_snapshot()
+                if reset or "snap" not in baseline:
+                    baseline["snap"] = snapshot
+                    return {"reset": True}
+                top = snapshot.compare_to(baseline["snap"], "traceback")[:15]
+                return {"top": [{"size_diff": t.size_diff, "count_diff": t.count_diff,
+                                 "where": [str(f) for f in t.traceback.format()[-6:]]} for t in top]}
 
         return app
 
@@ -296,12 +313,15 @@ class Soak:
         return [threading.Thread(target=t, args=a, name=t.__name__, daemon=True) for t, a in targets]
 
 
-def run(duration_s: float, seed: int = 0, workdir: Path | None = None, log=print) -> dict:
+def run(duration_s: float, seed: int = 0, workdir: Path | None = None, trace_memory: bool = False) -> dict:
+    """Run the soak; ``trace_memory`` (slow) adds the daemon's top tracemalloc growth sites."""
     import tempfile
 
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="mmad-soak-"))
     daemon = Daemon(root / "store", "--max-queue-requests", "64", log_path=root / "daemon.log")
     daemon.command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+    if trace_memory:
+        os.environ["MMAD_SOAK_TRACEMALLOC"] = "1"  # inherited by the daemon process
     report: dict = {"duration_s": duration_s, "failures": []}
     daemon.start()
     try:
@@ -313,8 +333,12 @@ def run(duration_s: float, seed: int = 0, workdir: Path | None = None, log=print
             w.start()
         rss: list[tuple[float, int]] = []
         device: list[int] = []
+        memory_baseline_taken = False
         with httpx.Client(base_url=daemon.url, timeout=30.0) as http:
             while time.monotonic() < soak.deadline:
+                if trace_memory and not memory_baseline_taken and time.monotonic() - t0 > duration_s * 0.25:
+                    http.get("/soak/memory", params={"reset": True})
+                    memory_baseline_taken = True
                 rss.append((time.monotonic() - t0, daemon.rss_bytes()))
                 if len(rss) % 4 == 0:
                     device.append(http.get("/soak/device").json()["device_bytes"])
@@ -322,6 +346,8 @@ def run(duration_s: float, seed: int = 0, workdir: Path | None = None, log=print
             soak.stop.set()
             for w in workers:
                 w.join(60)
+            if trace_memory:
+                report["memory_growth_top"] = http.get("/soak/memory").json()["top"]
             if any(w.is_alive() for w in workers):
                 report["failures"].append("a worker did not stop within 60 s")
             quiesced = http.get("/soak/device").json()
@@ -350,6 +376,9 @@ def run(duration_s: float, seed: int = 0, workdir: Path | None = None, log=print
             "infer_per_s": round(tally.ok["infer"] / elapsed, 1),
             "rss_warm_mib": round(rss_start / 2**20, 1), "rss_end_mib": round(rss_end / 2**20, 1),
             "rss_max_mib": round(max(b for _, b in rss) / 2**20, 1), "rss_growth": round(growth, 4),
+            "rss_mib_by_tenth": [round(float(np.median([b for t, b in rss if i * duration_s / 10 <= t
+                                                        < (i + 1) * duration_s / 10] or [0])) / 2**20, 1)
+                                 for i in range(10)],
             "device_bytes_max": max(device) if device else None,
             "device_after_load": quiesced, "device_after_unload": unloaded,
         })
@@ -377,8 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, help="store and daemon log here (default: a temporary directory)")
+    p.add_argument("--trace-memory", action="store_true",
+                   help="diagnosis: report where the daemon's memory grew (tracemalloc, slows it down)")
     args = p.parse_args(argv)
-    report = run(args.duration_s, args.seed, args.workdir)
+    report = run(args.duration_s, args.seed, args.workdir, args.trace_memory)
     print(json.dumps(report, indent=1))
     return 1 if report["failures"] else 0
 
