@@ -6,7 +6,8 @@ forward; autocast + fused Adam training step), and mmad's cuda models S/M/L/W at
 forward and one full training step (forward, L2 loss, backward, Adam), each the median of
 ``--repeats`` timed runs (CUDA events) after warm-up, on random data, after checking the output
 against the float64 cpu oracle on 4096 rows. Also ``--sass``: the instruction mix of the compiled
-cubins (cuobjdump), and ``--nvmath-check``: what nvmath-python's cuBLASLt epilogs do here.
+cubins (cuobjdump), ``--nvmath-check``: what nvmath-python's cuBLASLt epilogs do here, and
+``--serve-check``: the daemon on the cuda backend end to end (client -> HTTP -> kernels).
 """
 
 from __future__ import annotations
@@ -266,6 +267,75 @@ def nvmath_check() -> list[str]:
     return lines
 
 
+def serve_check(backend: str = "cuda") -> list[str]:
+    """The daemon on the cuda backend end to end: client -> HTTP -> kernels, checked on the way."""
+    import os
+    import socket
+    import tempfile
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "client"))
+    from mmad_client import Client
+
+    from mmad.backends.cpu import CpuBackend
+    from mmad.spec import MLPSpec
+
+    lines: list[str] = []
+    store = tempfile.mkdtemp(prefix="mmad-store-")
+    log = open(Path(store).parent / "mmad-serve.log", "wb")
+    with socket.socket() as probe_sock:
+        probe_sock.bind(("127.0.0.1", 0))
+        port = probe_sock.getsockname()[1]
+    env = {**os.environ, "MMAD_BACKEND": backend}
+    daemon = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(port),
+                               "--store", store, "--no-demo", "--log-level", "warning"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
+    try:
+        client = Client(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if client.health_ready():
+                    break
+            except Exception:  # not listening yet
+                pass
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                log.flush()
+                return [f"daemon did not become ready (exit {daemon.poll()}): "
+                        f"{(Path(store).parent / 'mmad-serve.log').read_text(errors='replace')[-1500:]}"]
+            time.sleep(0.2)
+        report = client.devices()
+        selected = report.get("selected", {})
+        lines.append(f"daemon selected {selected.get('backend')}:{selected.get('variant')} on {selected.get('device')}")
+        doc = bench_spec("M").to_json()
+        meta = client.create_model("m", doc)
+        lines.append(f"created model m on backend {meta.get('backend')}")
+        rng = np.random.default_rng(7)
+        spec = MLPSpec.from_json(doc)
+        x = rng.standard_normal((65_536, spec.n_input_dims), dtype=np.float32)
+        y = np.tanh(x[:, :spec.n_output_dims]).astype(np.float32)
+        out = np.asarray(client.infer("m", x), dtype=np.float64)
+        ref = CpuBackend("float64").compile(spec).forward(x)  # the daemon starts from init_params too
+        err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        lines.append(f"infer 65536 rows over HTTP (binary): rel. err vs float64 oracle {err:.2e}")
+        losses = np.asarray(client.train_step("m", x, y, steps=20))
+        lines.append(f"train_step x20 over HTTP: loss {losses[0]:.4f} -> {losses[-1]:.4f}, finite {bool(np.isfinite(losses).all())}")
+        after = np.asarray(client.infer("m", x[:1000]))
+        stats = client.stats("m")["model_stats"][0]
+        lines.append(f"infer after training: finite {bool(np.isfinite(after).all())}; "
+                     f"{stats['inference_count']} rows in {stats['execution_count']} executions")
+    except Exception as exc:  # reported, not hidden
+        lines.append(f"serve check failed: {type(exc).__name__}: {exc}")
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        log.close()
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
@@ -275,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", default=None, help="force a variant (default: the backend's choice per model)")
     p.add_argument("--sass", action="store_true")
     p.add_argument("--nvmath-check", action="store_true")
+    p.add_argument("--serve-check", action="store_true", help="the daemon on the cuda backend, end to end")
+    p.add_argument("--serve-backend", default="cuda", help="MMAD_BACKEND for --serve-check (cpu to try it anywhere)")
     p.add_argument("--no-bench", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -283,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvmath_check:
         lines = nvmath_check()
         report["nvmath_check"] = lines
+        print("\n".join(lines), flush=True)
+    if args.serve_check:
+        lines = serve_check(args.serve_backend)
+        report["serve_check"] = lines
         print("\n".join(lines), flush=True)
     if args.sass:
         report["sass"] = sass_mix(out)
