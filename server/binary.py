@@ -187,20 +187,30 @@ def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list
 
 
 def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoice, np.ndarray]]
-                          ) -> tuple[bytes, int | None]:
-    """(body, header length or None when the body is all JSON)."""
-    entries, blobs = [], []
+                          ) -> tuple[bytes | memoryview, int | None]:
+    """(body, header length or None when the body is all JSON).
+
+    Binary outputs are cast straight into one preallocated body buffer after the JSON header
+    (one pass over the data, no intermediate copies).
+    """
+    entries, binaries = [], []
     for choice, array in outputs:
-        array = np.ascontiguousarray(array, dtype=WIRE_DTYPES[choice.datatype])
+        dtype = WIRE_DTYPES[choice.datatype]
         entry: dict[str, Any] = {"name": choice.name, "datatype": choice.datatype, "shape": list(array.shape)}
         if choice.binary:
-            blob = array.tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
+            entry["parameters"] = {"binary_data_size": array.size * dtype.itemsize}
+            binaries.append((array, dtype))
         else:
-            entry["data"] = array.reshape(-1)
+            entry["data"] = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
         entries.append(entry)
     json_bytes = orjson.dumps({**header, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
-    if not blobs:
+    if not binaries:
         return json_bytes, None
-    return b"".join([json_bytes, *blobs]), len(json_bytes)
+    body = bytearray(len(json_bytes) + sum(a.size * d.itemsize for a, d in binaries))
+    body[:len(json_bytes)] = json_bytes
+    offset = len(json_bytes)
+    for array, dtype in binaries:
+        target = np.frombuffer(body, dtype=dtype, count=array.size, offset=offset).reshape(array.shape)
+        np.copyto(target, array, casting="same_kind")
+        offset += array.size * dtype.itemsize
+    return memoryview(body), len(json_bytes)

@@ -158,9 +158,21 @@ def require_key(request: Request) -> None:
         raise Forbidden("the API key is not valid")
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body (the middleware has already enforced the cap while it streamed in)."""
-    return await request.body()
+async def read_tensor_body(request: Request) -> bytes | bytearray:
+    """The body of a tensor request, streamed into one buffer of its Content-Length (no joins).
+
+    The middleware has already refused a Content-Length over the cap and counts what streams in.
+    """
+    length = request.headers.get("content-length", "")
+    if not length.isdigit():
+        return await request.body()
+    body, filled = bytearray(int(length)), 0
+    async for chunk in request.stream():
+        body[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+    if filled != len(body):
+        raise InvalidInput(f"the body has {filled} bytes but Content-Length says {len(body)}")
+    return body
 
 
 def json_body(data: bytes, what: str = "the request body") -> Any:

@@ -13,7 +13,9 @@ from mmad.errors import InvalidInput, MMADError, PayloadTooLarge, SpecError
 from mmad.server.binary import (
     InferRequest, encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
 )
-from mmad.server.common import Runtime, json_body, json_response, require_key, runtime, status_for
+from mmad.server.common import (
+    Runtime, json_body, json_response, read_tensor_body, require_key, runtime, status_for,
+)
 from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.spec import MLPSpec
@@ -87,7 +89,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
-    body = await request.body()
+    body = await read_tensor_body(request)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         body = await rt.registry.run(decompress, body, encoding, rt.settings.max_body_bytes)
