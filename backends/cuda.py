@@ -6,12 +6,14 @@ Variants (``probe()`` reports each, with the reason when it cannot run):
   capability 9.0 and that NVRTC accepts an sm_90a wgmma instruction; mmad's wgmma kernels are
   not written yet, so the row is unavailable with that reason.
 * ``mma`` — ``shaders/cuda/mlp_mma.cu``: mma.sync.m16n8k16 (fp16 in, fp32 accumulate), compute
-  capability 8.0 or newer, hidden widths 16-128. One kernel runs the whole forward pass with
+  capability 8.0 or newer, hidden widths 16-256 (the default for every model). One kernel runs the whole forward pass with
   activations chained in registers; a training step is one fused forward + loss + backward
   kernel (per-layer activations and gradients written once for the weight gradients), one
   weight-gradient kernel per layer (mma over fixed row chunks: deterministic), and one
   reduction + optimizer kernel per layer that also refreshes the packed fp16 weight images.
-* ``cublaslt`` — cuBLASLt through nvmath-python; see :mod:`mmad.backends.cuda_cublaslt`.
+* ``cublaslt`` — per-layer cuBLASLt matmuls with epilogs through nvmath-python's stateful
+  ``Matmul``, plus ``shaders/cuda/mlp_elementwise.cu`` (see :class:`CublasLtModel`); chosen
+  only when asked for by name.
 
 Kernels are specialised per model (widths, depth, activations, loss, optimizer constants as
 ``#define``s), compiled by NVRTC to a cubin and stored in the kernel cache (key: backend,
@@ -324,10 +326,6 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             if i > 0:
                 ob_img += n * k
         self._workspace: dict[int, dict[str, Any]] = {}
-
-    def _layer_views(self, i: int, arrays: list) -> list:
-        _, _, k, n = self.layers[i]
-        return [a[self.w_off[i]:self.w_off[i] + n * k] for a in arrays]
 
     def _workspace_for(self, rows_pad: int) -> dict[str, Any]:
         ws = self._workspace.get(rows_pad)
