@@ -2,7 +2,8 @@
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
 #   scripts/gpu/cuda_check.sh [phase ...]    phases: env tests sass nvmath serve bench (default: all)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python);
-# logs go under $OUT (or /tmp/out), the short summary is printed last.
+# logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
+# is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
 for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nvmath_python-*.whl \
-    > "$OUT/pip.log" 2>&1 || echo "nvmath wheel install failed (see pip.log)"
+    > /tmp/pip.log 2>&1 || { echo "nvmath wheel install failed:"; tail -n 5 /tmp/pip.log; }
 fi
 export PYTHONPATH=/tmp/site
 SUMMARY="$OUT/summary.txt"
@@ -40,7 +41,7 @@ for r in CudaBackend().probe(): print(r.variant, r.available, r.device, r.api_ve
       grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40 | tee -a "$SUMMARY"
       grep -cE " PASSED" "$OUT/pytest.log" | sed 's/^/passed: /' | tee -a "$SUMMARY" ;;
     sass)
-      python3 -m mmad.bench.cuda_bench --out "$OUT/sass" --sass --no-bench > "$OUT/sass.log" 2>&1
+      mkdir -p "$OUT/sass"; python3 -m mmad.bench.cuda_bench --out "$OUT/sass" --sass --no-bench > "$OUT/sass/sass.log" 2>&1
       python3 - "$OUT/sass/cuda_bench.json" <<'PY' | tee -a "$SUMMARY"
 import json, sys
 mix = json.load(open(sys.argv[1]))["sass"]
@@ -49,8 +50,7 @@ for model, counts in mix.items():
 PY
       rm -f "$OUT"/sass/*.sass.txt.gz; tar czf "$OUT/sass.tgz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;
     nvmath)
-      python3 -m mmad.bench.cuda_bench --out "$OUT/nvm" --nvmath-check --no-bench 2>&1 | tee "$OUT/nvmath.log" | tail -n 12 | tee -a "$SUMMARY"
-      rm -rf "$OUT/nvm" ;;
+      python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
       timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve --serve-check --no-bench 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
     bench)
