@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -21,8 +20,6 @@ from typing import Callable
 import numpy as np
 
 from mmad.errors import Overloaded
-
-log = logging.getLogger("mmad.server.batcher")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 from mmad.server.settings import Settings
 
-log = logging.getLogger("mmad.server")
 
 
 def build_parser() -> argparse.ArgumentParser:

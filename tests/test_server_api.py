@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import hashlib
-import math
 import threading
 import time
 
