@@ -290,3 +290,35 @@ def test_the_key_is_never_echoed(secured, captured_logs):
         assert API_KEY not in text and WRONG_KEY not in text, f"the API key leaked in a log: {text}"
     settings = app.state.runtime.settings
     assert API_KEY not in repr(settings) and API_KEY not in str(settings.model_dump())
+
+
+def test_daemon_process_never_logs_the_key(tmp_path):
+    """The real daemon at debug log level (access log on): the key appears in no output."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import httpx
+
+    bad = subprocess.run([sys.executable, "-m", "mmad.server.main", "--api-key", API_KEY, "--port", "99999"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "port" in bad.stderr
+    assert API_KEY not in bad.stdout + bad.stderr
+
+    spec = importlib.util.spec_from_file_location("fault_injection", REPO / "scripts" / "fault_injection.py")
+    fault_injection = importlib.util.module_from_spec(spec)
+    sys.modules["fault_injection"] = fault_injection
+    spec.loader.exec_module(fault_injection)
+    daemon = fault_injection.Daemon(tmp_path / "store", "--api-key", API_KEY, "--log-level", "debug", demo=True)
+    daemon.start()
+    try:
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as http:
+            assert http.post("/v2/models/demo/versions", headers=auth(WRONG_KEY)).status_code == 403
+            assert http.post("/v2/models/demo/versions", headers=auth()).status_code == 200
+            assert http.put("/v2/models/demo/weights", content=b"junk", headers=auth()).status_code == 400
+            assert http.get("/v2/models/demo/weights", params={"version": "../x"}).status_code == 400
+    finally:
+        daemon.stop()
+    log = daemon.log_tail(1 << 20)
+    assert "POST /v2/models/demo/versions" in log  # the access log was written
+    assert API_KEY not in log and WRONG_KEY not in log
