@@ -379,6 +379,10 @@ def test_repository_stats_devices_metrics(http):
         assert set(stats["inference_stats"][key]) == {"count", "ns"}
     assert stats["inference_stats"]["fail"]["count"] >= 1  # the refused requests above
     assert any(s["name"] == "demo" for s in http.get("/v2/models/stats").json()["model_stats"])
+    assert http.get("/v2/models/demo/versions/1/stats").json()["model_stats"][0]["version"] == "1"
+    assert http.get("/v2/models/demo/versions/9/stats").status_code == 404
+    assert all(m["state"] == "READY" for m in http.post("/v2/repository/index", json={"ready": True}).json())
+    assert http.post("/v2/repository/index", json=[1]).status_code == 400
 
     devices = http.get("/v2/devices").json()
     assert devices["selected"]["backend"] == "cpu" and devices["selected"]["available"]
