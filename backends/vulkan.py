@@ -206,11 +206,10 @@ class Geometry:
         return "\n".join(lines) + "\n"
 
 
-def specialization(spec: MLPSpec, hardware_rounding: bool) -> dict[int, int | float]:
+def specialization(spec: MLPSpec) -> dict[int, int | float]:
     """Specialization constants (ids of ``mlp_common.glsl`` and ``optimizer.comp``)."""
     opt = spec.optimizer
-    rounding = 0 if spec.precision == "fp32" else (2 if hardware_rounding else 1)
-    return {3: float(spec.loss_scale), 5: rounding,
+    return {3: float(spec.loss_scale), 5: 0 if spec.precision == "fp32" else 1,
             6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
             9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
 
@@ -727,7 +726,7 @@ class VulkanBackend(Backend):
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant)
-        consts = specialization(spec, hardware_rounding=not device.info.software)
+        consts = specialization(spec)
         pipelines = {}
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)

@@ -19,13 +19,12 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 #define ACT_EXP 8
 #define ACT_SINE 9
 
-// Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage.
-// ROUND_FP16 = 1: integer arithmetic, the same on every driver (packHalf2x16's rounding mode
-// is implementation-defined) - used on software devices; 2: the hardware conversion
-// (one instruction on GPUs, round-to-nearest-even on NVIDIA); 0: no rounding (precision fp32).
+// Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage
+// (ROUND_FP16 = 0: no rounding, precision fp32). Integer arithmetic, the same on every
+// driver: packHalf2x16's rounding mode is implementation-defined, and NVIDIA's compiler was
+// seen to drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
 float r16(float x) {
     if (ROUND_FP16 == 0) return x;
-    if (ROUND_FP16 == 2) return unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x;
     uint u = floatBitsToUint(x);
     uint sign_bit = u & 0x80000000u;
     uint a = u & 0x7fffffffu;
