@@ -373,11 +373,13 @@ def test_repository_stats_devices_metrics(http):
     assert decode_binary(binary_infer(http, "demo", np.ones((1, 2), np.float32)))[1].shape == (1, 3)
     assert http.post("/v2/repository/models/nosuch/load").status_code == 404
 
+    before = http.get("/v2/models/demo/stats").json()["model_stats"][0]["inference_stats"]["fail"]["count"]
+    assert binary_infer(http, "demo", np.full((1, 2), np.nan, np.float32)).status_code == 400
     stats = http.get("/v2/models/demo/stats").json()["model_stats"][0]
     assert stats["name"] == "demo" and stats["inference_count"] >= 1
     for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
         assert set(stats["inference_stats"][key]) == {"count", "ns"}
-    assert stats["inference_stats"]["fail"]["count"] >= 1  # the refused requests above
+    assert stats["inference_stats"]["fail"]["count"] == before + 1
     assert any(s["name"] == "demo" for s in http.get("/v2/models/stats").json()["model_stats"])
     assert http.get("/v2/models/demo/versions/1/stats").json()["model_stats"][0]["version"] == "1"
     assert http.get("/v2/models/demo/versions/9/stats").status_code == 404

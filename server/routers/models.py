@@ -148,8 +148,9 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
     rt.metrics.requests.labels(*labels, "infer").inc()
     t0 = time.perf_counter_ns()
     try:
+        entry = registry.get(model)
+        stats = entry.stats  # failures of a known model count in its statistics, not-ready included
         entry = registry.get_ready(model)
-        stats = entry.stats
         if version is not None:
             registry.check_version(model, version)
         parsed = await parse_tensors(rt, request)
