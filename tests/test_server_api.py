@@ -315,7 +315,10 @@ def test_training_job_with_sse_checkpoints_and_cancel(http):
     job = r.json()["job"]
     assert http.post("/v2/models/jobby/jobs", json={"dataset": dataset, "steps": 5, "batch_size": 8}).status_code == 409
     assert http.delete("/v2/models/jobby").status_code == 409
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while http.get(f"/v2/models/jobby/jobs/{job}").json()["step"] < 1:
+        assert time.monotonic() < deadline, "the job took no step"
+        time.sleep(0.02)
     assert http.delete(f"/v2/models/jobby/jobs/{job}").status_code == 200
     with http.stream("GET", f"/v2/models/jobby/jobs/{job}/events") as stream:
         events = read_events(stream)
@@ -324,7 +327,7 @@ def test_training_job_with_sse_checkpoints_and_cancel(http):
 
 
 def test_dynamic_batching_merges_and_splits(http):
-    create(http, "batchy", config={"max_queue_delay_us": 200_000, "max_batch_rows": 4096})
+    create(http, "batchy", config={"max_queue_delay_us": 500_000, "max_batch_rows": 4096})
     before = http.get("/v2/models/batchy/stats").json()["model_stats"][0]
     rng = np.random.default_rng(3)
     inputs = [rng.uniform(-1, 1, (rows, 5)).astype(np.float32) for rows in (1, 7, 16, 3, 30, 2, 9, 11)]
@@ -349,12 +352,15 @@ def test_dynamic_batching_merges_and_splits(http):
 
 
 def test_full_queue_is_503_with_retry_after(http):
-    create(http, "tiny-queue", config={"max_queue_delay_us": 1_500_000, "max_queue_requests": 1})
+    create(http, "tiny-queue", config={"max_queue_delay_us": 3_000_000, "max_queue_requests": 1})
     x = np.ones((1, 5), np.float32)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         first = pool.submit(lambda: binary_infer(httpx.Client(base_url=str(http.base_url), timeout=30),
                                                  "tiny-queue", x))
-        time.sleep(0.5)  # the first request now waits in the queue for its batch
+        deadline = time.monotonic() + 10
+        while http.get("/v2/models/tiny-queue").json()["queued_requests"] == 0:  # wait for it to queue
+            assert time.monotonic() < deadline, "the first request never reached the queue"
+            time.sleep(0.02)
         second = binary_infer(http, "tiny-queue", x)
         assert second.status_code == 503 and second.headers["Retry-After"] == "1"
         assert "queue" in second.json()["error"]
