@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Fused MLP backward with cooperative matrices, one tile of R rows per workgroup: the loss and
 // its gradient element-wise from the stored output pre-activations (as the SIMT kernel), then
 // delta_{l-1} = (delta_l . W_l) * act'(z_{l-1}) with fp16 operands and fp32 accumulators; the
@@ -67,10 +68,10 @@ void main() {
     ACC_T acc[NACC];
     for (int l = L; l >= 1; --l) {
         int inner = LAYER_N[l], outer = LAYER_K[l];
-        for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
+        [[unroll]] for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
         tile_mma(cur, inner, outer, uint(WR_OFF[l]), acc);
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
-        for (int i = 0; i < NACC; ++i) {
+        [[unroll]] for (int i = 0; i < NACC; ++i) {
             ivec2 blk = block_of(i, outer);
             if (blk.x < 0) break;
             uint at = zbase + (row0 + uint(blk.x * CM_M)) * uint(outer) + uint(blk.y * CM_N);

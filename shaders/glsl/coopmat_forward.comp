@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Fused MLP forward with cooperative matrices (GL_KHR_cooperative_matrix): every layer of one
 // tile of R rows in one workgroup; fp16 activations in shared memory, fp32 accumulators with
 // the bias folded in (loaded from the row-replicated bias block), activation applied
@@ -34,7 +35,7 @@ void main() {
     ACC_T acc[NACC];
     for (int l = 0; l < N_LAYERS; ++l) {
         int kin = LAYER_K[l], nout = LAYER_N[l];
-        for (int i = 0; i < NACC; ++i) {
+        [[unroll]] for (int i = 0; i < NACC; ++i) {
             ivec2 blk = block_of(i, nout);
             if (blk.x < 0) break;
             coopMatLoad(acc[i], BIAS, uint(B_OFF[l] + blk.y * CM_N), uint(Z_COLS), gl_CooperativeMatrixLayoutRowMajor);
@@ -42,7 +43,7 @@ void main() {
         tile_mma(cur, kin, nout, uint(WT_OFF[l]), acc);
         bool last = l == N_LAYERS - 1;
         uint zbase = uint(Z_COL[l]) * pc.rows_pad;
-        for (int i = 0; i < NACC; ++i) {
+        [[unroll]] for (int i = 0; i < NACC; ++i) {
             ivec2 blk = block_of(i, nout);
             if (blk.x < 0) break;
             uint row = row0 + uint(blk.x * CM_M);

@@ -25,7 +25,7 @@ void tile_mma(uint a_base, int kin, int nout, uint w_off, inout ACC_T acc[NACC])
     for (int kk = 0; kk < kin; kk += CM_K) {
         int last_rb = -1;
         A_T a;
-        for (int i = 0; i < NACC; ++i) {
+        [[unroll]] for (int i = 0; i < NACC; ++i) {
             ivec2 blk = block_of(i, nout);
             if (blk.x < 0) break;
             if (blk.x != last_rb) {

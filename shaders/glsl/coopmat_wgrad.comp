@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Weight and bias gradients of one layer over one split of the batch, with cooperative
 // matrices: PART[split] (N x K) = D^T (N x rows) . H (rows x K). A 64 x 64 output tile per
 // workgroup, its CM_M x CM_N blocks split among the subgroups; rows are staged 32 at a time in
@@ -36,7 +37,7 @@ void main() {
     uint dbase = uint(Z_COL[l]) * pc.rows_pad / 4u;
     uint zprev = l > 0 ? uint(Z_COL[max(l - 1, 0)]) * pc.rows_pad / 4u : 0u;
     coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator> acc[WACC];
-    for (int i = 0; i < WACC; ++i) acc[i] = coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>(0.0);
+    [[unroll]] for (int i = 0; i < WACC; ++i) acc[i] = coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>(0.0);
     float bias_acc = 0.0;
     for (uint r = r_begin; r < r_end; r += uint(RC)) {
         barrier();
@@ -59,7 +60,7 @@ void main() {
         if (gl_WorkGroupID.y == 0u && tid < uint(TILE))
             for (int rr = 0; rr < RC; ++rr) bias_acc += float(DS[rr * TILE + int(tid)]);
         for (int kk = 0; kk < RC; kk += CM_K) {
-            for (int i = 0; i < WACC; ++i) {
+            [[unroll]] for (int i = 0; i < WACC; ++i) {
                 int b = int(gl_SubgroupID) * WACC + i;
                 if (b >= WG_BLOCKS) break;
                 int nb = b / (TILE / CM_N), kb = b - nb * (TILE / CM_N);
@@ -73,7 +74,7 @@ void main() {
         }
     }
     uint base = split * pc.gsize;
-    for (int i = 0; i < WACC; ++i) {
+    [[unroll]] for (int i = 0; i < WACC; ++i) {
         int b = int(gl_SubgroupID) * WACC + i;
         if (b >= WG_BLOCKS) break;
         int nb = b / (TILE / CM_N), kb = b - nb * (TILE / CM_N);

@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Fused MLP backward (SIMT), one tile of R rows per workgroup: the loss and its gradient from
 // the stored output pre-activations, then the layer gradients (deltas, w.r.t. each layer's
 // pre-activation) through every layer, each rounded to fp16 and written for the weight-gradient
@@ -73,11 +74,11 @@ void main() {
         tile_product(cur, inner, outer, uint(WR_OFF[l]), KC_BWD[l], acc);
         int ncols4 = outer / 4;
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad / 4u;
-        for (int j = 0; j < MTPT; ++j) {
+        [[unroll]] for (int j = 0; j < MTPT; ++j) {
             int mt = int(tid) + j * THREADS;
             if (mt >= (R / MR) * ncols4) break;
             int rt = mt / ncols4, ct = mt - rt * ncols4;
-            for (int r = 0; r < MR; ++r) {
+            [[unroll]] for (int r = 0; r < MR; ++r) {
                 uint row = uint(rt * MR + r);
                 uint at = zbase + (row0 + row) * uint(ncols4) + uint(ct);
                 vec4 d = row0 + row < pc.n_rows ? r16(acc[j * MR + r] * activation_grad4(pc.hidden_act, Z4[at])) : vec4(0.0);

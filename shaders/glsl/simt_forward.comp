@@ -1,4 +1,5 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : enable
 // Fused MLP forward (SIMT): every layer of one tile of R rows in one workgroup; activations
 // stay in shared memory, weights are streamed in chunks. With store_z != 0 (training) the
 // pre-activations of every layer are written for the backward pass.
@@ -29,12 +30,12 @@ void main() {
         bool last = l == N_LAYERS - 1;
         int ncols4 = nout / 4;
         uint zbase = uint(Z_COL[l]) * pc.rows_pad / 4u;
-        for (int j = 0; j < MTPT; ++j) {
+        [[unroll]] for (int j = 0; j < MTPT; ++j) {
             int mt = int(tid) + j * THREADS;
             if (mt >= (R / MR) * ncols4) break;
             int rt = mt / ncols4, ct = mt - rt * ncols4;
             vec4 bias = BIAS4[B_OFF[l] / 4 + ct];
-            for (int r = 0; r < MR; ++r) {
+            [[unroll]] for (int r = 0; r < MR; ++r) {
                 uint row = uint(rt * MR + r);
                 vec4 z = acc[j * MR + r] + bias;
                 if (pc.store_z != 0u) Z4[zbase + (row0 + row) * uint(ncols4) + uint(ct)] = z;

@@ -11,14 +11,14 @@ void tile_product(uint a_base, int kin, int nout, uint w_off, int kc, inout vec4
     uint tid = gl_LocalInvocationID.x;
     int ncols4 = nout / 4;
     int n_micro = (R / MR) * ncols4;
-    for (int j = 0; j < MTPT * MR; ++j) acc[j] = vec4(0.0);
+    [[unroll]] for (int j = 0; j < MTPT * MR; ++j) acc[j] = vec4(0.0);
     for (int k0 = 0; k0 < kin; k0 += kc) {
         int rows = min(kc, kin - k0);
         barrier();
         for (int i = int(tid); i < rows * ncols4; i += THREADS)
             WSH4[i] = WALL4[(w_off + uint(k0 * nout)) / 4u + uint(i)];
         barrier();
-        for (int j = 0; j < MTPT; ++j) {
+        [[unroll]] for (int j = 0; j < MTPT; ++j) {
             int mt = int(tid) + j * THREADS;
             if (mt >= n_micro) break;
             int rt = mt / ncols4, ct = mt - rt * ncols4;
@@ -30,7 +30,7 @@ void tile_product(uint a_base, int kin, int nout, uint w_off, int kc, inout vec4
                 vec4 w2 = WSH4[(k + 2) * ncols4 + ct];
                 vec4 w3 = WSH4[(k + 3) * ncols4 + ct];
                 uint kq = uint(k) / 4u;
-                for (int r = 0; r < MR; ++r) {
+                [[unroll]] for (int r = 0; r < MR; ++r) {
                     vec4 a = ACT4[a_row + uint(r) * a_stride + kq];
                     acc[j * MR + r] += a.x * w0 + a.y * w1 + a.z * w2 + a.w * w3;
                 }
