@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mmad.errors import BackendUnavailable, LaunchError
+from mmad.errors import BackendUnavailable, CompileError, LaunchError
 
 try:
     import vulkan as _vk
@@ -501,7 +501,9 @@ class Pipeline:
         module_info.codeSize = len(spirv)
         module_info.pCode = code
         module = ffi.new("VkShaderModule*")
-        check(lib.vkCreateShaderModule(dev, module_info, ffi.NULL, module), f"vkCreateShaderModule ({name})")
+        result = lib.vkCreateShaderModule(dev, module_info, ffi.NULL, module)
+        if result != 0:  # the driver refused the SPIR-V: a compile failure, in its words
+            raise CompileError(f"pipeline {name}", f"vkCreateShaderModule failed: {_result_name(result)}")
         self.module = module[0]
         bindings = ffi.new("VkDescriptorSetLayoutBinding[]", n_bindings)
         for i in range(n_bindings):
@@ -557,7 +559,7 @@ class Pipeline:
         result = lib.vkCreateComputePipelines(dev, ffi.NULL, 1, info, ffi.NULL, pipeline)
         if result != 0:
             self._destroy_layouts()
-            check(result, f"vkCreateComputePipelines ({name})")
+            raise CompileError(f"pipeline {name}", f"vkCreateComputePipelines failed: {_result_name(result)}")
         self.pipeline = pipeline[0]
 
     def _destroy_layouts(self) -> None:

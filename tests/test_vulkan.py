@@ -331,6 +331,14 @@ def test_compile_errors_carry_log_and_numbered_source():
     assert "undefined_thing" in info.value.log and "    3  void main()" in text
 
 
+def test_out_of_device_memory_is_a_launch_error(backend, variant):
+    device = backend._open_device(variant == "coopmat")
+    before = device.bytes_allocated
+    with pytest.raises(LaunchError, match="VK_ERROR_OUT_OF_(DEVICE|HOST)_MEMORY"):
+        device.buffer(1 << 46)  # 64 TiB
+    assert device.bytes_allocated == before
+
+
 def test_bf16_and_oversized_layers_are_refused(backend, variant, cache):
     with pytest.raises(SpecError):
         backend.compile(bench_spec("S", precision="bf16"), variant, cache)
