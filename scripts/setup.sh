@@ -24,6 +24,10 @@ if [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip git curl >/dev/null
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports \
     mesa-vulkan-drivers libvulkan1 >/dev/null
+  if [ "$dev" = 1 ]; then
+    # the compose file is validated by the docker client alone (no engine needed)
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+  fi
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
