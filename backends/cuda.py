@@ -2,9 +2,14 @@
 
 Variants (``probe()`` reports each, with the reason when it cannot run):
 
-* ``wgmma`` — Hopper warpgroup MMA (sm_90a). The probe checks that the GPU is compute
-  capability 9.0 and that NVRTC accepts an sm_90a wgmma instruction; mmad's wgmma kernels are
-  not written yet, so the row is unavailable with that reason.
+* ``wgmma`` — Hopper warpgroup MMA (sm_90a), ``shaders/cuda/mlp_wgmma.cu``: the forward pass
+  on wgmma (one warpgroup per 64-row tile, weights in shared memory in the swizzled K-major
+  image the descriptors read, packed through maps built on the host with
+  ``layouts.wgmma_smem_operand``; later layers take A from registers), training through the
+  mma variant's kernels (same master weights). Built with nvcc for sm_90a into a cubin (NVRTC
+  crashed compiling wgmma on the H100; there is no NVRTC fallback). It has never run on a GPU,
+  so the probe reports it unavailable unless ``MMAD_CUDA_WGMMA=1`` is set; then it must pass
+  the probe's checks (compute capability 9.0, nvcc builds and a child process runs a wgmma).
 * ``mma`` — ``shaders/cuda/mlp_mma.cu``: mma.sync.m16n8k16 (fp16 in, fp32 accumulate), compute
   capability 8.0 or newer, hidden widths 16-256 (the default for every model). One kernel runs the whole forward pass with
   activations chained in registers; a training step is one fused forward + loss + backward
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from mmad.backends import layouts as L
 from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
@@ -55,36 +63,110 @@ LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
 DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
 
-_WGMMA_PROBE_SOURCE = r"""
+WGMMA_ENV = "MMAD_CUDA_WGMMA"
+WGMMA_UNVERIFIED = "wgmma kernels have not been verified on hardware yet; set MMAD_CUDA_WGMMA=1 to enable"
+WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
+WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
+WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
+WGMMA_THREADS = 128  # one warpgroup per block
+WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
+
+# one m64n8k16 with A from registers (all 1.0) and B (8 x 16, all 1.0) from a 32-byte-swizzled
+# shared tile: every accumulator element is 16, so each thread's four sum to 64
+_WGMMA_PROBE_KERNEL = r"""
 extern "C" __global__ void wgmma_probe(float* out) {
+    __shared__ __align__(1024) unsigned short b[8 * 16];
+    b[threadIdx.x] = 0x3C00;  // 1.0 in fp16
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
     float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-    unsigned long long desc = 0ull;
-    unsigned a0 = 0u, a1 = 0u, a2 = 0u, a3 = 0u;
-    asm volatile("wgmma.fence.sync.aligned;");
+    const unsigned one = 0x3C003C00u;
+    const unsigned long long desc = kmajor_desc((unsigned)__cvta_generic_to_shared(b), 0, 8, 32);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     asm volatile("{.reg .pred p; setp.ne.b32 p, %9, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 1;}"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;}"
                  : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
-    asm volatile("wgmma.commit_group.sync.aligned;");
-    asm volatile("wgmma.wait_group.sync.aligned 0;");
+                 : "r"(one), "r"(one), "r"(one), "r"(one), "l"(desc), "r"(0));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("" : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3) :: "memory");
     out[threadIdx.x] = d0 + d1 + d2 + d3;
 }
 """
 
+_WGMMA_PROBE_RUN = """
+import sys, cupy
+module = cupy.RawModule(path=sys.argv[1])
+kernel = module.get_function("wgmma_probe")
+out = cupy.zeros(128, dtype=cupy.float32)
+kernel((1,), (128,), (out,))
+cupy.cuda.Device().synchronize()
+values = out.get()
+if not (values == 64).all():
+    sys.exit(f"wrong wgmma result: {values[:8].tolist()} (expected 64 each)")
+"""
 
-def _nvrtc_accepts_wgmma() -> tuple[bool, str]:
-    """Compile a wgmma instruction for sm_90a in a child process (a compiler crash stays there)."""
-    code = ("import cupy, sys; src = sys.stdin.read(); "
-            "cupy.RawModule(code=src, options=('--gpu-architecture=sm_90a', '-std=c++17')).get_function('wgmma_probe')")
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, under $CUDA_HOME / $CUDA_PATH, or in /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def nvcc_version(nvcc: str) -> str:
+    """"13.0.88" from ``nvcc --version`` (part of the kernel cache key)."""
+    done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    match = re.search(r"V(\d+\.\d+\.\d+)", done.stdout)
+    return match.group(1) if match else done.stdout.strip().splitlines()[-1]
+
+
+def nvcc_compile(source: str, options: tuple[str, ...], what: str) -> bytes:
+    """Compile CUDA C++ to a cubin with nvcc; CompileError with the log on failure."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CompileError(what, "nvcc was not found (PATH, CUDA_HOME, CUDA_PATH, /usr/local/cuda); "
+                                 "the wgmma kernels are built with nvcc only", source)
+    with tempfile.TemporaryDirectory(prefix="mmad-nvcc-") as tmp:
+        src, cubin = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.cubin")
+        with open(src, "w") as f:
+            f.write(source)
+        try:
+            done = subprocess.run([nvcc, *options, src, "-o", cubin], capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise CompileError(what, f"nvcc did not finish: {exc}", source) from exc
+        if done.returncode != 0:
+            raise CompileError(what, f"nvcc exit {done.returncode}:\n{done.stderr}{done.stdout}", source)
+        with open(cubin, "rb") as f:
+            return f.read()
+
+
+def _nvcc_runs_wgmma() -> tuple[bool, str]:
+    """Build a wgmma kernel with nvcc, then run it in a child process (a crash stays there)."""
+    source = read_source("cuda/wgmma_layout.cuh") + _WGMMA_PROBE_KERNEL
     try:
-        done = subprocess.run([sys.executable, "-c", code], input=_WGMMA_PROBE_SOURCE, capture_output=True,
-                              text=True, timeout=120)
+        cubin = nvcc_compile(source, WGMMA_NVCC_OPTIONS, "the wgmma probe kernel")
+    except CompileError as exc:
+        return False, exc.log.strip()[-300:]
+    fd, path = tempfile.mkstemp(suffix=".cubin", prefix="mmad-wgmma-probe-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([sys.executable, "-c", _WGMMA_PROBE_RUN, path], capture_output=True, text=True,
+                              timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"the compile check did not finish: {exc}"
+        return False, f"the wgmma run check did not finish: {exc}"
+    finally:
+        os.unlink(path)
     if done.returncode == 0:
         return True, ""
     tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-    return False, f"exit {done.returncode}: {' '.join(tail)[:300]}"
+    return False, f"the wgmma run check failed (exit {done.returncode}): {' '.join(tail)[:300]}"
 
 
 # -- CuPy access ---------------------------------------------------------------------------
@@ -589,6 +671,273 @@ class CudaMmaModel(MmaPlan, CompiledModel):
                 delattr(self, name)
 
 
+# -- the wgmma model -----------------------------------------------------------------------------
+def next_pow2(n: int, least: int) -> int:
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def kmajor_swizzle(k: int) -> int:
+    """Swizzle bytes of a K-major fp16 tile with K columns: the widest atom K fills (K >= 16)."""
+    return min(128, 2 * k)
+
+
+def master_offsets(layers: list[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:
+    """Where each layer's fp32 master W (n x k, row-major) and b (n) start in the mma model's
+    flat ``w_all`` / ``b_all`` (layers as MmaPlan.layers: fan_in, fan_out, k, n)."""
+    w_off, b_off, ow, ob = [], [], 0, 0
+    for _, _, k, n in layers:
+        w_off.append(ow)
+        b_off.append(ob)
+        ow += n * k
+        ob += n
+    return w_off, b_off
+
+
+def _align(n: int, to: int = WGMMA_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+class WgmmaPlan:
+    """Geometry, shared-memory plan, weight-image maps and source of one spec's wgmma forward
+    kernel (needs no GPU, no CuPy).
+
+    Widths are padded to powers of two (input K >= 16, hidden N = K >= 16, output N >= 8): the
+    layouts module's wgmma operand layouts are defined for those. Each layer's weights form a
+    K-major tile of N rows (fan_out) x K cols (fan_in) with the widest swizzle K fills; the
+    images sit back to back, each on a 1024-byte boundary.
+    """
+
+    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT):
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
+        self.spec = spec
+        self.nin = spec.n_encoded_dims
+        self.kin_p = next_pow2(self.nin, 16)
+        self.wp = next_pow2(spec.n_neurons, 16)
+        self.nout_p = next_pow2(spec.n_output_dims, 8)
+        self.n_hidden = spec.n_hidden_layers
+        self.swz_in, self.swz_w = kmajor_swizzle(self.kin_p), kmajor_swizzle(self.wp)
+        # (fan_in, fan_out, K, N, swizzle bytes, byte offset in the image) per layer
+        self.layers = []
+        offset = 0
+        for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
+            k = self.kin_p if i == 0 else self.wp
+            n = self.nout_p if i == self.n_hidden else self.wp
+            self.layers.append((fan_in, fan_out, k, n, kmajor_swizzle(k), offset))
+            offset = _align(offset + n * k * 2)
+        self.w_total_bytes = offset
+        self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
+        self.b_total = self.n_hidden * self.wp + self.nout_p
+        self._plan_shared_memory(smem_limit)
+        self.source = self._source()
+
+    def _plan_shared_memory(self, limit: int) -> None:
+        """Resident weights before streamed ones, then a prefetched input tile if it still fits."""
+        a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
+        b_bytes = _align(self.b_total * 4)
+        x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
+        stage = max(_align(n * k * 2) for _, _, k, n, _, _ in self.layers)
+        tried = []
+        for resident in (True, False):
+            for staged in (True, False):
+                w_bytes = self.w_total_bytes if resident else stage
+                total = w_bytes + a_bytes + b_bytes + (x_bytes if staged else 0) + WGMMA_ALIGN
+                tried.append(total)
+                if total <= limit:
+                    self.w_resident, self.input_staged = resident, staged
+                    self.sm_a_off = w_bytes
+                    self.sm_b_off = w_bytes + a_bytes
+                    self.sm_x_off = w_bytes + a_bytes + b_bytes
+                    self.smem_bytes = total
+                    return
+        raise SpecError("network.n_neurons",
+                        f"the cuda wgmma variant needs {min(tried)} bytes of shared memory for this model "
+                        f"even with one layer's weights at a time; the limit is {limit}")
+
+    def smem_layouts(self) -> list[L.LinearLayout]:
+        """Each layer's weight image: offset (halves) -> (row = n, col = k)."""
+        return [L.wgmma_smem_operand(n, k, "K", swz) for _, _, k, n, swz, _ in self.layers]
+
+    def descriptors(self, i: int) -> list[L.WgmmaDescriptor]:
+        """The B descriptors (one per k16 step) of layer i, relative to the layer's image."""
+        _, _, k, n, swz, _ = self.layers[i]
+        return [L.wgmma_smem_descriptor(n, k, "K", swz, col0=16 * s) for s in range(k // 16)]
+
+    def weight_map(self, w_off: list[int], k_master: list[int]) -> np.ndarray:
+        """Image half -> index into the fp32 master ``w_all`` (-1: zero padding).
+
+        ``w_off[i]`` is layer i's start in ``w_all`` and ``k_master[i]`` its row length there.
+        """
+        image = np.full(self.w_total_bytes // 2, -1, dtype=np.int32)
+        for i, ((fan_in, fan_out, k, n, _, offset), layout) in enumerate(zip(self.layers, self.smem_layouts())):
+            source = np.full((n, k), -1, dtype=np.int32)
+            rows, cols = np.meshgrid(np.arange(fan_out), np.arange(fan_in), indexing="ij")
+            source[:fan_out, :fan_in] = w_off[i] + rows * k_master[i] + cols
+            image[offset // 2: offset // 2 + n * k] = L.pack(source, layout)
+        return image
+
+    def bias_map(self, b_off: list[int]) -> np.ndarray:
+        """Bias image float -> index into the fp32 master ``b_all`` (-1: zero padding)."""
+        image = np.full(self.b_total, -1, dtype=np.int32)
+        for i, (_, fan_out, _, _, _, _) in enumerate(self.layers):
+            image[self.b_offsets[i]: self.b_offsets[i] + fan_out] = b_off[i] + np.arange(fan_out)
+        return image
+
+    def host_images(self, params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(fp16 weight image as uint16, fp32 bias image) exactly as ``wgmma_pack`` builds them
+        on the device from the mma model's padded fp32 masters (for tests and inspection)."""
+        mma_layers = MmaPlan(self.spec).layers
+        w_off, b_off = master_offsets(mma_layers)
+        w_all = np.zeros(sum(n * k for _, _, k, n in mma_layers), dtype=np.float32)
+        b_all = np.zeros(sum(n for _, _, _, n in mma_layers), dtype=np.float32)
+        for i, (fan_in, fan_out, k, n) in enumerate(mma_layers):
+            w_all[w_off[i]: w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in] = params[f"W{i}"]
+            b_all[b_off[i]: b_off[i] + fan_out] = params[f"b{i}"]
+        wmap = self.weight_map(w_off, [k for _, _, k, _ in mma_layers])
+        bmap = self.bias_map(b_off)
+        image = np.where(wmap >= 0, w_all[np.maximum(wmap, 0)], 0).astype(np.float16).view(np.uint16)
+        return image, np.where(bmap >= 0, b_all[np.maximum(bmap, 0)], 0).astype(np.float32)
+
+    def _wrappers(self) -> str:
+        """The wgmma instructions the kernel issues, as inline-PTX functions (N/2 accumulators)."""
+
+        def wrapper(name: str, n: int, a_from_registers: bool) -> str:
+            nd = n // 2
+            outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+            regs = ", ".join(f"%{i}" for i in range(nd))
+            if a_from_registers:
+                a_ops, b, p = f"{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}", nd + 4, nd + 5
+                ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
+                sig, imm = "float* d, const u32* a, unsigned long long desc_b, int scale_d", "1, 1, 0"
+            else:
+                a_ops, b, p = f"%{nd}", nd + 1, nd + 2
+                ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+                sig, imm = "float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d", "1, 1, 0, 0"
+            return (f"__device__ __forceinline__ void {name}({sig}) {{\n"
+                    f'    asm volatile("{{.reg .pred p; setp.ne.b32 p, %{p}, 0;\\n"\n'
+                    f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{regs}}}, {a_ops}, %{b}, p, {imm};}}"\n'
+                    f"                 : {outs}\n"
+                    f"                 : {ins});\n}}\n")
+
+        return (wrapper("wgmma_ss_n_hidden", self.wp, False) + wrapper("wgmma_rs_n_hidden", self.wp, True)
+                + wrapper("wgmma_rs_n_out", self.nout_p, True))
+
+    def _source(self) -> str:
+        s = self.spec
+        defines = {
+            "NIN": self.nin, "KIN_P": self.kin_p, "SWZ_IN": self.swz_in, "WP": self.wp, "SWZ_W": self.swz_w,
+            "NHID": self.n_hidden, "NOUT": s.n_output_dims, "NOUT_P": self.nout_p,
+            "ACT": ACT_CODES[s.activation], "OUT_ACT": ACT_CODES[s.output_activation],
+            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f"{float(np.float32(s.huber_delta))!r}f",
+            "W_RESIDENT": int(self.w_resident), "INPUT_STAGED": int(self.input_staged),
+            "W_BYTES0": self.layers[0][2] * self.layers[0][3] * 2,
+            "W_OFF1": self.layers[1][5] if self.n_hidden > 1 else 0,
+            "W_HID_STRIDE": _align(self.wp * self.wp * 2),
+            "W_OFF_OUT": self.layers[-1][5], "W_TOTAL_BYTES": self.w_total_bytes, "B_TOTAL": self.b_total,
+            "SM_A_OFF": self.sm_a_off, "SM_B_OFF": self.sm_b_off, "SM_X_OFF": self.sm_x_off,
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
+                + self._wrappers() + read_source("cuda/mlp_wgmma.cu"))
+
+
+class CudaWgmmaModel(CudaMmaModel):
+    """The wgmma forward kernel on the mma model's parameters; training is the mma variant's.
+
+    The fp16 weight image and fp32 bias image the forward kernel copies into shared memory are
+    gathered on the device from the fp32 masters (``wgmma_pack``, through maps built on the
+    host) whenever the parameters changed since the last forward.
+    """
+
+    variant = "wgmma"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"])
+        self._wg_stale = True
+        super().__init__(spec, cp, info, cache)
+        self._wg_module = self._build_wgmma(cache)
+        try:
+            self.wg_wmap = cp.asarray(self.wg.weight_map(self.w_off, [k for _, _, k, _ in self.layers]))
+            self.wg_bmap = cp.asarray(self.wg.bias_map(self.b_off))
+            self.wg_wimage = cp.zeros(self.wg.w_total_bytes // 2, dtype=cp.uint16)
+            self.wg_bimage = cp.zeros(self.wg.b_total, dtype=cp.float32)
+        except _device_errors(cp) as exc:
+            raise LaunchError(f"allocating the wgmma weight images failed: {exc}") from exc
+
+    def _build_wgmma(self, cache: KernelCache | None) -> LoadedModule:
+        what = f"wgmma kernels for model {self.spec.content_hash()} ({self.describe()})"
+        source = self.wg.source
+
+        def build() -> bytes:
+            return nvcc_compile(source, WGMMA_NVCC_OPTIONS, what)
+
+        nvcc = find_nvcc()
+        compiler = f"nvcc-{nvcc_version(nvcc)}" if nvcc else "nvcc-missing"
+        cubin = build() if cache is None else cache.get_or_build(
+            build, backend="cuda-wgmma", device="sm_90a", compiler=compiler, options=list(WGMMA_NVCC_OPTIONS),
+            source=source)
+        try:
+            module = LoadedModule(self.cp, cubin, WGMMA_KERNELS)
+            fwd = module.kernel("wgmma_forward")
+            if self.wg.smem_bytes > 48 * 1024:
+                fwd.max_dynamic_shared_size_bytes = self.wg.smem_bytes
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+        regs_per_block = math.ceil(max(int(fwd.num_regs), 1) * 32 / 256) * 256 * (WGMMA_THREADS // 32)
+        per_sm = min(self.info["regs_per_sm"] // regs_per_block,
+                     self.info["smem_per_sm"] // (self.wg.smem_bytes + 1024), 2048 // WGMMA_THREADS)
+        self.wg_grid = max(1, per_sm) * self.info["sm_count"]
+        return module
+
+    def _launch_wgmma(self, name: str, grid, block, args, smem: int = 0) -> None:
+        try:
+            self._wg_module.kernel(name)(grid, block, args, shared_mem=smem)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"launching {name} failed: {exc}") from exc
+
+    def _refresh_images(self) -> None:
+        if not self._wg_stale:
+            return
+        n, n_b = self.wg_wimage.size, self.wg_bimage.size
+        self._launch_wgmma("wgmma_pack", (math.ceil(max(n, n_b) / 256),), (256,),
+                           (self.w_all, self.wg_wmap, self.wg_wimage, np.int32(n), self.b_all, self.wg_bmap,
+                            self.wg_bimage, np.int32(n_b)))
+        self._wg_stale = False
+
+    def forward(self, x: Any) -> Any:
+        cp = self.cp
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        rows = dx.shape[0]
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        if rows:
+            if dx.data.ptr % 16:  # cp.async moves 16-byte units: a view at an odd offset is copied
+                dx = dx.copy()
+            self._refresh_images()
+            n_tiles = math.ceil(rows / WGMMA_TILE_ROWS)
+            self._launch_wgmma("wgmma_forward", (min(self.wg_grid, n_tiles),), (WGMMA_THREADS,),
+                               (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage),
+                               self.wg.smem_bytes)
+        return self.download(out) if from_host else out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        super().set_params(params)
+        self._wg_stale = True
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        self._wg_stale = True  # set first: a step that fails half way may have changed weights
+        return super().train_step(x, y, steps)
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + int(sum(a.nbytes for a in (self.wg_wmap, self.wg_bmap, self.wg_wimage,
+                                                                      self.wg_bimage)))
+
+    def close(self) -> None:
+        super().close()
+        for name in ("wg_wmap", "wg_bmap", "wg_wimage", "wg_bimage"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+
 # -- the cuBLASLt model (nvmath-python) ----------------------------------------------------------
 def cublaslt_availability() -> tuple[bool, str, str]:
     """(usable, reason when not, nvmath version)."""
@@ -913,22 +1262,19 @@ class CudaBackend(Backend):
         details = {"compute_capability": f"{cc[0]}.{cc[1]}", "multiprocessors": info["sm_count"]}
         mma_shape = [MMAShape(16, 8, 16, scope="warp")]
 
-        # wgmma: the hardware and NVRTC are checked; the kernels themselves do not exist yet
+        # wgmma: compute capability 9.0, then (only when asked for: never run on hardware yet)
+        # nvcc builds a wgmma kernel and a child process runs it with the right result
+        wg_shapes = [MMAShape(64, n, 16, scope="warpgroup") for n in (8, 16, 32, 64, 128, 256)]
         if cc != (9, 0):
             wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
                           f"this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+        elif os.environ.get(WGMMA_ENV) != "1":
+            wg = ProbeRow("cuda", "wgmma", False, reason=WGMMA_UNVERIFIED, details=dict(details), **common)
         else:
-            accepted, why = _nvrtc_accepts_wgmma()
-            if accepted:
-                wg = ProbeRow("cuda", "wgmma", False,
-                              reason="the GPU and NVRTC accept sm_90a wgmma, but mmad's wgmma kernels are "
-                                     "not implemented yet; the mma variant runs on this GPU",
-                              details={**details, "nvrtc_sm_90a_wgmma": True},
-                              mma_shapes=[MMAShape(64, n, 16, scope="warpgroup") for n in (8, 64, 128, 256)],
-                              **common)
-            else:
-                wg = ProbeRow("cuda", "wgmma", False, reason=f"NVRTC rejects sm_90a wgmma: {why}",
-                              details=dict(details), **common)
+            ok, why = _nvcc_runs_wgmma()
+            wg = ProbeRow("cuda", "wgmma", ok, reason="" if ok else f"the sm_90a wgmma check failed: {why}",
+                          details={**details, "nvcc": find_nvcc() or "missing"},
+                          mma_shapes=wg_shapes if ok else [], **common)
         if cc >= (8, 0):
             mma = ProbeRow("cuda", "mma", True, mma_shapes=mma_shape,
                            details={**details, "max_width": MMA_MAX_WIDTH}, **common)
@@ -940,12 +1286,20 @@ class CudaBackend(Backend):
                       details={**details, "nvmath": lt_version}, **common)
         return [wg, mma, lt]
 
+    @staticmethod
+    def _wgmma_fits(spec: MLPSpec) -> bool:
+        try:
+            WgmmaPlan(spec)
+        except SpecError:
+            return False
+        return True
+
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
-        if variant is None:
-            variant = "mma"  # the only variant implemented; it takes every width 16-256
+        if variant is None:  # wgmma where enabled and the model fits it; mma takes every width 16-256
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) else "mma"
         row = rows[variant]
         if not row.available:
             raise BackendUnavailable(f"cuda:{variant}", row.reason)
@@ -955,7 +1309,10 @@ class CudaBackend(Backend):
             cache = KernelCache()
         if variant == "mma":
             return CudaMmaModel(spec, cp, info, cache)
+        if variant == "wgmma":
+            return CudaWgmmaModel(spec, cp, info, cache)
         return CublasLtModel(spec, cp, info, cache)
 
 
-__all__ = ["CudaBackend", "CudaMmaModel", "CublasLtModel", "MmaPlan", "VARIANTS", "nvrtc_compile", "b_image_index"]
+__all__ = ["CudaBackend", "CudaMmaModel", "CudaWgmmaModel", "CublasLtModel", "MmaPlan", "WgmmaPlan", "VARIANTS",
+           "nvrtc_compile", "nvcc_compile", "b_image_index"]

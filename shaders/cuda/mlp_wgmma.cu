@@ -1,0 +1,207 @@
+// Fused MLP forward on Hopper warpgroup MMA (wgmma, sm_90a): fp16 x fp16 -> fp32.
+//
+// The host (backends/cuda.py, WgmmaPlan) prepends the specialisation as #defines, then
+// mlp_common.cuh, wgmma_layout.cuh and the generated wgmma wrappers
+// (wgmma_ss_n_hidden: m64nWPk16, A and B from shared memory; wgmma_rs_n_hidden and
+// wgmma_rs_n_out: m64nWPk16 / m64nNOUT_Pk16 with A from registers):
+//   NIN KIN_P SWZ_IN    encoded input dims, padded to a power of two >= 16, its swizzle bytes
+//   WP SWZ_W NHID       hidden width padded to a power of two, its swizzle bytes, hidden layers
+//   NOUT NOUT_P         output dims, padded to a power of two >= 8
+//   ACT OUT_ACT         activation codes (mlp_common.cuh)
+//   W_RESIDENT          1: every layer's weights stay in shared memory for the whole launch;
+//                       0: one layer at a time is copied into one stage before its products
+//   INPUT_STAGED        1: the next tile's fp32 input is prefetched into shared memory by
+//                       cp.async while this tile computes; 0: read from global when converted
+//   W_BYTES0 W_OFF1 W_HID_STRIDE W_OFF_OUT W_TOTAL_BYTES   weight image sizes/offsets (bytes)
+//   B_TOTAL             floats in the bias image (layer l at l * WP, the output at NHID * WP)
+//   SM_A_OFF SM_B_OFF SM_X_OFF SMEM_BYTES   shared-memory sections (bytes from a 1024-aligned base)
+//
+// One warpgroup (128 threads) per block computes 64-row tiles, persistent over the grid.
+// Weights: the host packs each layer's W (N = fan_out rows, K = fan_in cols, zero padded) into
+// the K-major swizzled image wgmma's B descriptor reads (layouts.wgmma_smem_operand); the
+// device gathers fp16 copies of the fp32 master weights through that map (wgmma_pack).
+// Layer 0 takes A (the fp16-rounded input tile) from shared memory in the same K-major layout;
+// later layers take A from registers: the fp32 accumulator of m64nNk16, after bias and
+// activation, packed as cvt.rn.f16x2.f32(d[8s+2j+1], d[8s+2j]) is register j of k16 slice s
+// (layouts.register_permutation(wgmma_accumulator(N), wgmma_a_registers()) is the identity).
+// Accumulator element i of thread (warp w, lane = 4g + t): row 16w + g + 8 * ((i >> 1) & 1),
+// column 2t + (i & 1) + 8 * (i >> 2).
+
+#define NL (NHID + 1)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// generic-proxy writes (st.shared, cp.async) become visible to wgmma (the async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// the compiler must neither read accumulators nor reuse A registers before wgmma completes
+__device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
+__device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
+
+// bytes [0, n) of global src -> shared dst (both 16-byte aligned, n a multiple of 16)
+__device__ __forceinline__ void copy_async(u32 dst, const unsigned char* src, int n) {
+    for (int i = threadIdx.x * 16; i < n; i += 128 * 16) cp_async16(dst + i, src + i, 16);
+}
+
+// fp32 input rows [row0, row0 + 64) (contiguous: 64 * NIN floats) -> staging, zero beyond rows
+__device__ __forceinline__ void stage_input(float* staging, const float* __restrict__ x, i64 rows, i64 tile) {
+    const i64 first = tile * 64 * NIN, end = rows * NIN;
+    const u32 dst = smem_addr(staging);
+    for (int i = threadIdx.x * 4; i < 64 * NIN; i += 128 * 4) {
+        const i64 e = first + i;
+        const i64 left = end - e;
+        const int bytes = left >= 4 ? 16 : (left > 0 ? (int)left * 4 : 0);
+        cp_async16(dst + i * 4, x + (bytes ? e : 0), bytes);  // bytes < 16: the rest is zero-filled
+    }
+}
+
+// 64 x NIN fp32 (row-major at src, elements >= limit read as 0) -> fp16 A tile, K-major swizzled
+__device__ __forceinline__ void convert_input(const float* src, i64 limit, unsigned char* a_tile) {
+    constexpr int CHUNKS = KIN_P / 8;  // 16-byte units per row
+    for (int c = threadIdx.x; c < 64 * CHUNKS; c += 128) {
+        const int r = c / CHUNKS, k0 = (c % CHUNKS) * 8;
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int e = r * NIN + k0 + j;
+            v[j] = (k0 + j < NIN && e < limit) ? src[e] : 0.f;
+        }
+        const uint4 h = make_uint4(pack_h2(v[0], v[1]), pack_h2(v[2], v[3]), pack_h2(v[4], v[5]), pack_h2(v[6], v[7]));
+        *reinterpret_cast<uint4*>(a_tile + kmajor_offset(r, k0, 64, SWZ_IN)) = h;
+    }
+}
+
+// bias + hidden activation on an m64nWP accumulator, rounded into the next layer's A registers
+__device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const float* bias, int t) {
+#pragma unroll
+    for (int s = 0; s < WP / 16; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int i = 8 * s + 2 * j;
+            const float2 b = *reinterpret_cast<const float2*>(bias + 2 * t + 8 * (i >> 2));
+            a[4 * s + j] = pack_h2(activate(ACT, d[i] + b.x), activate(ACT, d[i + 1] + b.y));
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 1)
+wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
+              const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
+    extern __shared__ unsigned char smem_raw[];
+    // swizzle atoms repeat every 1024 bytes: the sections start on a 1024-byte boundary
+    const u32 raw = smem_addr(smem_raw);
+    unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+    const u32 s_w = smem_addr(smem), s_a = s_w + SM_A_OFF;
+    unsigned char* a_tile = smem + SM_A_OFF;
+    float* bias_s = reinterpret_cast<float*>(smem + SM_B_OFF);
+    float* staging = reinterpret_cast<float*>(smem + SM_X_OFF);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+
+    for (int i = threadIdx.x; i < B_TOTAL; i += 128) bias_s[i] = bimg[i];
+    if (W_RESIDENT) copy_async(s_w, wimg, W_TOTAL_BYTES);
+    i64 tile = blockIdx.x;
+    if (INPUT_STAGED && tile < n_tiles) stage_input(staging, x, rows, tile);
+    cp_async_commit();
+
+    for (; tile < n_tiles; tile += gridDim.x) {
+        cp_async_wait_all();
+        __syncthreads();  // staged input (and resident weights) visible; the last tile's reads done
+        if (INPUT_STAGED) convert_input(staging, 64 * NIN, a_tile);
+        else convert_input(x + tile * 64 * NIN, rows * NIN - tile * 64 * NIN, a_tile);
+        if (!W_RESIDENT) { copy_async(s_w, wimg, W_BYTES0); cp_async_commit(); cp_async_wait_all(); }
+        fence_proxy_async();  // A tile (st.shared) and weights (cp.async) are read by wgmma next
+        __syncthreads();
+        if (INPUT_STAGED && tile + gridDim.x < n_tiles) {  // staging is free: prefetch the next tile
+            stage_input(staging, x, rows, tile + gridDim.x);
+            cp_async_commit();
+        }
+
+        float d[WP / 2];
+        u32 a[WP / 4];
+        // layer 0: A (input tile) and B (W0) from shared memory
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < KIN_P / 16; ++ks)
+            wgmma_ss_n_hidden(d, kmajor_desc(s_a, ks, 64, SWZ_IN), kmajor_desc(s_w, ks, WP, SWZ_IN), ks > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+        hidden_epilogue(d, a, bias_s, t);
+
+        // hidden layers 1 .. NHID-1: A from registers
+#pragma unroll 1
+        for (int l = 1; l < NHID; ++l) {
+            u32 w_l = s_w + W_OFF1 + (l - 1) * W_HID_STRIDE;
+            if (!W_RESIDENT) {
+                __syncthreads();  // every warp's wgmma reads of the stage are complete
+                copy_async(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
+                cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); __syncthreads();
+                w_l = s_w;
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_hidden(d, a + 4 * ks, kmajor_desc(w_l, ks, WP, SWZ_W), ks > 0);
+            wgmma_commit();
+            wgmma_wait_all();
+#pragma unroll
+            for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+#pragma unroll
+            for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+            hidden_epilogue(d, a, bias_s + l * WP, t);
+        }
+
+        // output layer, A from registers; bias, output activation, fp32 stores
+        u32 w_o = s_w + W_OFF_OUT;
+        if (!W_RESIDENT) {
+            __syncthreads();
+            copy_async(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
+            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); __syncthreads();
+            w_o = s_w;
+        }
+        float o[NOUT_P / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_out(o, a + 4 * ks, kmajor_desc(w_o, ks, NOUT_P, SWZ_W), ks > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < NOUT_P / 2; ++i) keep_f(o[i]);
+#pragma unroll
+        for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+        const float* bias_o = bias_s + NHID * WP;
+#pragma unroll
+        for (int i = 0; i < NOUT_P / 2; i += 2) {
+            const int col = 2 * t + 8 * (i >> 2);
+            const i64 r = tile * 64 + 16 * warp + g + 8 * ((i >> 1) & 1);
+            if (r >= rows || col >= NOUT) continue;
+            const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
+            const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
+            float* dst = out + r * NOUT + col;
+#if NOUT % 2 == 0
+            *reinterpret_cast<float2*>(dst) = make_float2(p0, p1);
+#else
+            dst[0] = p0;
+            if (col + 1 < NOUT) dst[1] = p1;
+#endif
+        }
+    }
+    cp_async_wait_all();  // no copy may still target shared memory when the block exits
+}
+
+// fp16 weight image from the fp32 master weights through the host's map (-1: zero padding)
+extern "C" __global__ void wgmma_pack(const float* __restrict__ master, const int* __restrict__ src, u16* __restrict__ image,
+                                      int n, const float* __restrict__ b_master, const int* __restrict__ b_src,
+                                      float* __restrict__ b_image, int n_b) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) image[i] = src[i] < 0 ? (u16)0 : to_half_bits(master[src[i]]);
+    if (i < n_b) b_image[i] = b_src[i] < 0 ? 0.f : b_master[b_src[i]];
+}
