@@ -49,6 +49,9 @@ ROW_ALIGN = 128
 HIST_CAP = 1024
 BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
 COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
+# 1: bake activations/loss into each pipeline (default on GPUs); 0: push constants, shared
+# pipelines (default on software devices, where each pipeline costs seconds of LLVM time)
+SPECIALIZE_ENV = "MMAD_VULKAN_SPECIALIZE"
 # shape families the coopmat kernels are written for (M, N, K), best first
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
 
@@ -206,10 +209,16 @@ class Geometry:
         return "\n".join(lines) + "\n"
 
 
-def specialization(spec: MLPSpec) -> dict[int, int | float]:
-    """Specialization constants (ids of ``mlp_common.glsl`` and ``optimizer.comp``)."""
+def specialization(spec: MLPSpec, specialize_choices: bool) -> dict[int, int | float]:
+    """Specialization constants (ids of ``mlp_common.glsl`` and ``optimizer.comp``).
+
+    With ``specialize_choices`` the activations and the loss are baked in (ids 0-2); without,
+    they stay -1 and the kernels read them from push constants (shared pipelines).
+    """
     opt = spec.optimizer
-    return {3: float(spec.loss_scale), 5: 0 if spec.precision == "fp32" else 1,
+    choices = {0: ACTIVATIONS.index(spec.activation), 1: ACTIVATIONS.index(spec.output_activation),
+               2: LOSSES.index(spec.loss)} if specialize_choices else {}
+    return {**choices, 3: float(spec.loss_scale), 5: 0 if spec.precision == "fp32" else 1,
             6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
             9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
 
@@ -726,7 +735,8 @@ class VulkanBackend(Backend):
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant)
-        consts = specialization(spec)
+        forced = os.environ.get(SPECIALIZE_ENV, "").strip()
+        consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
         pipelines = {}
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)

@@ -174,6 +174,21 @@ def test_odd_shapes_and_encodings(backend, variant, cache):
     check_grads(spec, model, x, y)
 
 
+def test_specialized_activation_and_loss_pipelines(backend, variant, cache, monkeypatch):
+    """GPUs bake activations and loss into the pipeline; lavapipe reads push constants. Both
+    paths run here (the one this device does not default to is forced)."""
+    spec = bench_spec("S", activation="Sine", output_activation="Sigmoid", loss="L1", seed=11)
+    default = "1" if backend.probe()[1].software else "0"
+    monkeypatch.setenv("MMAD_VULKAN_SPECIALIZE", default)
+    model = backend.compile(spec, variant, cache)
+    try:
+        x, y = data(spec, 500)
+        assert rel(model.forward(x), CpuBackend("float64").compile(spec).forward(x)) <= FWD_TOL
+        check_grads(spec, model, x, y)
+    finally:
+        model.close()
+
+
 def test_fp32_precision_is_tight(backend, variant, cache):
     if variant == "coopmat":
         pytest.skip("precision fp32 runs no MMA; the coopmat variant is fp16 only")

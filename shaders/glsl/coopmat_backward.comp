@@ -42,18 +42,18 @@ void main() {
         if (row < pc.n_rows && c < pc.n_out) {
             uint zrow = zlast + row * uint(OUT_PAD);
             float z = Z[zrow + c];
-            float pred = activate(pc.output_act, z);
+            float pred = activate(OUTPUT_ACT, z);
             float lum = 0.0;
             if (pc.n_out >= 3u) {
-                lum = 0.299 * activate(pc.output_act, Z[zrow]) + 0.587 * activate(pc.output_act, Z[zrow + 1u])
-                    + 0.114 * activate(pc.output_act, Z[zrow + 2u]);
+                lum = 0.299 * activate(OUTPUT_ACT, Z[zrow]) + 0.587 * activate(OUTPUT_ACT, Z[zrow + 1u])
+                    + 0.114 * activate(OUTPUT_ACT, Z[zrow + 2u]);
             } else {
-                for (uint q = 0u; q < pc.n_out; ++q) lum += abs(activate(pc.output_act, Z[zrow + q]));
+                for (uint q = 0u; q < pc.n_out; ++q) lum += abs(activate(OUTPUT_ACT, Z[zrow + q]));
                 lum /= float(pc.n_out);
             }
-            vec2 term = loss_term(pc.loss_id, pc.huber_delta, pred, Y[row * uint(OUT_PAD) + c], lum);
+            vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, Y[row * uint(OUT_PAD) + c], lum);
             loss_sum += term.x;
-            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(pc.output_act, z));
+            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z));
         }
         D[zlast + row0 * uint(OUT_PAD) + i] = delta;
         ACT[cur + i] = float16_t(delta);
@@ -78,7 +78,7 @@ void main() {
             ACC_T z;
             coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
             for (int e = 0; e < acc[i].length(); ++e)
-                acc[i][e] = r16(acc[i][e] * activation_grad(pc.hidden_act, z[e]));
+                acc[i][e] = r16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
             coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
             ACC16_T h = ACC16_T(acc[i]);
             coopMatStore(h, ACT, nxt + uint(blk.x * CM_M * outer + blk.y * CM_N), uint(outer),

@@ -51,11 +51,11 @@ void main() {
                 coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(blk.y * CM_N), uint(nout),
                              gl_CooperativeMatrixLayoutRowMajor);
             if (last) {
-                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(pc.output_act, acc[i][e]);
+                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
                 coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(blk.y * CM_N), uint(OUT_PAD),
                              gl_CooperativeMatrixLayoutRowMajor);
             } else {
-                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = r16(activate(pc.hidden_act, acc[i][e]));
+                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = r16(activate(HIDDEN_ACT, acc[i][e]));
                 ACC16_T h = ACC16_T(acc[i]);
                 coopMatStore(h, ACT, nxt + uint(blk.x * CM_M * nout + blk.y * CM_N), uint(nout),
                              gl_CooperativeMatrixLayoutRowMajor);

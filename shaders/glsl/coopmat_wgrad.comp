@@ -49,7 +49,7 @@ void main() {
             vec4 h = vec4(0.0);
             if (ck < K) {
                 if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(ck / 4)]);
-                else h = r16(activate4(pc.hidden_act, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
+                else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
             }
             for (uint c = 0u; c < 4u; ++c) {
                 DS[i * 4u + c] = float16_t(d[c]);

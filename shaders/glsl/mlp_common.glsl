@@ -1,8 +1,17 @@
 // Shared by every mmad GLSL kernel: fp16 rounding, activations, losses.
 // The host prepends #defines for the model's padded shapes (see backends/vulkan.py).
-// Activation and loss choices arrive as push constants (uniform branches), so that models
-// differing only in them share one pipeline; the loss scale and the rounding switch are
-// specialization constants.
+// Activation and loss choices are specialization constants on GPUs (the switches fold away
+// when the pipeline is created); a value of -1 means "read the push constant" instead, which
+// software devices use so that models differing only in them share one pipeline (lavapipe
+// spends seconds of LLVM time per pipeline). Kernels that use HIDDEN_ACT / OUTPUT_ACT /
+// LOSS_ID declare pc.hidden_act / pc.output_act / pc.loss_id in their push constants.
+
+layout(constant_id = 0) const int HIDDEN_ACT_SPEC = -1;
+layout(constant_id = 1) const int OUTPUT_ACT_SPEC = -1;
+layout(constant_id = 2) const int LOSS_ID_SPEC = -1;
+#define HIDDEN_ACT (HIDDEN_ACT_SPEC >= 0 ? HIDDEN_ACT_SPEC : pc.hidden_act)
+#define OUTPUT_ACT (OUTPUT_ACT_SPEC >= 0 ? OUTPUT_ACT_SPEC : pc.output_act)
+#define LOSS_ID (LOSS_ID_SPEC >= 0 ? LOSS_ID_SPEC : pc.loss_id)
 
 layout(constant_id = 3) const float LOSS_SCALE = 128.0;
 layout(constant_id = 5) const int ROUND_FP16 = 1;

@@ -30,7 +30,7 @@ void main() {
     uint cur = 0u, nxt = uint(R * KMAX);
     // predictions of the tile into the second buffer (the luminance needs whole rows)
     for (uint i = tid; i < uint(R * OUT_PAD / 4); i += uint(THREADS))
-        ACT4[nxt / 4u + i] = activate4(pc.output_act, Z4[zlast + row0 * uint(OUT_PAD / 4) + i]);
+        ACT4[nxt / 4u + i] = activate4(OUTPUT_ACT, Z4[zlast + row0 * uint(OUT_PAD / 4) + i]);
     barrier();
     float inv_count = 1.0 / (float(pc.n_rows) * float(pc.n_out));
     float loss_sum = 0.0;
@@ -50,10 +50,10 @@ void main() {
                 lum /= float(pc.n_out);
             }
             float target = Y4[(row * uint(OUT_PAD) + c) / 4u][c % 4u];
-            vec2 term = loss_term(pc.loss_id, pc.huber_delta, pred, target, lum);
+            vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, target, lum);
             loss_sum += term.x;
             float z = Z4[zlast + (row * uint(OUT_PAD) + c) / 4u][c % 4u];
-            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(pc.output_act, z));
+            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z));
         }
         ACT4[(cur + i) / 4u][i % 4u] = delta;
     }
@@ -81,7 +81,7 @@ void main() {
             [[unroll]] for (int r = 0; r < MR; ++r) {
                 uint row = uint(rt * MR + r);
                 uint at = zbase + (row0 + row) * uint(ncols4) + uint(ct);
-                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * MR + r] * activation_grad4(pc.hidden_act, Z4[at])) : vec4(0.0);
+                vec4 d = row0 + row < pc.n_rows ? r16(acc[j * MR + r] * activation_grad4(HIDDEN_ACT, Z4[at])) : vec4(0.0);
                 D4[at] = d;
                 ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = d;
             }

@@ -39,8 +39,8 @@ void main() {
                 uint row = uint(rt * MR + r);
                 vec4 z = acc[j * MR + r] + bias;
                 if (pc.store_z != 0u) Z4[zbase + (row0 + row) * uint(ncols4) + uint(ct)] = z;
-                if (last) OUT4[(row0 + row) * uint(OUT_PAD / 4) + uint(ct)] = activate4(pc.output_act, z);
-                else ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = r16(activate4(pc.hidden_act, z));
+                if (last) OUT4[(row0 + row) * uint(OUT_PAD / 4) + uint(ct)] = activate4(OUTPUT_ACT, z);
+                else ACT4[nxt / 4u + row * uint(ncols4) + uint(ct)] = r16(activate4(HIDDEN_ACT, z));
             }
         }
         uint t = cur; cur = nxt; nxt = t;

@@ -37,7 +37,7 @@ void main() {
         vec4 h = vec4(0.0);
         if (load_k < K) {
             if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(load_k / 4)]);
-            else h = r16(activate4(pc.hidden_act, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
+            else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
         }
         HS[tid] = h;
         barrier();
