@@ -15,7 +15,7 @@ rm -rf .devsrc && mkdir -p .devsrc/mmad && cp -r mmad/* .devsrc/mmad/
 for d in backends server shaders bench; do [ -e "$d" ] && ln -s "$PWD/$d" ".devsrc/mmad/$d"; done
 export PYTHONPATH=/tmp/site:$PWD/.devsrc
 export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
-export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=1
+export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-1}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py \
     --durations=10 >"$OUT/pytest.log" 2>&1
