@@ -21,6 +21,7 @@ from mmad.server.jobs import JobManager
 from mmad.server.metrics import Metrics
 from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.routers import ALL as ROUTERS
+from mmad.server.routers.models import InferFastPath
 from mmad.server.settings import Settings
 from mmad.server.store import Store
 from mmad.spec import MLPSpec
@@ -85,5 +86,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    app.add_middleware(InferFastPath, runtime=rt)  # added first: inside the body cap
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

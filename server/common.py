@@ -57,20 +57,25 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
                     media_type="application/json", headers=headers)
 
 
+def mmad_error_response(request: Request, exc: MMADError) -> Response:
+    """The response for an error of mmad's exception tree (status, Retry-After, WWW-Authenticate)."""
+    status = status_for(exc)
+    headers = {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if isinstance(exc, Unauthorized):
+        headers["WWW-Authenticate"] = "Bearer"
+    if status >= 500 and status != 503:
+        log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    return error_response(status, str(exc), headers)
+
+
 def install_error_handlers(app) -> None:
     """Every error leaves as ``{"error": ...}``; mmad's exception tree maps onto statuses here."""
 
     @app.exception_handler(MMADError)
     async def _mmad_error(request: Request, exc: MMADError) -> Response:
-        status = status_for(exc)
-        headers = {}
-        if isinstance(exc, Overloaded):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-        if isinstance(exc, Unauthorized):
-            headers["WWW-Authenticate"] = "Bearer"
-        if status >= 500 and status != 503:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc)
-        return error_response(status, str(exc), headers)
+        return mmad_error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -138,14 +143,14 @@ class Runtime:
     shutting_down: bool = False
 
 
-def runtime(request: Request) -> Runtime:
+async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync dependencies in a thread pool
     rt: Runtime = request.app.state.runtime
     if not rt.ready:
         raise NotReady("the daemon is starting or stopping")
     return rt
 
 
-def require_key(request: Request) -> None:
+async def require_key(request: Request) -> None:  # async: no thread hop per request
     """Dependency of every mutating endpoint: ``Authorization: Bearer <key>`` when a key is set."""
     expected = request.app.state.runtime.settings.api_key_value
     if expected is None:

@@ -9,6 +9,7 @@ devices.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 
 from mmad.server.settings import Settings
 
+log = logging.getLogger("mmad.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +38,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not create the demo model in an empty store")
     p.add_argument("--graceful-timeout", dest="graceful_timeout_s", type=float,
                    help="seconds to wait for in-flight requests at shutdown (default 30)")
+    p.add_argument("--blas-threads", type=int,
+                   help="threads of NumPy's BLAS (MMAD_BLAS_THREADS, default 1; 0 keeps the library's own)")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"),
+                   help="uvicorn event loop (MMAD_LOOP, default auto: uvloop when installed)")
+    p.add_argument("--http", choices=("auto", "h11", "httptools"),
+                   help="uvicorn HTTP parser (MMAD_HTTP, default auto: httptools when installed)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help="(MMAD_LOG_LEVEL)")
     return p
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Cap the BLAS thread pool of this process (0: leave it as the library set it).
+
+    The event loop needs a core of its own: with OpenBLAS's default threads, a forward over a
+    batch of a few hundred rows (what dynamic batching builds) ran up to 100x slower on a busy
+    2-core machine (docs/service-performance.md). Applied at run time with threadpoolctl, which
+    sees only libraries already loaded, hence the NumPy import.
+    """
+    if threads <= 0:
+        return
+    import numpy  # noqa: F401
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    threadpool_limits(limits=threads, user_api="blas")
+    limited = sorted({i["internal_api"] for i in threadpool_info() if i.get("user_api") == "blas"})
+    if limited:
+        log.info("BLAS (%s) limited to %d thread(s)", ", ".join(limited), threads)
+    else:
+        log.warning("--blas-threads %d: NumPy loaded no BLAS library that can be limited", threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    limit_blas_threads(settings.blas_threads)
     import uvicorn
 
     from mmad.server.app import create_app
@@ -57,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     runtime = app.state.runtime
 
     class GracefulServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            # what start-up loaded (modules, the app, the models) lives as long as the daemon;
+            # frozen, the collector's full passes skip it: they paused requests ~50 ms before
+            gc.freeze()
+
         def handle_exit(self, sig, frame) -> None:
             # stop jobs first: their SSE streams are in-flight requests the drain would wait for
             runtime.shutting_down = True
@@ -66,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            loop=settings.loop, http=settings.http,
                             timeout_graceful_shutdown=settings.graceful_timeout_s, lifespan="on",
                             access_log=settings.log_level == "debug")
     server = GracefulServer(config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -39,6 +40,10 @@ class Settings(BaseSettings):
     demo: bool = True
     log_level: str = "info"
     graceful_timeout_s: float = Field(30.0, ge=0)
+    # serving performance: docs/service-performance.md has the measurements behind the defaults
+    blas_threads: int = Field(1, ge=0, description="threads of NumPy's BLAS library (0: its own default)")
+    loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
+    http: Literal["auto", "h11", "httptools"] = Field("auto", description="uvicorn HTTP parser")
 
     @field_validator("backend", "api_key", mode="before")
     @classmethod

@@ -14,7 +14,8 @@ from mmad.server.binary import (
     InferRequest, encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
 )
 from mmad.server.common import (
-    Runtime, json_body, json_response, read_tensor_body, require_key, runtime, status_for,
+    NotReady, Runtime, json_body, json_response, mmad_error_response, read_tensor_body, require_key,
+    runtime, status_for,
 )
 from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
@@ -88,12 +89,22 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return data
 
 
+# Work on a small body or output runs inline on the event loop: a hop to the compute threads
+# costs more than the work, and under load the hops queue behind each other and behind the
+# batches (GIL hand-offs). Larger JSON parsing and encoding go to the threads so that they never
+# stall the loop. Binary tensors are views of the body (np.frombuffer): cheap at any size.
+INLINE_JSON_BYTES = 64 * 1024
+INLINE_OUTPUT_VALUES = 16 * 1024
+
+
 async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
     body = await read_tensor_body(request)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         body = await rt.registry.run(decompress, body, encoding, rt.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get("inference-header-content-length"), len(body))
+    if (len(body) if header_length is None else header_length) <= INLINE_JSON_BYTES:
+        return parse_infer_request(body, header_length)
     return await rt.registry.run(parse_infer_request, body, header_length)
 
 
@@ -168,7 +179,10 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         header = {"model_name": model, "model_version": version or registry.latest_version(model)}
         if parsed.id is not None:
             header["id"] = parsed.id
-        body, header_length = await registry.run(encode_infer_response, header, [(o, out) for o in outputs])
+        if out.size <= INLINE_OUTPUT_VALUES:
+            body, header_length = encode_infer_response(header, [(o, out) for o in outputs])
+        else:
+            body, header_length = await registry.run(encode_infer_response, header, [(o, out) for o in outputs])
     except MMADError as exc:
         if stats is not None:
             with stats.lock:
@@ -186,6 +200,40 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         stats.compute_output.add(t3 - t2)
     rt.metrics.queue_seconds.labels(*labels).observe(queue_ns / 1e9)
     return tensor_response(body, header_length)
+
+
+class InferFastPath:
+    """ASGI middleware: ``POST /v2/models/{m}/infer`` straight to its handler.
+
+    Infer is the hot path, and FastAPI's routing (a match against every route), dependency
+    resolution and exception middleware cost more CPU than the work of a small request. This
+    calls the same handler (:func:`_infer`) with the same error mapping; every other path, and
+    infer pinned to a version, goes through FastAPI. The route below stays declared for the
+    OpenAPI schema (docs/service-performance.md has the measurements).
+    """
+
+    PREFIX, SUFFIX = "/v2/models/", "/infer"
+
+    def __init__(self, app, runtime: Runtime):
+        self.app = app
+        self.rt = runtime
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path.startswith(self.PREFIX) and path.endswith(self.SUFFIX):
+                model = path[len(self.PREFIX):-len(self.SUFFIX)]
+                if model and "/" not in model:
+                    request = Request(scope, receive)
+                    try:
+                        if not self.rt.ready:
+                            raise NotReady("the daemon is starting or stopping")
+                        response = await _infer(request, self.rt, model, None)
+                    except MMADError as exc:
+                        response = mmad_error_response(request, exc)
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 @router.post("/v2/models/{model}/infer")
