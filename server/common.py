@@ -52,6 +52,49 @@ def status_for(exc: MMADError) -> int:
     return 500
 
 
+ERROR_BODY_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+ERROR_STATUSES = {
+    400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
+    404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
+    413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
+}
+# Documented on every route (routers pass it to APIRouter): any route can meet the body cap,
+# a daemon that is not ready yet, or bad input; OpenAPI clients and fuzzers rely on the list.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"description": what, "content": {"application/json": {"schema": ERROR_BODY_SCHEMA}},
+             **({"headers": {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}}
+                if status == 503 else {})}
+    for status, what in ERROR_STATUSES.items()
+}
+
+
+# OpenAPI descriptions of the bodies routes read themselves (raw Request), so that clients and
+# fuzzers see what is accepted: OIP v2 inference requests as JSON or binary tensor extension.
+_OIP_TENSOR = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
+    "name": {"type": "string"}, "datatype": {"type": "string", "enum": ["FP32", "FP16"]},
+    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "data": {"type": "array", "items": {"type": "number"}},
+    "parameters": {"type": "object", "properties": {"binary_data_size": {"type": "integer", "minimum": 0}}}}}
+_OIP_REQUEST = {"type": "object", "required": ["inputs"], "properties": {
+    "id": {"type": "string"}, "parameters": {"type": "object"},
+    "inputs": {"type": "array", "minItems": 1, "items": _OIP_TENSOR},
+    "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "parameters": {"type": "object"}}}}}}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+TENSOR_REQUEST_DOC: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": _OIP_REQUEST},
+                                                  "application/octet-stream": _BINARY}},
+    "parameters": [{"name": "Inference-Header-Content-Length", "in": "header", "required": False,
+                    "description": "binary tensor extension: bytes of JSON header before the tensors",
+                    "schema": {"type": "integer"}}],
+}
+BINARY_REQUEST_DOC: dict[str, Any] = {
+    "requestBody": {"required": True, "content": {"application/octet-stream": _BINARY}}}
+TENSOR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "JSON, or the binary tensor extension (Inference-Header-Content-Length)",
+          "content": {"application/json": {}, "application/octet-stream": _BINARY}}}
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps({"error": message}), status_code=status,
                     media_type="application/json", headers=headers)
@@ -61,8 +104,8 @@ def mmad_error_response(request: Request, exc: MMADError) -> Response:
     """The response for an error of mmad's exception tree (status, Retry-After, WWW-Authenticate)."""
     status = status_for(exc)
     headers = {}
-    if isinstance(exc, Overloaded):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if status == 503:  # overloaded, not ready, unloading: every 503 says when to retry
+        headers["Retry-After"] = str(max(1, round(getattr(exc, "retry_after_s", 1.0))))
     if isinstance(exc, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     if status >= 500 and status != 503:

@@ -388,6 +388,8 @@ class Registry:
     def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray) -> np.ndarray:
         """Forward through an immutable stored version (compiled copy cached per version)."""
         with entry.pinned_lock:
+            if not entry.ready:  # unloaded meanwhile: its pinned copies were freed, do not compile one
+                raise ModelNotReady(entry.name)
             compiled = entry.pinned.get(version)
             if compiled is None:
                 params, _ = self.store.load_version(entry.name, version)

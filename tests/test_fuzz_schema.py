@@ -37,7 +37,7 @@ from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 MIN_REQUESTS = 2000
 TIME_BUDGET_S = 150.0
-EXAMPLES_PER_PASS = 80
+EXAMPLES_PER_PASS = 60
 CHECKS = [not_a_server_error, openapi_checks.status_code_conformance, openapi_checks.content_type_conformance,
           openapi_checks.response_headers_conformance, openapi_checks.response_schema_conformance]
 DEMO_SPEC_URL = "/v2/models/demo"

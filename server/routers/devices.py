@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from mmad.server.common import Runtime, json_response, runtime
+from mmad.server.common import ERROR_RESPONSES, Runtime, json_response, runtime
 
-router = APIRouter(tags=["devices"])
+router = APIRouter(tags=["devices"], responses=ERROR_RESPONSES)
 
 
 @router.get("/v2/devices")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 import mmad
-from mmad.server.common import NotReady, json_response
+from mmad.server.common import ERROR_RESPONSES, NotReady, json_response
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=ERROR_RESPONSES)
 
 EXTENSIONS = [
     "binary_tensor_data", "model_repository", "statistics", "model_configuration",

@@ -5,13 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from mmad.server.common import Runtime, json_body, json_response, require_key, runtime
+from mmad.server.common import ERROR_RESPONSES, Runtime, json_body, json_response, require_key, runtime
 from mmad.server.jobs import JobRequest
 
-router = APIRouter(tags=["jobs"])
+router = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
 
 
-@router.post("/v2/models/{model}/jobs", dependencies=[Depends(require_key)], status_code=202)
+@router.post("/v2/models/{model}/jobs", dependencies=[Depends(require_key)], status_code=202,
+             openapi_extra={"requestBody": {"required": True, "content": {
+                 "application/json": {"schema": JobRequest.model_json_schema()}}}})
 async def start_job(model: str, request: Request, rt: Runtime = Depends(runtime)):
     job_request = JobRequest.parse(json_body(await request.body()))
     job = await rt.jobs.start(model, job_request)
@@ -28,7 +30,8 @@ async def cancel_job(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     return json_response(rt.jobs.cancel(model, job_id).status())
 
 
-@router.get("/v2/models/{model}/jobs/{job_id}/events")
+@router.get("/v2/models/{model}/jobs/{job_id}/events",
+            responses={200: {"description": "Server-Sent Events", "content": {"text/event-stream": {}}}})
 async def job_events(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     job = rt.jobs.get(model, job_id)
     return StreamingResponse(job.events(), media_type="text/event-stream",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from mmad.server.common import Runtime, json_response, runtime
+from mmad.server.common import ERROR_RESPONSES, Runtime, json_response, runtime
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(tags=["metrics"], responses=ERROR_RESPONSES)
 
 
-@router.get("/metrics")
+@router.get("/metrics", responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}})
 async def prometheus(rt: Runtime = Depends(runtime)):
     body, content_type = rt.metrics.render()
     return Response(body, media_type=content_type)

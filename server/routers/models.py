@@ -14,14 +14,15 @@ from mmad.server.binary import (
     InferRequest, encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
 )
 from mmad.server.common import (
-    NotReady, Runtime, json_body, json_response, mmad_error_response, read_tensor_body, require_key,
-    runtime, status_for,
+    BINARY_REQUEST_DOC, ERROR_RESPONSES, NotReady, Runtime, TENSOR_REQUEST_DOC, TENSOR_RESPONSES,
+    json_body, json_response, mmad_error_response, read_tensor_body, require_key, runtime,
+    status_for,
 )
-from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
+from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry, ModelNotReady
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.spec import MLPSpec
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], responses=ERROR_RESPONSES)
 
 CREATE_BODY_SCHEMA = {
     "type": "object", "required": ["spec"],
@@ -169,7 +170,10 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         outputs = requested_outputs(parsed, (OUTPUT,))
         t1 = time.perf_counter_ns()
         if version is None:
-            result = await entry.batcher.submit(x)
+            batcher = entry.batcher  # None once an unload that began while the body was read finished
+            if batcher is None:
+                raise ModelNotReady(model)
+            result = await batcher.submit(x)
             out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
         else:
             out = await registry.run(registry.forward_pinned, entry, version, x)
@@ -236,12 +240,13 @@ class InferFastPath:
         await self.app(scope, receive, send)
 
 
-@router.post("/v2/models/{model}/infer")
+@router.post("/v2/models/{model}/infer", openapi_extra=TENSOR_REQUEST_DOC, responses=TENSOR_RESPONSES)
 async def infer(model: str, request: Request, rt: Runtime = Depends(runtime)):
     return await _infer(request, rt, model, None)
 
 
-@router.post("/v2/models/{model}/versions/{version}/infer")
+@router.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=TENSOR_REQUEST_DOC,
+             responses=TENSOR_RESPONSES)
 async def infer_version(model: str, version: str, request: Request, rt: Runtime = Depends(runtime)):
     return await _infer(request, rt, model, version)
 
@@ -288,7 +293,8 @@ async def checkpoint(model: str, rt: Runtime = Depends(runtime)):
     return json_response(version)
 
 
-@router.get("/v2/models/{model}/weights")
+@router.get("/v2/models/{model}/weights",
+            responses={200: {"description": "safetensors", "content": {"application/octet-stream": {}}}})
 async def get_weights(model: str, version: str | None = None, rt: Runtime = Depends(runtime)):
     """A stored version's safetensors file (``?version=``), else the live weights right now."""
     registry = rt.registry
@@ -306,7 +312,7 @@ async def get_weights(model: str, version: str | None = None, rt: Runtime = Depe
     return Response(data, media_type="application/octet-stream", headers={"Mmad-Step": str(step)})
 
 
-@router.put("/v2/models/{model}/weights", dependencies=[Depends(require_key)])
+@router.put("/v2/models/{model}/weights", dependencies=[Depends(require_key)], openapi_extra=BINARY_REQUEST_DOC)
 async def set_weights(model: str, request: Request, rt: Runtime = Depends(runtime)):
     entry = rt.registry.get_ready(model)
     params = tensors_from_bytes(await request.body(), "the body")

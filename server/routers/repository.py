@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput
-from mmad.server.common import Runtime, json_body, json_response, require_key, runtime
+from mmad.server.common import ERROR_RESPONSES, Runtime, json_body, json_response, require_key, runtime
 
-router = APIRouter(tags=["repository"])
+router = APIRouter(tags=["repository"], responses=ERROR_RESPONSES)
 
 
 @router.post("/v2/repository/index")

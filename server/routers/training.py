@@ -6,18 +6,18 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput, MMADError
-from mmad.server.common import Runtime, json_response, require_key, runtime, status_for
+from mmad.server.common import BINARY_REQUEST_DOC, ERROR_RESPONSES, TENSOR_REQUEST_DOC, Runtime, json_response, require_key, runtime, status_for
 from mmad.server.jobs import JobManager
 from mmad.server.registry import INPUT, TARGET
 from mmad.server.routers.models import model_tensors, parse_tensors
 from mmad.server.store import check_model_name, tensors_from_bytes
 
-router = APIRouter(tags=["training"])
+router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)
 
 MAX_STEPS_PER_REQUEST = 100_000
 
 
-@router.post("/v2/models/{model}/train", dependencies=[Depends(require_key)])
+@router.post("/v2/models/{model}/train", dependencies=[Depends(require_key)], openapi_extra=TENSOR_REQUEST_DOC)
 async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
     """``parameters.steps`` optimizer steps on INPUT/TARGET (JSON or binary tensors); returns the losses."""
     labels = (check_model_name(model), rt.registry.backend_label)
@@ -40,7 +40,7 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
     return json_response({"losses": losses, "step": step, "model_name": model})
 
 
-@router.post("/v2/models/{model}/datasets", dependencies=[Depends(require_key)])
+@router.post("/v2/models/{model}/datasets", dependencies=[Depends(require_key)], openapi_extra=BINARY_REQUEST_DOC)
 async def upload_dataset(model: str, request: Request, rt: Runtime = Depends(runtime)):
     """A safetensors file with ``x`` [rows, n_input_dims] and ``y`` [rows, n_output_dims]."""
     entry = rt.registry.get(model)
