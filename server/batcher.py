@@ -6,6 +6,13 @@ collecting until ``max_batch_rows`` rows are gathered or the oldest has waited
 event loop) and hands every request its own slice of the output. A request larger than
 ``max_batch_rows`` runs alone (batch size is never restricted). A full queue refuses new work
 with :class:`~mmad.errors.Overloaded` (HTTP 503 with Retry-After).
+
+Keeping the device busy: requests that arrive while a batch runs queue up; when it finishes,
+the worker launches the next batch (due already: its oldest request waited through the run)
+*before* it hands out the finished batch's results, so the compute thread works on batch n+1
+while the event loop encodes and sends the responses of batch n. Bookkeeping is O(1) per
+request: queued rows are counted as they arrive, and one timer per batch replaces a wake-up
+per arrival.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ class Batcher:
         self._executor = executor
         self._on_batch = on_batch  # (rows, requests, compute_ns), for statistics and metrics
         self._pending: collections.deque[_Pending] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._pending_rows = 0
+        self._wake = asyncio.Event()  # a first arrival, a full batch, the delay timer, or stop()
         self._task: asyncio.Task | None = None
         self._stopping = False
 
@@ -73,14 +81,13 @@ class Batcher:
     async def stop(self) -> None:
         """Run what is queued (without waiting for more), then stop; later submits get 503."""
         self._stopping = True
-        self._arrived.set()
+        self._wake.set()
         if self._task is not None:
             await self._task
             self._task = None
-        while self._pending:
-            item = self._pending.popleft()
-            if not item.future.done():
-                item.future.set_exception(Overloaded(f"model {self.name!r} is being unloaded"))
+        self._fail(list(self._pending), Overloaded(f"model {self.name!r} is being unloaded"))
+        self._pending.clear()
+        self._pending_rows = 0
 
     async def submit(self, x: np.ndarray) -> BatchResult:
         if self._stopping:
@@ -93,8 +100,39 @@ class Batcher:
             self.start()
         future = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(x, future, time.perf_counter_ns()))
-        self._arrived.set()
+        self._pending_rows += x.shape[0]
+        if len(self._pending) == 1 or self._pending_rows >= self.limits.max_batch_rows:
+            self._wake.set()
         return await future
+
+    def _due_in(self) -> float:
+        """Seconds until the queued requests should run (0: now)."""
+        if self._stopping or self._pending_rows >= self.limits.max_batch_rows:
+            return 0.0
+        deadline_ns = self._pending[0].enqueued_ns + self.limits.max_queue_delay_us * 1000
+        return max(0.0, (deadline_ns - time.perf_counter_ns()) / 1e9)
+
+    async def _wait_until_due(self) -> None:
+        """Wait for a first request, then until a full batch is queued or the oldest's delay passed.
+
+        One timer, never re-armed: event loops round timers to milliseconds (uvloop rounds a
+        sub-millisecond delay down to 0), so re-checking the clock after each wake-up would spin
+        the loop. The delay is an upper bound; a batch may start a little before it.
+        Returns with nothing queued only when stopping.
+        """
+        while not self._pending:
+            if self._stopping:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+        left = self._due_in()
+        if left > 0:
+            self._wake.clear()
+            timer = asyncio.get_running_loop().call_later(left, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
     def _take_batch(self) -> list[_Pending]:
         batch, rows = [], 0
@@ -102,50 +140,54 @@ class Batcher:
             item = self._pending[0]
             if item.future.done():  # the client went away
                 self._pending.popleft()
+                self._pending_rows -= item.x.shape[0]
                 continue
             if batch and rows + item.x.shape[0] > self.limits.max_batch_rows:
                 break
             batch.append(self._pending.popleft())
             rows += item.x.shape[0]
+        self._pending_rows -= rows
         return batch
 
-    async def _gather(self) -> None:
-        """Wait until a full batch is queued or the oldest request's delay has passed."""
-        delay_ns = self.limits.max_queue_delay_us * 1000
-        while self._pending and not self._stopping:
-            rows = sum(p.x.shape[0] for p in self._pending)
-            left_ns = self._pending[0].enqueued_ns + delay_ns - time.perf_counter_ns()
-            if rows >= self.limits.max_batch_rows or left_ns <= 0:
-                return
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left_ns / 1e9)
-            except asyncio.TimeoutError:
-                return
+    @staticmethod
+    def _fail(batch: list[_Pending], exc: BaseException) -> None:
+        for p in batch:
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    def _launch(self, batch: list[_Pending]) -> tuple[list[_Pending], np.ndarray, int, asyncio.Future]:
+        """Start a batch on the compute threads: (batch, input, start time, future of the output)."""
+        x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
+        start_ns = time.perf_counter_ns()
+        return batch, x, start_ns, asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
 
     async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
+        running = None
         while True:
-            if not self._pending:
-                if self._stopping:
+            if running is None:
+                await self._wait_until_due()
+                if not self._pending:  # stopping, and everything queued has run
                     return
-                self._arrived.clear()
-                await self._arrived.wait()
+                batch = self._take_batch()
+                if batch:
+                    running = self._launch(batch)
                 continue
-            await self._gather()
-            batch = self._take_batch()
-            if not batch:
-                continue
-            start_ns = time.perf_counter_ns()
-            x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
+            batch, x, start_ns, future = running
             try:
-                out = await loop.run_in_executor(self._executor, self._run, x)
+                out = await future
+            except asyncio.CancelledError:  # the loop is going away: nobody will hand these out
+                self._fail(batch, Overloaded(f"model {self.name!r} is being unloaded"))
+                raise
             except Exception as exc:  # every request of the batch gets the error
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+                running = None
+                self._fail(batch, exc)
                 continue
             compute_ns = time.perf_counter_ns() - start_ns
+            running = None
+            if self._pending and self._due_in() <= 0:  # due: start it before handing out
+                following = self._take_batch()
+                if following:
+                    running = self._launch(following)
             if self._on_batch is not None:
                 self._on_batch(x.shape[0], len(batch), compute_ns)
             offset = 0
