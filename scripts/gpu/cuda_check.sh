@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   scripts/gpu/cuda_check.sh [phase ...]    phases: env tests sass nvmath serve bench (default: all)
+#   scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench
+#   (default: env wgmma sass serve bench tests; `wgmma` is issue 7's never-yet-run forward kernel:
+#   probe, SASS, compute-sanitizer, its tests, its bench, all under MMAD_CUDA_WGMMA=1)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
 # is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-PHASES=${*:-"env sass serve bench tests"}
+PHASES=${*:-"env wgmma sass serve bench tests"}
 export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
 
 # the repo is not installed there: map the namespaced import names (mmad.backends -> backends/)
@@ -49,6 +51,70 @@ for model, counts in mix.items():
     print(model, " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("mlp_optimize")))
 PY
       rm -f "$OUT"/sass/*.sass.txt.gz; tar czf "$OUT/sass.tgz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;
+    wgmma)
+      # everything lands in one folder, tarred at the end (the device tool returns few files)
+      W="$OUT/wgmma"; mkdir -p "$W"
+      ( export MMAD_CUDA_WGMMA=1
+        CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+        SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+        echo "--- wgmma probe (nvcc: $(command -v nvcc || echo /usr/local/cuda/bin/nvcc))"
+        python3 -c "from mmad.backends.cuda import CudaBackend
+for r in CudaBackend().probe(): print(r.variant, r.available, '|', r.reason, r.details)" 2>&1 | tee "$W/probe.log"
+        echo "--- wgmma SASS (per model: wgmma_forward's HGMMA, local memory LDL/STL, warpgroup syncs)"
+        timeout 180 python3 - "$W" "$CUOBJDUMP" <<'PY' 2>&1 | tee "$W/sass.log"
+import collections, re, subprocess, sys
+from pathlib import Path
+from mmad.backends import cuda
+from mmad.spec import bench_spec
+out, cuobjdump = Path(sys.argv[1]), sys.argv[2]
+for name in "SMLW":
+    plan = cuda.WgmmaPlan(bench_spec(name))
+    cubin = out / f"wgmma_{name}.cubin"
+    cubin.write_bytes(cuda.nvcc_compile(plan.source, cuda.WGMMA_NVCC_OPTIONS, name))
+    dump = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True)
+    (out / f"wgmma_{name}.sass.txt").write_text(dump.stdout + dump.stderr)
+    ops, fn = collections.Counter(), "?"
+    for line in dump.stdout.splitlines():
+        m = re.search(r"Function : (\w+)", line)
+        if m:
+            fn = m.group(1)
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and fn == "wgmma_forward":
+            op = m.group(1)
+            ops[op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
+    keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
+    print(name, f"resident={plan.w_resident} staged={plan.input_staged} smem={plan.smem_bytes}",
+          " ".join(f"{k}={ops[k]}" for k in keys), f"total={sum(ops.values())}",
+          "" if dump.stdout else f"cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}")
+PY
+        echo "--- compute-sanitizer (memcheck, racecheck, synccheck) on S and W forward, 1000 rows"
+        for tool in memcheck racecheck synccheck; do
+          timeout 120 "$SANITIZER" --tool $tool --error-exitcode 3 python3 -c "
+import numpy as np
+from mmad.backends.cuda import CudaBackend
+from mmad.spec import bench_spec
+b = CudaBackend()
+for name in 'SW':
+    m = b.compile(bench_spec(name), variant='wgmma')
+    out = m.forward(np.random.default_rng(0).standard_normal((1000, m.spec.n_input_dims), dtype=np.float32))
+    print(name, 'finite' if np.isfinite(out).all() else 'NOT FINITE')" > "$W/sanitizer_$tool.log" 2>&1
+          echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|finite' "$W/sanitizer_$tool.log" | tr '\n' ' ')"
+        done
+        echo "--- wgmma tests (a quick slice first, then the whole file)"
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
+          -k "rows1000 and ReLU or odd or training or gate" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
+        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
+        grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
+        timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
+          tests/test_cuda_wgmma.py --timeout 200 -v --tb=short -rfEs > "$W/pytest.log" 2>&1
+        echo "full rc=$?: $(tail -n 1 "$W/pytest.log")"
+        grep -E "(FAILED|ERROR) " "$W/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
+        grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
+        echo "--- wgmma bench (training is the mma kernels'; compare forward with the bench phase's mma rows)"
+        timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$W" --variant wgmma --repeats 30 > "$W/bench.log" 2>&1
+        echo "bench wgmma rc=$?"; tail -n 7 "$W/bench.log"
+      ) 2>&1 | tee -a "$SUMMARY"
+      rm -f "$W"/*.cubin; tar czf "$OUT/wgmma.tgz" -C "$OUT" wgmma && rm -rf "$W" ;;
     nvmath)
       python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
