@@ -458,7 +458,7 @@ class Bench:
     def start_daemon(self, extra: list[str]) -> Service:
         port = free_port()
         argv = [sys.executable, "-m", "mmad.server.main", "--host", HOST, "--port", str(port),
-                "--store", str(self.workdir / f"store-{port}"), "--backend", "cpu", "--no-demo",
+                "--store", str(self.workdir / f"store-{port}"), "--backend", "cpu", "--probe", "cpu", "--no-demo",
                 "--log-level", "warning", *extra]
         service = Service(f"daemon-{port}", argv, port, "/v2/health/ready", self.workdir)
         self.services.append(service)
