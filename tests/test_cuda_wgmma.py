@@ -225,6 +225,13 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
         assert cubin[:4] == b"\x7fELF"
 
 
+def test_probe_kernel_assembles():
+    if cuda.find_nvcc() is None:
+        pytest.skip("nvcc is not installed here: the probe kernel is only assembled where it is")
+    source = read_source("cuda/wgmma_layout.cuh") + cuda._WGMMA_PROBE_KERNEL
+    assert cuda.nvcc_compile(source, cuda.WGMMA_NVCC_OPTIONS, "probe")[:4] == b"\x7fELF"
+
+
 # -- GPU -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def wgmma_backend():
@@ -379,3 +386,45 @@ def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     assert cache.stats.hits == misses == 2
     x = np.random.default_rng(1).standard_normal((10, spec.n_input_dims), dtype=np.float32)
     assert np.isfinite(model.forward(x)).all()
+
+
+# -- CPU: the probe's gate, on a stand-in for CuPy and the device --------------------------------
+def _fake_device(monkeypatch, cc):
+    from types import SimpleNamespace
+
+    runtime = SimpleNamespace(getDeviceCount=lambda: 1, driverGetVersion=lambda: 13000, runtimeGetVersion=lambda: 13020)
+    fake_cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), __version__="stand-in")
+    info = {"name": "stand-in GPU", "cc": cc, "sm_count": 132, "smem_per_sm": 228 * 1024,
+            "smem_optin": 227 * 1024, "regs_per_sm": 65536}
+    monkeypatch.setattr(cuda, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cuda, "device_info", lambda cp: info)
+    monkeypatch.setattr(cuda, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cuda, "cublaslt_availability", lambda: (False, "not here", ""))
+
+
+@pytest.mark.parametrize(("cc", "env", "check", "available", "reason"), [
+    ((9, 0), None, None, False, cuda.WGMMA_UNVERIFIED),
+    ((9, 0), "0", None, False, cuda.WGMMA_UNVERIFIED),
+    ((9, 0), "1", (True, ""), True, ""),
+    ((9, 0), "1", (False, "nvcc exit 1: boom"), False, "the sm_90a wgmma check failed: nvcc exit 1: boom"),
+    ((8, 9), "1", None, False, "wgmma needs compute capability 9.0 (sm_90a); this GPU is 8.9"),
+])
+def test_probe_gate(monkeypatch, cc, env, check, available, reason):
+    _fake_device(monkeypatch, cc)
+    if env is None:
+        monkeypatch.delenv(cuda.WGMMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cuda.WGMMA_ENV, env)
+    calls = []
+
+    def fake_check():
+        calls.append(1)
+        return check
+
+    monkeypatch.setattr(cuda, "_nvcc_runs_wgmma", fake_check)
+    rows = {r.variant: r for r in cuda.CudaBackend().probe()}
+    assert (rows["wgmma"].available, rows["wgmma"].reason) == (available, reason)
+    assert len(calls) == (check is not None)  # the run check happens only behind the gate
+    assert rows["mma"].available  # the mma row is untouched by the gate
+    if available:
+        assert {s.n for s in rows["wgmma"].mma_shapes} == {8, 16, 32, 64, 128, 256}
