@@ -68,7 +68,8 @@ WGMMA_UNVERIFIED = "wgmma kernels have not been verified on hardware yet; set MM
 WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
 WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
-WGMMA_THREADS = 128  # one warpgroup per block
+WGMMA_THREADS = 128  # one warpgroup
+WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"  # forces 1 or 2 warpgroups per block
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
 
@@ -707,9 +708,11 @@ class WgmmaPlan:
     images sit back to back, each on a 1024-byte boundary.
     """
 
-    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT):
+    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None):
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
+        if warpgroups not in (None, 1, 2):
+            raise SpecError("warpgroups", f"the wgmma kernel runs 1 or 2 warpgroups per block; got {warpgroups!r}")
         self.spec = spec
         self.nin = spec.n_encoded_dims
         self.kin_p = next_pow2(self.nin, 16)
@@ -728,31 +731,36 @@ class WgmmaPlan:
         self.w_total_bytes = offset
         self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
         self.b_total = self.n_hidden * self.wp + self.nout_p
-        self._plan_shared_memory(smem_limit)
+        self._plan_shared_memory(smem_limit, warpgroups)
         self.source = self._source()
 
-    def _plan_shared_memory(self, limit: int) -> None:
-        """Resident weights before streamed ones, then a prefetched input tile if it still fits."""
-        a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
+    def _plan_shared_memory(self, limit: int, warpgroups: int | None) -> None:
+        """The first that fits of: resident weights shared by two warpgroups (each with its own
+        input tile, prefetched if room), by one warpgroup, then one layer's weights at a time
+        (one warpgroup: the stage is refilled for every layer of every tile)."""
+        self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
+        self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
         b_bytes = _align(self.b_total * 4)
-        x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
         stage = max(_align(n * k * 2) for _, _, k, n, _, _ in self.layers)
+        choices = [(True, wgs, staged) for wgs in (2, 1) for staged in (True, False)]
+        choices += [(False, 1, True), (False, 1, False)]
         tried = []
-        for resident in (True, False):
-            for staged in (True, False):
-                w_bytes = self.w_total_bytes if resident else stage
-                total = w_bytes + a_bytes + b_bytes + (x_bytes if staged else 0) + WGMMA_ALIGN
-                tried.append(total)
-                if total <= limit:
-                    self.w_resident, self.input_staged = resident, staged
-                    self.sm_a_off = w_bytes
-                    self.sm_b_off = w_bytes + a_bytes
-                    self.sm_x_off = w_bytes + a_bytes + b_bytes
-                    self.smem_bytes = total
-                    return
+        for resident, wgs, staged in choices:
+            if warpgroups is not None and wgs != warpgroups:
+                continue
+            w_bytes = self.w_total_bytes if resident else stage
+            total = w_bytes + wgs * self.a_bytes + b_bytes + (wgs * self.x_bytes if staged else 0) + WGMMA_ALIGN
+            tried.append(total)
+            if total <= limit:
+                self.w_resident, self.warpgroups, self.input_staged = resident, wgs, staged
+                self.sm_a_off = w_bytes
+                self.sm_b_off = w_bytes + wgs * self.a_bytes
+                self.sm_x_off = self.sm_b_off + b_bytes
+                self.smem_bytes = total
+                return
         raise SpecError("network.n_neurons",
                         f"the cuda wgmma variant needs {min(tried)} bytes of shared memory for this model "
-                        f"even with one layer's weights at a time; the limit is {limit}")
+                        f"({warpgroups or 'any number of'} warpgroups); the limit is {limit}")
 
     def smem_layouts(self) -> list[L.LinearLayout]:
         """Each layer's weight image: offset (halves) -> (row = n, col = k)."""
@@ -829,12 +837,13 @@ class WgmmaPlan:
             "NHID": self.n_hidden, "NOUT": s.n_output_dims, "NOUT_P": self.nout_p,
             "ACT": ACT_CODES[s.activation], "OUT_ACT": ACT_CODES[s.output_activation],
             "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f"{float(np.float32(s.huber_delta))!r}f",
-            "W_RESIDENT": int(self.w_resident), "INPUT_STAGED": int(self.input_staged),
+            "W_RESIDENT": int(self.w_resident), "INPUT_STAGED": int(self.input_staged), "WGS": self.warpgroups,
             "W_BYTES0": self.layers[0][2] * self.layers[0][3] * 2,
             "W_OFF1": self.layers[1][5] if self.n_hidden > 1 else 0,
             "W_HID_STRIDE": _align(self.wp * self.wp * 2),
             "W_OFF_OUT": self.layers[-1][5], "W_TOTAL_BYTES": self.w_total_bytes, "B_TOTAL": self.b_total,
-            "SM_A_OFF": self.sm_a_off, "SM_B_OFF": self.sm_b_off, "SM_X_OFF": self.sm_x_off,
+            "SM_A_OFF": self.sm_a_off, "A_BYTES": self.a_bytes, "SM_B_OFF": self.sm_b_off,
+            "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes,
         }
         head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
@@ -852,7 +861,10 @@ class CudaWgmmaModel(CudaMmaModel):
     variant = "wgmma"
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
-        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"])
+        forced = os.environ.get(WGMMA_WARPGROUPS_ENV)  # for measuring 1 against 2 on the GPU
+        if forced not in (None, "", "1", "2"):
+            raise SpecError("warpgroups", f"{WGMMA_WARPGROUPS_ENV} must be 1 or 2; got {forced!r}")
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=int(forced) if forced else None)
         self._wg_stale = True
         super().__init__(spec, cp, info, cache)
         self._wg_module = self._build_wgmma(cache)
@@ -883,9 +895,10 @@ class CudaWgmmaModel(CudaMmaModel):
                 fwd.max_dynamic_shared_size_bytes = self.wg.smem_bytes
         except _device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-        regs_per_block = math.ceil(max(int(fwd.num_regs), 1) * 32 / 256) * 256 * (WGMMA_THREADS // 32)
+        threads = WGMMA_THREADS * self.wg.warpgroups
+        regs_per_block = math.ceil(max(int(fwd.num_regs), 1) * 32 / 256) * 256 * (threads // 32)
         per_sm = min(self.info["regs_per_sm"] // regs_per_block,
-                     self.info["smem_per_sm"] // (self.wg.smem_bytes + 1024), 2048 // WGMMA_THREADS)
+                     self.info["smem_per_sm"] // (self.wg.smem_bytes + 1024), 2048 // threads)
         self.wg_grid = max(1, per_sm) * self.info["sm_count"]
         return module
 
@@ -914,7 +927,8 @@ class CudaWgmmaModel(CudaMmaModel):
                 dx = dx.copy()
             self._refresh_images()
             n_tiles = math.ceil(rows / WGMMA_TILE_ROWS)
-            self._launch_wgmma("wgmma_forward", (min(self.wg_grid, n_tiles),), (WGMMA_THREADS,),
+            blocks = min(self.wg_grid, math.ceil(n_tiles / self.wg.warpgroups))
+            self._launch_wgmma("wgmma_forward", (blocks,), (WGMMA_THREADS * self.wg.warpgroups,),
                                (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage),
                                self.wg.smem_bytes)
         return self.download(out) if from_host else out

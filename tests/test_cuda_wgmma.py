@@ -94,15 +94,27 @@ def test_host_images_hold_what_wgmma_smem_operand_says(name):
 
 def test_shared_memory_plan_of_the_benchmark_models():
     plans = plan_cases()
-    for name in "SML":  # every layer's weights stay resident, the next input tile is prefetched
-        assert plans[name].w_resident and plans[name].input_staged, name
+    # S, M: resident weights shared by two warpgroups, each prefetching its next input tile
+    for name in "SM":
+        assert (plans[name].w_resident, plans[name].warpgroups, plans[name].input_staged) == (True, 2, True)
+    # L: 160 KiB of weights leave room for two input tiles but not for two prefetch buffers
+    assert (plans["L"].w_resident, plans["L"].warpgroups, plans["L"].input_staged) == (True, 2, False)
+    one = WgmmaPlan(bench_spec("L"), warpgroups=1)
+    assert (one.w_resident, one.warpgroups, one.input_staged) == (True, 1, True)
     # W: five 128 KiB layer images; one layer at a time, input read from global when converted
-    assert not plans["W"].w_resident and not plans["W"].input_staged
-    for plan in plans.values():
+    assert (plans["W"].w_resident, plans["W"].warpgroups, plans["W"].input_staged) == (False, 1, False)
+    with pytest.raises(SpecError):
+        WgmmaPlan(bench_spec("W"), warpgroups=2)  # a streamed stage is refilled by one warpgroup
+    for plan in [*plans.values(), one]:
         assert plan.smem_bytes <= cuda.WGMMA_SMEM_LIMIT
-        assert plan.sm_a_off % 1024 == 0 and plan.sm_b_off % 1024 == 0 and plan.sm_x_off % 1024 == 0
+        for off in (plan.sm_a_off, plan.a_bytes, plan.sm_b_off, plan.sm_x_off, plan.x_bytes):
+            assert off % 1024 == 0
+        assert plan.sm_b_off == plan.sm_a_off + plan.warpgroups * plan.a_bytes
+        assert plan.smem_bytes >= plan.sm_x_off + (plan.warpgroups * plan.x_bytes if plan.input_staged else 0) + 1024
     with pytest.raises(SpecError):
         WgmmaPlan(bench_spec("S", precision="fp32"))
+    with pytest.raises(SpecError):
+        WgmmaPlan(bench_spec("S"), warpgroups=3)
 
 
 # -- CPU: the kernel's layout functions, compiled on the host ----------------------------------
@@ -199,6 +211,7 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
                "S-Sine": WgmmaPlan(bench_spec("S", activation="Sine")).source,
                "M": WgmmaPlan(bench_spec("M", activation="SiLU", output_activation="Sigmoid")).source,
                "L": WgmmaPlan(bench_spec("L")).source,
+               "L-1wg": WgmmaPlan(bench_spec("L"), warpgroups=1).source,
                "W": WgmmaPlan(bench_spec("W", activation="Tanh")).source,
                "odd": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w112-in100-out33"])).source}
     jobs = {}
@@ -327,6 +340,22 @@ def test_wgmma_odd_shapes(wgmma_backend, cache, name):
         x = rng.uniform(-1, 1, (batch, spec.n_input_dims)).astype(np.float32)
         err = rel_err(model.forward(x), oracle.forward(x))
         assert err <= FWD_TOL, f"{name}, {batch} rows: rel. err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warpgroups", ["1", "2"])
+@pytest.mark.parametrize("name", ["M", "L"])
+def test_wgmma_forced_warpgroups(wgmma_backend, cache, monkeypatch, name, warpgroups):
+    monkeypatch.setenv(cuda.WGMMA_WARPGROUPS_ENV, warpgroups)
+    rng = np.random.default_rng(int(warpgroups))
+    spec = bench_spec(name, activation="Softplus")
+    model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+    assert model.wg.warpgroups == int(warpgroups)
+    oracle = CpuBackend("float64").compile(spec)
+    oracle.set_params(model.get_params())
+    x = inputs(rng, 70_001, spec)
+    err = rel_err(model.forward(x), oracle.forward(x))
+    assert err <= FWD_TOL, f"{name} with {warpgroups} warpgroups: rel. err {err:.2e}"
 
 
 @pytest.mark.gpu

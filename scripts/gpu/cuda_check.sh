@@ -102,7 +102,7 @@ for name in 'SW':
         done
         echo "--- wgmma tests (a quick slice first, then the whole file)"
         timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
-          -k "rows1000 and ReLU or odd or training or gate" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
+          -k "rows1000 and ReLU or odd or training or gate or forced" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
         echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
         grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
         timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \

@@ -14,9 +14,12 @@
 //                       cp.async while this tile computes; 0: read from global when converted
 //   W_BYTES0 W_OFF1 W_HID_STRIDE W_OFF_OUT W_TOTAL_BYTES   weight image sizes/offsets (bytes)
 //   B_TOTAL             floats in the bias image (layer l at l * WP, the output at NHID * WP)
-//   SM_A_OFF SM_B_OFF SM_X_OFF SMEM_BYTES   shared-memory sections (bytes from a 1024-aligned base)
+//   WGS                 warpgroups per block (they share the resident weights; 1 when streamed)
+//   SM_A_OFF A_BYTES SM_B_OFF SM_X_OFF X_BYTES   shared-memory sections (bytes from a
+//                       1024-aligned base): weights, WGS input A tiles, biases, WGS staging tiles
 //
-// One warpgroup (128 threads) per block computes 64-row tiles, persistent over the grid.
+// Each warpgroup (128 threads) computes 64-row tiles, persistent over the grid; warpgroups of
+// one block meet only at the start (weights and biases), then sync on their own named barrier.
 // Weights: the host packs each layer's W (N = fan_out rows, K = fan_in cols, zero padded) into
 // the K-major swizzled image wgmma's B descriptor reads (layouts.wgmma_smem_operand); the
 // device gathers fp16 copies of the fp32 master weights through that map (wgmma_pack).
@@ -47,16 +50,23 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 __device__ __forceinline__ void keep_f(float& v) { asm volatile("" : "+f"(v) :: "memory"); }
 __device__ __forceinline__ void keep_r(u32& v) { asm volatile("" : "+r"(v) :: "memory"); }
 
-// bytes [0, n) of global src -> shared dst (both 16-byte aligned, n a multiple of 16)
+// bytes [0, n) of global src -> shared dst (both 16-byte aligned, n a multiple of 16), by the block
 __device__ __forceinline__ void copy_async(u32 dst, const unsigned char* src, int n) {
-    for (int i = threadIdx.x * 16; i < n; i += 128 * 16) cp_async16(dst + i, src + i, 16);
+    for (int i = threadIdx.x * 16; i < n; i += blockDim.x * 16) cp_async16(dst + i, src + i, 16);
+}
+
+// the 128 threads of this thread's warpgroup (named barrier 1 + warpgroup)
+// (constant ids: a register id makes ptxas reserve all 16 barriers)
+__device__ __forceinline__ void wg_sync() {
+    if (WGS == 1 || threadIdx.x < 128) asm volatile("bar.sync 1, 128;" ::: "memory");
+    else asm volatile("bar.sync 2, 128;" ::: "memory");
 }
 
 // fp32 input rows [row0, row0 + 64) (contiguous: 64 * NIN floats) -> staging, zero beyond rows
 __device__ __forceinline__ void stage_input(float* staging, const float* __restrict__ x, i64 rows, i64 tile) {
     const i64 first = tile * 64 * NIN, end = rows * NIN;
     const u32 dst = smem_addr(staging);
-    for (int i = threadIdx.x * 4; i < 64 * NIN; i += 128 * 4) {
+    for (int i = (threadIdx.x & 127) * 4; i < 64 * NIN; i += 128 * 4) {
         const i64 e = first + i;
         const i64 left = end - e;
         const int bytes = left >= 4 ? 16 : (left > 0 ? (int)left * 4 : 0);
@@ -67,7 +77,7 @@ __device__ __forceinline__ void stage_input(float* staging, const float* __restr
 // 64 x NIN fp32 (row-major at src, elements >= limit read as 0) -> fp16 A tile, K-major swizzled
 __device__ __forceinline__ void convert_input(const float* src, i64 limit, unsigned char* a_tile) {
     constexpr int CHUNKS = KIN_P / 8;  // 16-byte units per row
-    for (int c = threadIdx.x; c < 64 * CHUNKS; c += 128) {
+    for (int c = threadIdx.x & 127; c < 64 * CHUNKS; c += 128) {
         const int r = c / CHUNKS, k0 = (c % CHUNKS) * 8;
         float v[8];
 #pragma unroll
@@ -92,35 +102,40 @@ __device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const fl
         }
 }
 
-extern "C" __global__ void __launch_bounds__(128, 1)
+extern "C" __global__ void __launch_bounds__(128 * WGS, 1)
 wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
               const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
     extern __shared__ unsigned char smem_raw[];
     // swizzle atoms repeat every 1024 bytes: the sections start on a 1024-byte boundary
     const u32 raw = smem_addr(smem_raw);
     unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
-    const u32 s_w = smem_addr(smem), s_a = s_w + SM_A_OFF;
-    unsigned char* a_tile = smem + SM_A_OFF;
+    const int wg = threadIdx.x >> 7;
+    const u32 s_w = smem_addr(smem), s_a = s_w + SM_A_OFF + wg * A_BYTES;
+    unsigned char* a_tile = smem + SM_A_OFF + wg * A_BYTES;
     float* bias_s = reinterpret_cast<float*>(smem + SM_B_OFF);
-    float* staging = reinterpret_cast<float*>(smem + SM_X_OFF);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* staging = reinterpret_cast<float*>(smem + SM_X_OFF + wg * X_BYTES);
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 tile_step = (i64)gridDim.x * WGS;
 
-    for (int i = threadIdx.x; i < B_TOTAL; i += 128) bias_s[i] = bimg[i];
+    for (int i = threadIdx.x; i < B_TOTAL; i += blockDim.x) bias_s[i] = bimg[i];
     if (W_RESIDENT) copy_async(s_w, wimg, W_TOTAL_BYTES);
-    i64 tile = blockIdx.x;
+    i64 tile = (i64)blockIdx.x * WGS + wg;
     if (INPUT_STAGED && tile < n_tiles) stage_input(staging, x, rows, tile);
     cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async();  // resident weights (cp.async) are read by wgmma
+    __syncthreads();      // biases and weights visible to every warpgroup
 
-    for (; tile < n_tiles; tile += gridDim.x) {
+    for (; tile < n_tiles; tile += tile_step) {
         cp_async_wait_all();
-        __syncthreads();  // staged input (and resident weights) visible; the last tile's reads done
+        wg_sync();  // staged input visible; this warpgroup's reads of the last tile are done
         if (INPUT_STAGED) convert_input(staging, 64 * NIN, a_tile);
         else convert_input(x + tile * 64 * NIN, rows * NIN - tile * 64 * NIN, a_tile);
         if (!W_RESIDENT) { copy_async(s_w, wimg, W_BYTES0); cp_async_commit(); cp_async_wait_all(); }
-        fence_proxy_async();  // A tile (st.shared) and weights (cp.async) are read by wgmma next
-        __syncthreads();
-        if (INPUT_STAGED && tile + gridDim.x < n_tiles) {  // staging is free: prefetch the next tile
-            stage_input(staging, x, rows, tile + gridDim.x);
+        fence_proxy_async();  // A tile (st.shared) and streamed weights (cp.async) are read by wgmma next
+        wg_sync();
+        if (INPUT_STAGED && tile + tile_step < n_tiles) {  // staging is free: prefetch the next tile
+            stage_input(staging, x, rows, tile + tile_step);
             cp_async_commit();
         }
 
@@ -142,9 +157,9 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
         for (int l = 1; l < NHID; ++l) {
             u32 w_l = s_w + W_OFF1 + (l - 1) * W_HID_STRIDE;
             if (!W_RESIDENT) {
-                __syncthreads();  // every warp's wgmma reads of the stage are complete
+                wg_sync();  // every warp's wgmma reads of the stage are complete (WGS is 1 here)
                 copy_async(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
-                cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); __syncthreads();
+                cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
                 w_l = s_w;
             }
             wgmma_fence();
@@ -162,9 +177,9 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
         // output layer, A from registers; bias, output activation, fp32 stores
         u32 w_o = s_w + W_OFF_OUT;
         if (!W_RESIDENT) {
-            __syncthreads();
+            wg_sync();
             copy_async(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
-            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); __syncthreads();
+            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
             w_o = s_w;
         }
         float o[NOUT_P / 2];
