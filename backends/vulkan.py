@@ -24,6 +24,7 @@ import hashlib
 import math
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,8 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Backend, CompiledModel, MMAShape, ProbeRow, check_params, init_params, optimizer_state_names,
-    param_shapes,
+    Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
+    optimizer_state_names, param_shapes,
 )
 from mmad.backends.glsl_compiler import build_spirv
 from mmad.backends import vulkan_runtime as vr
@@ -385,7 +386,7 @@ class VulkanModel(CompiledModel):
         """Copy training targets to the device (a ``VulkanArray`` of kind ``target``)."""
         with self._lock:
             self._check_open()
-            y = check_target_rows(y, self.spec.n_output_dims)
+            y = check_rows(y, self.spec.n_output_dims, "target")
             rows_pad = _round_up(max(y.shape[0], 1), ROW_ALIGN)
             buf = self._alloc(rows_pad * self.geo.out_pad * 4)
             buf.write(self._pad_target(y, rows_pad))
@@ -639,11 +640,6 @@ class VulkanModel(CompiledModel):
             self._buffers.clear()
 
 
-def check_target_rows(y: Any, cols: int) -> np.ndarray:
-    from mmad.backends.contract import check_rows
-    return check_rows(y, cols, "target")
-
-
 # -- backend -------------------------------------------------------------------------------
 class VulkanBackend(Backend):
     name = "vulkan"
@@ -653,6 +649,7 @@ class VulkanBackend(Backend):
         self._probe_error = ""
         self._device: vr.Device | None = None
         self._pipelines: dict[tuple, vr.Pipeline] = {}
+        self._models: weakref.WeakSet[VulkanModel] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def _survey(self) -> list[vr.DeviceInfo]:
@@ -747,9 +744,14 @@ class VulkanBackend(Backend):
                     n_bind, push = PIPELINE_INTERFACE[name]
                     self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
                 pipelines[name] = self._pipelines[key]
-        return VulkanModel(spec, device, variant, pipelines, geometry, shape)
+        model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
+        self._models.add(model)
+        return model
 
     def close(self) -> None:
+        """Close every model compiled here, then the pipelines and the device."""
+        for model in list(self._models):
+            model.close()
         with self._lock:
             for pipeline in self._pipelines.values():
                 pipeline.destroy()

@@ -464,6 +464,9 @@ class Buffer:
     def free(self) -> None:
         if self.handle is None:
             return
+        if self.device.closed:  # destroyed with the device
+            self.handle = None
+            return
         dev = self.device.device
         if self.mapped is not None:
             lib.vkUnmapMemory(dev, self.memory)
@@ -569,7 +572,8 @@ class Pipeline:
         lib.vkDestroyShaderModule(dev, self.module, ffi.NULL)
 
     def destroy(self) -> None:
-        if self.pipeline is None:
+        if self.pipeline is None or self.device.closed:
+            self.pipeline = None
             return
         lib.vkDestroyPipeline(self.device.device, self.pipeline, ffi.NULL)
         self._destroy_layouts()
@@ -658,7 +662,9 @@ class Program:
         self.device.submit([self.cb] * times, wait=wait)
 
     def destroy(self) -> None:
-        if self.cb is None:
+        if self.cb is None or self.device.closed:
+            self.cb = None
+            self.dispatches = []
             return
         dev = self.device.device
         cbs = ffi.new("VkCommandBuffer[]", [self.cb])

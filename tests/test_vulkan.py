@@ -326,6 +326,17 @@ def test_close_frees_and_refuses_further_use(backend, variant, cache):
         model.forward(data(spec, 10)[0])
 
 
+def test_backend_close_closes_its_models(variant, cache):
+    backend = vulkan.VulkanBackend()
+    spec = bench_spec("S")
+    model = backend.compile(spec, variant, cache)
+    model.forward(data(spec, 3)[0])
+    backend.close()
+    with pytest.raises(LaunchError):
+        model.forward(data(spec, 3)[0])
+    model.close()  # a second close is harmless
+
+
 def test_kernel_cache_hit_skips_the_compiler(backend, variant, tmp_path):
     cache = KernelCache(tmp_path)
     spec = bench_spec("S", seed=5)
