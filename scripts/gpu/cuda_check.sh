@@ -83,7 +83,10 @@ for name in "SMLW":
             op = m.group(1)
             ops[op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
     keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
-    print(name, f"resident={plan.w_resident} staged={plan.input_staged} smem={plan.smem_bytes}",
+    # one HGMMA per wgmma in the source: layer 0, the (not unrolled) hidden loop, the output layer
+    expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
+    print(name, f"resident={plan.w_resident} warpgroups={plan.warpgroups} staged={plan.input_staged} "
+          f"smem={plan.smem_bytes} HGMMA expected={expected}",
           " ".join(f"{k}={ops[k]}" for k in keys), f"total={sum(ops.values())}",
           "" if dump.stdout else f"cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}")
 PY
