@@ -117,6 +117,26 @@ def test_shared_memory_plan_of_the_benchmark_models():
         WgmmaPlan(bench_spec("S"), warpgroups=3)
 
 
+@pytest.mark.parametrize("name", ["S", "M", "L", "W", *ODD_SPECS])
+def test_kernel_constants_agree_with_the_plan(name):
+    """The offsets mlp_wgmma.cu computes from its #defines are where the host put each layer."""
+    plan = plan_cases()[name]
+    defines = dict(re.findall(r"^#define (\w+) (\S+)$", plan.source, flags=re.M))
+    value = {k: int(v) for k, v in defines.items() if re.fullmatch(r"-?\d+", v)}
+    (_, _, k0, n0, swz0, off0), *hidden, (_, _, k_o, n_o, swz_o, off_o) = plan.layers
+    assert off0 == 0 and value["W_BYTES0"] == k0 * n0 * 2
+    assert (value["KIN_P"], value["WP"], value["SWZ_IN"]) == (k0, n0, swz0)
+    for l, (_, _, k, n, swz, off) in enumerate(hidden, start=1):  # hidden layer l of the kernel's loop
+        assert value["W_OFF1"] + (l - 1) * value["W_HID_STRIDE"] == off
+        assert (k, n, swz) == (value["WP"], value["WP"], value["SWZ_W"])
+    assert (value["W_OFF_OUT"], k_o, n_o, swz_o) == (off_o, value["WP"], value["NOUT_P"], value["SWZ_W"])
+    assert value["W_TOTAL_BYTES"] == plan.w_total_bytes
+    assert [l * value["WP"] for l in range(value["NHID"] + 1)] == plan.b_offsets
+    assert value["B_TOTAL"] == plan.b_total == plan.b_offsets[-1] + value["NOUT_P"]
+    if not plan.w_resident:  # the stage holds the largest layer
+        assert plan.sm_a_off >= max(k * n * 2 for _, _, k, n, _, _ in plan.layers)
+
+
 # -- CPU: the kernel's layout functions, compiled on the host ----------------------------------
 _HOST_PROGRAM = r"""
 #include <cstdio>
