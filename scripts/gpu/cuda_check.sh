@@ -2,7 +2,8 @@
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
 #   scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench
 #   (default: env wgmma sass serve bench tests; `wgmma` is issue 7's never-yet-run forward kernel:
-#   probe, SASS, compute-sanitizer, its tests, its bench, all under MMAD_CUDA_WGMMA=1)
+#   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
+#   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
 # is printed last.
@@ -52,8 +53,11 @@ for model, counts in mix.items():
 PY
       rm -f "$OUT"/sass/*.sass.txt.gz; tar czf "$OUT/sass.tgz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;
     wgmma)
-      # everything lands in one folder, tarred at the end (the device tool returns few files)
-      W="$OUT/wgmma"; mkdir -p "$W"
+      # logs build up outside $OUT and are re-tarred into $OUT/wgmma.tgz after every step, so a
+      # call cut off by its time limit still returns what ran (the device tool returns few files);
+      # steps in order of what decides most: probe, SASS, quick tests, bench, sanitizer, all tests
+      W=/tmp/wgmma-check; rm -rf "$W"; mkdir -p "$W"
+      pack() { tar czf "$OUT/wgmma.tgz" -C /tmp --exclude='*.cubin' wgmma-check; }
       ( export MMAD_CUDA_WGMMA=1
         CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
         SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -90,7 +94,20 @@ for name in "SMLW":
           " ".join(f"{k}={ops[k]}" for k in keys), f"total={sum(ops.values())}",
           "" if dump.stdout else f"cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}")
 PY
-        echo "--- compute-sanitizer (memcheck, racecheck) on S (resident weights) and W (streamed), 1000 rows"
+        pack
+        echo "--- wgmma tests, quick slice (S/M/L/W ReLU at 1000 rows, odd shapes, training, gate, warpgroups)"
+        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
+          -k "rows1000 and ReLU or odd or training or gate or forced" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
+        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
+        grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
+        pack
+        echo "--- bench at 2^20: wgmma forward (its training is the mma kernels'), then mma, same call"
+        for v in wgmma mma; do
+          timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench.cuda_bench --out "$W/bench_$v" --variant $v --repeats 30 > "$W/bench_$v.log" 2>&1
+          echo "bench $v rc=$?"; tail -n 7 "$W/bench_$v.log"
+          pack
+        done
+        echo "--- compute-sanitizer (memcheck, racecheck) on S (resident, 2 warpgroups) and W (streamed), 1000 rows"
         for tool in memcheck racecheck; do
           timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool $tool --error-exitcode 3 python3 -c "
 import numpy as np
@@ -102,22 +119,16 @@ for name in 'SW':
     out = m.forward(np.random.default_rng(0).standard_normal((1000, m.spec.n_input_dims), dtype=np.float32))
     print(name, 'finite' if np.isfinite(out).all() else 'NOT FINITE')" > "$W/sanitizer_$tool.log" 2>&1
           echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|finite' "$W/sanitizer_$tool.log" | tr '\n' ' ')"
+          pack
         done
-        echo "--- wgmma tests (a quick slice first, then the whole file)"
-        timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
-          -k "rows1000 and ReLU or odd or training or gate or forced" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
-        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
-        grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
+        echo "--- wgmma tests, the whole file"
         timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
           tests/test_cuda_wgmma.py --timeout 200 -v --tb=short -rfEs > "$W/pytest.log" 2>&1
         echo "full rc=$?: $(tail -n 1 "$W/pytest.log")"
         grep -E "(FAILED|ERROR) " "$W/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
         grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
-        echo "--- wgmma bench (training is the mma kernels'; compare forward with the bench phase's mma rows)"
-        timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$W" --variant wgmma --repeats 30 > "$W/bench.log" 2>&1
-        echo "bench wgmma rc=$?"; tail -n 7 "$W/bench.log"
       ) 2>&1 | tee -a "$SUMMARY"
-      rm -f "$W"/*.cubin; tar czf "$OUT/wgmma.tgz" -C "$OUT" wgmma && rm -rf "$W" ;;
+      pack ;;
     nvmath)
       python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
