@@ -59,7 +59,12 @@ def limit_blas_threads(threads: int) -> None:
     if threads <= 0:
         return
     import numpy  # noqa: F401
-    from threadpoolctl import threadpool_info, threadpool_limits
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:
+        log.warning("threadpoolctl is not installed: NumPy's BLAS keeps its default threads "
+                    "(--blas-threads %d ignored; install mmad's dependencies)", threads)
+        return
 
     threadpool_limits(limits=threads, user_api="blas")
     limited = sorted({i["internal_api"] for i in threadpool_info() if i.get("user_api") == "blas"})
