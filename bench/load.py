@@ -785,7 +785,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # == report =================================================================================
-def markdown(doc: dict[str, Any], png_name: str | None) -> str:
+def markdown(doc: dict[str, Any], png_name: str | None, before: dict[str, Any] | None = None) -> str:
     m = doc["machine"]
     lines = [f"Measured {doc['started']} on {m['cpus']} CPUs ({m['platform']}, Python {m['python']}); "
              f"load average {m['load_avg_at_start'][0]} at start, {m['load_avg_at_end'][0]} at end; "
@@ -832,9 +832,34 @@ def markdown(doc: dict[str, Any], png_name: str | None) -> str:
             lines.append(f"| {r['loop']} | {r['http']} | {r['wire']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r.get('server_cpu_ms_per_request', math.nan):.3f} | "
                          f"{r['foreign_cores']} |")
+    if before is not None:
+        lines += before_after(doc, before)
     if png_name:
         lines += ["", f"![service benchmark]({png_name})"]
     return "\n".join(lines) + "\n"
+
+
+def before_after(doc: dict[str, Any], before: dict[str, Any]) -> list[str]:
+    """The same points from an earlier result file (the daemon before the fast path)."""
+    lines = ["", f"**Before and after** (before: the daemon as first written, measured {before['started']} "
+             f"with this tool, load average {before['machine']['load_avg_at_start'][0]} at its start)", "",
+             "| point | before | after |", "|---|---|---|"]
+    for wire in ("binary16", "json"):
+        b, a = _find(before["large"], wire=wire), _find(doc["large"], wire=wire)
+        if a and b:
+            lines.append(f"| {doc['in_process']['rows']:,}-row {wire} samples/s (server CPU ms/req) | "
+                         f"{b['samples_per_s']:,.0f} ({b.get('server_cpu_ms_per_request', math.nan):.0f}) | "
+                         f"{a['samples_per_s']:,.0f} ({a.get('server_cpu_ms_per_request', math.nan):.0f}) |")
+    for r in doc["sweep"]:
+        if r["server"] != "mmad" or r["batching"] != "on":
+            continue
+        b = _find(before["sweep"], server="mmad", batching="on", wire=r["wire"], clients=r["clients"])
+        if b:
+            def cell(x):
+                return (f"{x['requests_per_s']:,.0f} req/s, p99 {x['p99_ms']:.0f} ms, "
+                        f"{x.get('server_cpu_ms_per_request', math.nan):.2f} ms CPU/req")
+            lines.append(f"| batching on, {r['wire']}, {r['clients']} clients | {cell(b)} | {cell(r)} |")
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
@@ -871,11 +896,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_docs(doc: dict[str, Any], docs: Path) -> Path:
+def write_docs(doc: dict[str, Any], docs: Path, before: dict[str, Any] | None = None) -> Path:
     """Replace the results block of ``docs`` (or append one) and write the plot beside it."""
     png = docs.with_suffix(".png")
     plot(doc, png)
-    block = f"{MARK_BEGIN}\n{markdown(doc, png.name)}{MARK_END}"
+    block = f"{MARK_BEGIN}\n{markdown(doc, png.name, before)}{MARK_END}"
     text = docs.read_text(encoding="utf-8") if docs.exists() else "# Service performance\n\n"
     if MARK_BEGIN in text and MARK_END in text:
         head, rest = text.split(MARK_BEGIN, 1)
@@ -906,6 +931,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tritonclient-concurrency", default="8,64", help="'' to skip the tritonclient check")
     p.add_argument("--uvicorn-matrix", default="uvloop/httptools,asyncio/httptools,uvloop/h11,asyncio/h11",
                    help="loop/http pairs measured at 64 clients with a daemon each; '' to skip")
+    p.add_argument("--before", default="bench/results/service-cpu-before.json",
+                   help="an earlier result file to compare with in the report (skipped when missing; '' for none)")
     p.add_argument("--no-peer", dest="peer", action="store_false")
     p.add_argument("--server-arg", dest="server_args", action="append", default=[],
                    help="extra argument for the daemon (repeatable), e.g. --server-arg=--http=h11")
@@ -946,10 +973,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path = out / "service-cpu.json"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     written = [json_path]
+    before = None
+    if opts.before and Path(opts.before).is_file() and Path(opts.before).resolve() != json_path.resolve():
+        before = json.loads(Path(opts.before).read_text())
     if opts.docs:
         docs = Path(opts.docs)
         docs.parent.mkdir(parents=True, exist_ok=True)
-        written += [docs, write_docs(doc, docs)]
+        written += [docs, write_docs(doc, docs, before)]
     print(markdown(doc, None))
     print("wrote " + ", ".join(map(str, written)))
     return 0
