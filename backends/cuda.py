@@ -825,7 +825,7 @@ class WgmmaPlan:
                     f'    asm volatile("{{.reg .pred p; setp.ne.b32 p, %{p}, 0;\\n"\n'
                     f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{regs}}}, {a_ops}, %{b}, p, {imm};}}"\n'
                     f"                 : {outs}\n"
-                    f"                 : {ins});\n}}\n")
+                    f"                 : {ins} : \"memory\");\n}}\n")
 
         return (wrapper("wgmma_ss_n_hidden", self.wp, False) + wrapper("wgmma_rs_n_hidden", self.wp, True)
                 + wrapper("wgmma_rs_n_out", self.nout_p, True))
