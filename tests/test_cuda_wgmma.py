@@ -27,6 +27,7 @@ import pytest
 
 from mmad.backends import cuda
 from mmad.backends import layouts as L
+from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
@@ -34,6 +35,8 @@ from mmad.backends.cuda import WgmmaPlan
 from mmad.errors import SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, bench_spec
+
+import layout_reference as ref  # tests/layout_reference.py: the PTX ISA's definitions
 
 FWD_TOL = 3e-3
 BATCHES = [1, 7, 1000, 65_537, 1 << 20]
@@ -166,6 +169,21 @@ def layout_program(tmp_path_factory):
     return exe
 
 
+def kernel_layout_values(program, geometries):
+    """{(rows, K, swizzle, base): (descriptors per k16 step, byte offset of every (row, col))}
+    as the kernel's kmajor_desc / kmajor_offset compute them."""
+    text = "".join(f"{r} {k} {s} {b}\n" for r, k, s, b in geometries)
+    done = subprocess.run([str(program)], input=text, capture_output=True, text=True, check=True)
+    values = iter(int(v) for v in done.stdout.split())
+    result = {}
+    for rows, k, swz, base in geometries:
+        descs = [next(values) for _ in range(k // 16)]
+        offsets = np.array([next(values) for _ in range(rows * k)], dtype=np.int64).reshape(rows, k)
+        result[(rows, k, swz, base)] = (descs, offsets)
+    assert next(values, None) is None
+    return result
+
+
 def test_kernel_descriptors_and_offsets_equal_layouts(layout_program):
     # every (rows, K, swizzle) the plans use (weights and the 64-row input tile), at their offsets
     geometries = set()
@@ -174,23 +192,83 @@ def test_kernel_descriptors_and_offsets_equal_layouts(layout_program):
         for _, _, k, n, swz, offset in plan.layers:
             geometries.add((n, k, swz, offset + 0x400))
     geometries = sorted(geometries)
-    text = "".join(f"{r} {k} {s} {b}\n" for r, k, s, b in geometries)
-    done = subprocess.run([str(layout_program)], input=text, capture_output=True, text=True, check=True)
-    values = iter(int(v) for v in done.stdout.split())
+    values = kernel_layout_values(layout_program, geometries)
     for rows, k, swz, base in geometries:
+        descs, offsets = values[(rows, k, swz, base)]
         for ks in range(k // 16):
             desc = L.wgmma_smem_descriptor(rows, k, "K", swz, col0=16 * ks)
-            got = next(values)
+            got = descs[ks]
             assert got == desc.encode(base), (rows, k, swz, base, ks, hex(got), hex(desc.encode(base)))
             # the fields the kernel sets, read back: LBO (unused when swizzled: 16 B), SBO, mode
             assert (got >> 16) & 0x3FFF == desc.lbo >> 4 == 1
             assert (got >> 32) & 0x3FFF == desc.sbo >> 4 == 8 * swz >> 4
             assert got >> 62 == desc.layout_type == {128: 1, 64: 2, 32: 3}[swz]
         inverse = L.wgmma_smem_operand(rows, k, "K", swz).inverse()  # (row, col) -> offset
-        got = np.array([next(values) for _ in range(rows * k)])
         want = np.array([2 * inverse.apply(row=r, col=c)["offset"] for r in range(rows) for c in range(k)])
-        assert np.array_equal(got, want), (rows, k, swz)
-    assert next(values, None) is None
+        assert np.array_equal(offsets.reshape(-1), want), (rows, k, swz)
+
+
+def _read_operand(image: bytes, desc: int, mn_extent: int) -> np.ndarray:
+    """The mn_extent x 16 fp16 operand one wgmma reads through ``desc``, addressed as the PTX
+    ISA defines it (tests/layout_reference.py), from shared memory holding ``image`` at 0."""
+    start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+    swz = {1: 128, 2: 64, 3: 32}[desc >> 62]
+    halves = np.frombuffer(image, dtype=np.float16)
+    out = np.empty((mn_extent, 16), dtype=np.float16)
+    for mn in range(mn_extent):
+        for k in range(16):
+            out[mn, k] = halves[ref.wgmma_smem_byte_address("K", swz, 2, mn_extent, start, lbo, sbo, mn, k) // 2]
+    return out
+
+
+@pytest.mark.parametrize("name", ["S", "M", "w48-in5-out3", "w16-in3-out1"])
+def test_emulated_kernel_data_path_matches_the_oracle(layout_program, name):
+    """The forward the kernel computes, emulated on the CPU from what it would read: the input
+    tile written at kmajor_offset (convert_input), every operand fetched through the kernel's
+    own descriptors with the PTX ISA's addressing, the host's weight and bias images, fp16
+    rounding of A at the points the kernel rounds. Catches wrong offsets, swizzles, transposes,
+    padding or bias placement without a GPU (the GPU tests check the hardware)."""
+    plan = plan_cases()[name]
+    spec = plan.spec.replace(activation="Tanh")
+    plan = WgmmaPlan(spec)
+    rng = np.random.default_rng(7)
+    params = random_params(spec, rng)
+    for key in params:
+        if key.startswith("W"):
+            params[key] *= np.float32(1.0 / np.sqrt(params[key].shape[1]))
+    image, bias = plan.host_images(params)
+    image = image.tobytes()
+    geometries = [(64, plan.kin_p, plan.swz_in, 0)] + [(n, k, swz, off) for _, _, k, n, swz, off in plan.layers]
+    values = kernel_layout_values(layout_program, geometries)
+    rows = 50  # one partial tile: rows 50..63 are zero-filled
+    x = rng.standard_normal((rows, spec.n_input_dims)).astype(np.float32)
+    # convert_input: 8 halves per 16-byte unit at kmajor_offset(r, k0)
+    a_descs, a_offsets = values[geometries[0]]
+    tile = np.zeros(64 * plan.kin_p, dtype=np.float16)
+    padded = np.zeros((64, plan.kin_p), dtype=np.float16)
+    padded[:rows, : plan.nin] = x
+    for r in range(64):
+        for k0 in range(0, plan.kin_p, 8):
+            tile[a_offsets[r, k0] // 2: a_offsets[r, k0] // 2 + 8] = padded[r, k0:k0 + 8]
+    a_tile = tile.tobytes()
+    h = None
+    for i, (_, _, k, n, swz, off) in enumerate(plan.layers):
+        descs, _ = values[(n, k, swz, off)]
+        acc = np.zeros((64, n), dtype=np.float64)
+        for ks in range(k // 16):
+            b = _read_operand(image, descs[ks], n).astype(np.float64)  # (n, 16): B is K-major
+            a = (_read_operand(a_tile, a_descs[ks], 64) if i == 0 else h[:, 16 * ks: 16 * ks + 16]).astype(np.float64)
+            acc += a @ b.T
+        z = acc + bias[plan.b_offsets[i]: plan.b_offsets[i] + n]
+        if i < plan.n_hidden:
+            h = nm.activate(spec.activation, z).astype(np.float16)
+        else:
+            out = nm.activate(spec.output_activation, z)[:rows, : spec.n_output_dims]
+    oracle = CpuBackend("float64").compile(spec)
+    oracle.set_params(params)
+    ref_out = oracle.forward(x)
+    err = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
+    assert err <= FWD_TOL, f"{name}: emulated kernel data path rel. err {err:.2e}"
 
 
 def test_plan_descriptors_are_the_layouts_descriptors():
