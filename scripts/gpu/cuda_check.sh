@@ -107,6 +107,11 @@ PY
           echo "bench $v rc=$?"; tail -n 7 "$W/bench_$v.log"
           pack
         done
+        # L: two warpgroups without input prefetch (the default) against one with it
+        MMAD_CUDA_WGMMA_WARPGROUPS=1 timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench.cuda_bench --out "$W/bench_L1" \
+          --models L --variant wgmma --repeats 30 > "$W/bench_L1.log" 2>&1
+        echo "bench wgmma L, 1 warpgroup, rc=$?"; tail -n 1 "$W/bench_L1.log"
+        pack
         echo "--- compute-sanitizer (memcheck, racecheck) on S (resident, 2 warpgroups) and W (streamed), 1000 rows"
         for tool in memcheck racecheck; do
           timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool $tool --error-exitcode 3 python3 -c "
