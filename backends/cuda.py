@@ -121,10 +121,13 @@ def find_nvcc() -> str | None:
 
 
 def nvcc_version(nvcc: str) -> str:
-    """"13.0.88" from ``nvcc --version`` (part of the kernel cache key)."""
-    done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    """The release ("13.0.88") ``nvcc --version`` reports, part of the kernel cache key."""
+    try:
+        done = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CompileError("the wgmma kernels", f"{nvcc} --version failed: {exc}") from exc
     match = re.search(r"V(\d+\.\d+\.\d+)", done.stdout)
-    return match.group(1) if match else done.stdout.strip().splitlines()[-1]
+    return match.group(1) if match else (done.stdout.strip().splitlines() or ["unknown"])[-1]
 
 
 def nvcc_compile(source: str, options: tuple[str, ...], what: str) -> bytes:
