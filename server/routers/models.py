@@ -73,21 +73,31 @@ def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int
     return out
 
 
+INFLATE_STEP = 1 << 20  # inflate in steps, so a bomb costs at most the cap plus one step
+
+
 def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     """A gzip/deflate body (tritonclient's request_compression_algorithm), inflated to at most ``limit``."""
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
     if wbits is None:
         raise InvalidInput(f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
     inflater = zlib.decompressobj(wbits)
+    chunks, total, pending = [], 0, body
     try:
-        data = inflater.decompress(body, limit + 1)
+        while not inflater.eof:
+            chunk = inflater.decompress(pending, INFLATE_STEP)
+            total += len(chunk)
+            if total > limit:
+                raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+            pending = inflater.unconsumed_tail
+            if not pending and len(chunk) < INFLATE_STEP:  # input used up and no output held back
+                break
     except zlib.error as exc:
         raise InvalidInput(f"the {encoding} body cannot be decompressed: {exc}") from exc
-    if len(data) > limit or inflater.unconsumed_tail:
-        raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
     if not inflater.eof:
         raise InvalidInput(f"the {encoding} body is truncated")
-    return data
+    return b"".join(chunks)
 
 
 # Work on a small body or output runs inline on the event loop: a hop to the compute threads
