@@ -44,7 +44,7 @@ from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 
 VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes)
-PIPELINE_INTERFACE = {"forward": (5, 20), "backward": (5, 32), "wgrad": (4, 20), "optimizer": (9, 20),
+PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (9, 20),
                       "finalize": (2, 16)}
 ROW_ALIGN = 128
 HIST_CAP = 1024
@@ -259,6 +259,9 @@ class VulkanArray:
 
 class VulkanModel(CompiledModel):
     backend = "vulkan"
+    # training runs a batch in row chunks whose buffers fit maxStorageBufferRange; a smaller
+    # cap (tests) forces chunking on any device
+    max_chunk_rows: int | None = None
 
     def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, pipelines: dict[str, vr.Pipeline],
                  geometry: Geometry, shape: tuple[int, int, int] | None = None):
@@ -314,30 +317,42 @@ class VulkanModel(CompiledModel):
         if self._closed:
             raise LaunchError("this vulkan model was closed")
 
+    def _chunks(self, rows_pad: int) -> list[tuple[int, int]]:
+        """(first row, padded rows) of each chunk a training batch runs in: as many rows as
+        keep the pre-activation buffer within ``maxStorageBufferRange`` (or ``max_chunk_rows``)."""
+        limit = self.device.info.max_storage_range // (self.geo.z_cols * 4) // ROW_ALIGN * ROW_ALIGN
+        if self.max_chunk_rows:
+            limit = min(limit, self.max_chunk_rows // ROW_ALIGN * ROW_ALIGN)
+        size = max(ROW_ALIGN, min(rows_pad, limit))
+        return [(base, min(size, rows_pad - base)) for base in range(0, rows_pad, size)]
+
     def _ensure_batch(self, rows_pad: int, training: bool = False) -> dict[str, vr.Buffer]:
         """Per-batch buffers for at least ``rows_pad`` rows (grown, never shrunk): input,
-        target and output always; pre-activations, deltas and partial sums for training."""
+        target and output always; for training the per-chunk pre-activations and deltas,
+        the per-tile losses and the weight-gradient partial sums of every chunk."""
         geo = self.geo
-        need = {"x": geo.in_pad, "y": geo.out_pad, "out": geo.out_pad}
+        need = {"x": rows_pad * geo.in_pad * 4, "y": rows_pad * geo.out_pad * 4}
         if training:
-            need.update({"z": geo.z_cols, "d": geo.z_cols})
-        for name, cols in need.items():
-            current = self._batch.get(name)
-            if current is not None and current.size >= rows_pad * cols * 4:
-                continue
-            nbytes = rows_pad * cols * 4
+            chunks = self._chunks(rows_pad)
+            chunk = chunks[0][1]
+            need.update({"out": chunk * geo.out_pad * 4, "z": chunk * geo.z_cols * 4,
+                         "d": chunk * geo.z_cols * 4})
+        else:
+            need["out"] = rows_pad * geo.out_pad * 4
+        for name, nbytes in need.items():
             if nbytes > self.device.info.max_storage_range:
+                cols = geo.in_pad if name == "x" else geo.out_pad
                 fits = self.device.info.max_storage_range // (cols * 4) // ROW_ALIGN * ROW_ALIGN
                 raise InvalidInput(f"a batch of {rows_pad} rows needs a {nbytes}-byte buffer, over this device's "
                                    f"maxStorageBufferRange ({self.device.info.max_storage_range}); send at most "
-                                   f"{fits} rows per {'training' if training else 'forward'} call")
-            self._replace_batch_buffer(name, nbytes)
+                                   f"{fits} rows per call")
         if training:
-            splits, _ = self._splits(rows_pad)
-            for name, nbytes in (("loss", rows_pad // geo.rows_per_tile * 4), ("part", splits * geo.grad_floats * 4)):
-                current = self._batch.get(name)
-                if current is None or current.size < nbytes:
-                    self._replace_batch_buffer(name, nbytes)
+            splits = sum(self._splits(rows)[0] for _, rows in chunks)
+            need.update({"loss": rows_pad // geo.rows_per_tile * 4, "part": splits * geo.grad_floats * 4})
+        for name, nbytes in need.items():
+            current = self._batch.get(name)
+            if current is None or current.size < nbytes:
+                self._replace_batch_buffer(name, nbytes)
         return self._batch
 
     def _replace_batch_buffer(self, name: str, nbytes: int) -> None:
@@ -413,7 +428,7 @@ class VulkanModel(CompiledModel):
         if program is None:
             tiles = rows_pad // self.geo.rows_per_tile
             grid = self._grid(tiles)
-            push = np.array([rows_pad, grid[0], 0, *self._acts], np.uint32).tobytes()
+            push = np.array([rows_pad, grid[0], 0, *self._acts, 0], np.uint32).tobytes()
             program = vr.Program(self.device, [vr.Dispatch(
                 self._pipelines["forward"], [x_buf, self._mma_weights, self._bias, out_buf, z_buf], push, grid)])
             self._programs[key] = program
@@ -421,36 +436,46 @@ class VulkanModel(CompiledModel):
 
     def _training_program(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
                           update: bool) -> vr.Program:
+        """forward → backward → weight gradients for each chunk of the batch, then the loss
+        and the optimizer (or the gradient export) once over every chunk's partial sums."""
         key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad)
         program = self._programs.get(key)
         if program is not None:
             return program
         geo = self.geo
         b = self._ensure_batch(rows_pad, training=True)
-        tiles = rows_pad // geo.rows_per_tile
-        grid = self._grid(tiles)
-        splits, per_split = self._splits(rows_pad)
         p = self._pipelines
         u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
         hidden, output = self._acts
-        loss_push = u32(rows_pad, grid[0], n_rows, self.spec.n_output_dims, hidden, output,
-                        LOSSES.index(self.spec.loss)) + np.float32(self.spec.huber_delta).tobytes()
-        dispatches = [
-            vr.Dispatch(p["forward"], [x_buf, self._mma_weights, self._bias, b["out"], b["z"]],
-                        u32(rows_pad, grid[0], 1, hidden, output), grid),
-            vr.Dispatch(p["backward"], [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]], loss_push, grid),
-        ]
-        for layer in range(geo.n_layers):
-            wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
-            dispatches.append(vr.Dispatch(p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
-                                          u32(rows_pad, layer, per_split, geo.grad_floats, hidden), wgrid))
+        n_out = self.spec.n_output_dims
+        dispatches = []
+        split_base = 0
+        for row_base, rows in self._chunks(rows_pad):
+            tiles = rows // geo.rows_per_tile
+            grid = self._grid(tiles)
+            splits, per_split = self._splits(rows)
+            valid = max(0, min(rows, n_rows - row_base))
+            loss_push = (u32(rows, grid[0], valid, n_out, hidden, output, LOSSES.index(self.spec.loss))
+                         + np.float32(self.spec.huber_delta).tobytes()
+                         + u32(row_base, row_base // geo.rows_per_tile, n_rows))
+            dispatches += [
+                vr.Dispatch(p["forward"], [x_buf, self._mma_weights, self._bias, b["out"], b["z"]],
+                            u32(rows, grid[0], 1, hidden, output, row_base), grid),
+                vr.Dispatch(p["backward"], [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]], loss_push, grid),
+            ]
+            for layer in range(geo.n_layers):
+                wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
+                dispatches.append(vr.Dispatch(
+                    p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
+                    u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid))
+            split_base += splits
         dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
-                                      u32(tiles, n_rows, self.spec.n_output_dims, int(update)), (1, 1, 1)))
+                                      u32(rows_pad // geo.rows_per_tile, n_rows, n_out, int(update)), (1, 1, 1)))
         groups = math.ceil(self.n_params / 256)
         dispatches.append(vr.Dispatch(
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
                              self._grad, self._ctrl, self._wall16 if self._wall16 is not None else self._unused],
-            u32(self.n_params, splits, geo.grad_floats, int(update), groups), (groups, 1, 1)))
+            u32(self.n_params, split_base, geo.grad_floats, int(update), groups), (groups, 1, 1)))
         program = vr.Program(self.device, dispatches)
         self._programs[key] = program
         return program

@@ -20,6 +20,7 @@ layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
+    uint row_base; uint tile_base; uint n_total;  // chunk's first row and tile; rows in the whole batch
 } pc;
 
 #include "coopmat_tile.glsl"
@@ -33,7 +34,7 @@ void main() {
     const int L = N_LAYERS - 1;
     uint zlast = uint(Z_COL[L]) * pc.rows_pad;
     uint cur = 0u, nxt = uint(R * KMAX);
-    float inv_count = 1.0 / (float(pc.n_rows) * float(pc.n_out));
+    float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
     float loss_sum = 0.0;
     for (uint i = tid; i < uint(R * OUT_PAD); i += uint(THREADS)) {
         uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
@@ -51,7 +52,7 @@ void main() {
                 for (uint q = 0u; q < pc.n_out; ++q) lum += abs(activate(OUTPUT_ACT, Z[zrow + q]));
                 lum /= float(pc.n_out);
             }
-            vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, Y[row * uint(OUT_PAD) + c], lum);
+            vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, Y[(pc.row_base + row) * uint(OUT_PAD) + c], lum);
             loss_sum += term.x;
             delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z));
         }
@@ -64,7 +65,7 @@ void main() {
         if (tid < s) LOSS_SH[tid] += LOSS_SH[tid + s];
         barrier();
     }
-    if (tid == 0u) LOSS_PART[tile] = LOSS_SH[0];
+    if (tid == 0u) LOSS_PART[pc.tile_base + tile] = LOSS_SH[0];
     ACC_T acc[NACC];
     for (int l = L; l >= 1; --l) {
         int inner = LAYER_N[l], outer = LAYER_K[l];

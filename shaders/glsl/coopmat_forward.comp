@@ -18,7 +18,8 @@ layout(std430, binding = 1) readonly buffer WeightBuf { float16_t WALL16[]; };  
 layout(std430, binding = 2) readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
 layout(std430, binding = 3) writeonly buffer OutBuf { float OUT[]; };
 layout(std430, binding = 4) writeonly buffer ZBuf { float Z[]; };
-layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; } pc;
+// row_base: first row of this chunk in the input (training runs big batches in chunks)
+layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; uint row_base; } pc;
 
 #include "coopmat_tile.glsl"
 
@@ -28,7 +29,7 @@ void main() {
     if (row0 >= pc.rows_pad) return;
     uint tid = gl_LocalInvocationID.x;
     for (uint i = tid; i < uint(R * IN_PAD / 4); i += uint(THREADS)) {
-        vec4 v = r16(X4[row0 * uint(IN_PAD) / 4u + i]);
+        vec4 v = r16(X4[(pc.row_base + row0) * uint(IN_PAD) / 4u + i]);
         for (uint c = 0u; c < 4u; ++c) ACT[i * 4u + c] = float16_t(v[c]);
     }
     uint cur = 0u, nxt = uint(R * KMAX);

@@ -16,7 +16,8 @@ layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
 layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
 layout(std430, binding = 3) writeonly buffer PartBuf { float PART[]; };
-layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; } pc;
+// row_base / split_base: this chunk's first input row and first partial-sum slot
+layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; uint row_base; uint split_base; } pc;
 
 #define RC 32
 #define TILE 64
@@ -48,7 +49,7 @@ void main() {
             vec4 d = cn < N ? D4[dbase + row * uint(N / 4) + uint(cn / 4)] : vec4(0.0);
             vec4 h = vec4(0.0);
             if (ck < K) {
-                if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(ck / 4)]);
+                if (l == 0) h = r16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(ck / 4)]);
                 else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
             }
             for (uint c = 0u; c < 4u; ++c) {
@@ -73,7 +74,7 @@ void main() {
             }
         }
     }
-    uint base = split * pc.gsize;
+    uint base = (pc.split_base + split) * pc.gsize;
     [[unroll]] for (int i = 0; i < WACC; ++i) {
         int b = int(gl_SubgroupID) * WACC + i;
         if (b >= WG_BLOCKS) break;

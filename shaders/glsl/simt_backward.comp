@@ -3,7 +3,8 @@
 // Fused MLP backward (SIMT), one tile of R rows per workgroup: the loss and its gradient from
 // the stored output pre-activations, then the layer gradients (deltas, w.r.t. each layer's
 // pre-activation) through every layer, each rounded to fp16 and written for the weight-gradient
-// kernel. Rows at or past n_rows get zero deltas. Per-tile loss sums go to LOSS_PART.
+// kernel. Rows at or past n_rows (the valid rows of this chunk) get zero deltas; the mean
+// divides by n_total, the rows of the whole batch. Per-tile loss sums go to LOSS_PART.
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
@@ -15,6 +16,7 @@ layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
+    uint row_base; uint tile_base; uint n_total;  // chunk's first row and tile; rows in the whole batch
 } pc;
 
 #include "simt_tile.glsl"
@@ -32,7 +34,7 @@ void main() {
     for (uint i = tid; i < uint(R * OUT_PAD / 4); i += uint(THREADS))
         ACT4[nxt / 4u + i] = activate4(OUTPUT_ACT, Z4[zlast + row0 * uint(OUT_PAD / 4) + i]);
     barrier();
-    float inv_count = 1.0 / (float(pc.n_rows) * float(pc.n_out));
+    float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
     float loss_sum = 0.0;
     for (uint i = tid; i < uint(R * OUT_PAD); i += uint(THREADS)) {
         uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
@@ -49,7 +51,7 @@ void main() {
                 for (uint q = 0u; q < pc.n_out; ++q) lum += abs(ACT4[(pbase + q) / 4u][(pbase + q) % 4u]);
                 lum /= float(pc.n_out);
             }
-            float target = Y4[(row * uint(OUT_PAD) + c) / 4u][c % 4u];
+            float target = Y4[((pc.row_base + row) * uint(OUT_PAD) + c) / 4u][c % 4u];
             vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, target, lum);
             loss_sum += term.x;
             float z = Z4[zlast + (row * uint(OUT_PAD) + c) / 4u][c % 4u];
@@ -63,7 +65,7 @@ void main() {
         if (tid < s) LOSS_SH[tid] += LOSS_SH[tid + s];
         barrier();
     }
-    if (tid == 0u) LOSS_PART[tile] = LOSS_SH[0];
+    if (tid == 0u) LOSS_PART[pc.tile_base + tile] = LOSS_SH[0];
     uint dlast = uint(Z_COL[L]) * pc.rows_pad / 4u;
     for (uint i = tid; i < uint(R * OUT_PAD / 4); i += uint(THREADS))
         D4[dlast + row0 * uint(OUT_PAD / 4) + i] = ACT4[cur / 4u + i];

@@ -11,7 +11,8 @@ layout(std430, binding = 1) readonly buffer WeightBuf { vec4 WALL4[]; };  // tra
 layout(std430, binding = 2) readonly buffer BiasBuf { vec4 BIAS4[]; };    // fp32 biases, padded
 layout(std430, binding = 3) writeonly buffer OutBuf { vec4 OUT4[]; };     // rows_pad x OUT_PAD
 layout(std430, binding = 4) writeonly buffer ZBuf { vec4 Z4[]; };         // pre-activations, layer blocks
-layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; } pc;
+// row_base: first row of this chunk in the input (training runs big batches in chunks)
+layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; uint row_base; } pc;
 
 #include "simt_tile.glsl"
 
@@ -21,7 +22,7 @@ void main() {
     if (row0 >= pc.rows_pad) return;  // uniform over the workgroup
     uint tid = gl_LocalInvocationID.x;
     for (uint i = tid; i < uint(R * IN_PAD / 4); i += uint(THREADS))
-        ACT4[i] = r16(X4[row0 * uint(IN_PAD) / 4u + i]);
+        ACT4[i] = r16(X4[(pc.row_base + row0) * uint(IN_PAD) / 4u + i]);
     uint cur = 0u, nxt = uint(R * KMAX);
     vec4 acc[MTPT * MR];
     for (int l = 0; l < N_LAYERS; ++l) {

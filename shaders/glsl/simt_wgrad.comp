@@ -10,7 +10,8 @@ layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
 layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
 layout(std430, binding = 3) writeonly buffer PartBuf { vec4 PART4[]; };
-layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; } pc;
+// row_base / split_base: this chunk's first input row and first partial-sum slot
+layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; uint row_base; uint split_base; } pc;
 
 shared vec4 DS[16 * 16];  // 16 rows x 64 delta columns
 shared vec4 HS[16 * 16];  // 16 rows x 64 input columns
@@ -36,7 +37,7 @@ void main() {
         DS[tid] = load_n < N ? D4[dbase + row * uint(N / 4) + uint(load_n / 4)] : vec4(0.0);
         vec4 h = vec4(0.0);
         if (load_k < K) {
-            if (l == 0) h = r16(X4[row * uint(IN_PAD / 4) + uint(load_k / 4)]);
+            if (l == 0) h = r16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(load_k / 4)]);
             else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
         }
         HS[tid] = h;
@@ -52,7 +53,7 @@ void main() {
         }
     }
     int n = n0 + tn * 4, k = k0 + tk * 4;
-    uint base = split * pc.gsize;
+    uint base = (pc.split_base + split) * pc.gsize;
     if (k < K) {
         for (int i = 0; i < 4; ++i)
             if (n + i < N) PART4[(base + uint(GW_OFF[l] + (n + i) * K + k)) / 4u] = acc[i];
