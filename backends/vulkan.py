@@ -21,6 +21,7 @@ of ``ROW_ALIGN`` internally; padded rows get zero gradients and never reach the 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 import threading
@@ -41,6 +42,8 @@ from mmad.backends import vulkan_runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
+
+log = logging.getLogger("mmad.vulkan")
 
 VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes)
@@ -675,6 +678,7 @@ class VulkanBackend(Backend):
         self._device: vr.Device | None = None
         self._pipelines: dict[tuple, vr.Pipeline] = {}
         self._models: weakref.WeakSet[VulkanModel] = weakref.WeakSet()
+        self._announced: set[tuple] = set()  # (variant, shape) already logged
         self._lock = threading.Lock()
 
     def _survey(self) -> list[vr.DeviceInfo]:
@@ -771,6 +775,12 @@ class VulkanBackend(Backend):
                 pipelines[name] = self._pipelines[key]
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
         self._models.add(model)
+        if (variant, shape) not in self._announced:
+            self._announced.add((variant, shape))
+            log.info("vulkan backend: variant %s%s on %s (%s)", variant,
+                     f", cooperative-matrix tile {'x'.join(map(str, shape))} f16*f16+f32" if shape else "",
+                     device.info.name, f"set {COOPMAT_ENV}=0 to disable coopmat" if shape else
+                     "no matrix hardware used")
         return model
 
     def close(self) -> None:
