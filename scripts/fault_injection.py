@@ -269,7 +269,7 @@ def visible_leftovers(store: Path) -> list[str]:
 
 
 class Harness:
-    def __init__(self, store: Path, seed: int, zygote: Zygote | None = None, log=print):
+    def __init__(self, store: Path, seed: int, zygote: Zygote | None = None):
         self.store = store
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
@@ -279,7 +279,6 @@ class Harness:
         self.report = Report()
         self.dataset: str | None = None
         self.seen_leftovers: set[str] = set()
-        self.log = log
 
     # -- acknowledgement ------------------------------------------------------------------
     def ack(self, version: str, sha256: str | None, params=None, by: str = "job") -> None:
@@ -434,12 +433,11 @@ class Harness:
         self.report.rounds += 1
 
 
-def run(kills: int, seed: int = 0, store: Path | None = None, budget_s: float = 600.0, fork: bool = True,
-        log=print) -> Report:
+def run(kills: int, seed: int = 0, store: Path | None = None, budget_s: float = 600.0, fork: bool = True) -> Report:
     """``kills`` kill -9 rounds (stops early, with a failure, when ``budget_s`` runs out)."""
     root = Path(store) if store is not None else Path(tempfile.mkdtemp(prefix="mmad-fi-"))
     zygote = Zygote() if fork else None
-    harness = Harness(root / "store", seed, zygote, log)
+    harness = Harness(root / "store", seed, zygote)
     t0 = time.perf_counter()
     try:
         while harness.report.kills < kills:

@@ -250,7 +250,6 @@ def test_tensor_and_batch_limits(secured):
 
 def test_cors_is_off_by_default(secured):
     app, client, _ = secured
-    assert not any("CORS" in type(m.cls).__name__ if hasattr(m, "cls") else False for m in app.user_middleware)
     assert not any("cors" in str(getattr(m, "cls", "")).lower() for m in app.user_middleware)
     r = client.get("/v2/models/demo", headers={"Origin": "https://evil.example"})
     assert r.status_code == 200
