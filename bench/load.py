@@ -868,31 +868,40 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_rps, ax_p99, ax_large) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.8))
+    ax_rps, ax_p99, ax_cpu, ax_large = axes
     keys = sorted({(r["server"], r["batching"], r["wire"]) for r in doc["sweep"]})
     for server, batching, wire in keys:
         rows = sorted((r for r in doc["sweep"] if (r["server"], r["batching"], r["wire"]) == (server, batching, wire)),
                       key=lambda r: r["clients"])
-        label = "peer (FastAPI + NumPy)" if server == "peer" else f"mmad {wire}, batching {batching}"
+        label = "peer (FastAPI + NumPy, JSON)" if server == "peer" else f"mmad {wire}, batching {batching}"
         clients = [r["clients"] for r in rows]
-        ax_rps.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
-        ax_p99.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
-    for ax, title, unit in ((ax_rps, "requests/s (1-16 rows each)", "requests/s"), (ax_p99, "p99 latency", "ms")):
+        style = {"marker": "o", "label": label, "linestyle": "--" if batching == "off" else "-"}
+        ax_rps.plot(clients, [r["requests_per_s"] for r in rows], **style)
+        ax_p99.plot(clients, [r["p99_ms"] for r in rows], **style)
+        ax_cpu.plot(clients, [r.get("server_cpu_ms_per_request", math.nan) for r in rows], **style)
+    for ax, title, unit in ((ax_rps, "requests/s (1-16 rows each)", "requests/s"), (ax_p99, "p99 latency", "ms"),
+                            (ax_cpu, "server CPU per request", "ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     ax_p99.set_yscale("log")
-    ax_p99.axhline(100, color="grey", linestyle="--", linewidth=1)
-    ax_rps.legend(fontsize=8)
+    ax_p99.axhline(100, color="grey", linestyle=":", linewidth=1)
+    ax_cpu.set_ylim(bottom=0)
     names = ["in-process"] + ["binary FP16" if r["wire"] == "binary16" else "JSON FP32" for r in doc["large"]]
     values = [doc["in_process"]["samples_per_s"]] + [r["samples_per_s"] for r in doc["large"]]
     ax_large.bar(names, values, color=["grey", "tab:blue", "tab:orange"][:len(values)])
     ax_large.set_title(f"{doc['in_process']['rows']:,}-row requests, model M (cpu)")
     ax_large.set_ylabel("samples/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    handles, labels = ax_rps.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    m = doc["machine"]
+    fig.suptitle(f"mmad service benchmark, {doc['started']}, {m['cpus']} CPUs, load average "
+                 f"{m['load_avg_at_start'][0]} at start (shared machine)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
