@@ -122,7 +122,7 @@ class _Plan:
     bwd_wsh: int
     fwd: tuple[_Stage, ...]
     bwd: tuple[_Stage, ...]
-    chunk_rows: int         # training chunk
+    chunk_rows: int         # largest training chunk
     fwd_chunk_rows: int     # inference chunk
     n_splits_max: int
     woff: tuple[int, ...]
@@ -195,12 +195,10 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int) -> _Plan:
            and fwd_chunk * 2 * 4 * max(spec.n_input_dims, spec.n_output_dims) <= binding):
         fwd_chunk *= 2
     n_splits = max(1, min(128, chunk // 256, (64 << 20) // (4 * p)))
-    hoff, zoff, h, z = [], [], 0, 0
-    for i in range(n_layers):
-        hoff.append(h)
-        h += chunk * kp[i]
-        zoff.append(z)
-        z += chunk * op[i]
+    # row-major scratch: row r of layer i's input at hbuf[r * HS + hoff[i]], its
+    # pre-activation / output gradient at zbuf / dbuf[r * ZS + zoff[i]]
+    hoff = [sum(kp[:i]) for i in range(n_layers)]
+    zoff = [sum(op[:i]) for i in range(n_layers)]
     return _Plan(spec.n_input_dims, spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
                  fwd[0], fwd[2], bwd[0], bwd[2], fwd[1], bwd[1], chunk, fwd_chunk, n_splits, tuple(woff), tuple(boff), p,
                  tuple(hoff), tuple(zoff))
@@ -244,7 +242,13 @@ def _rounding(spec: MLPSpec, native_f16: bool) -> tuple[str, str]:
     if spec.precision == "fp16" and native_f16:
         return "f16", "fn rnd(v: f32) -> CT { return CT(v); }"
     if spec.precision == "fp16":
-        return "f32", "fn rnd(v: f32) -> CT { return unpack2x16float(pack2x16float(vec2<f32>(v, 0.0))).x; }"
+        # bit-exact round-to-nearest-even to fp16 in f32 storage; pack2x16float's rounding is
+        # implementation-defined (lavapipe's differs from RNE), so it is not used for this
+        return "f32", ("fn rnd(v: f32) -> CT {\n"
+                       "    if (abs(v) >= 65520.0) { return bitcast<f32>((bitcast<u32>(v) & 0x80000000u) | 0x7f800000u); }\n"
+                       "    if (abs(v) < 6.103515625e-05) { return round(v * 16777216.0) / 16777216.0; }\n"
+                       "    let b = bitcast<u32>(v);\n"
+                       "    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);\n}")
     if spec.precision == "bf16":
         return "f32", ("fn rnd(v: f32) -> CT {\n    let b = bitcast<u32>(v);\n"
                        "    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);\n}")
@@ -265,7 +269,7 @@ def _loss_wgsl(spec: MLPSpec) -> str:
         lines.append(f"    return vec2<f32>({delta} * (abs(d) - 0.5 * {delta}), {delta} * sign(d));")
     else:
         if name == "RelativeL2Luminance":
-            base = "Z_LAST + row * OP_L"
+            base = "row * ZS + Z_LAST"
             if spec.n_output_dims >= 3:
                 lines.append(f"    let lum = 0.299 * act_o(zbuf[{base}]) + 0.587 * act_o(zbuf[{base} + 1u])"
                              f" + 0.114 * act_o(zbuf[{base} + 2u]);")
@@ -345,10 +349,9 @@ def _prelude(spec: MLPSpec, plan: _Plan, native_f16: bool) -> str:
     hidden_act, hidden_dact = _ACT[spec.activation]
     out_act, out_dact = _ACT[spec.output_activation]
     last = plan.n_layers - 1
-    d_last = plan.chunk_rows * sum(plan.op[:last])  # dbuf uses the zbuf layout
     consts = {
         "N_IN": plan.n_in, "N_ENC": plan.n_enc, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
-        "CHUNK_ROWS": plan.chunk_rows, "Z_LAST": plan.zoff[last], "D_LAST": d_last,
+        "ZS": sum(plan.op), "HS": sum(plan.kp), "Z_LAST": plan.zoff[last],
     }
     lines = ["enable f16;" if ct == "f16" else "", f"alias CT = {ct};", rnd]
     lines += [f"const {k}: u32 = {v}u;" for k, v in consts.items()]
@@ -404,11 +407,11 @@ def _gemm_stage(plan: _Plan, st: _Stage, *, backward: bool, a_global: bool, trai
             out.append(f"            let lr = e / {st.kc}u; let k = k0 + e % {st.kc}u; let row = row0 + lr;")
             out.append("            var v = CT(0.0);")
             if backward:  # the last layer's output gradient, written by loss_grad
-                out.append(f"            if (row < launch.n_rows && k < {st.k}u) {{ v = dbuf[D_LAST + row * {op}u + k]; }}")
+                out.append(f"            if (row < launch.n_rows && k < {st.k}u) {{ v = dbuf[row * ZS + Z_LAST + k]; }}")
             else:
                 out.append("            if (row < n_rows && k < N_ENC) { v = rnd(encode(row, k)); }")
                 if train:
-                    out.append(f"            if (row < n_rows && k < {kp}u) {{ hbuf[{plan.hoff[0]}u + row * {kp}u + k] = v; }}")
+                    out.append(f"            if (row < n_rows && k < {kp}u) {{ hbuf[row * HS + k] = v; }}")
             out.append(f"            {xsh}[e] = v;")
             out.append("        }")
         out.append("        workgroupBarrier();")
@@ -464,7 +467,7 @@ def _fused_kernels(spec: MLPSpec, plan: _Plan) -> str:
             if last:
                 if train:
                     body.append(f"  if (row < n_rows) {{ for (var c = 0u; c < 4u; c = c + 1u) {{"
-                                f" zbuf[{plan.zoff[i]}u + row * {plan.op[i]}u + {col} + c] = z[c]; }} }}")
+                                f" zbuf[row * ZS + {plan.zoff[i]}u + {col} + c] = z[c]; }} }}")
                 else:
                     body.append(f"  for (var c = 0u; c < 4u; c = c + 1u) {{ if (row < n_rows && {col} + c < N_OUT) {{"
                                 f" y_out[row * N_OUT + {col} + c] = act_o(z[c]); }} }}")
@@ -473,8 +476,8 @@ def _fused_kernels(spec: MLPSpec, plan: _Plan) -> str:
                 body.append("    let h = rnd(act_h(z[c]));")
                 body.append(f"    act[lr * HIDDEN + {col} + c] = h;")
                 if train:
-                    body.append(f"    if (row < n_rows) {{ zbuf[{plan.zoff[i]}u + row * {plan.op[i]}u + {col} + c] = z[c];"
-                                f" hbuf[{plan.hoff[i + 1]}u + row * {plan.kp[i + 1]}u + {col} + c] = h; }}")
+                    body.append(f"    if (row < n_rows) {{ zbuf[row * ZS + {plan.zoff[i]}u + {col} + c] = z[c];"
+                                f" hbuf[row * HS + {plan.hoff[i + 1]}u + {col} + c] = h; }}")
                 body.append("  }")
             body.append("}")
             return body
@@ -498,7 +501,7 @@ def _fused_kernels(spec: MLPSpec, plan: _Plan) -> str:
         def emit(acc: str, lr: str, col: str) -> list[str]:
             body = [f"{{ let lr = {lr}; let row = row0 + lr;",
                     "  for (var c = 0u; c < 4u; c = c + 1u) {",
-                    f"    let zi = {plan.zoff[prev]}u + row * {plan.op[prev]}u + {col} + c;",
+                    f"    let zi = row * ZS + {plan.zoff[prev]}u + {col} + c;",
                     f"    let d = rnd({acc}[c] * dact_h(zbuf[zi]));"]
             if prev > 0:
                 body.append(f"    bact[lr * HIDDEN + {col} + c] = d;")
@@ -539,8 +542,8 @@ def _wgrad_kernels(plan: _Plan) -> str:
             "        if (row >= r_begin && row < r_end) {",
             "            for (var c = 0u; c < 4u; c = c + 1u) {",
             "                let o = o0 + q * 4u + c; let k = k0 + q * 4u + c;",
-            f"                if (o < {op}u) {{ d[c] = f32(dbuf[{plan.zoff[i]}u + row * {op}u + o]); }}",
-            f"                if (k < {kp}u) {{ h[c] = f32(hbuf[{plan.hoff[i]}u + row * {kp}u + k]); }}",
+            f"                if (o < {op}u) {{ d[c] = f32(dbuf[row * ZS + {plan.zoff[i]}u + o]); }}",
+            f"                if (k < {kp}u) {{ h[c] = f32(hbuf[row * HS + {plan.hoff[i]}u + k]); }}",
             f"                if (k == {kp}u) {{ h[c] = 1.0; }}",
             "            }",
             "        }",
@@ -749,10 +752,8 @@ class WgpuModel(CompiledModel):
         self._buffer("wc", p * cb)
         for name in ("master", "grad", "mom1", "mom2"):
             self._buffer(name, p * 4)
-        self._buffer("hbuf", plan.chunk_rows * sum(plan.kp) * cb)
-        self._buffer("zbuf", plan.chunk_rows * sum(plan.op) * 4)
-        self._buffer("dbuf", plan.chunk_rows * sum(plan.op) * cb)
-        self._buffer("wpart", plan.n_splits_max * p * 4)
+        self._scratch_rows = self._scratch_splits = 0
+        self._alloc_training_scratch(256, 1)
         self._buffer("lpart", MAX_EW_WORKGROUPS * 4)
         self._buffer("losses", (STEP_SLOTS + 1) * 4)
         try:
@@ -760,6 +761,25 @@ class WgpuModel(CompiledModel):
                 size=UNIFORM_SLOTS * SLOT_BYTES, usage=wgpu.BufferUsage.UNIFORM | wgpu.BufferUsage.COPY_DST)
         except Exception as exc:
             raise LaunchError(f"wgpu could not allocate the uniform buffer: {exc}") from exc
+
+    def _alloc_training_scratch(self, rows: int, splits: int) -> None:
+        """(Re)allocate the per-chunk training buffers for ``rows`` rows and ``splits`` splits."""
+        plan, cb = self.plan, (2 if self.native_f16 else 4)
+        for name in ("hbuf", "zbuf", "dbuf", "wpart"):
+            old = self.buffers.pop(name, None)
+            if old is not None:
+                old.destroy()
+        self._buffer("hbuf", rows * sum(plan.kp) * cb)
+        self._buffer("zbuf", rows * sum(plan.op) * 4)
+        self._buffer("dbuf", rows * sum(plan.op) * cb)
+        self._buffer("wpart", splits * plan.p * 4)
+        self._scratch_rows, self._scratch_splits = rows, splits
+
+    def _ensure_training_scratch(self, rows: int, splits: int) -> None:
+        # grown on demand: a model that only serves inference never holds the training scratch
+        if rows > self._scratch_rows or splits > self._scratch_splits:
+            self._alloc_training_scratch(max(rows, self._scratch_rows), max(splits, self._scratch_splits))
+            self.model_groups = {k: self._model_group(k) for k in self.pipelines}
 
     def _model_group(self, kernel: str) -> Any:
         binding_index = {name: i + 1 for i, name in enumerate(_BUFFER_BINDINGS)}
@@ -905,6 +925,7 @@ class WgpuModel(CompiledModel):
         chunk = min(plan.chunk_rows, (rows + 255) // 256 * 256)
         n_splits = max(1, min(plan.n_splits_max, chunk // 256))
         rows_per_split = _ceil_div(_ceil_div(chunk, n_splits), 16) * 16
+        self._ensure_training_scratch(chunk, n_splits)
         inv_count = 1.0 / (rows * self.spec.n_output_dims)
         loss_wg = min(MAX_EW_WORKGROUPS, _ceil_div(chunk * plan.op[-1], 256))
         ew_wg = min(MAX_EW_WORKGROUPS, _ceil_div(plan.p, 256))

@@ -2,7 +2,7 @@
 //
 // backends/webgpu.py prepends a generated prelude (the `CT` storage type, the rounding function
 // `rnd`, the activations, the loss, the input encoding and the shape constants P, N_OUT, OP_L,
-// LOSS_SCALE, Z_LAST, D_LAST, ...) and appends the fused forward/backward kernels and one
+// LOSS_SCALE, the scratch row strides ZS/HS and the last layer's column Z_LAST, ...) and appends the fused forward/backward kernels and one
 // weight-gradient entry point per layer.
 //
 // Everything is deterministic: reductions run in a fixed order, never with atomics.
@@ -98,13 +98,13 @@ fn loss_grad(@builtin(global_invocation_id) gid: vec3<u32>,
         let col = e % OP_L;
         var delta = 0.0;
         if (col < N_OUT) {
-            let z = zbuf[Z_LAST + e];
+            let z = zbuf[row * ZS + Z_LAST + col];
             let pred = act_o(z);
             let lt = loss_terms(pred, targets[row * N_OUT + col], row);
             partial = partial + lt.x;
             delta = lt.y * launch.inv_count * LOSS_SCALE * dact_o(z);
         }
-        dbuf[D_LAST + e] = rnd(delta);
+        dbuf[row * ZS + Z_LAST + col] = rnd(delta);
     }
     let s = workgroup_sum(lid, partial);
     if (lid == 0u) {
