@@ -99,6 +99,13 @@ def encode(wire: str, x: np.ndarray) -> tuple[bytes, dict[str, str]]:
     raise BenchError(f"unknown wire format {wire!r}")
 
 
+def all_finite(values: np.ndarray) -> bool:
+    """No NaN or Inf; FP16 checked on its exponent bits (NumPy's float16 isfinite is ~10x slower)."""
+    if values.dtype == np.float16:
+        return not ((values.view(np.uint16) & 0x7C00) == 0x7C00).any()
+    return bool(np.isfinite(values).all())
+
+
 def decode(wire: str, headers: dict[bytes, bytes], body: bytes) -> np.ndarray:
     """The OUTPUT tensor of a response (flat)."""
     if wire in ("binary16", "binary32"):
@@ -236,8 +243,8 @@ async def run_http_load(scenario: dict[str, Any]) -> dict[str, Any]:
                     fail(f"http {status}", data.decode(errors="replace"))
                 else:
                     out = decode(scenario["wire"], headers, data)
-                    if out.size != rows * n_out or not np.isfinite(out).all():
-                        fail("wrong output", f"{out.size} values for {rows} rows, finite={np.isfinite(out).all()}")
+                    if out.size != rows * n_out or not all_finite(out):
+                        fail("wrong output", f"{out.size} values for {rows} rows, finite={all_finite(out)}")
                     elif began >= t0 and sent > scenario["warmup_requests"]:
                         latencies.append(ended - began)
                         measured["rows"] += rows

@@ -100,12 +100,12 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# Work on a small body or output runs inline on the event loop: a hop to the compute threads
+# Work on a small body or tensor runs inline on the event loop: a hop to the compute threads
 # costs more than the work, and under load the hops queue behind each other and behind the
 # batches (GIL hand-offs). Larger JSON parsing and encoding go to the threads so that they never
 # stall the loop. Binary tensors are views of the body (np.frombuffer): cheap at any size.
 INLINE_JSON_BYTES = 64 * 1024
-INLINE_OUTPUT_VALUES = 16 * 1024
+INLINE_TENSOR_VALUES = 16 * 1024
 
 
 async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
@@ -176,7 +176,11 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         if version is not None:
             registry.check_version(model, version)
         parsed = await parse_tensors(rt, request)
-        x = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims})[INPUT]
+        names = {INPUT: entry.spec.n_input_dims}
+        if sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES:
+            x = model_tensors(entry, parsed, names)[INPUT]
+        else:  # the casts and finiteness check of a large tensor: off the event loop
+            x = (await registry.run(model_tensors, entry, parsed, names))[INPUT]
         outputs = requested_outputs(parsed, (OUTPUT,))
         t1 = time.perf_counter_ns()
         if version is None:
@@ -193,7 +197,7 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
         header = {"model_name": model, "model_version": version or registry.latest_version(model)}
         if parsed.id is not None:
             header["id"] = parsed.id
-        if out.size <= INLINE_OUTPUT_VALUES:
+        if out.size <= INLINE_TENSOR_VALUES:
             body, header_length = encode_infer_response(header, [(o, out) for o in outputs])
         else:
             body, header_length = await registry.run(encode_infer_response, header, [(o, out) for o in outputs])
