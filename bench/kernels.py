@@ -226,10 +226,18 @@ def main(args: argparse.Namespace) -> int:
     host = socket.gethostname().split(".")[0]
     with tqdm(total=steps, desc="mmad bench", unit="figure") as bar:
         floor = measure_floor(on_gpu)
-        peer_rows = bench_torch(names, args.batch, args.repeats, training, bar) if have_torch else []
+        # peer and mmad are timed model by model, back to back, so that a change in the
+        # machine's load during the run shifts both sides of each ratio alike
+        peer_rows: list[dict[str, Any]] = []
+        by_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+        for name in names:
+            if have_torch:
+                peer_rows += bench_torch([name], args.batch, args.repeats, training, bar)
+            for backend_arg in backends:
+                by_backend[backend_arg] += bench_mmad(backend_arg, [name], args.batch, args.repeats, training, bar)
         peer_name = peer_rows[0]["backend"] + f" ({peer_rows[0]['dtype']})" if peer_rows else "none (PyTorch not importable)"
         for backend_arg in backends:
-            rows = bench_mmad(backend_arg, names, args.batch, args.repeats, training, bar)
+            rows = by_backend[backend_arg]
             io_bytes = 2  # fp16 activations in and out (BENCHMARKS.md)
             summarise(rows, peer_rows, args.batch, floor, io_bytes)
             label = rows[0]["backend"].replace(":", "-") if rows else backend_arg or "auto"
