@@ -25,7 +25,7 @@ def smoke_run(tmp_path_factory):
     argv = ["--out", str(out), "--docs", str(docs), "--concurrency", "1,8", "--sweep-wires", "json",
             "--duration-s", "0.6", "--warmup-s", "0.2", "--large-rows", "2048", "--large-requests", "2",
             "--large-duration-s", "2", "--tritonclient-concurrency", "4", "--in-process-repeats", "3",
-            "--uvicorn-matrix", "asyncio/h11"]
+            "--uvicorn-matrix", "asyncio/h11", "--pairs", "1", "--pair-duration-s", "0.4"]
     assert load.main(argv) == 0
     return json.loads((out / "service-cpu.json").read_text()), docs
 
@@ -88,3 +88,12 @@ def test_uvicorn_setting_measured(smoke_run):
     assert [(r["loop"], r["http"]) for r in doc["uvicorn"]] == [("asyncio", "h11")]
     assert doc["uvicorn"][0]["errors"] == {} and doc["uvicorn"][0]["requests"] > 0
     assert "| asyncio | h11 | json |" in docs.read_text()
+
+
+def test_paired_targets(smoke_run):
+    doc, docs = smoke_run
+    assert len(doc["pairs"]["large"]) == 1 and len(doc["pairs"]["small"]) == 1
+    assert set(doc["pairs"]["small"][0]) == {"mmad json", "peer json"}
+    assert all(v["requests_per_s"] > 0 for v in doc["pairs"]["small"][0].values())
+    paired = [t["figure"] for t in doc["targets"] if t["figure"].startswith("PAIRED")]
+    assert len(paired) == 3 and "**Interleaved pairs**" in docs.read_text()
