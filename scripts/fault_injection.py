@@ -470,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.zygote:
         return zygote_main()
+    # SIGTERM (e.g. from `timeout`) unwinds like an exception, so the daemon and zygote are stopped
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     report = run(args.kills, args.seed, args.store, args.budget_s, args.fork)
     print(json.dumps(report.to_json(), indent=1))
     return 1 if report.failures else 0
