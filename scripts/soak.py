@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -409,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-memory", action="store_true",
                    help="diagnosis: report where the daemon's memory grew (tracemalloc, slows it down)")
     args = p.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) unwinds like an exception, so the daemon is stopped too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     report = run(args.duration_s, args.seed, args.workdir, args.trace_memory)
     print(json.dumps(report, indent=1))
     return 1 if report["failures"] else 0
