@@ -17,15 +17,18 @@ process (``--generator``), bounded in requests and in time:
   requests of 1-16 rows (uniformly drawn) back to back, to mmad with dynamic batching on and off
   and to the peer -> requests/s, p50/p90/p99 latency, errors, and executions per request
   (the daemon's ``/v2/models/M/stats``: execution_count / successful requests);
+* interleaved pairs: the targets' comparisons repeated back to back (in-process vs a large
+  binary stream; mmad vs the peer at 64 clients), so both sides meet the same outside load;
 * tritonclient: ``tritonclient.http.InferenceServerClient(concurrency=N).async_infer`` with N
-  requests in flight against the daemon, as Triton users drive it.
+  requests in flight, and ``tritonclient.http.aio`` with N tasks, against the daemon;
+* uvicorn settings: a daemon per loop/http pair (uvloop|asyncio x httptools|h11) at 64 clients.
 
 Request bodies are encoded before the clock starts (a load generator's job is to drive the
 server); responses are decoded to NumPy and their shape checked inside the clock. Every point
 also records how much CPU other processes on the machine used meanwhile ("foreign cores"),
-since the 2-core machine is shared.
+since the 2-core machine is shared, and the server process's CPU time per request.
 
-Results: ``<out>/service-<backend>.json``, a markdown table written between the markers of
+Results: ``<out>/service-cpu.json``, a markdown table written between the markers of
 ``--docs`` (docs/service-performance.md) and a PNG plot next to it.
 """
 
