@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="run the HTTP daemon (see `mmad serve --help`)", add_help=False)
 
-    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (BENCHMARKS.md)")
+    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (BENCHMARKS.md); "
+                                     "`mmad bench --service [...]` runs the HTTP load benchmark instead")
     p.add_argument("--backend", action="append", help="backend[:variant] to measure (repeatable; default: best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
     p.add_argument("--batch", type=int, default=1 << 20, help="rows per batch (default 2^20)")
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "serve":
             return _serve(argv[1:])
+        if argv[:1] == ["bench"] and "--service" in argv[1:]:
+            from mmad.bench.load import main as service_bench
+
+            return service_bench([a for a in argv[1:] if a != "--service"])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except MMADError as exc:
