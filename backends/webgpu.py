@@ -136,11 +136,12 @@ class _Plan:
         return len(self.kp)
 
 
-def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, budget: int, cb: int):
+def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, budget: int, cb: int,
+                max_kc: int):
     """Chunk sizes for stages (layer, k, n); None when they cannot fit at this row count."""
     first_k, first_n = dims[0][1], min(dims[0][2], 256)
     kcx = 0
-    for kc in range(min(first_k, 256), 15, -16):
+    for kc in range(min(first_k, 256, max_kc), 15, -16):
         if act_bytes + kc * (rows + first_n) * cb <= budget:
             kcx = kc
             break
@@ -150,7 +151,7 @@ def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, bud
     stages, wsh = [], 0
     for layer, k, n in dims:
         ng = min(n, 256)
-        kc = kcx if layer == dims[0][0] else min(k, (room // (ng * cb)) // 16 * 16)
+        kc = kcx if layer == dims[0][0] else min(k, max_kc, (room // (ng * cb)) // 16 * 16)
         if kc < 16:
             return None
         stages.append(_Stage(layer, k, n, kc))
@@ -158,7 +159,13 @@ def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, bud
     return kcx, tuple(stages), wsh
 
 
-def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int) -> _Plan:
+def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_rows: int = 4096) -> _Plan:
+    """Tile sizes for ``spec`` on an adapter with ``limits``.
+
+    ``max_stage_rows`` caps the weight rows staged per chunk (a multiple of 16). Hardware adapters
+    stage whole layers whenever they fit; CPU adapters use 16, because lavapipe's LLVM unrolls a
+    whole staged chunk and compile times grow several-fold with it (M: 47 s vs 17 s per pipeline).
+    """
     dims = spec.layer_dims
     kp = tuple(_pad16(i) for i, _ in dims)
     op = tuple(_pad16(o) for _, o in dims)
@@ -170,9 +177,10 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int) -> _Plan:
         if rows * min(widest, 256) // THREADS > MAX_ACCUMULATORS:
             continue
         act_bytes = rows * hidden * ct_bytes
-        fwd = _fit_stages([(i, kp[i], op[i]) for i in range(n_layers)], rows, act_bytes, budget, ct_bytes)
+        fwd = _fit_stages([(i, kp[i], op[i]) for i in range(n_layers)], rows, act_bytes, budget, ct_bytes,
+                          max_stage_rows)
         bwd = _fit_stages([(i, op[i], kp[i]) for i in range(n_layers - 1, 0, -1)], rows, act_bytes, budget,
-                          ct_bytes)
+                          ct_bytes, max_stage_rows)
         if fwd and bwd:
             break
     else:
@@ -219,11 +227,9 @@ _ACT = {
     "Sine": ("sin(z)", "cos(z)"),
 }
 
-_LOSS_NORMALISER = {
-    "L2": None, "L1": None, "Huber": None,
+_LOSS_NORMALISER = {  # normalisers of the relative losses (tiny-cuda-nn holds them constant)
     "RelativeL2": f"p * p + {nm.LOSS_EPSILON}",
     "RelativeL1": f"abs(p) + {nm.LOSS_EPSILON}",
-    "RelativeL2Luminance": "lum * lum + {eps}",
     "MAPE": f"abs(t) + {nm.LOSS_EPSILON}",
     "SMAPE": f"abs(p) + abs(t) + {nm.LOSS_EPSILON}",
 }
@@ -376,7 +382,7 @@ def _gemm_stage(plan: _Plan, st: _Stage, *, backward: bool, a_global: bool, trai
     act, xsh, wsh = ("bact", "bxsh", "bwsh") if backward else ("act", "xsh", "wsh")
     R, T = plan.rows, THREADS
     i = st.layer
-    kp, op = plan.kp[i], plan.op[i]
+    kp = plan.kp[i]
     out: list[str] = []
     for col0 in range(0, st.n, 256):
         ncols = min(256, st.n - col0)
@@ -505,7 +511,7 @@ def _fused_kernels(spec: MLPSpec, plan: _Plan) -> str:
                     f"    let d = rnd({acc}[c] * dact_h(zbuf[zi]));"]
             if prev > 0:
                 body.append(f"    bact[lr * HIDDEN + {col} + c] = d;")
-            body.append(f"    if (row < launch.n_rows) {{ dbuf[zi] = d; }}")
+            body.append("    if (row < launch.n_rows) { dbuf[zi] = d; }")
             body += ["  }", "}"]
             return body
         return emit
@@ -668,12 +674,12 @@ class WgpuModel(CompiledModel):
     variant = "default"
 
     def __init__(self, spec: MLPSpec, device: Any, adapter_info: dict, limits: dict[str, int], native_f16: bool,
-                 cache: Any = None, module_cache: dict | None = None):
+                 cache: Any = None, module_cache: dict | None = None, max_stage_rows: int = 4096):
         super().__init__(spec)
         self.device = device
         self.native_f16 = native_f16 and spec.precision == "fp16"
         self.storage = "f16" if self.native_f16 else "f32"
-        self.plan = make_plan(spec, limits, 2 if self.native_f16 else 4)
+        self.plan = make_plan(spec, limits, 2 if self.native_f16 else 4, max_stage_rows)
         self.source = generate_wgsl(spec, self.plan, self.native_f16)
         if cache is not None:
             # the generated WGSL is this backend's cached artefact (wgpu-native compiles it in-process)
@@ -1086,10 +1092,12 @@ class WgpuModel(CompiledModel):
 class WgpuBackend(Backend):
     name = "wgpu"
 
-    def __init__(self, native_f16: bool | None = None):
+    def __init__(self, native_f16: bool | None = None, max_stage_rows: int | None = None):
         # native_f16=False stores fp16 models in f32 with emulated rounding even when the adapter
         # has shader-f16 (to test that path); None uses f16 whenever the adapter offers it
         self.native_f16 = native_f16
+        # weight rows staged per chunk: None = whole layers on hardware, 16 on CPU adapters
+        self.max_stage_rows = max_stage_rows
         self._adapter = None
         self._device = None
         self._modules: dict[str, Any] = {}  # WGSL hash -> (pipelines, layouts), per device
@@ -1150,7 +1158,9 @@ class WgpuBackend(Backend):
             adapter = self._adapter
             native_f16 = "shader-f16" in device.features and self.native_f16 is not False
             limits = {k: int(device.limits[k]) for k in _LIMITS if k in device.limits}
-            return WgpuModel(spec, device, dict(adapter.info), limits, native_f16, cache, self._modules)
+            info = dict(adapter.info)
+            stage_rows = self.max_stage_rows or (16 if _is_software(info) else 4096)
+            return WgpuModel(spec, device, info, limits, native_f16, cache, self._modules, stage_rows)
 
     def close(self) -> None:
         self._modules.clear()

@@ -161,6 +161,21 @@ def test_emulated_fp16_storage(backend):
     be.close()
 
 
+def test_whole_layer_staging(backend):
+    """The hardware-adapter tiling (whole layers staged in workgroup memory) on any adapter."""
+    from mmad.backends.webgpu import WgpuBackend
+
+    be = WgpuBackend(max_stage_rows=4096)
+    spec = bench_spec("S")
+    with be.compile(spec) as m:
+        assert max(stage.kc for stage in m.plan.fwd) > 16
+        x, y = data(spec, 1000, seed=9)
+        assert rel(m.forward(x), CpuBackend("float64").compile(spec).forward(x)) <= FWD_TOL["fp16"]
+        loss, grads = m.loss_and_grads(x, y)
+        check_grads(spec, grads, x, y, loss)
+    be.close()
+
+
 def test_encodings(backend):
     """Identity, Frequency and OneBlob, as parts of one Composite encoding, computed in the kernel."""
     encoding = {"otype": "Composite", "nested": [{"otype": "Identity", "n_dims_to_encode": 1},
