@@ -27,6 +27,7 @@ from mmad.spec import MLPSpec
 
 NUMERICS_MODES = ("fp32", "emulate", "float64")
 CHUNK_ROWS = 8192
+TRAIN_CHUNK_ROWS = 2048  # forward + backward of one chunk stay in cache
 
 
 class CpuModel(CompiledModel):
@@ -105,15 +106,18 @@ class CpuModel(CompiledModel):
     def _loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         spec = self.spec
         grads = {k: np.zeros_like(v) for k, v in self._params.items()}
-        chunks = []
-        for start in range(0, x.shape[0], CHUNK_ROWS):
-            chunks.append((start, self._forward_chunk(x[start:start + CHUNK_ROWS], keep=True)))
-        # the loss is a mean over every element of the batch, so its gradient needs all rows first
-        pred = np.concatenate([c[1][0] for c in chunks]) if len(chunks) > 1 else chunks[0][1][0]
-        loss, dpred = nm.loss_and_grad(spec, pred, y.astype(self.dtype))
-        dpred = dpred * spec.loss_scale
-        for start, (_, hs, zs) in chunks:
-            delta = dpred[start:start + CHUNK_ROWS] * nm.activation_grad(spec.output_activation, zs[-1])
+        # Every loss is element-wise (relative losses normalise by their own row), so each chunk's
+        # gradient needs only that chunk: forward and backward run chunk by chunk while its
+        # activations are still in cache.
+        scale = spec.loss_scale / y.size
+        loss_sum = 0.0
+        for start in range(0, x.shape[0], TRAIN_CHUNK_ROWS):
+            stop = start + TRAIN_CHUNK_ROWS
+            pred, hs, zs = self._forward_chunk(x[start:stop], keep=True)
+            values, dpred = nm.loss_terms(spec.loss, pred, y[start:stop].astype(self.dtype),
+                                          delta=spec.huber_delta)
+            loss_sum += float(values.sum(dtype=np.float64))
+            delta = dpred * scale * nm.activation_grad(spec.output_activation, zs[-1])
             delta = nm.round_to(self.compute, delta)
             for i in reversed(range(self.n_layers)):
                 grads[f"W{i}"] += delta.T @ hs[i]
@@ -123,7 +127,7 @@ class CpuModel(CompiledModel):
                     delta = nm.round_to(self.compute, delta)
         for g in grads.values():
             g /= spec.loss_scale
-        return loss, grads
+        return loss_sum / y.size, grads
 
     def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         x = self.check_input(x)

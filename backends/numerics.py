@@ -122,14 +122,6 @@ def _luminance(p: np.ndarray) -> np.ndarray:
     return np.broadcast_to(lum, p.shape)
 
 
-def loss_and_grad(spec: MLPSpec, pred: np.ndarray, target: np.ndarray,
-                  normaliser_from: np.ndarray | None = None) -> tuple[float, np.ndarray]:
-    """Mean loss over every element, and its gradient w.r.t. ``pred``."""
-    values, grads = loss_terms(spec.loss, pred, target, delta=spec.huber_delta,
-                               normaliser_from=normaliser_from)
-    return float(values.mean(dtype=np.float64)), grads / values.size
-
-
 # -- encodings -----------------------------------------------------------------------------
 def encode(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
     """Apply an encoding to (rows × dims) inputs; the dtype of ``x`` is kept."""
