@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from oracle import rel_err
 import pytest
 
 # test the checkout's client, installed or not
@@ -39,12 +40,6 @@ def spec_doc(seed: int = 7, lr: float = 1e-2, precision: str = "fp32") -> dict:
             "encoding": {"otype": "Identity"}, "loss": {"otype": "L2"},
             "optimizer": {"otype": "Adam", "learning_rate": lr, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15},
             "precision": precision, "seed": seed}
-
-
-def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    assert np.isfinite(out).all(), "non-finite output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def oracle(doc: dict, weights: dict[str, np.ndarray]):

@@ -10,6 +10,7 @@ The 2^20-row forward compares a random subset of 4096 rows (rows are independent
 from __future__ import annotations
 
 import numpy as np
+from oracle import rel_err
 import pytest
 
 from mmad.backends.cache import KernelCache
@@ -49,15 +50,6 @@ def backend():
 def cache():
     # the default directory (MMAD_CACHE_DIR): a spec compiled once is a cache hit everywhere after
     return KernelCache()
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape
-    if not np.isfinite(out).all():
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 def random_params(spec, rng):

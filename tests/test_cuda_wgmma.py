@@ -23,6 +23,7 @@ import shutil
 import subprocess
 
 import numpy as np
+from oracle import rel_err
 import pytest
 
 from mmad.backends import cuda
@@ -368,15 +369,6 @@ def wgmma_backend():
 @pytest.fixture(scope="module")
 def cache():
     return KernelCache()
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert out.shape == ref.shape
-    if not np.isfinite(out).all():
-        return float("inf")
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
 _models: dict = {}

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import numpy as np
+from oracle import rel_err
 import orjson
 import pytest
 from safetensors.numpy import load as st_load, save as st_save
@@ -22,11 +23,6 @@ from mmad.spec import MLPSpec
 
 SMALL_SPEC = {"n_input_dims": 5, "n_output_dims": 4, "network": {"n_neurons": 32, "n_hidden_layers": 2},
               "precision": "fp32", "seed": 7}
-
-
-def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
-    assert np.isfinite(out).all(), "NaN or Inf in the output"
-    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
 def oracle(http: httpx.Client, model: str, x: np.ndarray, version: str | None = None) -> np.ndarray:
