@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import struct
 import statistics
 import subprocess
 import sys
@@ -165,6 +166,19 @@ def bench_mmad(names: list[str], batch: int, repeats: int, variant: str | None) 
     return results
 
 
+def complete_elf(image: bytes) -> bytes:
+    """The cubin padded with zeros to the size its own ELF header declares.
+
+    The cubins CuPy's NVRTC path returned were one byte shorter than their header declares (the
+    last byte of the program header table; run 6): the driver loads them all the same, but
+    cuobjdump refuses them ("does not contain device code").
+    """
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    size = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return image + bytes(max(0, size - len(image)))
+
+
 def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
     """Compile S/M/L, dump each cubin's SASS with cuobjdump, count the instructions that matter."""
     import tempfile
@@ -183,7 +197,7 @@ def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
             payload = entry.read_bytes().partition(b"\n")[2]
             cubin = out_dir / f"mma_{name}.cubin"
             if payload[:4] == b"\x7fELF":
-                cubin.write_bytes(payload)
+                cubin.write_bytes(complete_elf(payload))
                 kind = "cubin"
             else:  # CuPy handed back PTX: assemble it the way the driver would
                 ptx = out_dir / f"mma_{name}.ptx"
@@ -336,6 +350,78 @@ def serve_check(backend: str = "cuda") -> list[str]:
     return lines
 
 
+def profile_cublaslt(name: str, rows: int) -> list[str]:
+    """Where the cublaslt variant's time goes: CUDA events around every matmul and kernel launch of
+    one forward and one training step (after a warm-up), plus each matmul result's layout."""
+    import cupy as cp
+
+    from mmad.backends.cuda import CudaBackend
+
+    model = CudaBackend().compile(bench_spec(name), variant="cublaslt")
+    rng = np.random.default_rng(0)
+    x = cp.asarray(rng.standard_normal((rows, model.spec.n_input_dims), dtype=np.float32))
+    y = cp.asarray(rng.standard_normal((rows, model.spec.n_output_dims), dtype=np.float32))
+    model.forward(x), model.train_step(x, y)
+    cp.cuda.Device().synchronize()
+    spans: list[tuple[str, Any, Any]] = []
+    mm, launch = model._mm, model._launch
+
+    def timed(label, fn, *a, **kw):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        result = fn(*a, **kw)
+        end.record()
+        spans.append((label, start, end))
+        return result
+
+    def mm_timed(key, a, b, **kw):
+        out = timed(f"matmul {key[0]} {key[1]} {a.shape}x{b.shape}", mm, key, a, b, **kw)
+        spans[-1] = (spans[-1][0] + f" -> {out.shape} {out.dtype}", *spans[-1][1:])
+        return out
+
+    model._mm = mm_timed
+    model._launch = lambda kernel, *a: timed(f"kernel {kernel}", launch, kernel, *a)
+    lines = []
+    for what, call in (("forward", lambda: model.forward(x)), ("train_step", lambda: model.train_step(x, y))):
+        spans.clear()
+        wall = time.perf_counter()
+        total = timed(what, call)
+        cp.cuda.Device().synchronize()
+        wall = time.perf_counter() - wall
+        lines.append(f"{name} {what} at {rows} rows: {cp.cuda.get_elapsed_time(*spans[-1][1:]):.2f} ms on the GPU, "
+                     f"{1e3 * wall:.2f} ms wall")
+        lines += [f"  {cp.cuda.get_elapsed_time(s, e):8.3f} ms  {label}" for label, s, e in spans[:-1]]
+        del total
+    lines += cublaslt_layouts(model.layers[1][0], model.layers[1][1], rows)
+    return lines
+
+
+def cublaslt_layouts(k: int, n: int, rows: int) -> list[str]:
+    """One hidden layer's matmul (RELU_BIAS epilog) with the activations in either memory order,
+    against CuPy's own cuBLAS call: which operand layout cuBLASLt runs fast."""
+    import cupy as cp
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+    rng = cp.random.default_rng(0)
+    w = rng.standard_normal((n, k), dtype=cp.float32).astype(cp.float16)
+    bias = rng.standard_normal(n, dtype=cp.float32).astype(cp.float16)
+    h_rows = rng.standard_normal((rows, k), dtype=cp.float32).astype(cp.float16)  # [rows][features]
+    cases = {"b = h^T stored [features][rows]": cp.ascontiguousarray(h_rows.T),
+             "b = h^T as a view of [rows][features]": h_rows.T}
+    lines = [f"one layer {n}x{k} over {rows} rows, fp16, RELU_BIAS:"]
+    for label, b in cases.items():
+        mm = Matmul(w, b)
+        mm.plan(epilog=MatmulEpilog.RELU_BIAS, epilog_inputs={"bias": bias})
+        out = mm.execute()
+        seconds = cuda_median_s(mm.execute, 10)
+        flags = "C" if out.flags.c_contiguous else "F" if out.flags.f_contiguous else "strided"
+        lines.append(f"  {1e3 * seconds:7.3f} ms  {label}: result {out.shape} {flags}-contiguous")
+        mm.free()
+    seconds = cuda_median_s(lambda: cp.matmul(h_rows, w.T), 10)
+    lines.append(f"  {1e3 * seconds:7.3f} ms  cupy.matmul([rows][features], W^T) (no epilog)")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results")
@@ -347,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvmath-check", action="store_true")
     p.add_argument("--serve-check", action="store_true", help="the daemon on the cuda backend, end to end")
     p.add_argument("--serve-backend", default="cuda", help="MMAD_BACKEND for --serve-check (cpu to try it anywhere)")
+    p.add_argument("--profile-cublaslt", metavar="MODEL", help="time every op of the cublaslt variant on MODEL")
     p.add_argument("--no-bench", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -359,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_check:
         lines = serve_check(args.serve_backend)
         report["serve_check"] = lines
+        print("\n".join(lines), flush=True)
+    if args.profile_cublaslt:
+        lines = profile_cublaslt(args.profile_cublaslt.upper(), args.batch)
+        report["profile_cublaslt"] = lines
         print("\n".join(lines), flush=True)
     if args.sass:
         report["sass"] = sass_mix(out)

@@ -1,16 +1,18 @@
 """The cuda backend against the float64 cpu oracle, on a CUDA GPU (skipped without one).
 
 Fresh random inputs, targets and biases for every case (never zeros); the measure is
-||out - ref|| / ||ref||. Tolerances: forward 3e-3 (DESIGN.md, fp16); loss 3e-3; gradients 1e-2
-per tensor (fp16 deltas, rounded at the same points as the oracle's fp16 emulation, but the
-float64 oracle does not round); 200 Adam steps must end within 5% of the oracle's loss.
+||out - ref|| / ||ref||. Tolerances: forward 3e-3 (DESIGN.md, fp16); loss 3e-3; gradients per
+tensor within 1e-2 of the cpu backend's fp16 emulation (same rounding points) and within 3e-3 +
+1.25x the emulation's own distance from float64 (ReLU masks flipped by fp16 rounding put fp16
+gradients 1-4% from float64: run 6 on the GPU; tests/oracle.py:grad_errors); 200 Adam steps must
+end within 5% of the oracle's loss.
 The 2^20-row forward compares a random subset of 4096 rows (rows are independent).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from oracle import rel_err
+from oracle import grad_errors, rel_err
 import pytest
 
 from mmad.backends.cache import KernelCache
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 FWD_TOL = 3e-3
 LOSS_TOL = 3e-3
-GRAD_TOL = 1e-2
+GRAD_TOL_EMULATE = 1e-2
 BATCHES = [1, 7, 1000, 65_537, 1 << 20]
 
 
@@ -139,9 +141,12 @@ def check_grads(model, oracle, x, y, label):
     assert np.isfinite(loss)
     assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), f"{label}: loss {loss} vs {ref_loss}"
     assert set(grads) == set(ref_grads)
-    worst = max((rel_err(grads[k], ref_grads[k]), k) for k in ref_grads)
-    assert worst[0] <= GRAD_TOL, f"{label}: gradient {worst[1]} rel. err {worst[0]:.2e}"
-    return worst
+    errors = grad_errors(grads, model.spec, oracle.get_params(), x, y, ref_grads)
+    for k, (vs64, vs_emulate, inherent) in errors.items():
+        assert vs_emulate <= GRAD_TOL_EMULATE, f"{label}: gradient {k} {vs_emulate:.2e} from the fp16 emulation"
+        assert vs64 <= FWD_TOL + 1.25 * inherent, (
+            f"{label}: gradient {k} {vs64:.2e} from float64 (the fp16 emulation itself: {inherent:.2e})")
+    return max((e[0], k) for k, e in errors.items())
 
 
 GRAD_CASES = ([(n, a, b) for n, a in MODEL_CASES for b in (1, 7, 1000)]

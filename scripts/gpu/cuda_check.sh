@@ -1,25 +1,27 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench
-#   (default: env wgmma sass serve bench tests; `wgmma` is issue 7's never-yet-run forward kernel:
+#   [TEST_SELECT=<pytest -k expr>] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt ltprofile
+#   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
-# Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python);
+# Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python and the
+# daemon's dependencies, py3.12 wheels: docs/gpu-notes-cuda.md);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
 # is printed last.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-PHASES=${*:-"env wgmma sass serve bench tests"}
+PHASES=${*:-"env wgmma sass serve bench cublaslt tests"}
 export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
 
 # the repo is not installed there: map the namespaced import names (mmad.backends -> backends/)
 # (python puts the current directory first on sys.path, so ./mmad must carry the links itself;
 # this edits the device's copy of the tree only)
 for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
+# nvmath-python, and the daemon's own dependencies (pydantic, FastAPI, uvicorn, ...) that the image lacks
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nvmath_python-*.whl \
-    > /tmp/pip.log 2>&1 || { echo "nvmath wheel install failed:"; tail -n 5 /tmp/pip.log; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
 fi
 export PYTHONPATH=/tmp/site
 SUMMARY="$OUT/summary.txt"
@@ -37,8 +39,8 @@ for r in CudaBackend().probe(): print(r.variant, r.available, r.device, r.api_ve
     tests)
       start=$(date +%s)
       # several workers: NVRTC compiles (one per distinct spec) and oracle runs overlap
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
-        tests/test_cuda_layouts.py tests/test_cuda.py --timeout 240 -v --tb=short -rfEs --durations=15 > "$OUT/pytest.log" 2>&1
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
+        tests/test_cuda_layouts.py tests/test_cuda.py ${TEST_SELECT:+-k "$TEST_SELECT"} --timeout 240 -v --tb=short -rfEs --durations=15 > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
       # -v prints every result as it lands, so even a run cut off by the timeout says what failed
       grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40 | tee -a "$SUMMARY"
@@ -96,7 +98,7 @@ for name in "SMLW":
 PY
         pack
         echo "--- wgmma tests, quick slice (S/M/L/W ReLU at 1000 rows, odd shapes, training, gate, warpgroups)"
-        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
+        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
           -k "rows1000 and ReLU or odd or training or gate or forced" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
         echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
         grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
@@ -127,20 +129,24 @@ for name in 'SW':
           pack
         done
         echo "--- wgmma tests, the whole file"
-        timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
+        timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
           tests/test_cuda_wgmma.py --timeout 200 -v --tb=short -rfEs > "$W/pytest.log" 2>&1
         echo "full rc=$?: $(tail -n 1 "$W/pytest.log")"
         grep -E "(FAILED|ERROR) " "$W/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
         grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
+    ltprofile)
+      # where the cublaslt variant's time goes on W (run 6: 0.08x PyTorch): every matmul and kernel timed
+      timeout 200 python3 -m mmad.bench.cuda_bench --out /tmp/ltp --profile-cublaslt W --no-bench 2>&1 | tee "$OUT/ltprofile.log" | tail -n 60 | tee -a "$SUMMARY" ;;
     nvmath)
       python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
       timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve --serve-check --no-bench 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --repeats 30 > "$OUT/bench.log" 2>&1
-      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY"
+      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+    cublaslt)
       # the cuBLASLt variant on the wide model and on M, same rules (its own peers and ceilings)
       mkdir -p /tmp/lt; timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out /tmp/lt --models W,M \
         --variant cublaslt --repeats 20 > "$OUT/bench_cublaslt.log" 2>&1

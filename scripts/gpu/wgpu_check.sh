@@ -17,17 +17,17 @@ rm -rf .devsrc && mkdir -p .devsrc/mmad && cp -r mmad/* .devsrc/mmad/
 for d in backends server shaders bench; do [ -d "$d" ] && ln -s "$PWD/$d" ".devsrc/mmad/$d"; done
 export PYTHONPATH=/tmp/site:$PWD/.devsrc PYTHONUNBUFFERED=1
 
-python3 - <<'EOF' 2>&1 | tee "$OUT/probe.log"
+python3 -P - <<'EOF' 2>&1 | tee "$OUT/probe.log"
 import json
 from mmad.backends.webgpu import WgpuBackend
 print(json.dumps(WgpuBackend().probe()[0].to_json(), indent=1))
 EOF
 
 start=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider tests/test_webgpu.py --durations=8 2>&1 | tee "$OUT/pytest.log"
+python3 -P -m pytest -q -p no:cacheprovider tests/test_webgpu.py --durations=8 2>&1 | tee "$OUT/pytest.log"
 echo "pytest wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
 
-python3 - <<'EOF' 2>&1 | tee "$OUT/bench.log"
+python3 -P - <<'EOF' 2>&1 | tee "$OUT/bench.log"
 """Throughput at batch 2^20: wgpu vs PyTorch fp16 (same process, same GPU)."""
 import statistics, time
 import numpy as np
