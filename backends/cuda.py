@@ -966,18 +966,29 @@ def cublaslt_availability() -> tuple[bool, str, str]:
     return True, "", getattr(nvmath, "__version__", "?")
 
 
-EW_KERNELS = ("ew_input", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_optimize")
+EW_KERNELS = ("ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_colsum", "ew_optimize")
+COLSUM_ROWS = 1024  # rows per partial sum of ew_colsum (SUM_ROWS in mlp_elementwise.cu)
 
 
 class CublasLtModel(CompiledModel):
     """Per-layer cuBLASLt matmuls (nvmath-python, planned once per shape) + element-wise kernels.
 
-    Activations are feature-major ([features][rows]) so that cuBLASLt's bias runs along M:
-    ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of the fp32
-    master), other hidden layers and the output layer take the fp32 accumulator plus the fp32
-    bias (C broadcast along N, beta 1) and finish in ``shaders/cuda/mlp_elementwise.cu``.
-    Backward: input gradients as fp32 matmuls, weight gradients as fp32 matmuls over the batch,
-    bias gradients as CuPy row sums (both fixed-order), then the optimizer kernel.
+    Each layer is ``h_{l+1}^T = act(W_l @ h_l^T + b_l)`` (W as A) so that cuBLASLt's bias runs
+    along M: ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of
+    the fp32 master), other hidden layers and the output layer take the fp32 accumulator plus the
+    fp32 bias (C broadcast along N, beta 1) and finish in ``shaders/cuda/mlp_elementwise.cu``.
+    Backward: input gradients ``W^T @ delta`` and weight gradients ``h @ delta^T`` (= dW^T, so
+    that dW comes out row-major like W) as fp32 matmuls (fp32 zero C), bias gradients by
+    ``ew_colsum`` plus a CuPy sum of its partials (fixed order), then the optimizer kernel.
+
+    Layout: every activation, pre-activation and delta is an (features, rows) array in F order,
+    i.e. row-major [rows][features] memory. That is the order nvmath gives D whenever a C operand
+    is passed (D follows C, and an (M, 1) C counts as column-major) or a bias epilog is used
+    (column-major D), so results are used as they come. (Run 7 found the first version, with
+    C-order activations, copying every matmul result into C order: a W layer took 6.4 ms in the
+    model against 0.35 ms alone.) The fp16 input is the fp32 input cast, and the output and loss
+    kernels read [rows][outputs] like the targets and the result. ``_mm`` raises if a result ever
+    comes back in another layout rather than copying it.
     """
 
     backend = "cuda"
@@ -1015,7 +1026,8 @@ class CublasLtModel(CompiledModel):
             n_slots = 2 if spec.optimizer.otype == "Adam" else 1
             self.slot_w = [[cp.zeros_like(w) for w in self.w] for _ in range(n_slots)]
             self.slot_b = [[cp.zeros_like(b) for b in self.b] for _ in range(n_slots)]
-            self.zero_cols = {n: cp.zeros((n, 1), dtype=cp.float32) for n in {d for fi, fo in self.layers for d in (fi, fo)}}
+            # fp32 C (zeros) for the backward matmuls: fp16 operands with an fp32 C give an fp32 D
+            self.zero_cols = {fi: cp.zeros((fi, 1), dtype=cp.float32) for fi, _ in self.layers}
         except _device_errors(cp) as exc:
             raise LaunchError(f"setting up the cuBLASLt model failed: {exc}") from exc
         self._plans: dict[tuple, Any] = {}
@@ -1046,7 +1058,8 @@ class CublasLtModel(CompiledModel):
             raise LaunchError(f"launching {name} failed: {exc}") from exc
 
     def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None):
-        """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed)."""
+        """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed);
+        the result as nvmath returns it, which must be F-contiguous (see the class docstring)."""
         kind, layer, rows = key
         try:
             mm = self._plans.get(key)
@@ -1065,7 +1078,10 @@ class CublasLtModel(CompiledModel):
             raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) was refused by "
                               f"nvmath-python: {type(exc).__name__}: {exc}") from exc
         out = result[0] if isinstance(result, tuple) else result
-        return self.cp.ascontiguousarray(out)  # the element-wise kernels index [features][rows]
+        if not out.flags.f_contiguous:  # a copy here would cost more than the matmul itself
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) returned a {out.shape} result "
+                              f"with strides {out.strides}; the cublaslt model needs it F-contiguous")
+        return out
 
     def _free_plans(self) -> None:
         for mm in self._plans.values():
@@ -1075,17 +1091,11 @@ class CublasLtModel(CompiledModel):
                 pass
         self._plans.clear()
 
-    def _input_t(self, dx, rows: int):
-        cp = self.cp
-        xt = cp.empty((self.spec.n_encoded_dims, rows), dtype=cp.float16)
-        self._launch("ew_input", (math.ceil(rows / 32), math.ceil(self.spec.n_encoded_dims / 32)), (32, 8),
-                     (dx, np.int64(rows), xt))
-        return xt
-
     def _forward_t(self, dx, rows: int, train: bool):
-        """Output pre-activations [n_out][rows] fp32, each layer's input h^T, stored derivatives."""
+        """Output pre-activations z^T (n_out, rows) fp32, each layer's input h^T, stored derivatives;
+        all F-order (row-major memory)."""
         cp = self.cp
-        h = self._input_t(dx, rows)
+        h = dx.astype(cp.float16, order="C").T  # dx is [rows][n_in]: h^T in F order, no transpose
         hs, dacts = [h], []
         for i in range(self.n_layers - 1):
             fo = self.layers[i][1]
@@ -1094,8 +1104,8 @@ class CublasLtModel(CompiledModel):
                              epilog_inputs={"bias": self.b16[i]})
             else:
                 z = self._mm(("fwd", i, rows), self.w16[i], h, c=self.b[i].reshape(fo, 1))
-                h = cp.empty((fo, rows), dtype=cp.float16)
-                dact = cp.empty((fo, rows), dtype=cp.float16) if (train and self.store_dact) else h
+                h = cp.empty((fo, rows), dtype=cp.float16, order="F")
+                dact = cp.empty((fo, rows), dtype=cp.float16, order="F") if (train and self.store_dact) else h
                 self._launch("ew_hidden", (math.ceil(z.size / 256),), (256,),
                              (z, np.int64(z.size), h, dact, np.int32(train)))
                 dacts.append(dact)
@@ -1118,9 +1128,8 @@ class CublasLtModel(CompiledModel):
         rows = dx.shape[0]
         out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
         if rows:
-            zt, _, _ = self._forward_t(dx, rows, train=False)
-            self._launch("ew_output", (math.ceil(rows / 32), math.ceil(self.spec.n_output_dims / 32)), (32, 8),
-                         (zt, np.int64(rows), out))
+            zt, _, _ = self._forward_t(dx, rows, train=False)  # [rows][n_out] memory, like out
+            self._launch("ew_output", (math.ceil(zt.size / 256),), (256,), (zt, np.int64(zt.size), out))
         return self.download(out) if from_host else out
 
     def _grads(self, dx, dy, rows: int, on_layer) -> Any:
@@ -1128,20 +1137,27 @@ class CublasLtModel(CompiledModel):
         cp = self.cp
         n_out = self.spec.n_output_dims
         zt, hs, dacts = self._forward_t(dx, rows, train=True)
-        delta = cp.empty((n_out, rows), dtype=cp.float16)
-        values = cp.empty((n_out, rows), dtype=cp.float32)
+        # zt, dy (rows x n_out, C order), delta and values all hold [rows][n_out]
+        delta = cp.empty((n_out, rows), dtype=cp.float16, order="F")
+        values = cp.empty((n_out, rows), dtype=cp.float32, order="F")
         grad_scale = np.float32(self.spec.loss_scale / (rows * n_out))
-        self._launch("ew_loss", (math.ceil(rows / 32), math.ceil(n_out / 32)), (32, 8),
-                     (zt, dy, np.int64(rows), grad_scale, delta, values))
+        self._launch("ew_loss", (math.ceil(zt.size / 256),), (256,),
+                     (zt, dy, np.int64(zt.size), grad_scale, delta, values))
         loss = values.sum(dtype=cp.float64)
+        chunks = math.ceil(rows / COLSUM_ROWS)
         for i in reversed(range(self.n_layers)):
             fi, fo = self.layers[i]
-            dw = self._mm(("wgrad", i, rows), delta, hs[i].T, c=self.zero_cols[fo])
-            db = delta.sum(axis=1, dtype=cp.float32)
+            # dW^T = h @ delta^T, (fi, fo) F-contiguous: its transpose is dW row-major, like W
+            dw = self._mm(("wgrad", i, rows), hs[i], delta.T, c=self.zero_cols[fi]).T
+            # a CuPy sum over the strided rows axis would run on a handful of blocks
+            partial = cp.empty((chunks, fo), dtype=cp.float32)
+            self._launch("ew_colsum", (chunks, math.ceil(fo / 32)), (32, 8),  # block (TILE, SUM_LANES)
+                         (delta, np.int64(rows), np.int32(fo), partial))
+            db = partial.sum(axis=0)
             if i > 0:  # the input gradient uses this layer's weights before the update below
                 g = self._mm(("dgrad", i, rows), self.w16[i].T, delta, c=self.zero_cols[fi])
                 stored = dacts[i - 1] if self.store_dact else hs[i]
-                delta = cp.empty((fi, rows), dtype=cp.float16)
+                delta = cp.empty((fi, rows), dtype=cp.float16, order="F")
                 self._launch("ew_backward", (math.ceil(g.size / 256),), (256,),
                              (g, stored, np.int64(g.size), delta))
             on_layer(i, dw, db)

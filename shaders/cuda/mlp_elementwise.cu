@@ -1,32 +1,18 @@
 // Element-wise kernels around cuBLASLt matmuls (the cuda backend's cublaslt variant).
 //
-// Activations live feature-major, [features][rows], because cuBLASLt's bias epilogs run the
-// bias along the M dimension: layer l is  h_{l+1}^T = act(W_l @ h_l^T + b_l)  with W_l as A.
-// The host prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT OPT_ADAM LR BETA1
-// BETA2 EPS L2REG MOMENTUM) and mlp_common.cuh.
+// Layer l is  h_{l+1}^T = act(W_l @ h_l^T + b_l)  with W_l as A, because cuBLASLt's bias epilogs
+// run the bias along M. Every activation, pre-activation and delta is stored row-major,
+// [rows][features] (the host holds them as (features, rows) arrays in F order): the layout
+// cuBLASLt writes its column-major D in, so no matmul result is ever transposed. The host
+// prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT OPT_ADAM LR BETA1 BETA2 EPS
+// L2REG MOMENTUM) and mlp_common.cuh.
 
 #define TILE 32
+#define SUM_LANES 8    // threads adding rows for one feature in ew_colsum (blockDim.y)
+#define SUM_ROWS 1024  // rows per ew_colsum block: one partial sum each
 
-// x [rows][NIN] fp32 -> xt [NIN][rows] fp16 (tile transpose: both sides coalesced)
-extern "C" __global__ void ew_input(const float* __restrict__ x, i64 rows, u16* __restrict__ xt) {
-    __shared__ float tile[TILE][TILE + 1];
-    const i64 r0 = (i64)blockIdx.x * TILE;
-    const int k0 = blockIdx.y * TILE;
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {
-        const i64 r = r0 + j;
-        const int k = k0 + threadIdx.x;
-        tile[j][threadIdx.x] = (r < rows && k < NIN) ? x[r * NIN + k] : 0.f;
-    }
-    __syncthreads();
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {
-        const int k = k0 + j;
-        const i64 r = r0 + threadIdx.x;
-        if (k < NIN && r < rows) xt[(i64)k * rows + r] = to_half_bits(tile[threadIdx.x][j]);
-    }
-}
-
-// hidden layer from its fp32 pre-activation zt [width][rows]: h = fp16(act(z)), and the
-// derivative where it cannot be read off h (training only)
+// hidden layer from its fp32 pre-activation z [rows][width]: h = fp16(act(z)), and the
+// derivative where it cannot be read off h (training only); h and dact in the same order as z
 extern "C" __global__ void ew_hidden(const float* __restrict__ zt, i64 n, u16* __restrict__ h,
                                      u16* __restrict__ dact, int train) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -36,67 +22,68 @@ extern "C" __global__ void ew_hidden(const float* __restrict__ zt, i64 n, u16* _
     if (STORE_DACT && train) dact[i] = to_half_bits(activation_grad(ACT, z));
 }
 
-// output: zt [NOUT][rows] fp32 -> out [rows][NOUT] fp32 after the output activation
-extern "C" __global__ void ew_output(const float* __restrict__ zt, i64 rows, float* __restrict__ out) {
-    __shared__ float tile[TILE][TILE + 1];
-    const i64 r0 = (i64)blockIdx.x * TILE;
-    const int c0 = blockIdx.y * TILE;
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {
-        const int c = c0 + j;
-        const i64 r = r0 + threadIdx.x;
-        tile[j][threadIdx.x] = (c < NOUT && r < rows) ? activate(OUT_ACT, zt[(i64)c * rows + r]) : 0.f;
-    }
-    __syncthreads();
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {
-        const i64 r = r0 + j;
-        const int c = c0 + threadIdx.x;
-        if (r < rows && c < NOUT) out[r * NOUT + c] = tile[threadIdx.x][j];
-    }
+// output: z [rows][NOUT] fp32 -> out [rows][NOUT] fp32 after the output activation
+extern "C" __global__ void ew_output(const float* __restrict__ zt, i64 n, float* __restrict__ out) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    out[i] = activate(OUT_ACT, zt[i]);
 }
 
-// loss: per element value (for a fixed-order sum on the host side) and the output delta
-// delta^T [NOUT][rows] = fp16(dloss/dpred * grad_scale * act_out'(z))
-extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __restrict__ y, i64 rows,
+// loss over n = rows * NOUT elements, all [rows][NOUT]: per element value (for a fixed-order sum
+// on the host side) and the output delta = fp16(dloss/dpred * grad_scale * act_out'(z))
+extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __restrict__ y, i64 n,
                                    float grad_scale, u16* __restrict__ delta, float* __restrict__ values) {
-    __shared__ float ytile[TILE][TILE + 1];
-    const i64 r0 = (i64)blockIdx.x * TILE;
-    const int c0 = blockIdx.y * TILE;
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {  // target tile, read row-major
-        const i64 r = r0 + j;
-        const int c = c0 + threadIdx.x;
-        ytile[j][threadIdx.x] = (r < rows && c < NOUT) ? y[r * NOUT + c] : 0.f;
-    }
-    __syncthreads();
-    for (int j = threadIdx.y; j < TILE; j += blockDim.y) {
-        const int c = c0 + j;
-        const i64 r = r0 + threadIdx.x;
-        if (c >= NOUT || r >= rows) continue;
-        const float z = zt[(i64)c * rows + r];
-        const float p = activate(OUT_ACT, z);
-        float lum = 0.f;
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float z = zt[i];
+    const float p = activate(OUT_ACT, z);
+    float lum = 0.f;
 #if LOSS == LOSS_REL_L2_LUM
+    const float* row = zt + (i / NOUT) * NOUT;
 #if NOUT >= 3
-        lum = 0.299f * activate(OUT_ACT, zt[r]) + 0.587f * activate(OUT_ACT, zt[rows + r]) +
-              0.114f * activate(OUT_ACT, zt[2 * rows + r]);
+    lum = 0.299f * activate(OUT_ACT, row[0]) + 0.587f * activate(OUT_ACT, row[1]) +
+          0.114f * activate(OUT_ACT, row[2]);
 #elif NOUT == 2
-        lum = 0.5f * (fabsf(activate(OUT_ACT, zt[r])) + fabsf(activate(OUT_ACT, zt[rows + r])));
+    lum = 0.5f * (fabsf(activate(OUT_ACT, row[0])) + fabsf(activate(OUT_ACT, row[1])));
 #else
-        lum = fabsf(p);
+    lum = fabsf(p);
 #endif
 #endif
-        float grad;
-        values[(i64)c * rows + r] = loss_term(p, ytile[threadIdx.x][j], lum, &grad);
-        delta[(i64)c * rows + r] = to_half_bits(grad * grad_scale * activation_grad(OUT_ACT, z));
-    }
+    float grad;
+    values[i] = loss_term(p, y[i], lum, &grad);
+    delta[i] = to_half_bits(grad * grad_scale * activation_grad(OUT_ACT, z));
 }
 
-// hidden delta from the fp32 gradient gt [width][rows]: fp16(g * act'(z)), act' from the stored
-// h (ReLU, LeakyReLU, None) or the stored derivative
+// hidden delta from the fp32 gradient g [rows][width]: fp16(g * act'(z)), act' from the stored
+// h (ReLU, LeakyReLU, None) or the stored derivative, both in the same order as g
 extern "C" __global__ void ew_backward(const float* __restrict__ gt, const u16* __restrict__ stored, i64 n,
                                        u16* __restrict__ delta) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     delta[i] = to_half_bits(gt[i] * hidden_grad_from_stored(half_bits_to_float(stored[i])));
+}
+
+// bias gradient, first pass: partial[chunk][f] = sum of delta[r][f] over the chunk's SUM_ROWS
+// rows (delta [rows][n] fp16). Fixed order: lane j adds rows j, j + SUM_LANES, ... in turn, then
+// lane 0 adds the lanes' sums 0..SUM_LANES-1. A warp reads 32 neighbouring features of a row.
+// Grid (chunks, ceil(n / TILE)), block (TILE, SUM_LANES); the host sums the partials over chunks.
+extern "C" __global__ void ew_colsum(const u16* __restrict__ delta, i64 rows, int n, float* __restrict__ partial) {
+    __shared__ float lanes[SUM_LANES][TILE];
+    const int f = blockIdx.y * TILE + threadIdx.x;
+    const i64 r0 = (i64)blockIdx.x * SUM_ROWS;
+    const i64 r1 = r0 + SUM_ROWS < rows ? r0 + SUM_ROWS : rows;
+    float s = 0.f;
+    if (f < n) {
+#pragma unroll 8
+        for (i64 r = r0 + threadIdx.y; r < r1; r += SUM_LANES) s += half_bits_to_float(delta[r * n + f]);
+    }
+    lanes[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && f < n) {
+        float t = lanes[0][threadIdx.x];
+        for (int j = 1; j < SUM_LANES; ++j) t += lanes[j][threadIdx.x];
+        partial[(i64)blockIdx.x * n + f] = t;
+    }
 }
 
 // optimizer step on the fp32 masters of one layer (weights then biases) and refresh of their
