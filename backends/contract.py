@@ -24,6 +24,7 @@ gradients in fp32 and divides by the loss scale before the optimizer step on fp3
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -119,6 +120,15 @@ class CompiledModel(abc.ABC):
         Host arrays in → host array out; device arrays in → device array out (no copy back).
         """
 
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
+        """``forward(x)`` for host arrays, written (and cast) into the host array ``out``.
+
+        ``out`` is rows × n_output_dims, float16 or float32 (e.g. a view of a response buffer).
+        A backend may use ``executor``'s threads for host-side work; this default ignores it.
+        """
+        out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
+        np.copyto(out, self.download(self.forward(x)), casting="same_kind")
+
     @abc.abstractmethod
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32)."""
@@ -178,6 +188,16 @@ def check_rows(x: Any, cols: int, name: str) -> np.ndarray:
     if x.dtype not in (np.float32, np.float16, np.float64):
         raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
     return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:
+    """``out`` as a writable C-contiguous (rows × cols) float16/float32 host array, else a clear error."""
+    if not isinstance(out, np.ndarray) or out.shape != (rows, cols) or out.dtype not in (np.float16, np.float32):
+        raise InvalidInput(f"output buffer must be a float16 or float32 array of shape [{rows}, {cols}]; got "
+                           f"{type(out).__name__} {list(np.shape(out))} {getattr(out, 'dtype', '')}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise InvalidInput("output buffer must be C-contiguous and writable")
+    return out
 
 
 def check_params(spec: MLPSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -10,8 +10,10 @@ per request, serving the weights exported from the daemon), checks every server'
 against the float64 cpu oracle, and then runs each measurement in a fresh load-generator
 process (``--generator``), bounded in requests and in time:
 
-* in-process: the cpu backend's forward on 65,536 rows in this process (the ceiling);
-* large batches: one client streams 65,536-row requests, binary FP16 in/out and JSON FP32
+* in-process: the cpu backend's forward on 65,536 rows in this process (the ceiling), with the
+  BLAS library's threads, with one BLAS thread, and as the daemon runs it (one BLAS thread,
+  row chunks spread over one thread per CPU); the fastest counts;
+* large batches: one client streams 65,536-row requests, binary FP16 and FP32 in/out and JSON FP32
   -> samples/s, MB/s (request + response bytes), latency;
 * concurrency sweep: 1, 8, 64, 256 clients, each with its own keep-alive connection, sending
   requests of 1-16 rows (uniformly drawn) back to back, to mmad with dynamic batching on and off
@@ -550,11 +552,15 @@ class Bench:
         return result
 
     def in_process(self, repeats: int | None = None) -> dict[str, Any]:
-        """The cpu backend's own forward on 65,536 rows, in this process: the ceiling.
+        """The cpu backend's own forward on 65,536 float32 rows, in this process: the ceiling.
 
-        Measured with the BLAS library's default thread count and with one BLAS thread (what
-        the daemon uses by default, ``--blas-threads``); the faster is the ceiling.
+        Three ways, the fastest is the ceiling: ``forward`` with the BLAS library's default
+        thread count; with one BLAS thread; and as the daemon runs it, ``forward_to_host`` with
+        one BLAS thread and the row chunks spread over one thread per CPU (float32 in and out:
+        the in-process caller pays no FP16 casts).
         """
+        from concurrent.futures import ThreadPoolExecutor
+
         from threadpoolctl import threadpool_info, threadpool_limits
 
         from mmad.backends import select
@@ -563,29 +569,37 @@ class Bench:
         model = backend.compile(self.spec, variant=row.variant)
         x = np.random.default_rng(7).uniform(-1, 1, size=(self.opts.large_rows, self.spec.n_input_dims)
                                              ).astype(np.float32)
+        out = np.empty((x.shape[0], self.spec.n_output_dims), dtype=np.float32)
         default_threads = max((i.get("num_threads", 1) for i in threadpool_info() if i.get("user_api") == "blas"),
                               default=1)
+        cpus = os.cpu_count() or 1
+        pool = ThreadPoolExecutor(cpus, thread_name_prefix="in-process-forward")
+        ways = {f"forward, {default_threads} BLAS threads": (default_threads, lambda: model.forward(x)),
+                "forward, 1 BLAS thread": (1, lambda: model.forward(x)),
+                f"forward_to_host, 1 BLAS thread, chunks on {cpus} threads":
+                    (1, lambda: model.forward_to_host(x, out, pool))}
         variants, cpu_ms = {}, {}
         try:
-            for threads in dict.fromkeys([default_threads, 1]):
+            for label, (threads, forward) in ways.items():
                 with threadpool_limits(limits=threads, user_api="blas"):
                     for _ in range(2):
-                        model.forward(x)
+                        forward()
                     times, cpu = [], []
                     for _ in range(repeats or self.opts.in_process_repeats):
                         began, began_cpu = time.perf_counter(), time.process_time()
-                        model.forward(x)
+                        forward()
                         times.append(time.perf_counter() - began)
                         cpu.append(time.process_time() - began_cpu)
-                variants[str(threads)] = self.opts.large_rows / statistics.median(times)
-                cpu_ms[str(threads)] = statistics.median(cpu) * 1e3
+                variants[label] = self.opts.large_rows / statistics.median(times)
+                cpu_ms[label] = statistics.median(cpu) * 1e3
         finally:
+            pool.shutdown()
             model.close()
             backend.close()
         best = max(variants, key=variants.get)
         return {"backend": f"{row.backend}:{row.variant}", "rows": self.opts.large_rows,
-                "samples_per_s": variants[best], "blas_threads": int(best),
-                "samples_per_s_by_blas_threads": variants, "cpu_ms_per_forward": cpu_ms[best],
+                "samples_per_s": variants[best], "best": best, "samples_per_s_by_way": variants,
+                "cpu_ms_by_way": cpu_ms, "cpu_ms_per_forward": cpu_ms[best],
                 "repeats": repeats or self.opts.in_process_repeats, "load_avg_1m": round(os.getloadavg()[0], 2)}
 
     def check_outputs(self, daemon: Service, peer: Service | None, weights: dict[str, np.ndarray]) -> dict[str, float]:
@@ -618,6 +632,7 @@ class Bench:
         return checks
 
 
+LARGE_LABELS = {"binary16": "binary FP16", "binary32": "binary FP32", "json": "JSON FP32"}
 CLIENT_LABELS = {
     "tritonclient": "tritonclient.http InferenceServerClient(concurrency=N).async_infer",
     "tritonclient-aio": "tritonclient.http.aio InferenceServerClient, N tasks awaiting infer",
@@ -661,12 +676,12 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 f"{k} {v:.1e}" for k, v in doc["oracle_relative_error"].items()))
 
             doc["in_process"] = bench.in_process()
-            progress("in-process cpu forward, samples/s by BLAS threads: " + ", ".join(
-                f"{k}: {v:,.0f}" for k, v in doc["in_process"]["samples_per_s_by_blas_threads"].items()))
+            progress("in-process cpu forward, samples/s: " + ", ".join(
+                f"{k}: {v:,.0f}" for k, v in doc["in_process"]["samples_per_s_by_way"].items()))
 
             doc["large"] = []
             infer_path = f"/v2/models/{MODEL}/infer"
-            for wire in ("binary16", "json"):
+            for wire in ("binary16", "binary32", "json"):
                 res = bench.generate(scenario_http(
                     daemon.port, infer_path, wire, (opts.large_rows, opts.large_rows), 1, opts.large_requests,
                     opts.large_duration_s, 0.0, pool=3, warmup_requests=1), daemon)
@@ -857,9 +872,8 @@ def markdown(doc: dict[str, Any], png_name: str | None, before: dict[str, Any] |
     lines += ["**Targets**", "", "| figure | value | target | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
         lines.append(f"| {t['figure']} | {t['value']:.2f} | {t['target']} | {'yes' if t['met'] else '**no**'} |")
-    by_threads = ", ".join(f"{v:,.0f} with {k} BLAS thread{'s' if k != '1' else ''}"
-                           for k, v in ip["samples_per_s_by_blas_threads"].items())
-    by_threads += f"; {ip['cpu_ms_per_forward']:.0f} ms CPU per forward"
+    by_way = "; ".join(f"{k}: {v:,.0f} samples/s, {ip['cpu_ms_by_way'][k]:.0f} ms CPU"
+                       for k, v in ip["samples_per_s_by_way"].items())
     pairs = doc.get("pairs") or {}
     if pairs.get("large") or pairs.get("small"):
         lines += ["", "**Interleaved pairs** (behind the PAIRED targets: both sides of a ratio measured back to back, "
@@ -876,11 +890,11 @@ def markdown(doc: dict[str, Any], png_name: str | None, before: dict[str, Any] |
             else:
                 lines.append(f"| {i + 1} | | | | {cells} |")
     lines += ["", f"**Large batches** ({ip['rows']:,} rows per request, one client; in-process "
-              f"{ip['backend']} forward: {by_threads}; the faster is the reference)", "",
+              f"{ip['backend']}, float32 in and out: {by_way}; the fastest is the reference)", "",
               "| wire | requests | samples/s | MB/s | p50 ms | vs in-process | server CPU ms/req | foreign cores |",
               "|---|---|---|---|---|---|---|---|"]
     for r in doc["large"]:
-        label = "binary FP16 in/out" if r["wire"] == "binary16" else "JSON FP32 in/out"
+        label = LARGE_LABELS[r["wire"]] + " in/out"
         lines.append(f"| {label} | {r['requests']} | {r['samples_per_s']:,.0f} | {r['mb_per_s']:.1f} | "
                      f"{r['p50_ms']:.0f} | {r['samples_per_s'] / ip['samples_per_s']:.0%} | "
                      f"{r.get('server_cpu_ms_per_request', math.nan):.0f} | {r['foreign_cores']} |")
@@ -967,9 +981,9 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax_p99.set_yscale("log")
     ax_p99.axhline(100, color="grey", linestyle=":", linewidth=1)
     ax_cpu.set_ylim(bottom=0)
-    names = ["in-process"] + ["binary FP16" if r["wire"] == "binary16" else "JSON FP32" for r in doc["large"]]
+    names = ["in-process"] + [LARGE_LABELS[r["wire"]] for r in doc["large"]]
     values = [doc["in_process"]["samples_per_s"]] + [r["samples_per_s"] for r in doc["large"]]
-    ax_large.bar(names, values, color=["grey", "tab:blue", "tab:orange"][:len(values)])
+    ax_large.bar(names, values, color=["grey", "tab:blue", "tab:green", "tab:orange"][:len(values)])
     ax_large.set_title(f"{doc['in_process']['rows']:,}-row requests, model M (cpu)")
     ax_large.set_ylabel("samples/s")
     handles, labels = ax_rps.get_legend_handles_labels()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
@@ -44,7 +45,7 @@ async def start_runtime(rt: Runtime) -> None:
     rt.probe_rows = _probe_rows(settings, row)
     log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
     rt.store = Store(settings.store_dir)
-    rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics)
+    rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
     rt.jobs = JobManager(rt.registry)
     if settings.demo and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
@@ -65,12 +66,15 @@ async def stop_runtime(rt: Runtime) -> None:
     if rt.store is not None:
         rt.store.close()
     rt.executor.shutdown(wait=True)
+    rt.forward_pool.shutdown(wait=True)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     rt = Runtime(settings=settings, metrics=Metrics(),
-                 executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"))
+                 executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
+                 forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
+                                                 thread_name_prefix="mmad-forward"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -7,6 +7,11 @@ event loop) and hands every request its own slice of the output. A request large
 ``max_batch_rows`` runs alone (batch size is never restricted). A full queue refuses new work
 with :class:`~mmad.errors.Overloaded` (HTTP 503 with Retry-After).
 
+A request may bring its own output buffer (``submit(x, out)``, e.g. a view of its binary
+response body): a request that runs alone is computed straight into it, so the forward's
+output cast is its only pass over the data; in a merged batch its rows are copied there on
+the compute thread.
+
 Keeping the device busy: requests that arrive while a batch runs queue up; when it finishes,
 the worker launches the next batch (due already: its oldest request waited through the run)
 *before* it hands out the finished batch's results, so the compute thread works on batch n+1
@@ -52,16 +57,18 @@ class _Pending:
     x: np.ndarray
     future: asyncio.Future
     enqueued_ns: int
+    out: np.ndarray | None  # where the request wants its output rows, or None for a slice of the batch's
 
 
 class Batcher:
-    """Merges requests for one model; ``run(x)`` is the blocking forward on the whole batch."""
+    """Merges requests for one model; ``run(x, out)`` is the blocking forward of a batch into ``out``."""
 
-    def __init__(self, name: str, run: Callable[[np.ndarray], np.ndarray], executor: Executor,
-                 limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None):
+    def __init__(self, name: str, run: Callable[[np.ndarray, np.ndarray], None], out_cols: int,
+                 executor: Executor, limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None):
         self.name = name
         self.limits = limits
         self._run = run
+        self._out_cols = out_cols
         self._executor = executor
         self._on_batch = on_batch  # (rows, requests, compute_ns), for statistics and metrics
         self._pending: collections.deque[_Pending] = collections.deque()
@@ -89,7 +96,8 @@ class Batcher:
         self._pending.clear()
         self._pending_rows = 0
 
-    async def submit(self, x: np.ndarray) -> BatchResult:
+    async def submit(self, x: np.ndarray, out: np.ndarray | None = None) -> BatchResult:
+        """Queue ``x``; its result's ``output`` is ``out`` when given (filled), else float32 rows."""
         if self._stopping:
             raise Overloaded(f"model {self.name!r} is being unloaded")
         if len(self._pending) >= self.limits.max_queue_requests:
@@ -99,7 +107,7 @@ class Batcher:
         if self._task is None:
             self.start()
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(x, future, time.perf_counter_ns()))
+        self._pending.append(_Pending(x, future, time.perf_counter_ns(), out))
         self._pending_rows += x.shape[0]
         if len(self._pending) == 1 or self._pending_rows >= self.limits.max_batch_rows:
             self._wake.set()
@@ -159,7 +167,22 @@ class Batcher:
         """Start a batch on the compute threads: (batch, input, start time, future of the output)."""
         x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
         start_ns = time.perf_counter_ns()
-        return batch, x, start_ns, asyncio.get_running_loop().run_in_executor(self._executor, self._run, x)
+        return batch, x, start_ns, asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, x)
+
+    def _execute(self, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
+        """On a compute thread: the forward of one batch, into its requests' buffers where they gave one."""
+        if len(batch) == 1 and batch[0].out is not None:
+            self._run(x, batch[0].out)
+            return batch[0].out
+        out = np.empty((x.shape[0], self._out_cols), dtype=np.float32)
+        self._run(x, out)
+        offset = 0
+        for p in batch:
+            rows = p.x.shape[0]
+            if p.out is not None:
+                np.copyto(p.out, out[offset:offset + rows], casting="same_kind")
+            offset += rows
+        return out
 
     async def _worker(self) -> None:
         running = None
@@ -194,6 +217,7 @@ class Batcher:
             for p in batch:
                 rows = p.x.shape[0]
                 if not p.future.done():
-                    p.future.set_result(BatchResult(out[offset:offset + rows], start_ns - p.enqueued_ns,
+                    output = p.out if p.out is not None else out[offset:offset + rows]
+                    p.future.set_result(BatchResult(output, start_ns - p.enqueued_ns,
                                                     compute_ns, x.shape[0], len(batch)))
                 offset += rows

@@ -21,6 +21,15 @@ from mmad.errors import InvalidInput
 WIRE_DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 JSON_DTYPES = ("FP32",)
 MAX_ELEMENTS = 1 << 31
+# Binary tensor data starts at a multiple of this in a response body (the JSON header is padded
+# with spaces): NumPy runs its fast loops only on aligned arrays; unaligned FP16/FP32 views made
+# a 65,536-row request's casts several ms slower.
+DATA_ALIGN = 64
+
+
+def _padded_header(doc: dict[str, Any]) -> bytes:
+    json_bytes = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    return json_bytes + b" " * (-len(json_bytes) % DATA_ALIGN)
 
 
 @dataclass
@@ -203,9 +212,9 @@ def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoi
         else:
             entry["data"] = np.ascontiguousarray(array, dtype=dtype).reshape(-1)
         entries.append(entry)
-    json_bytes = orjson.dumps({**header, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY)
     if not binaries:
-        return json_bytes, None
+        return orjson.dumps({**header, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY), None
+    json_bytes = _padded_header({**header, "outputs": entries})
     body = bytearray(len(json_bytes) + sum(a.size * d.itemsize for a, d in binaries))
     body[:len(json_bytes)] = json_bytes
     offset = len(json_bytes)
@@ -214,3 +223,24 @@ def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoi
         np.copyto(target, array, casting="same_kind")
         offset += array.size * dtype.itemsize
     return memoryview(body), len(json_bytes)
+
+
+def binary_response_buffer(header: dict[str, Any], choice: OutputChoice, shape: tuple[int, ...]
+                           ) -> tuple[memoryview, int, np.ndarray]:
+    """(body, header length, tensor): a response with one binary output whose data is still to be
+    written into ``tensor``, a (shape, choice.datatype) view of the body after the JSON header.
+
+    Lets the forward write (and cast) its output straight into the response: no float32 copy of
+    the output and no separate encoding pass.
+    """
+    if not choice.binary:
+        raise ValueError(f"output {choice.name!r} is not binary; encode it with encode_infer_response")
+    dtype = WIRE_DTYPES[choice.datatype]
+    size = math.prod(shape)
+    entry = {"name": choice.name, "datatype": choice.datatype, "shape": list(shape),
+             "parameters": {"binary_data_size": size * dtype.itemsize}}
+    json_bytes = _padded_header({**header, "outputs": [entry]})
+    body = bytearray(len(json_bytes) + size * dtype.itemsize)
+    body[:len(json_bytes)] = json_bytes
+    tensor = np.frombuffer(body, dtype=dtype, count=size, offset=len(json_bytes)).reshape(shape)
+    return memoryview(body), len(json_bytes), tensor

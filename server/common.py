@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -176,6 +177,7 @@ class Runtime:
     settings: Settings
     metrics: Metrics
     executor: ThreadPoolExecutor
+    forward_pool: ThreadPoolExecutor  # the chunks of one large host-side forward (never blocks on anything)
     backend: Backend | None = None
     selected: ProbeRow | None = None
     probe_rows: list[ProbeRow] | None = None
@@ -206,20 +208,35 @@ async def require_key(request: Request) -> None:  # async: no thread hop per req
         raise Forbidden("the API key is not valid")
 
 
-async def read_tensor_body(request: Request) -> bytes | bytearray:
+BODY_ALIGN = 64
+
+
+async def read_tensor_body(request: Request) -> bytes | memoryview:
     """The body of a tensor request, streamed into one buffer of its Content-Length (no joins).
 
-    The middleware has already refused a Content-Length over the cap and counts what streams in.
+    The buffer is placed so that the binary tensors after the JSON header
+    (``Inference-Header-Content-Length``) start at an address that is a multiple of
+    ``BODY_ALIGN``: NumPy views of unaligned data take slow loops (measured: a 65,536-row FP16
+    forward ~7 ms slower). The middleware has already refused a Content-Length over the cap and
+    counts what streams in.
     """
     length = request.headers.get("content-length", "")
     if not length.isdigit():
         return await request.body()
-    body, filled = bytearray(int(length)), 0
+    size = int(length)
+    header_length = request.headers.get("inference-header-content-length", "")
+    offset = int(header_length) if header_length.isdigit() and int(header_length) <= size else 0
+    buffer = bytearray(size + BODY_ALIGN)
+    address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    start = -(address + offset) % BODY_ALIGN
+    body, filled = memoryview(buffer)[start:start + size], 0
     async for chunk in request.stream():
+        if filled + len(chunk) > size:
+            raise InvalidInput(f"the body is longer than its Content-Length of {size} bytes")
         body[filled:filled + len(chunk)] = chunk
         filled += len(chunk)
-    if filled != len(body):
-        raise InvalidInput(f"the body has {filled} bytes but Content-Length says {len(body)}")
+    if filled != size:
+        raise InvalidInput(f"the body has {filled} bytes but Content-Length says {size}")
     return body
 
 

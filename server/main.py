@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
     p.add_argument("--checkpoint-every", type=int, help="training jobs' default checkpoint interval in steps")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
+    p.add_argument("--forward-threads", type=int,
+                   help="threads sharing the row chunks of one large cpu forward (MMAD_FORWARD_THREADS, 0: one per CPU)")
     p.add_argument("--no-demo", dest="demo", action="store_const", const=False,
                    help="do not create the demo model in an empty store")
     p.add_argument("--graceful-timeout", dest="graceful_timeout_s", type=float,

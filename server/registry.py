@@ -145,11 +145,12 @@ class ModelEntry:
     def ready(self) -> bool:
         return self.live is not None
 
-    def forward_live(self, x: np.ndarray) -> np.ndarray:
+    def forward_live(self, x: np.ndarray, out: np.ndarray, pool: Executor) -> None:
+        """The live model's forward of ``x`` written into ``out`` (host chunks on ``pool``'s threads)."""
         with self.lock:
             if self.live is None:
                 raise ModelNotReady(self.name)
-            return self.live.forward(x)
+            self.live.forward_to_host(x, out, pool)
 
     def train_live(self, x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, int]:
         with self.lock:
@@ -170,12 +171,13 @@ class Registry:
     """Every model of the store, with its compiled form when loaded."""
 
     def __init__(self, settings: Settings, store: Store, backend: Backend, row: ProbeRow,
-                 executor: Executor, metrics: Metrics):
+                 executor: Executor, metrics: Metrics, forward_pool: Executor):
         self.settings = settings
         self.store = store
         self.backend = backend
         self.row = row
         self.executor = executor
+        self.forward_pool = forward_pool
         self.metrics = metrics
         self.models: dict[str, ModelEntry] = {}
         self._admin = asyncio.Lock()  # create / replace / delete / load / unload, one at a time
@@ -241,8 +243,8 @@ class Registry:
     def _activate(self, entry: ModelEntry, compiled: CompiledModel) -> None:
         entry.live = compiled
         entry.reason = ""
-        entry.batcher = Batcher(entry.name, entry.forward_live, self.executor,
-                                entry.config.limits(self.settings),
+        entry.batcher = Batcher(entry.name, lambda x, out: entry.forward_live(x, out, self.forward_pool),
+                                entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns))
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
@@ -385,8 +387,8 @@ class Registry:
             entry.versions = entry.versions + [version]
             return version
 
-    def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray) -> np.ndarray:
-        """Forward through an immutable stored version (compiled copy cached per version)."""
+    def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Forward through an immutable stored version (compiled copy cached per version) into ``out``."""
         with entry.pinned_lock:
             if not entry.ready:  # unloaded meanwhile: its pinned copies were freed, do not compile one
                 raise ModelNotReady(entry.name)
@@ -399,4 +401,5 @@ class Registry:
                 while len(entry.pinned) > PINNED_CACHE_SIZE:
                     entry.pinned.popitem(last=False)[1].close()
             entry.pinned.move_to_end(version)
-            return compiled.forward(x)
+            compiled.forward_to_host(x, out, self.forward_pool)  # under the lock: eviction closes copies
+        return out

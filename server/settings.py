@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     max_queue_requests: int = Field(256, ge=1)
     checkpoint_every: int = Field(100, ge=1, description="default for training jobs")
     compute_threads: int = Field(4, ge=1, description="worker threads that run device work")
+    forward_threads: int = Field(0, ge=0, description="threads that share the host-side chunks of one large "
+                                                      "forward (cpu backend); 0: one per CPU")
     demo: bool = True
     log_level: str = "info"
     graceful_timeout_s: float = Field(30.0, ge=0)

@@ -40,13 +40,16 @@ def test_outputs_checked_against_oracle(smoke_run):
 
 def test_large_batches_measured(smoke_run):
     doc, _ = smoke_run
-    assert doc["in_process"]["samples_per_s"] > 0
-    assert [r["wire"] for r in doc["large"]] == ["binary16", "json"]
+    ip = doc["in_process"]
+    assert ip["samples_per_s"] > 0 and ip["samples_per_s"] == max(ip["samples_per_s_by_way"].values())
+    assert len(ip["samples_per_s_by_way"]) == 3  # BLAS's threads, one BLAS thread, the daemon's chunked way
+    assert ip["best"] in ip["samples_per_s_by_way"] and set(ip["cpu_ms_by_way"]) == set(ip["samples_per_s_by_way"])
+    assert [r["wire"] for r in doc["large"]] == ["binary16", "binary32", "json"]
     for r in doc["large"]:
         assert r["errors"] == {} and 1 <= r["requests"] <= 2
         assert r["samples_per_s"] > 0 and r["mb_per_s"] > 0
-        # bytes on the wire: binary FP16 is 2 bytes per value each way, JSON several
-        assert r["mb_per_s"] * 1e6 / r["samples_per_s"] >= 2 * 2 * 64
+        # bytes on the wire: binary FP16 is 2 bytes per value each way, FP32 4, JSON several
+        assert r["mb_per_s"] * 1e6 / r["samples_per_s"] >= (2 * 4 * 64 if r["wire"] == "binary32" else 2 * 2 * 64)
 
 
 def test_sweep_batching_and_peer(smoke_run):

@@ -8,7 +8,8 @@ import pytest
 
 from mmad.errors import InvalidInput
 from mmad.server.binary import (
-    encode_infer_response, parse_header_length, parse_infer_request, requested_outputs,
+    DATA_ALIGN, OutputChoice, binary_response_buffer, encode_infer_response, parse_header_length,
+    parse_infer_request, requested_outputs,
 )
 
 
@@ -100,3 +101,87 @@ def test_requested_outputs_and_response_encoding():
     doc["outputs"] = [{"name": "NOPE"}]
     with pytest.raises(InvalidInput, match="unknown output"):
         requested_outputs(parse_infer_request(orjson.dumps(doc), None), ("OUTPUT",))
+
+
+def test_binary_response_buffer_is_aligned_and_decodes():
+    body, n, tensor = binary_response_buffer({"model_name": "m", "id": "x"}, OutputChoice("OUTPUT", True, "FP16"),
+                                             (3, 5))
+    assert n % DATA_ALIGN == 0 and len(body) == n + 3 * 5 * 2
+    assert tensor.flags.aligned and tensor.flags.writeable and tensor.dtype == np.float16
+    tensor[...] = np.arange(15).reshape(3, 5)
+    header = orjson.loads(body[:n])  # the padding is JSON whitespace
+    assert header["outputs"] == [{"name": "OUTPUT", "datatype": "FP16", "shape": [3, 5],
+                                  "parameters": {"binary_data_size": 30}}]
+    assert np.array_equal(np.frombuffer(body[n:], "<f2").reshape(3, 5), np.arange(15).reshape(3, 5))
+    with pytest.raises(ValueError, match="not binary"):
+        binary_response_buffer({}, OutputChoice("OUTPUT", False, "FP32"), (1, 1))
+
+
+def test_batcher_fills_given_buffers_alone_and_merged():
+    """A request alone is computed straight into its buffer; merged, its rows are copied there."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmad.server.batcher import Batcher, BatchLimits
+
+    calls = []
+
+    def run(x, out):
+        calls.append((x.shape[0], out.dtype))
+        out[...] = 2 * x[:, :1].astype(np.float32)
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher("m", run, 1, pool, BatchLimits(1024, 50_000, 16))
+            alone = np.empty((3, 1), np.float16)
+            result = await batcher.submit(np.ones((3, 2), np.float16), alone)
+            assert result.output is alone and np.array_equal(alone, np.full((3, 1), 2, np.float16))
+            buffer = np.empty((2, 1), np.float16)
+            merged = await asyncio.gather(batcher.submit(np.full((2, 2), 3, np.float16), buffer),
+                                          batcher.submit(np.full((4, 2), 5, np.float32)))
+            await batcher.stop()
+        return merged
+
+    first, second = asyncio.run(main())
+    assert calls == [(3, np.float16), (6, np.float32)]
+    assert first.output is not None and np.array_equal(first.output, np.full((2, 1), 6, np.float16))
+    assert first.batch_requests == 2 and np.array_equal(second.output, np.full((4, 1), 10, np.float32))
+
+
+@pytest.mark.parametrize("in_type,out_type", [("FP16", "FP16"), ("FP32", "FP16"), ("FP16", "FP32")])
+def test_large_chunked_request_equals_unchunked_forward(http, in_type, out_type):
+    """Through the daemon: a request of several chunks (rows not a multiple of the chunk, tensor
+    data at an unaligned offset of the request) runs chunked on the forward threads and is cast
+    per chunk into the response. Compared with the unchunked ``forward`` of the same weights:
+    float32 within float32 rounding (1e-6), FP16 within one FP16 ulp plus that (the casts
+    themselves are bit-exact, tests/test_cpu_backend.py; BLAS may round the last float32 bits
+    differently by chunk shape, which can move a value across an FP16 rounding boundary)."""
+    from safetensors.numpy import load as st_load
+
+    from mmad.backends.cpu import HOST_CHUNK_ROWS, CpuBackend
+    from mmad.spec import MLPSpec
+
+    rows = 3 * HOST_CHUNK_ROWS + 123
+    spec = MLPSpec.from_json(http.get("/v2/models/demo").json()["spec"])
+    x = np.random.default_rng(rows).uniform(-1, 1, (rows, spec.n_input_dims))
+    x = x.astype(np.float16 if in_type == "FP16" else np.float32)
+    blob = x.astype("<f2" if in_type == "FP16" else "<f4").tobytes()
+    header = orjson.dumps({"inputs": [{"name": "INPUT", "datatype": in_type, "shape": list(x.shape),
+                                       "parameters": {"binary_data_size": len(blob)}}],
+                           "outputs": [{"name": "OUTPUT", "parameters": {"binary_data": True,
+                                                                         "output_datatype": out_type}}],
+                           "id": "odd"})
+    assert len(header) % 4  # the tensor data starts unaligned in the request body
+    r = http.post("/v2/models/demo/infer", content=header + blob,
+                  headers={"Inference-Header-Content-Length": str(len(header))})
+    assert r.status_code == 200, r.text
+    n = int(r.headers["Inference-Header-Content-Length"])
+    out = np.frombuffer(r.content[n:], "<f2" if out_type == "FP16" else "<f4").reshape(rows, spec.n_output_dims)
+    with CpuBackend().compile(spec) as ref:
+        ref.set_params(st_load(http.get("/v2/models/demo/weights").content))
+        expected = ref.forward(x.astype(np.float32))
+    if out_type == "FP32":
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    else:
+        ulp = np.spacing(np.abs(expected.astype(np.float16))).astype(np.float32)
+        assert np.all(np.abs(out.astype(np.float32) - expected) <= ulp + 1e-6)
