@@ -52,7 +52,9 @@ from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 
 VARIANTS = ("wgmma", "mma", "cublaslt")
 MMA_MAX_WIDTH = 256  # wider than 128 holds 254 registers per thread (see docs/gpu-notes-cuda.md)
-WARPS_PER_BLOCK = 4
+WARPS_PER_BLOCK = 4  # default warps per block of the mma kernels (MMAD_CUDA_MMA_WARPS measures others)
+MMA_WARPS_ENV = "MMAD_CUDA_MMA_WARPS"
+MMA_MT_TRAIN_ENV = "MMAD_CUDA_MMA_MT_TRAIN"  # 16-row tiles per warp in training (1 or 2)
 ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
 WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
@@ -274,6 +276,16 @@ def b_image_index(k_dim: int, k: np.ndarray, n: np.ndarray) -> np.ndarray:
     return ((((n >> 3) * (k_dim >> 4) + kc) * 32 + lane) * 4 + hi * 2 + (rr & 1)).astype(np.int64)
 
 
+def _env_choice(name: str, allowed: tuple[int, ...], default: int) -> int:
+    """An integer tuning knob from the environment, one of ``allowed`` (a typo is an error)."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    if not raw.isdigit() or int(raw) not in allowed:
+        raise SpecError(name, f"must be one of {', '.join(map(str, allowed))}; got {raw!r}")
+    return int(raw)
+
+
 # -- the mma.sync model ------------------------------------------------------------------------
 class MmaPlan:
     """Geometry and generated source of one spec's mma kernels (needs no GPU, no CuPy)."""
@@ -300,6 +312,8 @@ class MmaPlan:
         self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
+        self.warps = _env_choice(MMA_WARPS_ENV, (2, 4, 8, 16), WARPS_PER_BLOCK)
+        self.mt_train = _env_choice(MMA_MT_TRAIN_ENV, (1, 2), 1)
         self.source = self._source()
 
     def _source(self) -> str:
@@ -313,7 +327,7 @@ class MmaPlan:
             "NOUT": s.n_output_dims, "NOUT_PAD": self.n_out_pad,
             "ACT": ACT_CODES[s.activation], "OUT_ACT": ACT_CODES[s.output_activation],
             "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32(s.huber_delta),
-            "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": WARPS_PER_BLOCK,
+            "MT_FWD": self.mt_fwd, "MT_TRAIN": self.mt_train, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "OPT_ADAM": int(opt.otype == "Adam"),
             "LR": f32(opt.learning_rate), "BETA1": f32(opt.beta1), "BETA2": f32(opt.beta2),
@@ -369,10 +383,10 @@ class CudaMmaModel(MmaPlan, CompiledModel):
 
     def _resident_blocks(self, kernel, smem: int) -> int:
         """Blocks of one launch that fit on the GPU at once (the persistent grid)."""
-        threads = WARPS_PER_BLOCK * 32
+        threads = self.warps * 32
         regs = max(int(kernel.num_regs), 1)
         regs_per_warp = math.ceil(regs * 32 / 256) * 256
-        by_regs = self.info["regs_per_sm"] // (regs_per_warp * WARPS_PER_BLOCK)
+        by_regs = self.info["regs_per_sm"] // (regs_per_warp * self.warps)
         by_smem = self.info["smem_per_sm"] // (smem + 1024) if smem else 64
         by_threads = 2048 // threads
         return max(1, min(by_regs, by_smem, by_threads, 32)) * self.info["sm_count"]
@@ -436,7 +450,7 @@ class CudaMmaModel(MmaPlan, CompiledModel):
                 "d": cp.empty(rows_pad * (nh * w + self.n_out_pad) // 2, dtype=cp.uint32),
                 "dact": cp.empty(rows_pad * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
                 "partial": cp.empty(max_partial, dtype=cp.float32),
-                "loss": cp.zeros(self.grid_train * WARPS_PER_BLOCK, dtype=cp.float64),
+                "loss": cp.zeros(self.grid_train * self.warps, dtype=cp.float64),
                 "chunks": chunks,
             }
         except _device_errors(cp) as exc:
@@ -499,8 +513,8 @@ class CudaMmaModel(MmaPlan, CompiledModel):
         if rows:
             rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
             tiles = rows_pad // (16 * self.mt_fwd)
-            grid = max(1, min(self.grid_fwd, math.ceil(tiles / WARPS_PER_BLOCK)))
-            self._launch("mlp_forward", (grid,), (WARPS_PER_BLOCK * 32,),
+            grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
+            self._launch("mlp_forward", (grid,), (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), out, self.wimage, self.b_all),
                          self.smem_fwd if self.w_smem_fwd else 0)
         if from_host:
@@ -511,10 +525,10 @@ class CudaMmaModel(MmaPlan, CompiledModel):
         """Fused forward + loss + backward, then each layer's chunked weight gradients."""
         rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
         ws = self._workspace_for(rows_pad)
-        grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / WARPS_PER_BLOCK)))
+        grid = max(1, min(self.grid_train, math.ceil(rows_pad // (16 * self.mt_train) / self.warps)))
         grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
-        loss_slots = ws["loss"][: grid * WARPS_PER_BLOCK]
-        self._launch("mlp_train_fwd_bwd", (grid,), (WARPS_PER_BLOCK * 32,),
+        loss_slots = ws["loss"][: grid * self.warps]
+        self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
                      (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
                       ws["h"], ws["d"], ws["dact"], loss_slots),
                      self.smem_train if self.w_smem_train else 0)
@@ -1126,9 +1140,13 @@ class CublasLtModel(CompiledModel):
         cp = self.cp
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
         rows = dx.shape[0]
-        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
-        if rows:
+        if not rows:
+            out = cp.empty((0, self.spec.n_output_dims), dtype=cp.float32)
+        elif self.spec.output_activation == "None":
+            out = self._forward_t(dx, rows, train=False)[0].T  # z^T in F order is out, C order
+        else:
             zt, _, _ = self._forward_t(dx, rows, train=False)  # [rows][n_out] memory, like out
+            out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
             self._launch("ew_output", (math.ceil(zt.size / 256),), (256,), (zt, np.int64(zt.size), out))
         return self.download(out) if from_host else out
 

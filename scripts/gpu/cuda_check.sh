@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt ltprofile
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
@@ -136,9 +136,14 @@ for name in 'SW':
         grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
-    ltprofile)
-      # where the cublaslt variant's time goes on W (run 6: 0.08x PyTorch): every matmul and kernel timed
-      timeout 200 python3 -m mmad.bench.cuda_bench --out /tmp/ltp --profile-cublaslt W --no-bench 2>&1 | tee "$OUT/ltprofile.log" | tail -n 60 | tee -a "$SUMMARY" ;;
+    sweep)
+      # mma kernel geometry: SWEEP="4/1,8/1,..." (warps per block / 16-row tiles per warp in training)
+      timeout ${SWEEP_TIMEOUT:-240} python3 -m mmad.bench.cuda_bench --out /tmp/sweep --models ${SWEEP_MODELS:-S,M,L} \
+        --sweep-mma ${SWEEP:-4/1,8/1,16/1,4/2,8/2} --repeats 10 --no-bench 2>&1 | tee "$OUT/sweep.log" | tail -n 40 | tee -a "$SUMMARY" ;;
+    profile)
+      # where the time goes, op by op (CUDA events): PROFILE="M:mma W:cublaslt ..." (run 7: W cublaslt)
+      args=""; for item in ${PROFILE:-M:mma W:cublaslt}; do args="$args --profile $item"; done
+      timeout 200 python3 -m mmad.bench.cuda_bench --out /tmp/prof $args --no-bench 2>&1 | tee "$OUT/profile.log" | tail -n 80 | tee -a "$SUMMARY" ;;
     nvmath)
       python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
