@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 
 import numpy as np
 
@@ -31,6 +31,7 @@ NUMERICS_MODES = ("fp32", "emulate", "float64")
 CHUNK_ROWS = 8192
 TRAIN_CHUNK_ROWS = 2048  # forward + backward of one chunk stay in cache
 HOST_CHUNK_ROWS = 4096  # forward_to_host: a chunk's input, activations and output stay in L2
+FAST_CAST_MIN_VALUES = 1 << 14  # below this NumPy's single cast call costs less than the converters' calls
 
 
 # -- FP16 <-> float32 ------------------------------------------------------------------------
@@ -175,12 +176,12 @@ class CpuModel(CompiledModel):
         def chunk(start: int) -> None:
             stop = min(start + HOST_CHUNK_ROWS, x.shape[0])
             xc, oc = x[start:stop], out[start:stop]
-            if xc.dtype == np.float16 and self.dtype == np.float32:
+            if xc.dtype == np.float16 and self.dtype == np.float32 and xc.size >= FAST_CAST_MIN_VALUES:
                 h = np.empty(xc.shape, np.float32)
                 half_to_float(xc, h)
                 xc = h
             y = self._forward_chunk(xc, keep=False)[0]
-            if oc.dtype == np.float16 and y.dtype == np.float32:
+            if oc.dtype == np.float16 and y.dtype == np.float32 and y.size >= FAST_CAST_MIN_VALUES:
                 float_to_half(y, oc, np.empty((2, y.size), np.uint32))
             else:
                 np.copyto(oc, y, casting="same_kind")
@@ -189,8 +190,10 @@ class CpuModel(CompiledModel):
             for start in starts:
                 chunk(start)
             return
-        for future in [executor.submit(chunk, start) for start in starts]:
-            future.result()  # every chunk finishes before this returns; the first error is raised
+        futures = [executor.submit(chunk, start) for start in starts]
+        wait(futures)  # all of them, even after an error: none may still write into ``out`` after this returns
+        for future in futures:
+            future.result()  # the first error, if any
 
     def check_host_input(self, x: np.ndarray) -> np.ndarray:
         """Like ``check_input``, but float16 stays float16 (cast per chunk)."""
