@@ -53,6 +53,8 @@ ROW_ALIGN = 128
 HIST_CAP = 1024
 BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
 COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
+# 1: open the device with VK_KHR_pipeline_executable_properties (compiler statistics per kernel)
+PIPELINE_STATS_ENV = "MMAD_VULKAN_PIPELINE_STATS"
 # 1: bake activations/loss into each pipeline (default on GPUs); 0: push constants, shared
 # pipelines (default on software devices, where each pipeline costs seconds of LLVM time)
 SPECIALIZE_ENV = "MMAD_VULKAN_SPECIALIZE"
@@ -91,6 +93,8 @@ class Geometry:
     nacc: int = 0  # coopmat: accumulator blocks per subgroup
     subgroups: int = 0
     micro_rows: int = 4  # simt: rows of an invocation's register tile
+    act_stride: int = 0  # coopmat: row stride of the shared activation tile (fp16 elements)
+    ncj: int = 0         # coopmat: column blocks per subgroup at the widest layer
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
@@ -105,19 +109,22 @@ class Geometry:
                              f"({max_shared} bytes)")
         if coopmat is not None:
             m_cm, n_cm, _ = coopmat
-            subgroups = 4
+            # subgroup s owns column blocks s, s + subgroups, ... (ncj of them at the widest
+            # layer) over all the tile's row blocks; at most 8 accumulator blocks each
+            col_blocks = kmax // n_cm
+            subgroups = 4  # a power of two: the backward's loss reduction halves THREADS
+            ncj = math.ceil(col_blocks / subgroups)
             threads = subgroups * subgroup_size
+            act_stride = kmax + 8  # padded: a block's rows start in different banks
             rows = 128
-            while rows > 16:
-                blocks = (rows // m_cm) * (kmax // n_cm)
-                if math.ceil(blocks / subgroups) <= 8 and 4 * rows * kmax + threads * 4 <= max_shared:
-                    break
+            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 2 * rows * act_stride + threads * 4 > max_shared):
                 rows //= 2
-            if 4 * rows * kmax + threads * 4 > max_shared:
+            if 2 * rows * act_stride + threads * 4 > max_shared:
                 raise too_wide
-            nacc = math.ceil((rows // m_cm) * (kmax // n_cm) / subgroups)
+            nacc = (rows // m_cm) * ncj
             # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
-            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, subgroups)
+            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, subgroups,
+                       act_stride=act_stride, ncj=ncj)
         act_elems = 4096 if max_shared >= 48 * 1024 else 2048
         micro_rows = 8 if max_shared >= 48 * 1024 else 4  # register tile rows (MR)
         threads = act_elems // (4 * micro_rows)
@@ -131,6 +138,13 @@ class Geometry:
             raise too_wide
         mtpt = math.ceil((rows // micro_rows) * (kmax // 4) / threads)
         return cls(spec, threads, rows, kmax, mtpt, wchunk, in_pad, out_pad, k, n, micro_rows=micro_rows)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory of the largest kernel (the fused forward/backward)."""
+        if self.coopmat:
+            return 2 * self.rows_per_tile * self.act_stride + 4 * self.threads
+        return 2 * self.rows_per_tile * self.kmax * 4 + 4 * self.threads + 4 * self.wchunk
 
     @property
     def n_layers(self) -> int:
@@ -196,7 +210,9 @@ class Geometry:
                  f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]
         if self.coopmat:
             m_cm, n_cm, k_cm = self.coopmat
-            lines += [f"#define NACC {self.nacc}",
+            lines += [f"#define NACC {self.nacc}", f"#define SUBGROUPS {self.subgroups}",
+                      f"#define NCJ {self.ncj}", f"#define NRB {self.rows_per_tile // m_cm}",
+                      f"#define AS {self.act_stride}",
                       f"#define CM_M {m_cm}", f"#define CM_N {n_cm}", f"#define CM_K {k_cm}"]
         else:
             lines += [f"#define MTPT {self.mtpt}", f"#define MR {self.micro_rows}",
@@ -265,6 +281,8 @@ class VulkanModel(CompiledModel):
     # training runs a batch in row chunks whose buffers fit maxStorageBufferRange; a smaller
     # cap (tests) forces chunking on any device
     max_chunk_rows: int | None = None
+    # record GPU timestamps around every dispatch (set_gpu_timestamps; benchmarks)
+    gpu_timestamps: bool = False
 
     def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, pipelines: dict[str, vr.Pipeline],
                  geometry: Geometry, shape: tuple[int, int, int] | None = None):
@@ -278,6 +296,7 @@ class VulkanModel(CompiledModel):
         self._lock = threading.RLock()
         self._buffers: list[vr.Buffer] = []
         self._programs: dict[Any, vr.Program] = {}
+        self._last_run: dict[str, vr.Program] = {}  # "forward"/"train": the program that ran last
         self._closed = False
         self._pipelines = pipelines  # owned by the backend, shared by models with the same kernels
         self._acts = (ACTIVATIONS.index(spec.activation), ACTIVATIONS.index(spec.output_activation))
@@ -368,7 +387,9 @@ class VulkanModel(CompiledModel):
     @staticmethod
     def _splits(rows_pad: int) -> tuple[int, int]:
         """(number of batch splits, rows per split) of the weight-gradient reduction."""
-        per_split = max(256, _round_up(math.ceil(rows_pad / 128), 32))
+        # up to 512 splits: each weight-gradient dispatch then has enough workgroups to fill a
+        # large GPU (128 left M's 64x64 layers at one workgroup per SM)
+        per_split = max(256, _round_up(math.ceil(rows_pad / 512), 32))
         return math.ceil(rows_pad / per_split), per_split
 
     def _grid(self, tiles: int) -> tuple[int, int, int]:
@@ -433,8 +454,10 @@ class VulkanModel(CompiledModel):
             grid = self._grid(tiles)
             push = np.array([rows_pad, grid[0], 0, *self._acts, 0], np.uint32).tobytes()
             program = vr.Program(self.device, [vr.Dispatch(
-                self._pipelines["forward"], [x_buf, self._mma_weights, self._bias, out_buf, z_buf], push, grid)])
+                self._pipelines["forward"], [x_buf, self._mma_weights, self._bias, out_buf, z_buf], push, grid)],
+                timestamps=self.gpu_timestamps)
             self._programs[key] = program
+        self._last_run["forward"] = program
         return program
 
     def _training_program(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
@@ -444,6 +467,7 @@ class VulkanModel(CompiledModel):
         key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad)
         program = self._programs.get(key)
         if program is not None:
+            self._last_run["train"] = program
             return program
         geo = self.geo
         b = self._ensure_batch(rows_pad, training=True)
@@ -468,9 +492,12 @@ class VulkanModel(CompiledModel):
             ]
             for layer in range(geo.n_layers):
                 wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
+                # the layers' gradients are independent (disjoint partial sums): no barriers
+                # between them, so their dispatches overlap
                 dispatches.append(vr.Dispatch(
                     p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
-                    u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid))
+                    u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid,
+                    barrier=layer == 0))
             split_base += splits
         dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
                                       u32(rows_pad // geo.rows_per_tile, n_rows, n_out, int(update)), (1, 1, 1)))
@@ -479,9 +506,34 @@ class VulkanModel(CompiledModel):
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
                              self._grad, self._ctrl, self._wall16 if self._wall16 is not None else self._unused],
             u32(self.n_params, split_base, geo.grad_floats, int(update), groups), (groups, 1, 1)))
-        program = vr.Program(self.device, dispatches)
+        program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
         self._programs[key] = program
+        self._last_run["train"] = program
         return program
+
+    def set_gpu_timestamps(self, on: bool) -> None:
+        """Record GPU timestamps around every dispatch of the programs run from now on (the
+        ones recorded so far are dropped). Timestamps may serialise dispatches that would
+        otherwise overlap, so time the wall clock without them."""
+        with self._lock:
+            self.gpu_timestamps = on
+            for program in self._programs.values():
+                program.destroy()
+            self._programs.clear()
+            self._last_run.clear()
+
+    def gpu_times(self, kind: str) -> list[tuple[str, float]]:
+        """(kernel, GPU seconds) of each dispatch of the last ``kind`` ("forward" or "train")
+        program run, recorded after ``set_gpu_timestamps(True)``."""
+        with self._lock:
+            program = self._last_run.get(kind)
+            if program is None or program.cb is None:
+                raise InvalidInput(f"no {kind} program has run on this model")
+            return [(d.pipeline.name, t) for d, t in zip(program.dispatches, program.gpu_seconds())]
+
+    def pipeline_statistics(self) -> dict[str, Any]:
+        """The driver's compiler statistics of each kernel (with MMAD_VULKAN_PIPELINE_STATS=1)."""
+        return {name: p.statistics() for name, p in self._pipelines.items()}
 
     def _evict_programs(self) -> None:
         # bounded: recorded programs hold descriptor pools and command buffers
@@ -679,6 +731,7 @@ class VulkanBackend(Backend):
         self._pipelines: dict[tuple, vr.Pipeline] = {}
         self._models: weakref.WeakSet[VulkanModel] = weakref.WeakSet()
         self._announced: set[tuple] = set()  # (variant, shape) already logged
+        self._convert_rne: dict[int, bool] = {}  # id(device) -> fp16_conversion_is_rne
         self._lock = threading.Lock()
 
     def _survey(self) -> list[vr.DeviceInfo]:
@@ -741,7 +794,8 @@ class VulkanBackend(Backend):
                 if not infos:
                     raise BackendUnavailable("vulkan", self._probe_error or "no Vulkan physical device found")
                 info = infos[0]
-                self._device = vr.Device(info, enable_coopmat=vr.COOPMAT_EXT in info.extensions)
+                self._device = vr.Device(info, enable_coopmat=vr.COOPMAT_EXT in info.extensions,
+                                         pipeline_stats=os.environ.get(PIPELINE_STATS_ENV, "") == "1")
             return self._device
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> VulkanModel:
@@ -763,10 +817,12 @@ class VulkanBackend(Backend):
         sources = kernel_sources(spec, geometry, variant)
         forced = os.environ.get(SPECIALIZE_ENV, "").strip()
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
+        if variant == "coopmat":
+            consts[13] = int(self._conversion_rounds_to_nearest_even(device, cache))
         pipelines = {}
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
-            used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6}
+            used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
             key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
                 if key not in self._pipelines:
@@ -783,6 +839,20 @@ class VulkanBackend(Backend):
                      "no matrix hardware used")
         return model
 
+    def _conversion_rounds_to_nearest_even(self, device: vr.Device, cache: Any) -> bool:
+        """Whether this device's fp32 -> fp16 conversion rounds to nearest even (measured once
+        per device); Vulkan leaves the direction to the implementation."""
+        with self._lock:
+            known = self._convert_rne.get(id(device))
+        if known is None:
+            known = fp16_conversion_is_rne(device, cache)
+            log.info("vulkan backend: fp32->fp16 conversion on %s %s", device.info.name,
+                     "rounds to nearest even: fp16 stores convert directly" if known
+                     else "does not round to nearest even: values are rounded (r16) before conversion")
+            with self._lock:
+                self._convert_rne[id(device)] = known
+        return known
+
     def close(self) -> None:
         """Close every model compiled here, then the pipelines and the device."""
         for model in list(self._models):
@@ -794,6 +864,63 @@ class VulkanBackend(Backend):
             if self._device is not None:
                 self._device.close()
                 self._device = None
+
+
+CONVERT_PROBE = """#version 450
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
+layout(local_size_x = 64) in;
+layout(std430, binding = 0) readonly buffer In { float X[]; };
+layout(std430, binding = 1) writeonly buffer Out { float16_t H[]; };
+layout(push_constant) uniform Push { uint n; } pc;
+void main() {
+    uint i = gl_GlobalInvocationID.x;
+    if (i < pc.n) H[i] = float16_t(X[i]);
+}
+"""
+
+
+def conversion_probe_values() -> np.ndarray:
+    """fp32 values that tell round-to-nearest-even from every other rounding: exact ties
+    between neighbouring fp16 values (normal and subnormal, both signs), one fp32 ulp either
+    side of them, the overflow boundary, and random values across the fp16 range."""
+    rng = np.random.default_rng(16)
+    h = rng.integers(0, 0x7bff, 4096, dtype=np.uint16).view(np.float16)  # finite, below the max
+    lo = h.astype(np.float32)
+    hi = (h.view(np.uint16) + 1).view(np.float16).astype(np.float32)
+    ties = (lo.astype(np.float64) + hi) / 2  # exact in fp32: one more mantissa bit
+    ties = ties.astype(np.float32)
+    near = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(0))])
+    edge = np.array([65504.0, 65519.996, 65520.0, 1e5, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26], np.float32)
+    spread = (rng.standard_normal(4096) * 10.0 ** rng.uniform(-7, 4.8, 4096)).astype(np.float32)
+    values = np.concatenate([ties, near, edge, spread])
+    return np.concatenate([values, -values]).astype(np.float32)
+
+
+def fp16_conversion_is_rne(device: vr.Device, cache: Any) -> bool:
+    """Convert :func:`conversion_probe_values` with ``float16_t(x)`` into a 16-bit storage
+    buffer on ``device`` and compare bit for bit with round-to-nearest-even (numpy's)."""
+    x = conversion_probe_values()
+    spirv = build_spirv(CONVERT_PROBE, "vulkan fp16 conversion probe", cache, device.info.name)
+    pipeline = vr.Pipeline(device, spirv, 2, 4, name="fp16-conversion-probe")
+    src = device.buffer(x.nbytes)
+    dst = device.buffer(x.size * 2)
+    program = None
+    try:
+        src.write(x)
+        program = vr.Program(device, [vr.Dispatch(pipeline, [src, dst], np.uint32(x.size).tobytes(),
+                                                  (math.ceil(x.size / 64), 1, 1))])
+        program.run()
+        got = np.frombuffer(dst.read(x.size * 2), np.uint16)
+    finally:
+        if program is not None:
+            program.destroy()
+        src.free()
+        dst.free()
+        pipeline.destroy()
+    with np.errstate(over="ignore"):  # the overflow boundary values become inf, as they should
+        want = x.astype(np.float16).view(np.uint16)
+    return bool(np.array_equal(got, want))
 
 
 def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str, str]:

@@ -49,8 +49,11 @@ ST = {
     "dsl": 32, "pool": 33, "ds_alloc": 34, "write_ds": 35, "cmd_pool": 39, "cb_alloc": 40,
     "cb_begin": 42, "mem_barrier": 46, "features2": 1000059000, "properties2": 1000059001,
     "subgroup_props": 1000094000, "vk11_features": 49, "vk12_features": 51,
-    "coopmat_features": 1000506000, "coopmat_props": 1000506001,
+    "coopmat_features": 1000506000, "coopmat_props": 1000506001, "query_pool": 11,
+    "exec_features": 1000269000, "pipeline_info": 1000269001, "exec_props": 1000269002,
+    "exec_info": 1000269003, "exec_stat": 1000269004,
 }
+STATS_EXT = "VK_KHR_pipeline_executable_properties"
 
 
 def _result_name(code: int) -> str:
@@ -154,6 +157,7 @@ class DeviceInfo:
     max_workgroup_invocations: int
     max_group_count: tuple[int, int, int]
     max_storage_range: int
+    timestamp_period_ns: float
     shader_float16: bool
     storage_16bit: bool
     vulkan_memory_model: bool
@@ -199,6 +203,7 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         max_workgroup_invocations=int(limits.maxComputeWorkGroupInvocations),
         max_group_count=tuple(int(limits.maxComputeWorkGroupCount[i]) for i in range(3)),
         max_storage_range=int(limits.maxStorageBufferRange),
+        timestamp_period_ns=float(limits.timestampPeriod),
         shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
         vulkan_memory_model=bool(f12.vulkanMemoryModel),
         extensions=extensions)
@@ -222,9 +227,11 @@ def probe_devices() -> list[DeviceInfo]:
 class Device:
     """An open logical device with one compute queue; close() releases everything."""
 
-    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False):
+    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False, pipeline_stats: bool = False):
         require_vulkan()
         self.info = info
+        # compiler statistics of every pipeline (registers, spills...), where the driver has them
+        self.pipeline_stats = pipeline_stats and STATS_EXT in info.extensions
         self.instance = _create_instance()
         self.closed = False
         try:
@@ -266,6 +273,14 @@ class Device:
             coop.cooperativeMatrix = 1
             f12.pNext = coop
             ext_names.append(ffi.new("char[]", COOPMAT_EXT.encode()))
+        stats = None
+        if self.pipeline_stats:
+            stats = ffi.new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*")
+            stats.sType = ST["exec_features"]
+            stats.pipelineExecutableInfo = 1
+            stats.pNext = f12.pNext
+            f12.pNext = stats
+            ext_names.append(ffi.new("char[]", STATS_EXT.encode()))
         ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
         feats = ffi.new("VkPhysicalDeviceFeatures2*")
         feats.sType = ST["features2"]
@@ -558,12 +573,54 @@ class Pipeline:
         info.stage.pName = entry_name
         info.stage.pSpecializationInfo = spec_info
         info.layout = self.layout
+        if device.pipeline_stats:
+            info.flags = 0x40  # CAPTURE_STATISTICS
         pipeline = ffi.new("VkPipeline*")
         result = lib.vkCreateComputePipelines(dev, ffi.NULL, 1, info, ffi.NULL, pipeline)
         if result != 0:
             self._destroy_layouts()
             raise CompileError(f"pipeline {name}", f"vkCreateComputePipelines failed: {_result_name(result)}")
         self.pipeline = pipeline[0]
+
+    def statistics(self) -> dict[str, Any]:
+        """The driver's compiler statistics of this pipeline's executables ({} unless the device
+        was opened with ``pipeline_stats`` and the driver offers them)."""
+        if not self.device.pipeline_stats:
+            return {}
+        dev = self.device.device
+        get_props = ffi.cast("PFN_vkGetPipelineExecutablePropertiesKHR",
+                             lib.vkGetDeviceProcAddr(dev, b"vkGetPipelineExecutablePropertiesKHR"))
+        get_stats = ffi.cast("PFN_vkGetPipelineExecutableStatisticsKHR",
+                             lib.vkGetDeviceProcAddr(dev, b"vkGetPipelineExecutableStatisticsKHR"))
+        pinfo = ffi.new("VkPipelineInfoKHR*")
+        pinfo.sType = ST["pipeline_info"]
+        pinfo.pipeline = self.pipeline
+        count = ffi.new("uint32_t*")
+        check(get_props(dev, pinfo, count, ffi.NULL), "vkGetPipelineExecutablePropertiesKHR")
+        props = ffi.new("VkPipelineExecutablePropertiesKHR[]", count[0])
+        for i in range(count[0]):
+            props[i].sType = ST["exec_props"]
+        check(get_props(dev, pinfo, count, props), "vkGetPipelineExecutablePropertiesKHR")
+        out: dict[str, Any] = {}
+        for i in range(count[0]):
+            einfo = ffi.new("VkPipelineExecutableInfoKHR*")
+            einfo.sType = ST["exec_info"]
+            einfo.pipeline = self.pipeline
+            einfo.executableIndex = i
+            n = ffi.new("uint32_t*")
+            check(get_stats(dev, einfo, n, ffi.NULL), "vkGetPipelineExecutableStatisticsKHR")
+            stats = ffi.new("VkPipelineExecutableStatisticKHR[]", n[0])
+            for j in range(n[0]):
+                stats[j].sType = ST["exec_stat"]
+            check(get_stats(dev, einfo, n, stats), "vkGetPipelineExecutableStatisticsKHR")
+            values = {}
+            for j in range(n[0]):
+                st = stats[j]
+                fmt = int(st.format)  # BOOL32, INT64, UINT64, FLOAT64
+                values[_cstr(st.name)] = (bool(st.value.b32), int(st.value.i64), int(st.value.u64),
+                                          float(st.value.f64))[fmt]
+            out[f"{_cstr(props[i].name)} (subgroup {props[i].subgroupSize})"] = values
+        return out
 
     def _destroy_layouts(self) -> None:
         dev = self.device.device
@@ -582,25 +639,41 @@ class Pipeline:
 
 @dataclass
 class Dispatch:
-    """One recorded dispatch: a pipeline, its buffers in binding order, push constants, groups."""
+    """One recorded dispatch: a pipeline, its buffers in binding order, push constants, groups.
+
+    ``barrier=False`` lets it overlap the dispatch before it (neither reads what the other
+    writes); by default a full barrier orders it after everything recorded earlier.
+    """
 
     pipeline: Pipeline
     buffers: Sequence[Buffer]
     push: bytes
     groups: tuple[int, int, int]
+    barrier: bool = True
 
 
 class Program:
-    """A command buffer recorded once (dispatches separated by barriers) and re-submitted.
+    """A command buffer recorded once (dispatches separated by barriers where they ask) and re-submitted.
 
     Recorded with SIMULTANEOUS_USE so one submission may list it several times (several
-    training steps); a barrier at its start orders it after anything submitted before.
+    training steps); a barrier at its start orders it after anything submitted before. With
+    ``timestamps`` a GPU timestamp is written before the first dispatch and after each one
+    (:meth:`gpu_seconds` reads them back, for the last copy that ran).
     """
 
-    def __init__(self, device: Device, dispatches: Sequence[Dispatch]):
+    def __init__(self, device: Device, dispatches: Sequence[Dispatch], timestamps: bool = False):
         self.device = device
         self.dispatches = list(dispatches)  # keeps the buffers referenced while recorded
         dev = device.device
+        self.query_pool = None
+        if timestamps:
+            qinfo = ffi.new("VkQueryPoolCreateInfo*")
+            qinfo.sType = ST["query_pool"]
+            qinfo.queryType = 2  # TIMESTAMP
+            qinfo.queryCount = len(self.dispatches) + 1
+            qpool = ffi.new("VkQueryPool*")
+            check(lib.vkCreateQueryPool(dev, qinfo, ffi.NULL, qpool), "vkCreateQueryPool")
+            self.query_pool = qpool[0]
         sizes = ffi.new("VkDescriptorPoolSize*")
         sizes.type = 7
         sizes.descriptorCount = max(1, sum(d.pipeline.n_bindings for d in dispatches))
@@ -617,8 +690,13 @@ class Program:
         begin.sType = ST["cb_begin"]
         begin.flags = 0x4  # SIMULTANEOUS_USE
         check(lib.vkBeginCommandBuffer(self.cb, begin), "vkBeginCommandBuffer")
-        for d in dispatches:
-            full_barrier(self.cb)
+        if self.query_pool is not None:
+            lib.vkCmdResetQueryPool(self.cb, self.query_pool, 0, len(self.dispatches) + 1)
+        for i, d in enumerate(dispatches):
+            if d.barrier or i == 0:
+                full_barrier(self.cb)
+            if self.query_pool is not None and i == 0:
+                lib.vkCmdWriteTimestamp(self.cb, 0x2000, self.query_pool, 0)  # BOTTOM_OF_PIPE: earlier work done
             ds = self._descriptor_set(d)
             lib.vkCmdBindPipeline(self.cb, 1, d.pipeline.pipeline)  # COMPUTE bind point
             sets = ffi.new("VkDescriptorSet[]", [ds])
@@ -627,6 +705,8 @@ class Program:
                 push = ffi.from_buffer(bytearray(d.push.ljust(d.pipeline.push_bytes, b"\0")))
                 lib.vkCmdPushConstants(self.cb, d.pipeline.layout, 0x20, 0, d.pipeline.push_bytes, push)
             lib.vkCmdDispatch(self.cb, *d.groups)
+            if self.query_pool is not None:
+                lib.vkCmdWriteTimestamp(self.cb, 0x2000, self.query_pool, i + 1)  # BOTTOM_OF_PIPE: done
         full_barrier(self.cb)
         check(lib.vkEndCommandBuffer(self.cb), "vkEndCommandBuffer")
 
@@ -661,6 +741,17 @@ class Program:
     def run(self, times: int = 1, wait: bool = True) -> None:
         self.device.submit([self.cb] * times, wait=wait)
 
+    def gpu_seconds(self) -> list[float]:
+        """GPU time of each dispatch in the last completed run (recorded with ``timestamps``)."""
+        if self.query_pool is None:
+            raise LaunchError("this program was recorded without timestamps")
+        n = len(self.dispatches) + 1
+        data = ffi.new("uint64_t[]", n)
+        check(lib.vkGetQueryPoolResults(self.device.device, self.query_pool, 0, n, 8 * n, data, 8, 0x1 | 0x2),
+              "vkGetQueryPoolResults")  # 64-bit, wait
+        period = self.device.info.timestamp_period_ns * 1e-9
+        return [(data[i + 1] - data[i]) * period for i in range(n - 1)]
+
     def destroy(self) -> None:
         if self.cb is None or self.device.closed:
             self.cb = None
@@ -670,5 +761,8 @@ class Program:
         cbs = ffi.new("VkCommandBuffer[]", [self.cb])
         lib.vkFreeCommandBuffers(dev, self.device.command_pool, 1, cbs)
         lib.vkDestroyDescriptorPool(dev, self.pool, ffi.NULL)
+        if self.query_pool is not None:
+            lib.vkDestroyQueryPool(dev, self.query_pool, ffi.NULL)
+            self.query_pool = None
         self.cb = None
         self.dispatches = []

@@ -330,6 +330,49 @@ def test_device_arrays_stay_on_device(backend, variant, cache):
     assert model.device_bytes() == before
 
 
+def test_gpu_timestamps_time_every_dispatch(backend, variant, cache):
+    spec = bench_spec("S", seed=7)
+    model = backend.compile(spec, variant, cache)
+    try:
+        with pytest.raises(InvalidInput):
+            model.gpu_times("forward")  # nothing has run yet
+        x, y = data(spec, 300)
+        dx = model.upload(x)
+        out = model.forward(dx)
+        model.set_gpu_timestamps(True)
+        model.forward_into(dx, out).run(times=3)
+        fwd = model.gpu_times("forward")
+        assert [k for k, _ in fwd] == [f"{variant}/forward"] and fwd[0][1] > 0
+        model.train_step(dx, model.upload_target(y), steps=2)
+        train = model.gpu_times("train")
+        kernels = [k.split("/")[1] for k, _ in train]
+        n_layers = spec.n_hidden_layers + 1
+        assert kernels == ["forward", "backward"] + ["wgrad"] * n_layers + ["finalize", "optimizer"]
+        assert all(t >= 0 for _, t in train) and sum(t for _, t in train) > 0
+        model.set_gpu_timestamps(False)
+        model.forward_into(dx, out)
+        with pytest.raises(vulkan.vr.LaunchError):  # recorded without timestamps
+            model.gpu_times("forward")
+    finally:
+        model.close()
+
+
+def test_fp16_conversion_probe(backend, cache):
+    """The probe's values tell round-to-nearest-even from truncation and from ties-away; the
+    device's answer is what the coopmat kernels are specialised with."""
+    x = vulkan.conversion_probe_values()
+    with np.errstate(over="ignore"):
+        rne = x.astype(np.float16).view(np.uint16)
+        bits = x.view(np.uint32)
+        toward_zero = (bits & 0xFFFFE000).view(np.float32).astype(np.float16).view(np.uint16)
+        ties_away = ((bits + 0x1000) & 0xFFFFE000).view(np.float32).astype(np.float16).view(np.uint16)
+    assert not np.array_equal(toward_zero, rne) and not np.array_equal(ties_away, rne)
+    device = backend._open_device(False)
+    rounds_rne = vulkan.fp16_conversion_is_rne(device, cache)
+    if device.info.software or "NVIDIA" in device.info.name:
+        assert rounds_rne  # LLVM (lavapipe) and NVIDIA's driver (measured) convert with RNE
+
+
 def test_close_frees_and_refuses_further_use(backend, variant, cache):
     spec = bench_spec("S", seed=99)
     device = backend._open_device(variant == "coopmat")

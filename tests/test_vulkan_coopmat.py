@@ -15,6 +15,7 @@ from mmad.spec import MLPSpec, bench_spec
 
 vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python package is not installed")
 glsl = pytest.importorskip("mmad.backends.glsl_compiler")
+ROW_ALIGN = vulkan.ROW_ALIGN
 
 GEOMETRIES = {
     "S": bench_spec("S"), "M": bench_spec("M"), "L": bench_spec("L"), "W": bench_spec("W"),
@@ -41,9 +42,9 @@ def test_coopmat_kernels_compile_and_validate(tools, family, model):
     devices = [(49152, 32)] + ([(65536, 64), (32768, 16)] if model == "M" else [])
     for max_shared, subgroup in devices:
         geometry = vulkan.Geometry.build(spec, max_shared, family, subgroup)
-        shared = 4 * geometry.rows_per_tile * geometry.kmax + 4 * geometry.threads
-        assert shared <= max_shared
-        assert geometry.rows_per_tile % family[0] == 0
+        assert geometry.shared_bytes <= max_shared
+        assert geometry.rows_per_tile % family[0] == 0 and ROW_ALIGN % geometry.rows_per_tile == 0
+        assert geometry.nacc == geometry.rows_per_tile // family[0] * geometry.ncj
         sources = vulkan.kernel_sources(spec, geometry, "coopmat")
         # finalize is the simt one, built in test_vulkan; the optimizer also writes the fp16 copy here
         for name in ("forward", "backward", "wgrad", "optimizer"):

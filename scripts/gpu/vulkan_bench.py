@@ -4,7 +4,12 @@ BENCHMARKS.md's method: models S/M/L/W at batch 2^20 (``--rows``), input already
 device and output left there; forward = one fused-kernel submission re-submitted ``--reps``
 times per timing, training = ``train_step(steps=reps)`` on device arrays (forward, L2 loss,
 backward, weight gradients, Adam); median of ``--repeats`` timings after a warm-up; outputs
-checked against the cpu oracle (float64) on the first 4096 rows before timing. PyTorch peers:
+checked against the cpu oracle (float64) on the first 4096 rows before timing; GPU timestamps
+around every dispatch (in programs recorded again for that, after the wall-clock timings) give
+the kernels' own time (``forward_gpu_s``, ``train_gpu_s`` and its split by kernel), so host and
+submission costs show as the difference to the wall-clock figures;
+with ``MMAD_VULKAN_PIPELINE_STATS=1`` the driver's compiler statistics (registers, spills) of
+each kernel are recorded too. PyTorch peers:
 ``nn.Sequential`` fp16 forward through a CUDA graph, training with autocast + fused Adam.
 Floor: max(bytes / measured copy bandwidth, FLOPs / measured fp16 GEMM rate), both measured
 here. Writes JSON to ``--json`` and prints a table last.
@@ -132,6 +137,9 @@ def main() -> None:
                 start = time.perf_counter()
                 model = backend.compile(spec, variant)
                 result["compile_s"] = time.perf_counter() - start
+                stats = model.pipeline_statistics()
+                if any(stats.values()):
+                    result["pipeline_stats"] = stats
                 result["geometry"] = {"rows_per_tile": model.geo.rows_per_tile, "threads": model.geo.threads,
                                       "shape": model.geo.coopmat}
                 dx = model.upload(x)
@@ -151,6 +159,17 @@ def main() -> None:
                         # per-sample time scaled to the full batch, so the table compares rates
                         result["train_s"] = train / args.reps * args.rows / train_rows
                         result["train_rows"] = train_rows
+                        # GPU time per kernel, in programs re-recorded with timestamps
+                        model.set_gpu_timestamps(True)
+                        model.forward_into(dx, out).run(times=args.reps)
+                        result["forward_gpu_s"] = sum(t for _, t in model.gpu_times("forward"))
+                        model.train_step(tx, dy, steps=args.reps)
+                        split: dict[str, float] = {}
+                        for kernel, t in model.gpu_times("train"):  # the last step's dispatches
+                            split[kernel] = split.get(kernel, 0.0) + t * args.rows / train_rows
+                        result["train_gpu_s"] = sum(split.values())
+                        result["train_gpu_split_s"] = split
+                        model.set_gpu_timestamps(False)
                         break
                     except InvalidInput as exc:  # a buffer over maxStorageBufferRange: halve the batch
                         result["train_note"] = str(exc)
@@ -171,8 +190,13 @@ def main() -> None:
     def msps(seconds):
         return f"{args.rows / seconds / 1e6:8.1f}" if seconds else "       -"
 
-    print(f"\nbatch {args.rows} rows, million samples/s (x = ratio to PyTorch, % = of hardware floor)")
-    print(f"{'model':5} {'pass':8} {'torch':>8} {'simt':>8} {'x':>5} {'%':>5} {'coopmat':>8} {'x':>5} {'%':>5} {'cm/simt':>7}")
+    def gpu_ms(v):
+        return f"{v * 1e3:7.3f}" if v else "      -"
+
+    print(f"\nbatch {args.rows} rows, million samples/s (x = ratio to PyTorch, % = of hardware floor; "
+          "gpu = ms of GPU time per call from timestamps, wall-clock rates include submission)")
+    print(f"{'model':5} {'pass':8} {'torch':>8} {'simt':>8} {'x':>5} {'%':>5} {'gpu':>7} "
+          f"{'coopmat':>8} {'x':>5} {'%':>5} {'gpu':>7} {'cm/simt':>7}")
     for e in results:
         for kind, key in (("fwd", "forward_s"), ("train", "train_s")):
             t = e["torch"].get(key)
@@ -182,7 +206,10 @@ def main() -> None:
             ratio = lambda v: f"{t / v:5.2f}" if (t and v) else "    -"  # noqa: E731
             pct = lambda v: f"{100 * fl / v:5.1f}" if v else "    -"  # noqa: E731
             cm_simt = f"{s / c:7.2f}" if (s and c) else "      -"
-            print(f"{e['model']:5} {kind:8} {msps(t)} {msps(s)} {ratio(s)} {pct(s)} {msps(c)} {ratio(c)} {pct(c)} {cm_simt}")
+            gkey = "forward_gpu_s" if kind == "fwd" else "train_gpu_s"
+            sg, cg = e.get("simt", {}).get(gkey), e.get("coopmat", {}).get(gkey)
+            print(f"{e['model']:5} {kind:8} {msps(t)} {msps(s)} {ratio(s)} {pct(s)} {gpu_ms(sg)} "
+                  f"{msps(c)} {ratio(c)} {pct(c)} {gpu_ms(cg)} {cm_simt}")
 
 
 if __name__ == "__main__":

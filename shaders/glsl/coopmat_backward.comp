@@ -12,11 +12,11 @@
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
-layout(std430, binding = 0) readonly buffer TargetBuf { float Y[]; };
-layout(std430, binding = 1) readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
-layout(std430, binding = 2) readonly buffer ZBuf { float Z[]; };
-layout(std430, binding = 3) writeonly buffer DBuf { float D[]; };
-layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
+layout(std430, binding = 0) restrict readonly buffer TargetBuf { float Y[]; };
+layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
+layout(std430, binding = 2) restrict readonly buffer ZBuf { float Z[]; };
+layout(std430, binding = 3) restrict writeonly buffer DBuf { float D[]; };
+layout(std430, binding = 4) restrict writeonly buffer LossBuf { float LOSS_PART[]; };
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
@@ -33,31 +33,37 @@ void main() {
     uint tid = gl_LocalInvocationID.x;
     const int L = N_LAYERS - 1;
     uint zlast = uint(Z_COL[L]) * pc.rows_pad;
-    uint cur = 0u, nxt = uint(R * KMAX);
     float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
     float loss_sum = 0.0;
-    for (uint i = tid; i < uint(R * OUT_PAD); i += uint(THREADS)) {
-        uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
-        uint row = row0 + r;
-        float delta = 0.0;
-        if (row < pc.n_rows && c < pc.n_out) {
+    // 8 elements per pass with their loads unconditional (in bounds: rows_pad rows), so that
+    // they are in flight together; padded rows and columns then contribute nothing
+    const int ITEMS = (R * OUT_PAD + THREADS - 1) / THREADS;
+    for (int it0 = 0; it0 < ITEMS; it0 += 8) {
+        [[unroll]] for (int q = 0; q < 8; ++q) {
+            uint i = tid + uint((it0 + q) * THREADS);
+            if (it0 + q >= ITEMS || i >= uint(R * OUT_PAD)) break;
+            uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
+            uint row = row0 + r;
             uint zrow = zlast + row * uint(OUT_PAD);
             float z = Z[zrow + c];
-            float pred = activate(OUTPUT_ACT, z);
+            float target = Y[(pc.row_base + row) * uint(OUT_PAD) + c];
+            bool valid = row < pc.n_rows && c < pc.n_out;
             float lum = 0.0;
-            if (pc.n_out >= 3u) {
-                lum = 0.299 * activate(OUTPUT_ACT, Z[zrow]) + 0.587 * activate(OUTPUT_ACT, Z[zrow + 1u])
-                    + 0.114 * activate(OUTPUT_ACT, Z[zrow + 2u]);
-            } else {
-                for (uint q = 0u; q < pc.n_out; ++q) lum += abs(activate(OUTPUT_ACT, Z[zrow + q]));
-                lum /= float(pc.n_out);
+            if (LOSS_ID == LOSS_REL_L2_LUM && valid) {
+                if (pc.n_out >= 3u) {
+                    lum = 0.299 * activate(OUTPUT_ACT, Z[zrow]) + 0.587 * activate(OUTPUT_ACT, Z[zrow + 1u])
+                        + 0.114 * activate(OUTPUT_ACT, Z[zrow + 2u]);
+                } else {
+                    for (uint k = 0u; k < pc.n_out; ++k) lum += abs(activate(OUTPUT_ACT, Z[zrow + k]));
+                    lum /= float(pc.n_out);
+                }
             }
-            vec2 term = loss_term(LOSS_ID, pc.huber_delta, pred, Y[(pc.row_base + row) * uint(OUT_PAD) + c], lum);
-            loss_sum += term.x;
-            delta = r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z));
+            vec2 term = loss_term(LOSS_ID, pc.huber_delta, activate(OUTPUT_ACT, z), target, lum);
+            loss_sum += valid ? term.x : 0.0;
+            float delta = valid ? r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z)) : 0.0;
+            D[zlast + row0 * uint(OUT_PAD) + i] = delta;
+            ACT[r * uint(AS) + c] = float16_t(delta);
         }
-        D[zlast + row0 * uint(OUT_PAD) + i] = delta;
-        ACT[cur + i] = float16_t(delta);
     }
     LOSS_SH[tid] = loss_sum;
     barrier();
@@ -66,25 +72,26 @@ void main() {
         barrier();
     }
     if (tid == 0u) LOSS_PART[pc.tile_base + tile] = LOSS_SH[0];
-    ACC_T acc[NACC];
-    for (int l = L; l >= 1; --l) {
+    [[unroll]] for (int l = L; l >= 1; --l) {
         int inner = LAYER_N[l], outer = LAYER_K[l];
+        int ncb = outer / CM_N;
         [[unroll]] for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
-        tile_mma(cur, inner, outer, uint(WR_OFF[l]), acc);
+        tile_mma(inner, outer, uint(WR_OFF[l]));
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
-        [[unroll]] for (int i = 0; i < NACC; ++i) {
-            ivec2 blk = block_of(i, outer);
-            if (blk.x < 0) break;
-            uint at = zbase + (row0 + uint(blk.x * CM_M)) * uint(outer) + uint(blk.y * CM_N);
-            ACC_T z;
-            coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-            for (int e = 0; e < acc[i].length(); ++e)
-                acc[i][e] = r16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
-            coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-            ACC16_T h = ACC16_T(acc[i]);
-            coopMatStore(h, ACT, nxt + uint(blk.x * CM_M * outer + blk.y * CM_N), uint(outer),
-                         gl_CooperativeMatrixLayoutRowMajor);
+        [[unroll]] for (int j = 0; j < NCJ; ++j) {
+            int cb = col_block(j);
+            if (cb >= ncb) break;
+            [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
+                int i = j * NRB + rb;
+                uint at = zbase + (row0 + uint(rb * CM_M)) * uint(outer) + uint(cb * CM_N);
+                ACC_T z;
+                coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (int e = 0; e < acc[i].length(); ++e)
+                    acc[i][e] = r16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
+                coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+                ACC16_T h = ACC16_T(acc[i]);
+                coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+            }
         }
-        uint t = cur; cur = nxt; nxt = t;
     }
 }

@@ -2,9 +2,10 @@
 #extension GL_EXT_control_flow_attributes : enable
 // Fused MLP forward with cooperative matrices (GL_KHR_cooperative_matrix): every layer of one
 // tile of R rows in one workgroup; fp16 activations in shared memory, fp32 accumulators with
-// the bias folded in (loaded from the row-replicated bias block), activation applied
-// element-wise on the accumulators, then rounded to fp16 (exact r16, then an exact convert)
-// for the next layer. With store_z != 0 the pre-activations are stored for the backward pass.
+// the bias folded in (loaded once per column block from the row-replicated bias block),
+// activation applied element-wise on the accumulators, then converted to fp16 for the next
+// layer, rounding to nearest even (r16 first unless the device's conversion does that itself). With store_z != 0 the pre-activations are stored for the
+// backward pass.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -13,11 +14,11 @@
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
-layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
-layout(std430, binding = 1) readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
-layout(std430, binding = 2) readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
-layout(std430, binding = 3) writeonly buffer OutBuf { float OUT[]; };
-layout(std430, binding = 4) writeonly buffer ZBuf { float Z[]; };
+layout(std430, binding = 0) restrict readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
+layout(std430, binding = 2) restrict readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
+layout(std430, binding = 3) restrict writeonly buffer OutBuf { float OUT[]; };
+layout(std430, binding = 4) restrict writeonly buffer ZBuf { float Z[]; };
 // row_base: first row of this chunk in the input (training runs big batches in chunks)
 layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; uint row_base; } pc;
 
@@ -28,40 +29,47 @@ void main() {
     uint row0 = tile * uint(R);
     if (row0 >= pc.rows_pad) return;
     uint tid = gl_LocalInvocationID.x;
-    for (uint i = tid; i < uint(R * IN_PAD / 4); i += uint(THREADS)) {
-        vec4 v = r16(X4[(pc.row_base + row0) * uint(IN_PAD) / 4u + i]);
-        for (uint c = 0u; c < 4u; ++c) ACT[i * 4u + c] = float16_t(v[c]);
-    }
-    uint cur = 0u, nxt = uint(R * KMAX);
-    ACC_T acc[NACC];
-    for (int l = 0; l < N_LAYERS; ++l) {
-        int kin = LAYER_K[l], nout = LAYER_N[l];
-        [[unroll]] for (int i = 0; i < NACC; ++i) {
-            ivec2 blk = block_of(i, nout);
-            if (blk.x < 0) break;
-            coopMatLoad(acc[i], BIAS, uint(B_OFF[l] + blk.y * CM_N), uint(Z_COLS), gl_CooperativeMatrixLayoutRowMajor);
+    // unrolled (constant trip count) so that every load is in flight before the first is used
+    [[unroll]] for (int it = 0; it < (R * IN_PAD / 4 + THREADS - 1) / THREADS; ++it) {
+        uint i = tid + uint(it * THREADS);
+        if (i < uint(R * IN_PAD / 4)) {
+            vec4 v = pre_f16(X4[(pc.row_base + row0) * uint(IN_PAD) / 4u + i]);
+            uint r = i / uint(IN_PAD / 4), c = (i - r * uint(IN_PAD / 4)) * 4u;
+            [[unroll]] for (uint q = 0u; q < 4u; ++q) ACT[r * uint(AS) + c + q] = float16_t(v[q]);
         }
-        tile_mma(cur, kin, nout, uint(WT_OFF[l]), acc);
+    }
+    [[unroll]] for (int l = 0; l < N_LAYERS; ++l) {
+        int kin = LAYER_K[l], nout = LAYER_N[l];
+        int ncb = nout / CM_N;
+        [[unroll]] for (int j = 0; j < NCJ; ++j) {
+            if (col_block(j) >= ncb) break;
+            ACC_T bias;
+            coopMatLoad(bias, BIAS, uint(B_OFF[l] + col_block(j) * CM_N), uint(Z_COLS), gl_CooperativeMatrixLayoutRowMajor);
+            [[unroll]] for (int rb = 0; rb < NRB; ++rb) acc[j * NRB + rb] = bias;
+        }
+        tile_mma(kin, nout, uint(WT_OFF[l]));
         bool last = l == N_LAYERS - 1;
         uint zbase = uint(Z_COL[l]) * pc.rows_pad;
-        [[unroll]] for (int i = 0; i < NACC; ++i) {
-            ivec2 blk = block_of(i, nout);
-            if (blk.x < 0) break;
-            uint row = row0 + uint(blk.x * CM_M);
-            if (pc.store_z != 0u)
-                coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(blk.y * CM_N), uint(nout),
-                             gl_CooperativeMatrixLayoutRowMajor);
-            if (last) {
-                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
-                coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(blk.y * CM_N), uint(OUT_PAD),
-                             gl_CooperativeMatrixLayoutRowMajor);
-            } else {
-                for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = r16(activate(HIDDEN_ACT, acc[i][e]));
-                ACC16_T h = ACC16_T(acc[i]);
-                coopMatStore(h, ACT, nxt + uint(blk.x * CM_M * nout + blk.y * CM_N), uint(nout),
-                             gl_CooperativeMatrixLayoutRowMajor);
+        [[unroll]] for (int j = 0; j < NCJ; ++j) {
+            int cb = col_block(j);
+            if (cb >= ncb) break;
+            [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
+                int i = j * NRB + rb;
+                uint row = row0 + uint(rb * CM_M);
+                if (pc.store_z != 0u)
+                    coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
+                                 gl_CooperativeMatrixLayoutRowMajor);
+                if (last) {
+                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
+                    coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
+                                 gl_CooperativeMatrixLayoutRowMajor);
+                } else {
+                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(activate(HIDDEN_ACT, acc[i][e]));
+                    ACC16_T h = ACC16_T(acc[i]);
+                    coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
+                                 gl_CooperativeMatrixLayoutRowMajor);
+                }
             }
         }
-        uint t = cur; cur = nxt; nxt = t;
     }
 }

@@ -1,43 +1,45 @@
 // Tile product of the cooperative-matrix kernels: ACC(R x NOUT) (+)= A(R x KIN) . W(KIN x NOUT)
-// with A in shared memory as fp16 and W loaded straight from the fp16 weight copy in global
-// memory (small and cache-resident: no shared staging, no barriers in the loop). The output's
-// CM_M x CM_N blocks are split among the subgroups: subgroup s owns blocks s*NACC ..
-// s*NACC+NACC-1 (row-block major), accumulating in fp32.
-// Needs: THREADS, R, KMAX, NACC, CM_M/CM_N/CM_K, a readonly float16_t buffer WALL16[].
+// with A in shared memory as fp16 and W read from the fp16 weight copy in global memory
+// (small and cache-resident). Subgroup s owns the output column blocks s, s + SUBGROUPS, ...
+// (NCJ of them at the widest layer) over all NRB row blocks of the tile: each B block is loaded
+// once per subgroup and layer and reused NRB times, each A block once per (row block, k step).
+// The activation tile has a padded row stride (AS = KMAX + 8 halves) so that the 16-byte row
+// pieces of a block load/store fall in different shared-memory banks.
+// Needs: THREADS, SUBGROUPS, R, KMAX, AS, NRB, NCJ, NACC, CM_M/CM_N/CM_K, a readonly float16_t
+// buffer WALL16[].
 
 #define ACC_T coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>
 #define ACC16_T coopmat<float16_t, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>
 #define A_T coopmat<float16_t, gl_ScopeSubgroup, CM_M, CM_K, gl_MatrixUseA>
 #define B_T coopmat<float16_t, gl_ScopeSubgroup, CM_K, CM_N, gl_MatrixUseB>
 
-shared float16_t ACT[2 * R * KMAX];  // two activation tiles, ping-pong
+shared float16_t ACT[R * AS];  // the activation tile: read by every subgroup, then overwritten
+ACC_T acc[NACC];               // accumulator j * NRB + rb: column block slot j, row block rb
 
-// block i of this subgroup: (row block, column block), or rb < 0 when past the last block
-ivec2 block_of(int i, int nout) {
-    int b = int(gl_SubgroupID) * NACC + i;
-    int nbc = nout / CM_N;
-    if (b >= (R / CM_M) * nbc) return ivec2(-1, 0);
-    return ivec2(b / nbc, b - (b / nbc) * nbc);
+// column block of this subgroup's slot j
+int col_block(int j) {
+    return int(gl_SubgroupID) + j * SUBGROUPS;
 }
 
-void tile_mma(uint a_base, int kin, int nout, uint w_off, inout ACC_T acc[NACC]) {
+void tile_mma(int kin, int nout, uint w_off) {
     barrier();  // the A tile was written by other subgroups
-    for (int kk = 0; kk < kin; kk += CM_K) {
-        int last_rb = -1;
-        A_T a;
-        [[unroll]] for (int i = 0; i < NACC; ++i) {
-            ivec2 blk = block_of(i, nout);
-            if (blk.x < 0) break;
-            if (blk.x != last_rb) {
-                coopMatLoad(a, ACT, a_base + uint(blk.x * CM_M * kin + kk), uint(kin),
-                            gl_CooperativeMatrixLayoutRowMajor);
-                last_rb = blk.x;
+    int ncb = nout / CM_N;
+    if (int(gl_SubgroupID) < ncb) {  // uniform per subgroup: narrow layers leave some idle
+        for (int kk = 0; kk < kin; kk += CM_K) {
+            B_T b[NCJ];
+            [[unroll]] for (int j = 0; j < NCJ; ++j) {
+                if (col_block(j) < ncb)
+                    coopMatLoad(b[j], WALL16, w_off + uint(kk * nout + col_block(j) * CM_N), uint(nout),
+                                gl_CooperativeMatrixLayoutRowMajor);
             }
-            B_T b;
-            coopMatLoad(b, WALL16, w_off + uint(kk * nout + blk.y * CM_N), uint(nout),
-                        gl_CooperativeMatrixLayoutRowMajor);
-            acc[i] = coopMatMulAdd(a, b, acc[i]);
+            [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
+                A_T a;
+                coopMatLoad(a, ACT, uint(rb * CM_M * AS + kk), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                [[unroll]] for (int j = 0; j < NCJ; ++j) {
+                    if (col_block(j) < ncb) acc[j * NRB + rb] = coopMatMulAdd(a, b[j], acc[j * NRB + rb]);
+                }
+            }
         }
     }
-    barrier();  // every subgroup is done reading this A tile before it is overwritten
+    barrier();  // every subgroup is done reading the A tile before it is overwritten
 }

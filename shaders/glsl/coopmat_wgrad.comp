@@ -12,10 +12,10 @@
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
-layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
-layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
-layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
-layout(std430, binding = 3) writeonly buffer PartBuf { float PART[]; };
+layout(std430, binding = 0) restrict readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 1) restrict readonly buffer ZBuf { vec4 Z4[]; };
+layout(std430, binding = 2) restrict readonly buffer DBuf { vec4 D4[]; };
+layout(std430, binding = 3) restrict writeonly buffer PartBuf { float PART[]; };
 // row_base / split_base: this chunk's first input row and first partial-sum slot
 layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; uint row_base; uint split_base; } pc;
 
@@ -42,15 +42,17 @@ void main() {
     float bias_acc = 0.0;
     for (uint r = r_begin; r < r_end; r += uint(RC)) {
         barrier();
-        for (uint i = tid; i < uint(RC * TILE / 4); i += uint(THREADS)) {
+        [[unroll]] for (int it = 0; it < (RC * TILE / 4 + THREADS - 1) / THREADS; ++it) {  // loads in flight together
+            uint i = tid + uint(it * THREADS);
+            if (i >= uint(RC * TILE / 4)) break;
             uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
             uint row = r + rr;
             int cn = n0 + int(q) * 4, ck = k0 + int(q) * 4;
             vec4 d = cn < N ? D4[dbase + row * uint(N / 4) + uint(cn / 4)] : vec4(0.0);
             vec4 h = vec4(0.0);
             if (ck < K) {
-                if (l == 0) h = r16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(ck / 4)]);
-                else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
+                if (l == 0) h = pre_f16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(ck / 4)]);
+                else h = pre_f16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
             }
             for (uint c = 0u; c < 4u; ++c) {
                 DS[i * 4u + c] = float16_t(d[c]);

@@ -32,21 +32,30 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 // (ROUND_FP16 = 0: no rounding, precision fp32). Integer arithmetic, the same on every
 // driver: packHalf2x16's rounding mode is implementation-defined, and NVIDIA's compiler was
 // seen to drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
+// Branch-free (every case computed, then selected): with data-dependent branches NVIDIA's
+// compiler left the coopmat epilogue's element loops rolled, the accumulators in local memory,
+// and the forward ran 3.2x slower (gpu-notes-vulkan.md, run 4).
 float r16(float x) {
     if (ROUND_FP16 == 0) return x;
     uint u = floatBitsToUint(x);
-    uint sign_bit = u & 0x80000000u;
     uint a = u & 0x7fffffffu;
-    if (a >= 0x7f800000u) return x;                                   // Inf, NaN
-    if (a >= 0x477ff000u) return uintBitsToFloat(sign_bit | 0x7f800000u);  // >= 65520 -> Inf
-    if (a < 0x38800000u) {                                            // fp16 subnormal range
-        float q = roundEven(uintBitsToFloat(a) * 16777216.0) * (1.0 / 16777216.0);
-        return uintBitsToFloat(sign_bit | floatBitsToUint(q));
-    }
-    uint r = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
-    return uintBitsToFloat(sign_bit | r);
+    uint normal = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;           // 10 mantissa bits kept
+    uint sub = floatBitsToUint(roundEven(uintBitsToFloat(a) * 16777216.0) * (1.0 / 16777216.0));
+    uint r = a < 0x38800000u ? sub                                          // fp16 subnormal range
+           : a < 0x477ff000u ? normal
+           : a < 0x7f800000u ? 0x7f800000u                                  // >= 65520 -> Inf
+           : a;                                                             // Inf, NaN
+    return uintBitsToFloat((u ^ a) | r);
 }
 vec4 r16(vec4 v) { return vec4(r16(v.x), r16(v.y), r16(v.z), r16(v.w)); }
+
+// 1 where the device's own fp32 -> fp16 conversion was measured to round to nearest even
+// (fp16_conversion_is_rne in backends/vulkan.py): a value about to be converted to fp16 then
+// needs no r16 first, which saves ~15 ALU operations per element in the coopmat kernels.
+layout(constant_id = 13) const int CONVERT_RNE = 0;
+// x ready for a float16_t conversion that must round to nearest even
+float pre_f16(float x) { return CONVERT_RNE == 1 ? x : r16(x); }
+vec4 pre_f16(vec4 v) { return CONVERT_RNE == 1 ? v : r16(v); }
 
 float sigmoid_stable(float z) {
     float e = exp(-abs(z));
