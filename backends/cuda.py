@@ -55,9 +55,13 @@ MMA_MAX_WIDTH = 256  # wider than 128 holds 254 registers per thread (see docs/g
 WARPS_PER_BLOCK = 4  # default warps per block of the mma kernels (MMAD_CUDA_MMA_WARPS measures others)
 MMA_WARPS_ENV = "MMAD_CUDA_MMA_WARPS"
 MMA_MT_TRAIN_ENV = "MMAD_CUDA_MMA_MT_TRAIN"  # 16-row tiles per warp in training (1 or 2)
+FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"  # 0: weight gradients in their own kernels even where they fit
+FUSED_WARPS, FUSED_ROWS = 8, 128  # mlp_train_fused: warps per block, rows per super-tile (FW, SUPER_ROWS)
+FUSED_MAX_ACC = 96  # fp32 weight-gradient accumulators per thread the fused kernel may hold
 ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
 WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
+FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
 
 MMA_KERNELS = ("mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
 ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -314,7 +318,24 @@ class MmaPlan:
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
         self.warps = _env_choice(MMA_WARPS_ENV, (2, 4, 8, 16), WARPS_PER_BLOCK)
         self.mt_train = _env_choice(MMA_MT_TRAIN_ENV, (1, 2), 1)
+        self.fused_wgrad, self.smem_fused = self._fused_plan()
         self.source = self._source()
+
+    def _fused_plan(self) -> tuple[bool, int]:
+        """Whether mlp_train_fused applies (weight gradients accumulated in the training kernel),
+        and its shared memory: the weights, a 128-row stash of every layer's input, a delta stage.
+        It needs the derivative from h (ReLU family), the weights in shared memory, and
+        accumulators that fit in registers (each thread holds 1/256 of every dW)."""
+        rows = FUSED_ROWS
+        stash = sum(rows * (k + 8) for _, _, k, _ in self.layers)
+        stage = rows * (max(self.width, self.n_out_pad) + 8)
+        smem = (self.wf_total + self.wb_total + stash + stage) * 2
+        units = [math.ceil((n // 16) * (k // 16) / FUSED_WARPS) for _, _, k, n in self.layers]
+        acc = 8 * sum(units)  # two m16n8 fragments of 4 floats per 16 x 16 unit
+        wanted = _env_choice(FUSED_WGRAD_ENV, (0, 1), 1) == 1
+        fits = (not self.store_dact and self.w_smem_train and acc <= FUSED_MAX_ACC
+                and smem <= FUSED_SMEM_LIMIT and self.mt_train == 1)
+        return wanted and fits, smem
 
     def _source(self) -> str:
         s, opt = self.spec, self.spec.optimizer
@@ -329,7 +350,8 @@ class MmaPlan:
             "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32(s.huber_delta),
             "MT_FWD": self.mt_fwd, "MT_TRAIN": self.mt_train, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
-            "STORE_DACT": int(self.store_dact), "OPT_ADAM": int(opt.otype == "Adam"),
+            "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
+            "OPT_ADAM": int(opt.otype == "Adam"),
             "LR": f32(opt.learning_rate), "BETA1": f32(opt.beta1), "BETA2": f32(opt.beta2),
             "EPS": f32(opt.epsilon), "L2REG": f32(opt.l2_reg), "MOMENTUM": f32(opt.momentum),
         }
@@ -369,24 +391,29 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             cubin = cache.get_or_build(build, backend="cuda-mma", device=self.arch, compiler=compiler,
                                        options=list(self.options), source=self.source)
         try:
-            module = LoadedModule(self.cp, cubin, MMA_KERNELS)
+            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (("mlp_train_fused",) if self.fused_wgrad else ()))
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 train.max_dynamic_shared_size_bytes = self.smem_train
+            if self.fused_wgrad and self.smem_fused > 48 * 1024:
+                module.kernel("mlp_train_fused").max_dynamic_shared_size_bytes = self.smem_fused
         except _device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
         self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
         self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
+        self.grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
+                           if self.fused_wgrad else 0)
         return module
 
-    def _resident_blocks(self, kernel, smem: int) -> int:
+    def _resident_blocks(self, kernel, smem: int, warps: int | None = None) -> int:
         """Blocks of one launch that fit on the GPU at once (the persistent grid)."""
-        threads = self.warps * 32
+        warps = warps or self.warps
+        threads = warps * 32
         regs = max(int(kernel.num_regs), 1)
         regs_per_warp = math.ceil(regs * 32 / 256) * 256
-        by_regs = self.info["regs_per_sm"] // (regs_per_warp * self.warps)
+        by_regs = self.info["regs_per_sm"] // (regs_per_warp * warps)
         by_smem = self.info["smem_per_sm"] // (smem + 1024) if smem else 64
         by_threads = 2048 // threads
         return max(1, min(by_regs, by_smem, by_threads, 32)) * self.info["sm_count"]
@@ -444,13 +471,19 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             n_chunks = math.ceil(rows_pad / chunk_rows)
             chunks.append((n_chunks, chunk_rows))
             max_partial = max(max_partial, n_chunks * (n * k + n))
+        if self.fused_wgrad:
+            # one partial sum per block of mlp_train_fused, every layer (mlp_optimize adds them)
+            blocks = self.fused_blocks(rows_pad)
+            chunks = [(blocks, 0)] * self.n_layers
+            max_partial = blocks * sum(n * k + n for _, _, k, n in self.layers)
+        stored_rows = 0 if self.fused_wgrad else rows_pad  # the fused kernel keeps h and deltas on chip
         try:
             ws = {
-                "h": cp.empty(rows_pad * (self.k_in + nh * w) // 2, dtype=cp.uint32),
-                "d": cp.empty(rows_pad * (nh * w + self.n_out_pad) // 2, dtype=cp.uint32),
-                "dact": cp.empty(rows_pad * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
+                "h": cp.empty(max(stored_rows * (self.k_in + nh * w) // 2, 2), dtype=cp.uint32),
+                "d": cp.empty(max(stored_rows * (nh * w + self.n_out_pad) // 2, 2), dtype=cp.uint32),
+                "dact": cp.empty(stored_rows * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
                 "partial": cp.empty(max_partial, dtype=cp.float32),
-                "loss": cp.zeros(self.grid_train * self.warps, dtype=cp.float64),
+                "loss": cp.zeros(max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS), dtype=cp.float64),
                 "chunks": chunks,
             }
         except _device_errors(cp) as exc:
@@ -521,26 +554,43 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             return self.download(out)
         return out
 
+    def fused_blocks(self, rows_pad: int) -> int:
+        """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
+        return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
+
     def _forward_backward(self, dx, dy, rows: int, step_slot) -> dict[str, Any]:
-        """Fused forward + loss + backward, then each layer's chunked weight gradients."""
+        """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
+        in each layer's chunked kernel afterwards (``_layer_grads``)."""
         rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
         ws = self._workspace_for(rows_pad)
-        grid = max(1, min(self.grid_train, math.ceil(rows_pad // (16 * self.mt_train) / self.warps)))
         grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
-        loss_slots = ws["loss"][: grid * self.warps]
-        self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
-                     (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                      ws["h"], ws["d"], ws["dact"], loss_slots),
-                     self.smem_train if self.w_smem_train else 0)
+        if self.fused_wgrad:
+            grid = self.fused_blocks(rows_pad)
+            loss_slots = ws["loss"][: grid * FUSED_WARPS]
+            self._launch("mlp_train_fused", (grid,), (FUSED_WARPS * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
+                          ws["partial"], loss_slots), self.smem_fused)
+        else:
+            grid = max(1, min(self.grid_train, math.ceil(rows_pad // (16 * self.mt_train) / self.warps)))
+            loss_slots = ws["loss"][: grid * self.warps]
+            self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
+                          ws["h"], ws["d"], ws["dact"], loss_slots),
+                         self.smem_train if self.w_smem_train else 0)
         step_slot[...] = loss_slots.sum()
         ws["rows_pad"] = rows_pad
         return ws
 
     def _layer_grads(self, ws: dict[str, Any], i: int) -> tuple[int, Any, Any]:
-        """Launch layer i's weight-gradient kernel; (chunks, partial W sums, partial b sums)."""
+        """Layer i's partial weight / bias sums: (chunks, partial W sums, partial b sums), from
+        mlp_train_fused's buffer (layout: partial_off in mlp_mma.cu) or its own kernel."""
         rows_pad = ws["rows_pad"]
         _, _, k, n = self.layers[i]
         n_chunks, chunk_rows = ws["chunks"][i]
+        if self.fused_wgrad:
+            off = n_chunks * sum(nj * kj + nj for _, _, kj, nj in self.layers[:i])
+            return (n_chunks, ws["partial"][off:off + n_chunks * n * k],
+                    ws["partial"][off + n_chunks * n * k:off + n_chunks * (n * k + n)])
         h_off = 0 if i == 0 else rows_pad * (self.k_in + (i - 1) * self.width)
         d_off = rows_pad * i * self.width
         h = ws["h"].view(self.cp.uint16)[h_off:h_off + rows_pad * k]

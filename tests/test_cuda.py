@@ -149,6 +149,31 @@ def check_grads(model, oracle, x, y, label, vs_emulate=GRAD_TOL_EMULATE):
     return max((e[0], k) for k, e in errors.items())
 
 
+@pytest.mark.parametrize(("name", "activation", "batch"), [("S", "ReLU", 1000), ("M", "LeakyReLU", 65_537),
+                                                      ("M", "ReLU", 7)])
+def test_fused_weight_gradients_equal_the_separate_kernels(backend, cache, monkeypatch, name, activation, batch):
+    """mlp_train_fused (weight gradients accumulated inside the training kernel) against the
+    separate weight-gradient kernels on the same parameters and data: the same fp16 operands,
+    only the fp32 summation order differs."""
+    from mmad.backends import cuda
+
+    rng = np.random.default_rng(hash((name, activation, batch, "fused")) % 2**32)
+    spec = bench_spec(name, activation=activation)
+    fused, oracle = make_pair(backend, cache, spec, rng)
+    monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "0")
+    separate = backend.compile(spec, cache=cache)
+    separate.set_params(oracle.get_params())
+    assert fused.fused_wgrad and not separate.fused_wgrad
+    x = inputs(rng, batch, spec)
+    y = rng.standard_normal((batch, spec.n_output_dims), dtype=np.float32)
+    loss_f, grads_f = fused.loss_and_grads(x, y)
+    loss_s, grads_s = separate.loss_and_grads(x, y)
+    assert abs(loss_f - loss_s) <= 1e-6 * abs(loss_s)
+    for k in grads_s:
+        assert rel_err(grads_f[k], grads_s[k]) <= 1e-5, f"{k}: {rel_err(grads_f[k], grads_s[k]):.2e}"
+    check_grads(fused, oracle, x, y, f"fused {name}/{activation}/batch {batch}")
+
+
 GRAD_CASES = ([(n, a, b) for n, a in MODEL_CASES for b in (1, 7, 1000)]
               + [(n, a, 65_537) for n, a in MODEL_CASES if n in ("S", "M")])
 

@@ -19,6 +19,7 @@ import pytest
 
 from mmad.backends import layouts as L
 from mmad.backends.cuda import CudaBackend, MmaPlan, b_image_index
+from mmad.errors import SpecError
 from mmad.spec import bench_spec
 
 
@@ -65,7 +66,8 @@ def test_probe_without_cupy_reports_why() -> None:
 
 
 @pytest.mark.parametrize(("name", "overrides", "spill_free"), [
-    ("S", {}, ("mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")),
+    ("S", {}, ("mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize", "mlp_train_fused")),
+    ("M", {"activation": "LeakyReLU"}, ("mlp_forward", "mlp_train_fwd_bwd", "mlp_train_fused")),
     ("M", {"activation": "SiLU", "loss": "RelativeL2Luminance"}, ("mlp_forward", "mlp_train_fwd_bwd")),
     ("L", {"optimizer": {"otype": "SGD", "learning_rate": 0.01, "momentum": 0.9}},
      ("mlp_forward", "mlp_train_fwd_bwd")),
@@ -77,7 +79,8 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
-    source = MmaPlan(bench_spec(name, **overrides)).source
+    plan = MmaPlan(bench_spec(name, **overrides))
+    source = plan.source
     src = tmp_path / f"{name}.cu"
     src.write_text(source)
     done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
@@ -86,6 +89,32 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
     report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores",
                         done.stderr, flags=re.S)
     spills = {kernel: int(stack) + int(spill) for kernel, stack, spill in report}
-    assert set(spills) == {"mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize"}
+    fused = {"mlp_train_fused"} if plan.fused_wgrad else set()
+    assert set(spills) == {"mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize"} | fused
     for kernel in spill_free:
         assert spills[kernel] == 0, f"{kernel} uses local memory: {spills}"
+
+
+@pytest.mark.parametrize(("name", "overrides", "fused"), [
+    ("S", {}, True),
+    ("M", {}, True),
+    ("M", {"activation": "LeakyReLU"}, True),
+    ("M", {"activation": "Tanh"}, False),  # its derivative needs the pre-activation: not kept on chip
+    ("L", {}, False),  # 128 wide: the weight-gradient accumulators would not fit in registers
+    ("W", {}, False),
+])
+def test_fused_weight_gradients_where_they_fit(name, overrides, fused, monkeypatch) -> None:
+    """mlp_train_fused (weight gradients accumulated in the training kernel) is planned exactly
+    where its stash, delta stage and accumulators fit; MMAD_CUDA_FUSED_WGRAD=0 turns it off."""
+    from mmad.backends import cuda
+
+    plan = MmaPlan(bench_spec(name, **overrides))
+    assert plan.fused_wgrad is fused
+    assert ("#define FUSED_WGRAD 1" in plan.source) is fused
+    if fused:
+        assert plan.smem_fused <= cuda.FUSED_SMEM_LIMIT
+        monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "0")
+        assert MmaPlan(bench_spec(name, **overrides)).fused_wgrad is False
+        monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "yes")
+        with pytest.raises(SpecError, match=cuda.FUSED_WGRAD_ENV):
+            MmaPlan(bench_spec(name, **overrides))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
@@ -149,7 +149,7 @@ for name in 'SW':
     serve)
       timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve --serve-check --no-bench 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --repeats 30 > "$OUT/bench.log" 2>&1
+      timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --models ${BENCH_MODELS:-S,M,L,W} --repeats 30 > "$OUT/bench.log" 2>&1
       echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY" ;;
     cublaslt)
       # the cuBLASLt variant on the wide model and on M, same rules (its own peers and ceilings)

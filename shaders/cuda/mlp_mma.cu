@@ -11,6 +11,8 @@
 //   W_SMEM_FWD W_SMEM_TRAIN  weights staged in shared memory (else read through L1)
 //   STORE_DACT         the hidden activation's derivative is stored (not derivable from h)
 //   OPT_ADAM LR BETA1 BETA2 EPS L2REG MOMENTUM   optimizer
+//   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
+//                      training kernel; the plan sets it when the stash and accumulators fit)
 //
 // Fragment layouts are the PTX ISA's for mma.m16n8k16 .f16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row): reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][8+2t..], reg3 = A[g+8][8+2t..]
@@ -40,6 +42,38 @@ __device__ __forceinline__ int bias_off(int l) { return l * WIDTH; }
 __device__ __forceinline__ i64 h_off(int l, i64 rows_pad) { return l == 0 ? 0 : rows_pad * (KIN + (i64)(l - 1) * WIDTH); }
 __device__ __forceinline__ i64 d_off(int l, i64 rows_pad) { return rows_pad * (i64)l * WIDTH; }
 
+// ---- fused training (FUSED_WGRAD): FW warps own 16 rows each of a 128-row super-tile; every
+// layer's input h_l stays in a shared-memory stash, each layer's delta is staged in shared memory,
+// and dW_l = delta_l^T @ h_l over the super-tile is accumulated in registers (mma.sync, operands
+// through ldmatrix.trans), spread over the warps in 16 x 16 units: no h / delta round trip
+// through global memory and no separate weight-gradient kernels.
+#define FW 8
+#define SUPER_ROWS (FW * 16)
+#define SD_STRIDE ((WIDTH > NOUT_PAD ? WIDTH : NOUT_PAD) + 8)  // halves; +8: ldmatrix conflict-free
+__host__ __device__ constexpr int layer_k(int l) { return l == 0 ? KIN : WIDTH; }
+__host__ __device__ constexpr int layer_n(int l) { return l == NL - 1 ? NOUT_PAD : WIDTH; }
+__host__ __device__ constexpr int stash_stride(int l) { return layer_k(l) + 8; }
+__host__ __device__ constexpr int stash_off(int l) {  // halves from the stash base
+    return l == 0 ? 0 : SUPER_ROWS * (KIN + 8) + (l - 1) * SUPER_ROWS * (WIDTH + 8);
+}
+__host__ __device__ constexpr int wunits(int l) { return (layer_n(l) / 16) * (layer_k(l) / 16); }
+__host__ __device__ constexpr int wunits_per_warp(int l) { return (wunits(l) + FW - 1) / FW; }
+// first accumulator fragment of layer l; closed form because a recursive one stays a call at run
+// time, and an index the compiler cannot fold puts the accumulators in local memory
+__host__ __device__ constexpr int acc_base(int l) {
+    return l == 0 ? 0
+         : 2 * wunits_per_warp(0) + (l < NL ? l - 1 : NL - 2) * 2 * wunits_per_warp(1)
+           + (l < NL ? 0 : 2 * wunits_per_warp(NL - 1));
+}
+#define ACC_FRAGS acc_base(NL)
+#define STASH_HALVES stash_off(NL)
+// per-block partial sums, layer by layer: [blocks][N][K] weight sums, then [blocks][N] bias sums
+__device__ __forceinline__ i64 partial_off(int l, int blocks) {
+    i64 off = 0;
+    for (int j = 0; j < l; ++j) off += (i64)blocks * (layer_n(j) * layer_k(j) + layer_n(j));
+    return off;
+}
+
 __device__ __forceinline__ uint2 load_b(const uint2* w, int off_halves, int nt, int kc, int kcn, int lane) {
     return w[off_halves / 4 + (nt * kcn + kc) * 32 + lane];
 }
@@ -58,16 +92,111 @@ __device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int
     return pack_h2(a, b);
 }
 
-// ---- the fused forward (and, with TRAIN, loss + backward) ------------------------------------
-template <bool TRAIN, int MT>
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// dW_l += delta_l^T @ h_l over one super-tile (delta staged in sD, h_l in the stash), this warp's
+// units; db_l: each thread sums one column over its segment of rows (combined at the end, in order)
+__device__ __forceinline__ void fused_wgrad(int l, const u16* stash, const u16* sD,
+                                            float (&acc)[ACC_FRAGS][4], float (&bacc)[NL], int warp, int lane) {
+    const u16* sH = stash + stash_off(l);
+    const int units_k = layer_k(l) / 16, j = lane >> 3, rr = lane & 7;
+#pragma unroll
+    for (int p = 0; p < wunits_per_warp(l); ++p) {
+        const int u = warp + p * FW;
+        if (u < wunits(l)) {
+            const int n0 = (u / units_k) * 16, k0 = (u % units_k) * 16;
+#pragma unroll
+            for (int kk = 0; kk < SUPER_ROWS / 16; ++kk) {
+                u32 a[4], b[4];
+                ldmatrix_x4_trans(a, sD + (kk * 16 + (j >> 1) * 8 + rr) * SD_STRIDE + n0 + (j & 1) * 8);
+                ldmatrix_x4_trans(b, sH + (kk * 16 + (j & 1) * 8 + rr) * stash_stride(l) + k0 + (j >> 1) * 8);
+                mma16816(acc[acc_base(l) + 2 * p], a, make_uint2(b[0], b[1]));
+                mma16816(acc[acc_base(l) + 2 * p + 1], a, make_uint2(b[2], b[3]));
+            }
+        }
+    }
+    const int n_cols = layer_n(l), segs = FW * 32 / n_cols, seg_rows = (SUPER_ROWS + segs - 1) / segs;
+    const int tid = threadIdx.x;
+    if (tid < segs * n_cols) {
+        const int col = tid % n_cols, r0 = (tid / n_cols) * seg_rows;
+        float sum = 0.f;
+        for (int r = r0; r < r0 + seg_rows && r < SUPER_ROWS; ++r) sum += half_bits_to_float(sD[r * SD_STRIDE + col]);
+        bacc[l] += sum;
+    }
+}
+
+// the block's sums to its slot of the partial buffer (mlp_optimize adds the blocks in order)
+__device__ __forceinline__ void fused_store_partials(float* __restrict__ partial, const float (&acc)[ACC_FRAGS][4],
+                                                     const float (&bacc)[NL], float* sred, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3, tid = threadIdx.x;
+#pragma unroll
+    for (int l = 0; l < NL; ++l) {
+        const int n_dim = layer_n(l), k_dim = layer_k(l), units_k = k_dim / 16;
+        float* pw = partial + partial_off(l, gridDim.x) + (i64)blockIdx.x * n_dim * k_dim;
+        float* pb = partial + partial_off(l, gridDim.x) + (i64)gridDim.x * n_dim * k_dim + (i64)blockIdx.x * n_dim;
+#pragma unroll
+        for (int p = 0; p < wunits_per_warp(l); ++p) {
+            const int u = warp + p * FW;
+            if (u < wunits(l)) {
+                const int o = (u / units_k) * 16 + g, k0 = (u % units_k) * 16;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const int k = k0 + nt * 8 + 2 * t, f = acc_base(l) + 2 * p + nt;
+                    *reinterpret_cast<float2*>(pw + (i64)o * k_dim + k) = make_float2(acc[f][0], acc[f][1]);
+                    *reinterpret_cast<float2*>(pw + (i64)(o + 8) * k_dim + k) = make_float2(acc[f][2], acc[f][3]);
+                }
+            }
+        }
+        const int segs = FW * 32 / n_dim;
+        __syncthreads();
+        if (tid < segs * n_dim) sred[tid] = bacc[l];
+        __syncthreads();
+        if (tid < n_dim) {
+            float sum = 0.f;
+            for (int sgi = 0; sgi < segs; ++sgi) sum += sred[sgi * n_dim + tid];
+            pb[tid] = sum;
+        }
+    }
+}
+
+// ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----
+template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS>
 __device__ __forceinline__ void mlp_tile_loop(
     const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
     const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
-    u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial) {
+    u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial,
+    float* __restrict__ partial = nullptr) {
+    static_assert(!FUSED || (MT == 1 && NWARPS == FW && W_SMEM_TRAIN && !STORE_DACT), "fused training geometry");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     extern __shared__ uint4 smem_w[];
+    // FUSED: the h stash and the delta stage follow the weights in shared memory
+    u16* const stash = reinterpret_cast<u16*>(smem_w) + (WF_TOTAL + WB_TOTAL);
+    u16* const sD = stash + STASH_HALVES;
+    float acc[FUSED ? ACC_FRAGS : 1][4];
+    float bacc[NL];
+    if (FUSED) {
+#pragma unroll
+        for (int i = 0; i < (FUSED ? ACC_FRAGS : 1); ++i)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[i][q] = 0.f;
+#pragma unroll
+        for (int l = 0; l < NL; ++l) bacc[l] = 0.f;
+    }
     const uint2* w = wglobal;
     if (TRAIN ? W_SMEM_TRAIN : W_SMEM_FWD) {
         const int n16 = (WF_TOTAL + (TRAIN ? WB_TOTAL : 0)) / 8;
@@ -79,8 +208,11 @@ __device__ __forceinline__ void mlp_tile_loop(
     double loss_sum = 0.0;
     constexpr int ROWS_PER_WARP = 16 * MT;
     const i64 n_tiles = rows_pad / ROWS_PER_WARP;
-    for (i64 tile = (i64)blockIdx.x * WARPS + warp; tile < n_tiles; tile += (i64)gridDim.x * WARPS) {
+    // FUSED: every warp of a block takes the same number of tiles (rows_pad is a multiple of
+    // SUPER_ROWS), so the block's barriers line up; rl: a row's index within the super-tile
+    for (i64 tile = (i64)blockIdx.x * NWARPS + warp; tile < n_tiles; tile += (i64)gridDim.x * NWARPS) {
         const i64 row0 = tile * ROWS_PER_WARP;
+        const int rl0 = warp * ROWS_PER_WARP;
         u32 A[MT][KCW][4];
         // layer 0: A straight from the fp32 input, rounded to fp16
         {
@@ -101,7 +233,14 @@ __device__ __forceinline__ void mlp_tile_loop(
                     a[mt][1] = load_x2(x, r + 8, kc * 16 + 2 * t, rows);
                     a[mt][2] = load_x2(x, r, kc * 16 + 8 + 2 * t, rows);
                     a[mt][3] = load_x2(x, r + 8, kc * 16 + 8 + 2 * t, rows);
-                    if (TRAIN) {
+                    if (FUSED) {
+                        u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
+                        const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
+                        h0[(rl * stash_stride(0) + c) / 2] = a[mt][0];
+                        h0[((rl + 8) * stash_stride(0) + c) / 2] = a[mt][1];
+                        h0[(rl * stash_stride(0) + c + 8) / 2] = a[mt][2];
+                        h0[((rl + 8) * stash_stride(0) + c + 8) / 2] = a[mt][3];
+                    } else if (TRAIN) {
                         u32* h0 = hbuf;  // h_0 = the rounded input, for W0's gradient
                         h0[(r * KIN + kc * 16 + 2 * t) / 2] = a[mt][0];
                         h0[((r + 8) * KIN + kc * 16 + 2 * t) / 2] = a[mt][1];
@@ -128,7 +267,14 @@ __device__ __forceinline__ void mlp_tile_loop(
                     const float z2 = C[mt][nt][2] + bv.x, z3 = C[mt][nt][3] + bv.y;                 \
                     u32 h01 = pack_h2(activate(ACT, z0), activate(ACT, z1));                        \
                     u32 h23 = pack_h2(activate(ACT, z2), activate(ACT, z3));                        \
-                    if (TRAIN) {                                                                    \
+                    if (FUSED) {                                                                    \
+                        if (!ok0) h01 = 0u;                                                         \
+                        if (!ok1) h23 = 0u;                                                         \
+                        u32* hn = reinterpret_cast<u32*>(stash + stash_off((L) + 1));               \
+                        const int rl = rl0 + mt * 16 + g;                                           \
+                        hn[(rl * stash_stride((L) + 1) + col) / 2] = h01;                           \
+                        hn[((rl + 8) * stash_stride((L) + 1) + col) / 2] = h23;                     \
+                    } else if (TRAIN) {                                                             \
                         if (!ok0) h01 = 0u;                                                         \
                         if (!ok1) h23 = 0u;                                                         \
                         u32* hn = hbuf + h_off((L) + 1, rows_pad) / 2;                              \
@@ -292,7 +438,8 @@ __device__ __forceinline__ void mlp_tile_loop(
                         const float d1 = ok1 ? gr1 * grad_scale * activation_grad(OUT_ACT, Z[mt][j][half * 2 + 1]) : 0.f;
                         const u32 dh = pack_h2(d0, d1);
                         Ad[mt][j * 2 + half] = dh;
-                        dout[(r * NOUT_PAD + col) / 2] = dh;
+                        if (FUSED) reinterpret_cast<u32*>(sD)[((rl0 + mt * 16 + g + half * 8) * SD_STRIDE + col) / 2] = dh;
+                        else dout[(r * NOUT_PAD + col) / 2] = dh;
                     }
             // G += delta_out[:, og*16 .. +16] @ W_out[og*16 .. +16, :]
 #pragma unroll
@@ -303,29 +450,50 @@ __device__ __forceinline__ void mlp_tile_loop(
             }
         }
         if (!TRAIN) continue;
+        if constexpr (FUSED) {  // the output layer's weight gradient, once every warp staged its delta
+            __syncthreads();
+            fused_wgrad(NL - 1, stash, sD, acc, bacc, warp, lane);
+            __syncthreads();
+        }
         // ---- hidden layers, last to first: delta_{l-1} = round(G * act'(z_{l-1})), G = delta @ W
-#pragma unroll 1
+        // (FUSED unrolls it: the accumulators of each layer must stay registers)
+        constexpr int bwd_unroll = FUSED ? NL : 1;
+#pragma unroll bwd_unroll
         for (int l = NL - 1; l >= 1; --l) {
-            const u32* stored = STORE_DACT ? dactbuf + (i64)(l - 1) * rows_pad * WIDTH / 2
+            const u32* stored = FUSED ? reinterpret_cast<const u32*>(stash + stash_off(l))
+                              : STORE_DACT ? dactbuf + (i64)(l - 1) * rows_pad * WIDTH / 2
                                            : hbuf + h_off(l, rows_pad) / 2;
             u32* dn = dbuf + d_off(l - 1, rows_pad) / 2;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 const i64 r = row0 + mt * 16 + g;
+                const int rl = rl0 + mt * 16 + g;
 #pragma unroll
                 for (int nt = 0; nt < NTW; ++nt) {
                     const int col = nt * 8 + 2 * t;
-                    const float2 s01 = unpack_h2(stored[(r * WIDTH + col) / 2]);
-                    const float2 s23 = unpack_h2(stored[((r + 8) * WIDTH + col) / 2]);
+                    const i64 i01 = FUSED ? (rl * stash_stride(l) + col) / 2 : (r * WIDTH + col) / 2;
+                    const i64 i23 = FUSED ? ((rl + 8) * stash_stride(l) + col) / 2 : ((r + 8) * WIDTH + col) / 2;
+                    const float2 s01 = unpack_h2(stored[i01]);
+                    const float2 s23 = unpack_h2(stored[i23]);
                     const u32 d01 = pack_h2(G[mt][nt][0] * hidden_grad_from_stored(s01.x),
                                             G[mt][nt][1] * hidden_grad_from_stored(s01.y));
                     const u32 d23 = pack_h2(G[mt][nt][2] * hidden_grad_from_stored(s23.x),
                                             G[mt][nt][3] * hidden_grad_from_stored(s23.y));
                     A[mt][nt >> 1][(nt & 1) * 2 + 0] = d01;
                     A[mt][nt >> 1][(nt & 1) * 2 + 1] = d23;
-                    dn[(r * WIDTH + col) / 2] = d01;
-                    dn[((r + 8) * WIDTH + col) / 2] = d23;
+                    if (FUSED) {
+                        reinterpret_cast<u32*>(sD)[(rl * SD_STRIDE + col) / 2] = d01;
+                        reinterpret_cast<u32*>(sD)[((rl + 8) * SD_STRIDE + col) / 2] = d23;
+                    } else {
+                        dn[(r * WIDTH + col) / 2] = d01;
+                        dn[((r + 8) * WIDTH + col) / 2] = d23;
+                    }
                 }
+            }
+            if constexpr (FUSED) {
+                __syncthreads();
+                fused_wgrad(l - 1, stash, sD, acc, bacc, warp, lane);
+                __syncthreads();
             }
             if (l == 1) break;
 #pragma unroll
@@ -348,8 +516,9 @@ __device__ __forceinline__ void mlp_tile_loop(
         // fixed-order reduction: lanes by xor tree, warps each to their own slot
 #pragma unroll
         for (int s = 16; s >= 1; s >>= 1) loss_sum += __shfl_xor_sync(0xffffffffu, loss_sum, s);
-        if (lane == 0) loss_partial[(i64)blockIdx.x * WARPS + warp] = loss_sum;
+        if (lane == 0) loss_partial[(i64)blockIdx.x * NWARPS + warp] = loss_sum;
     }
+    if constexpr (FUSED) fused_store_partials(partial, acc, bacc, reinterpret_cast<float*>(sD), warp, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
@@ -368,24 +537,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
                         dactbuf, loss_partial);
 }
 
+#if FUSED_WGRAD
+// forward + loss + backward + weight/bias gradients of every layer in one persistent kernel; the
+// per-block sums go to `partial` (layout: partial_off), reduced by mlp_optimize in block order
+extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
+    float* __restrict__ partial, double* __restrict__ loss_partial) {
+    mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, nullptr, wpack, bias, target, grad_scale, nullptr, nullptr,
+                                     nullptr, loss_partial, partial);
+}
+#endif
+
 // ---- weight gradients: dW = delta^T @ h over one chunk of rows, per 64 x 64 tile -------------
 // D: rows_pad x N halves (delta, row-major), H: rows_pad x K halves. Partial sums per chunk go
 // to pw[chunk][N][K] and pb[chunk][N]; a later kernel adds the chunks in a fixed order.
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
 #define WG_ROWS 32
 #define WG_LD 72  // 64 + 8 halves: rows 144 bytes apart, ldmatrix conflict-free
 
