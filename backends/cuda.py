@@ -1030,7 +1030,7 @@ def cublaslt_availability() -> tuple[bool, str, str]:
     return True, "", getattr(nvmath, "__version__", "?")
 
 
-EW_KERNELS = ("ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_colsum", "ew_optimize")
+EW_KERNELS = ("ew_half", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_colsum", "ew_optimize")
 COLSUM_ROWS = 1024  # rows per partial sum of ew_colsum (SUM_ROWS in mlp_elementwise.cu)
 
 
@@ -1159,7 +1159,9 @@ class CublasLtModel(CompiledModel):
         """Output pre-activations z^T (n_out, rows) fp32, each layer's input h^T, stored derivatives;
         all F-order (row-major memory)."""
         cp = self.cp
-        h = dx.astype(cp.float16, order="C").T  # dx is [rows][n_in]: h^T in F order, no transpose
+        h16 = cp.empty(dx.shape, dtype=cp.float16)  # dx is [rows][n_in]: h^T is its F-order view
+        self._launch("ew_half", (max(1, math.ceil(dx.size / 1024)),), (256,), (dx, np.int64(dx.size), h16))
+        h = h16.T
         hs, dacts = [h], []
         for i in range(self.n_layers - 1):
             fo = self.layers[i][1]

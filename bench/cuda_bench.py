@@ -439,7 +439,13 @@ def profile_ops(name: str, variant: str, rows: int) -> list[str]:
         inside = sum(cp.cuda.get_elapsed_time(s, e) for _, s, e in spans[:-1])
         lines.append(f"{name} {variant} {what} at {rows} rows: {total:.3f} ms on the GPU ({inside:.3f} ms in "
                      f"the ops listed), {1e3 * wall:.2f} ms wall")
-        lines += [f"  {cp.cuda.get_elapsed_time(s, e):8.3f} ms  {label}" for label, s, e in spans[:-1]]
+        inner = spans[:-1]
+        # GPU time between one op's end and the next op's start: the GPU waiting for the host, or
+        # work no wrapper saw (CuPy casts and reductions)
+        gaps = [cp.cuda.get_elapsed_time(spans[-1][1], inner[0][1])] if inner else []
+        gaps += [cp.cuda.get_elapsed_time(a[2], b[1]) for a, b in zip(inner, inner[1:])]
+        lines += [f"  {cp.cuda.get_elapsed_time(s, e):8.3f} ms  {label}  (gap before: {gap:.3f} ms)"
+                  for (label, s, e), gap in zip(inner, gaps)]
     if variant == "cublaslt":
         lines += cublaslt_layouts(model.layers[1][0], model.layers[1][1], rows)
     return lines

@@ -11,6 +11,19 @@
 #define SUM_LANES 8    // threads adding rows for one feature in ew_colsum (blockDim.y)
 #define SUM_ROWS 1024  // rows per ew_colsum block: one partial sum each
 
+// the fp32 input [rows][NIN] to fp16, four values per thread, 16-byte loads where x is aligned
+// (CuPy's own astype ran at ~1.1 TB/s on an H100, run 12: 1.34 ms for 2^20 x 256)
+extern "C" __global__ void ew_half(const float* __restrict__ x, i64 n, u16* __restrict__ out) {
+    const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i >= n) return;
+    if (i + 3 < n && (reinterpret_cast<unsigned long long>(x) & 15) == 0) {
+        const float4 v = *reinterpret_cast<const float4*>(x + i);
+        *reinterpret_cast<uint2*>(out + i) = make_uint2(pack_h2(v.x, v.y), pack_h2(v.z, v.w));
+    } else {
+        for (int j = 0; j < 4 && i + j < n; ++j) out[i + j] = to_half_bits(x[i + j]);
+    }
+}
+
 // hidden layer from its fp32 pre-activation z [rows][width]: h = fp16(act(z)), and the
 // derivative where it cannot be read off h (training only); h and dact in the same order as z
 extern "C" __global__ void ew_hidden(const float* __restrict__ zt, i64 n, u16* __restrict__ h,
