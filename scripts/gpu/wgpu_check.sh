@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # wgpu backend on an NVIDIA GPU host (wgpu-native over the NVIDIA Vulkan driver):
 #   1. the probe row, 2. tests/test_webgpu.py, 3. forward and training throughput for S/M/L/W at
-#   batch 2^20 against PyTorch fp16 in the same run (CUDA-graph forward; autocast + fused Adam).
+#   batch 2^20 against PyTorch fp16 in the same run (CUDA-graph forward; autocast + fused Adam);
+#   with MMAD_BENCH=1 also `mmad bench --backend wgpu` (its JSON and markdown under $OUT/mmad-bench).
 # Run from the repository root through the device tool with carry [".gl", ".whl"] (see
 # ../shared/GPU-HOST.md); logs go to $OUT (or /tmp/wgpu_check), a short table is printed last.
 set -uo pipefail
@@ -140,3 +141,10 @@ print("|---|---|---|---|---|---|---|")
 for name, wf, tf, wt, tt in rows_out:
     print(f"| {name} | {wf:.1f} | {tf:.1f} | {wf / tf:.3f} | {wt:.1f} | {tt:.1f} | {wt / tt:.3f} |")
 EOF
+
+# the same comparison through `mmad bench` (its own timing: one synchronize per sample, which costs
+# wgpu about a millisecond of read-back, so this table understates the small models)
+if [ -n "${MMAD_BENCH:-}" ]; then
+  python3 -P -m mmad.cli bench --backend wgpu --models ${MMAD_BENCH_MODELS:-S,M,L,W} --repeats ${MMAD_BENCH_REPEATS:-5} \
+    --out "$OUT/mmad-bench" 2>&1 | tail -n 12 | tee "$OUT/mmad-bench.log"
+fi
