@@ -117,9 +117,9 @@ class Geometry:
             threads = subgroups * subgroup_size
             act_stride = kmax + 8  # padded: a block's rows start in different banks
             rows = 128
-            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 2 * rows * act_stride + threads * 4 > max_shared):
+            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 4 * rows * act_stride + threads * 4 > max_shared):
                 rows //= 2
-            if 2 * rows * act_stride + threads * 4 > max_shared:
+            if 4 * rows * act_stride + threads * 4 > max_shared:
                 raise too_wide
             nacc = (rows // m_cm) * ncj
             # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
@@ -143,7 +143,7 @@ class Geometry:
     def shared_bytes(self) -> int:
         """Shared memory of the largest kernel (the fused forward/backward)."""
         if self.coopmat:
-            return 2 * self.rows_per_tile * self.act_stride + 4 * self.threads
+            return 4 * self.rows_per_tile * self.act_stride + 4 * self.threads  # two fp16 tiles
         return 2 * self.rows_per_tile * self.kmax * 4 + 4 * self.threads + 4 * self.wchunk
 
     @property
@@ -389,7 +389,8 @@ class VulkanModel(CompiledModel):
         """(number of batch splits, rows per split) of the weight-gradient reduction."""
         # up to 512 splits: each weight-gradient dispatch then has enough workgroups to fill a
         # large GPU (128 left M's 64x64 layers at one workgroup per SM)
-        per_split = max(256, _round_up(math.ceil(rows_pad / 512), 32))
+        # (a multiple of 64: the kernels stage 64 rows at a time)
+        per_split = max(256, _round_up(math.ceil(rows_pad / 512), 64))
         return math.ceil(rows_pad / per_split), per_split
 
     def _grid(self, tiles: int) -> tuple[int, int, int]:

@@ -2,9 +2,11 @@
 #extension GL_EXT_control_flow_attributes : enable
 // Weight and bias gradients of one layer over one split of the batch, with cooperative
 // matrices: PART[split] (N x K) = D^T (N x rows) . H (rows x K). A 64 x 64 output tile per
-// workgroup, its CM_M x CM_N blocks split among the subgroups; rows are staged 32 at a time in
-// shared memory as fp16 (deltas and inputs are fp16-rounded already, so the conversion is
-// exact) and D^T is read with a column-major load. Accumulation is fp32 in a fixed order.
+// workgroup, its CM_M x CM_N blocks split among the subgroups; rows are staged RC at a time in
+// shared memory as fp16 (deltas and inputs are fp16 values, so the conversion is exact) with a
+// padded row stride (WS) against bank conflicts, and D^T is read with a column-major load.
+// The bias gradient sums the staged deltas' columns, even and odd rows in two thread groups
+// where the workgroup has the threads. Accumulation is fp32 in a fixed order.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -19,12 +21,14 @@ layout(std430, binding = 3) restrict writeonly buffer PartBuf { float PART[]; };
 // row_base / split_base: this chunk's first input row and first partial-sum slot
 layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; uint row_base; uint split_base; } pc;
 
-#define RC 32
+#define RC 64
 #define TILE 64
+#define WS (TILE + 8)
+#define BGROUPS (THREADS >= 2 * TILE ? 2 : 1)
 #define WG_BLOCKS ((TILE / CM_M) * (TILE / CM_N))
 #define WACC ((WG_BLOCKS + 3) / 4)
-shared float16_t DS[RC * TILE];
-shared float16_t HS[RC * TILE];
+shared float16_t DS[RC * WS];
+shared float16_t HS[RC * WS];
 shared float BSUM[TILE];
 
 void main() {
@@ -54,14 +58,14 @@ void main() {
                 if (l == 0) h = pre_f16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(ck / 4)]);
                 else h = pre_f16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(ck / 4)]));
             }
-            for (uint c = 0u; c < 4u; ++c) {
-                DS[i * 4u + c] = float16_t(d[c]);
-                HS[i * 4u + c] = float16_t(h[c]);
+            [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                DS[rr * uint(WS) + q * 4u + c] = float16_t(d[c]);
+                HS[rr * uint(WS) + q * 4u + c] = float16_t(h[c]);
             }
         }
         barrier();
-        if (gl_WorkGroupID.y == 0u && tid < uint(TILE))
-            for (int rr = 0; rr < RC; ++rr) bias_acc += float(DS[rr * TILE + int(tid)]);
+        if (gl_WorkGroupID.y == 0u && tid < uint(BGROUPS * TILE))
+            for (int rr = int(tid) / TILE; rr < RC; rr += BGROUPS) bias_acc += float(DS[rr * WS + int(tid) % TILE]);
         for (int kk = 0; kk < RC; kk += CM_K) {
             [[unroll]] for (int i = 0; i < WACC; ++i) {
                 int b = int(gl_SubgroupID) * WACC + i;
@@ -70,8 +74,8 @@ void main() {
                 if (n0 + nb * CM_M >= N || k0 + kb * CM_N >= K) continue;
                 coopmat<float16_t, gl_ScopeSubgroup, CM_M, CM_K, gl_MatrixUseA> a;
                 coopmat<float16_t, gl_ScopeSubgroup, CM_K, CM_N, gl_MatrixUseB> bm;
-                coopMatLoad(a, DS, uint(kk * TILE + nb * CM_M), uint(TILE), gl_CooperativeMatrixLayoutColumnMajor);
-                coopMatLoad(bm, HS, uint(kk * TILE + kb * CM_N), uint(TILE), gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(a, DS, uint(kk * WS + nb * CM_M), uint(WS), gl_CooperativeMatrixLayoutColumnMajor);
+                coopMatLoad(bm, HS, uint(kk * WS + kb * CM_N), uint(WS), gl_CooperativeMatrixLayoutRowMajor);
                 acc[i] = coopMatMulAdd(a, bm, acc[i]);
             }
         }
@@ -84,6 +88,12 @@ void main() {
         int n = n0 + nb * CM_M, k = k0 + kb * CM_N;
         if (n >= N || k >= K) continue;
         coopMatStore(acc[i], PART, base + uint(GW_OFF[l] + n * K + k), uint(K), gl_CooperativeMatrixLayoutRowMajor);
+    }
+    if (BGROUPS == 2) {  // the odd rows' sums join the even rows' (a fixed order)
+        barrier();
+        if (tid >= uint(TILE) && tid < uint(2 * TILE)) BSUM[tid - uint(TILE)] = bias_acc;
+        barrier();
+        if (tid < uint(TILE)) bias_acc += BSUM[tid];
     }
     if (gl_WorkGroupID.y == 0u && tid < uint(TILE) && n0 + int(tid) < N)
         PART[base + uint(GB_OFF[l] + n0 + int(tid))] = bias_acc;
