@@ -70,7 +70,8 @@ LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
 DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
 
 WGMMA_ENV = "MMAD_CUDA_WGMMA"
-WGMMA_UNVERIFIED = "wgmma kernels have not been verified on hardware yet; set MMAD_CUDA_WGMMA=1 to enable"
+WGMMA_OFF = ("wgmma is off by default: on the H100/H200 it ran correctly but slower than mma.sync on "
+             "small models (docs/cuda.md); set MMAD_CUDA_WGMMA=1 to enable")
 WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
 WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
@@ -1365,14 +1366,14 @@ class CudaBackend(Backend):
         details = {"compute_capability": f"{cc[0]}.{cc[1]}", "multiprocessors": info["sm_count"]}
         mma_shape = [MMAShape(16, 8, 16, scope="warp")]
 
-        # wgmma: compute capability 9.0, then (only when asked for: never run on hardware yet)
+        # wgmma: compute capability 9.0, then (only when asked for: slower than mma on small models)
         # nvcc builds a wgmma kernel and a child process runs it with the right result
         wg_shapes = [MMAShape(64, n, 16, scope="warpgroup") for n in (8, 16, 32, 64, 128, 256)]
         if cc != (9, 0):
             wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
                           f"this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
         elif os.environ.get(WGMMA_ENV) != "1":
-            wg = ProbeRow("cuda", "wgmma", False, reason=WGMMA_UNVERIFIED, details=dict(details), **common)
+            wg = ProbeRow("cuda", "wgmma", False, reason=WGMMA_OFF, details=dict(details), **common)
         else:
             ok, why = _nvcc_runs_wgmma()
             wg = ProbeRow("cuda", "wgmma", ok, reason="" if ok else f"the sm_90a wgmma check failed: {why}",

@@ -483,7 +483,7 @@ def test_wgmma_device_input_at_an_odd_offset(wgmma_backend, cache):
 def test_wgmma_probe_gate_and_default_choice(wgmma_backend, cache, monkeypatch):
     monkeypatch.delenv(cuda.WGMMA_ENV, raising=False)
     row = {r.variant: r for r in cuda.CudaBackend().probe()}["wgmma"]
-    assert not row.available and row.reason == cuda.WGMMA_UNVERIFIED
+    assert not row.available and row.reason == cuda.WGMMA_OFF
     assert cuda.CudaBackend().compile(bench_spec("S"), cache=cache).variant == "mma"
     # with the gate open (wgmma_backend's probe), the default for a model that fits is wgmma
     assert wgmma_backend.compile(bench_spec("S"), cache=cache).variant == "wgmma"
@@ -522,8 +522,8 @@ def _fake_device(monkeypatch, cc):
 
 
 @pytest.mark.parametrize(("cc", "env", "check", "available", "reason"), [
-    ((9, 0), None, None, False, cuda.WGMMA_UNVERIFIED),
-    ((9, 0), "0", None, False, cuda.WGMMA_UNVERIFIED),
+    ((9, 0), None, None, False, cuda.WGMMA_OFF),
+    ((9, 0), "0", None, False, cuda.WGMMA_OFF),
     ((9, 0), "1", (True, ""), True, ""),
     ((9, 0), "1", (False, "nvcc exit 1: boom"), False, "the sm_90a wgmma check failed: nvcc exit 1: boom"),
     ((8, 9), "1", None, False, "wgmma needs compute capability 9.0 (sm_90a); this GPU is 8.9"),
