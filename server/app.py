@@ -44,7 +44,7 @@ async def start_runtime(rt: Runtime) -> None:
     rt.backend, rt.selected = backend, row
     rt.probe_rows = _probe_rows(settings, row)
     log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
-    rt.store = Store(settings.store_dir)
+    rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
     rt.jobs = JobManager(rt.registry)
     if settings.demo and not rt.store.list_models():

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-delay-us", type=int, help="dynamic batching: longest wait (MMAD_MAX_QUEUE_DELAY_US)")
     p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
     p.add_argument("--checkpoint-every", type=int, help="training jobs' default checkpoint interval in steps")
+    p.add_argument("--keep-versions", type=int,
+                   help="versions kept per model, the newest (MMAD_KEEP_VERSIONS, default 0: all)")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
     p.add_argument("--forward-threads", type=int,
                    help="threads sharing the row chunks of one large cpu forward (MMAD_FORWARD_THREADS, 0: one per CPU)")

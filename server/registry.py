@@ -371,8 +371,17 @@ class Registry:
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
             version = self.store.add_version(entry.name, params, optimizer_state, step)
-            entry.versions = entry.versions + [version]
+            self._versions_changed(entry)
             return version
+
+    def _versions_changed(self, entry: ModelEntry) -> None:
+        """Re-read the listing after a new version (the store may have dropped the oldest, see
+        ``keep_versions``) and free the pinned copies of versions it no longer lists."""
+        entry.versions = self.store.versions(entry.name)
+        listed = {v["version"] for v in entry.versions}
+        with entry.pinned_lock:
+            for version in [v for v in entry.pinned if v not in listed]:
+                entry.pinned.pop(version).close()
 
     def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
         params = check_params(entry.spec, params)
@@ -384,7 +393,7 @@ class Registry:
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
             version = self.store.add_version(entry.name, params, optimizer_state, step)
-            entry.versions = entry.versions + [version]
+            self._versions_changed(entry)
             return version
 
     def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:

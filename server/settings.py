@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     max_queue_delay_us: int = Field(500, ge=0)
     max_queue_requests: int = Field(256, ge=1)
     checkpoint_every: int = Field(100, ge=1, description="default for training jobs")
+    keep_versions: int = Field(0, ge=0, description="versions kept per model, the newest; 0 keeps all")
     compute_threads: int = Field(4, ge=1, description="worker threads that run device work")
     forward_threads: int = Field(0, ge=0, description="threads that share the host-side chunks of one large "
                                                       "forward (cpu backend); 0: one per CPU")

@@ -96,9 +96,15 @@ def tensors_from_bytes(data: bytes, what: str) -> dict[str, np.ndarray]:
 
 
 class Store:
-    """One store directory; methods are thread-safe per model (one lock each)."""
+    """One store directory; methods are thread-safe per model (one lock each).
 
-    def __init__(self, root: Path):
+    ``keep_versions``: how many versions of a model to keep (the newest); 0 keeps every one.
+    """
+
+    def __init__(self, root: Path, keep_versions: int = 0):
+        if keep_versions < 0:
+            raise InvalidInput(f"keep_versions must be 0 (keep all) or more; got {keep_versions}")
+        self.keep_versions = keep_versions
         self.root = Path(root)
         self.models_dir = self.root / "models"
         self.datasets_dir = self.root / "datasets"
@@ -214,13 +220,23 @@ class Store:
 
     def add_version(self, name: str, params: dict[str, np.ndarray],
                     optimizer_state: dict[str, np.ndarray], step: int) -> dict[str, Any]:
-        """Persist a new version; when this returns, it survives a crash (it is acknowledged)."""
+        """Persist a new version; when this returns, it survives a crash (it is acknowledged).
+
+        With ``keep_versions`` set, the same listing write drops the oldest versions beyond it;
+        their files go after it (a crash in between leaves files no listing names, which
+        ``remove_unlisted_files`` clears when the model loads).
+        """
         model_dir = self.model_dir(name)
         with self.lock(name):
             listing = self.versions(name)
             version = str(max((int(v["version"]) for v in listing), default=0) + 1)
             entry = self._write_version_files(model_dir, version, params, optimizer_state, step)
-            atomic_write(model_dir / "versions.json", _dump_json({"versions": listing + [entry]}))
+            listing.append(entry)
+            dropped = listing[:-self.keep_versions] if self.keep_versions else []
+            atomic_write(model_dir / "versions.json", _dump_json({"versions": listing[len(dropped):]}))
+            for old in dropped:
+                for sub in ("weights", "optimizer"):
+                    (model_dir / sub / f"{old['version']}.safetensors").unlink(missing_ok=True)
         return entry
 
     def version_entry(self, name: str, version: str) -> dict[str, Any]:

@@ -149,3 +149,26 @@ def test_unknown_backend_fails_startup_with_the_reason(tmp_path):
                           timeout=60)
     assert proc.returncode != 0
     assert "unknown backend 'bogus'" in proc.stdout + proc.stderr
+
+
+def test_keep_versions_setting_prunes_old_versions(tmp_path):
+    """--keep-versions 2: each new version drops the oldest beyond two; pinned requests for a
+    dropped version get 404, the kept ones still serve."""
+    daemon = DaemonProcess(tmp_path / "store", "--no-demo", "--keep-versions", "2").start()
+    try:
+        with httpx.Client(base_url=daemon.url, timeout=30) as client:
+            assert client.put("/v2/models/kept", json={"spec": SMALL_SPEC}).status_code == 201
+            w1 = st_load(client.get("/v2/models/kept/weights").content)
+            for version in ("2", "3", "4"):
+                scaled = {k: (v * np.float32(int(version))).astype(np.float32) for k, v in w1.items()}
+                r = client.put("/v2/models/kept/weights", content=st_save(scaled))
+                assert r.status_code == 200 and r.json()["version"] == version
+            listing = client.get("/v2/models/kept/versions").json()
+            assert [v["version"] for v in listing["versions"]] == ["3", "4"] and listing["latest"] == "4"
+            assert client.get("/v2/models/kept/weights", params={"version": "2"}).status_code == 404
+            kept = st_load(client.get("/v2/models/kept/weights", params={"version": "3"}).content)
+            assert all(np.array_equal(kept[k], w1[k] * np.float32(3)) for k in w1)
+    finally:
+        daemon.stop()
+    names = sorted(p.name for p in (tmp_path / "store" / "models" / "kept" / "weights").iterdir())
+    assert names == ["3.safetensors", "4.safetensors"]

@@ -57,6 +57,32 @@ def test_interrupted_writes_are_swept_and_unlisted_versions_removed(tmp_path):
     store.close()
 
 
+def test_keep_versions_drops_the_oldest_and_keeps_numbering(tmp_path):
+    store = Store(tmp_path, keep_versions=3)
+    store.create_model("m", {"spec": {}}, params(1), OPT)
+    for seed in range(2, 7):
+        store.add_version("m", params(seed), OPT, step=seed)
+    assert [v["version"] for v in store.versions("m")] == ["4", "5", "6"]
+    model = tmp_path / "models" / "m"
+    assert sorted(p.name for p in (model / "weights").iterdir()) == ["4.safetensors", "5.safetensors", "6.safetensors"]
+    assert sorted(p.name for p in (model / "optimizer").iterdir()) == ["4.safetensors", "5.safetensors", "6.safetensors"]
+    with pytest.raises(ModelNotFound, match="no version '3'"):
+        store.load_version("m", "3")
+    loaded, _ = store.load_version("m", "6")
+    assert all(np.array_equal(loaded[k], params(6)[k]) for k in loaded)
+    assert store.add_version("m", params(7), OPT, step=7)["version"] == "7"
+    store.close()
+    # the default keeps every version
+    store = Store(tmp_path / "all")
+    store.create_model("m", {"spec": {}}, params(1), OPT)
+    for seed in range(2, 7):
+        store.add_version("m", params(seed), OPT, step=seed)
+    assert [v["version"] for v in store.versions("m")] == ["1", "2", "3", "4", "5", "6"]
+    store.close()
+    with pytest.raises(InvalidInput, match="keep_versions"):
+        Store(tmp_path / "bad", keep_versions=-1)
+
+
 def test_one_daemon_per_store(tmp_path):
     first = Store(tmp_path)
     with pytest.raises(MMADError, match="in use by another"):
