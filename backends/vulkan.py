@@ -117,9 +117,9 @@ class Geometry:
             threads = subgroups * subgroup_size
             act_stride = kmax + 8  # padded: a block's rows start in different banks
             rows = 128
-            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 4 * rows * act_stride + threads * 4 > max_shared):
+            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 2 * rows * act_stride + threads * 4 > max_shared):
                 rows //= 2
-            if 4 * rows * act_stride + threads * 4 > max_shared:
+            if 2 * rows * act_stride + threads * 4 > max_shared:
                 raise too_wide
             nacc = (rows // m_cm) * ncj
             # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
@@ -143,7 +143,7 @@ class Geometry:
     def shared_bytes(self) -> int:
         """Shared memory of the largest kernel (the fused forward/backward)."""
         if self.coopmat:
-            return 4 * self.rows_per_tile * self.act_stride + 4 * self.threads  # two fp16 tiles
+            return 2 * self.rows_per_tile * self.act_stride + 4 * self.threads
         return 2 * self.rows_per_tile * self.kmax * 4 + 4 * self.threads + 4 * self.wchunk
 
     @property

@@ -34,7 +34,6 @@ void main() {
     const int L = N_LAYERS - 1;
     uint zlast = uint(Z_COL[L]) * pc.rows_pad;
     float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
-    uint cur = 0u, nxt = uint(R * AS);
     float loss_sum = 0.0;
     // 8 elements per pass with their loads unconditional (in bounds: rows_pad rows), so that
     // they are in flight together; padded rows and columns then contribute nothing
@@ -77,7 +76,7 @@ void main() {
         int inner = LAYER_N[l], outer = LAYER_K[l];
         int ncb = outer / CM_N;
         [[unroll]] for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
-        tile_mma(cur, inner, outer, uint(WR_OFF[l]));
+        tile_mma(inner, outer, uint(WR_OFF[l]));
         uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
         [[unroll]] for (int j = 0; j < NCJ; ++j) {
             int cb = col_block(j);
@@ -88,16 +87,11 @@ void main() {
                 ACC_T z;
                 coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
                 [[unroll]] for (int e = 0; e < acc[i].length(); ++e)
-                    acc[i][e] = pre_f16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
-                ACC16_T h = ACC16_T(acc[i]);
-                // the stored delta is the fp16 value (exact in fp32), rounded by r16 or by the
-                // conversion itself (CONVERT_RNE); r16 on these elements cost NVIDIA's compiler
-                // local memory and 3x the time in the forward (gpu-notes-vulkan.md, runs 4-5)
-                if (ROUND_FP16 == 1) acc[i] = ACC_T(h);
+                    acc[i][e] = r16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
                 coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-                coopMatStore(h, ACT, nxt + uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                ACC16_T h = ACC16_T(acc[i]);
+                coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
             }
         }
-        uint t = cur; cur = nxt; nxt = t;
     }
 }

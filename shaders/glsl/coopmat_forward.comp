@@ -38,7 +38,6 @@ void main() {
             [[unroll]] for (uint q = 0u; q < 4u; ++q) ACT[r * uint(AS) + c + q] = float16_t(v[q]);
         }
     }
-    uint cur = 0u, nxt = uint(R * AS);
     [[unroll]] for (int l = 0; l < N_LAYERS; ++l) {
         int kin = LAYER_K[l], nout = LAYER_N[l];
         int ncb = nout / CM_N;
@@ -48,7 +47,7 @@ void main() {
             coopMatLoad(bias, BIAS, uint(B_OFF[l] + col_block(j) * CM_N), uint(Z_COLS), gl_CooperativeMatrixLayoutRowMajor);
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) acc[j * NRB + rb] = bias;
         }
-        tile_mma(cur, kin, nout, uint(WT_OFF[l]));
+        tile_mma(kin, nout, uint(WT_OFF[l]));
         bool last = l == N_LAYERS - 1;
         uint zbase = uint(Z_COL[l]) * pc.rows_pad;
         [[unroll]] for (int j = 0; j < NCJ; ++j) {
@@ -67,11 +66,10 @@ void main() {
                 } else {
                     [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(activate(HIDDEN_ACT, acc[i][e]));
                     ACC16_T h = ACC16_T(acc[i]);
-                    coopMatStore(h, ACT, nxt + uint(rb * CM_M * AS + cb * CM_N), uint(AS),
+                    coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
                                  gl_CooperativeMatrixLayoutRowMajor);
                 }
             }
         }
-        uint t = cur; cur = nxt; nxt = t;
     }
 }

@@ -3,9 +3,8 @@
 // (small and cache-resident). Subgroup s owns the output column blocks s, s + SUBGROUPS, ...
 // (NCJ of them at the widest layer) over all NRB row blocks of the tile: each B block is loaded
 // once per subgroup and layer and reused NRB times, each A block once per (row block, k step).
-// The activation tiles have a padded row stride (AS = KMAX + 8 halves) so that the 16-byte row
-// pieces of a block load/store fall in different shared-memory banks; two of them (ping-pong):
-// a layer reads one and its epilogue writes the other, so one barrier per layer suffices.
+// The activation tile has a padded row stride (AS = KMAX + 8 halves) so that the 16-byte row
+// pieces of a block load/store fall in different shared-memory banks.
 // Needs: THREADS, SUBGROUPS, R, KMAX, AS, NRB, NCJ, NACC, CM_M/CM_N/CM_K, a readonly float16_t
 // buffer WALL16[].
 
@@ -14,7 +13,7 @@
 #define A_T coopmat<float16_t, gl_ScopeSubgroup, CM_M, CM_K, gl_MatrixUseA>
 #define B_T coopmat<float16_t, gl_ScopeSubgroup, CM_K, CM_N, gl_MatrixUseB>
 
-shared float16_t ACT[2 * R * AS];  // two activation tiles, ping-pong
+shared float16_t ACT[R * AS];  // the activation tile: read by every subgroup, then overwritten
 ACC_T acc[NACC];               // accumulator j * NRB + rb: column block slot j, row block rb
 
 // column block of this subgroup's slot j
@@ -22,10 +21,8 @@ int col_block(int j) {
     return int(gl_SubgroupID) + j * SUBGROUPS;
 }
 
-// A is the tile at a_base. The barrier makes the previous epilogue's writes visible, and (with
-// two tiles) guarantees every subgroup has finished reading the tile the next epilogue overwrites.
-void tile_mma(uint a_base, int kin, int nout, uint w_off) {
-    barrier();
+void tile_mma(int kin, int nout, uint w_off) {
+    barrier();  // the A tile was written by other subgroups
     int ncb = nout / CM_N;
     if (int(gl_SubgroupID) < ncb) {  // uniform per subgroup: narrow layers leave some idle
         for (int kk = 0; kk < kin; kk += CM_K) {
@@ -37,11 +34,12 @@ void tile_mma(uint a_base, int kin, int nout, uint w_off) {
             }
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 A_T a;
-                coopMatLoad(a, ACT, a_base + uint(rb * CM_M * AS + kk), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(a, ACT, uint(rb * CM_M * AS + kk), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
                 [[unroll]] for (int j = 0; j < NCJ; ++j) {
                     if (col_block(j) < ncb) acc[j * NRB + rb] = coopMatMulAdd(a, b[j], acc[j * NRB + rb]);
                 }
             }
         }
     }
+    barrier();  // every subgroup is done reading the A tile before it is overwritten
 }

@@ -32,9 +32,9 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 // (ROUND_FP16 = 0: no rounding, precision fp32). Integer arithmetic, the same on every
 // driver: packHalf2x16's rounding mode is implementation-defined, and NVIDIA's compiler was
 // seen to drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
-// Branch-free (every case computed, then selected): with data-dependent branches NVIDIA's
-// compiler left the coopmat epilogue's element loops rolled, the accumulators in local memory,
-// and the forward ran 3.2x slower (gpu-notes-vulkan.md, run 4).
+// Branch-free (every case computed, then selected). On NVIDIA, r16 on coopmat accumulator
+// elements (branchy or not) cost 256 B of local memory and ~5x the forward's time against
+// letting the fp16 conversion round (gpu-notes-vulkan.md, runs 4-5): see pre_f16 below.
 float r16(float x) {
     if (ROUND_FP16 == 0) return x;
     uint u = floatBitsToUint(x);
