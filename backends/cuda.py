@@ -463,20 +463,20 @@ class CudaMmaModel(MmaPlan, CompiledModel):
         cp = self.cp
         w, nh = self.width, self.n_hidden
         sm = self.info["sm_count"]
-        chunks = []
-        max_partial = 0
-        for _, _, k, n in self.layers:
-            tiles = math.ceil(n / 64) * math.ceil(k / 64)
-            n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * sm / tiles)))
-            chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
-            n_chunks = math.ceil(rows_pad / chunk_rows)
-            chunks.append((n_chunks, chunk_rows))
-            max_partial = max(max_partial, n_chunks * (n * k + n))
         if self.fused_wgrad:
             # one partial sum per block of mlp_train_fused, every layer (mlp_optimize adds them)
             blocks = self.fused_blocks(rows_pad)
             chunks = [(blocks, 0)] * self.n_layers
             max_partial = blocks * sum(n * k + n for _, _, k, n in self.layers)
+        else:
+            chunks, max_partial = [], 0
+            for _, _, k, n in self.layers:
+                tiles = math.ceil(n / 64) * math.ceil(k / 64)
+                n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * sm / tiles)))
+                chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
+                n_chunks = math.ceil(rows_pad / chunk_rows)
+                chunks.append((n_chunks, chunk_rows))
+                max_partial = max(max_partial, n_chunks * (n * k + n))
         stored_rows = 0 if self.fused_wgrad else rows_pad  # the fused kernel keeps h and deltas on chip
         try:
             ws = {
@@ -929,10 +929,8 @@ class CudaWgmmaModel(CudaMmaModel):
     variant = "wgmma"
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
-        forced = os.environ.get(WGMMA_WARPGROUPS_ENV)  # for measuring 1 against 2 on the GPU
-        if forced not in (None, "", "1", "2"):
-            raise SpecError("warpgroups", f"{WGMMA_WARPGROUPS_ENV} must be 1 or 2; got {forced!r}")
-        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=int(forced) if forced else None)
+        forced = _env_choice(WGMMA_WARPGROUPS_ENV, (1, 2), 0)  # measuring 1 against 2; 0: the plan decides
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=forced or None)
         self._wg_stale = True
         super().__init__(spec, cp, info, cache)
         self._wg_module = self._build_wgmma(cache)
