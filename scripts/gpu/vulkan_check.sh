@@ -2,7 +2,8 @@
 # Vulkan backend on an offline NVIDIA host (GPU-HOST.md): unpack the Vulkan loader + GL
 # dispatch debs and the wheels carried in .gl/ and .whl/, map the mmad package, run the vulkan
 # tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
-# benchmark vs PyTorch fp16. Logs and JSON go to $OUT (default ./vulkan-check-out).
+# benchmark vs PyTorch fp16, then (SERVE=1, the default) the daemon on the vulkan backend end to
+# end (client -> HTTP -> coopmat kernels). Logs and JSON go to $OUT (default ./vulkan-check-out).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/vulkan-check-out}
@@ -22,3 +23,10 @@ python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulk
 echo "pytest exit $?" >>"$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 python3 scripts/gpu/vulkan_bench.py --json "$OUT/vulkan_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 14
+if [ "${SERVE:-1}" = 1 ]; then
+  echo "--- daemon on MMAD_BACKEND=vulkan, end to end"
+  # the daemon runs with `python -m` from the repo root, where ./mmad comes first: link the packages in
+  for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
+  timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve-vk --serve-check --serve-backend vulkan --no-bench 2>&1 \
+    | tee "$OUT/serve.log" | tail -n 6
+fi
