@@ -63,7 +63,7 @@ WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are m
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
 FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
 
-MMA_KERNELS = ("mlp_forward", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
+MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
 ACT_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
@@ -201,6 +201,14 @@ def _nvrtc_version() -> str:
 def _device_errors(cp) -> tuple[type[BaseException], ...]:
     return (cp.cuda.driver.CUDADriverError, cp.cuda.runtime.CUDARuntimeError,
             cp.cuda.memory.OutOfMemoryError)
+
+
+def _half_output(out_dtype: Any) -> bool:
+    """Whether a forward's ``out_dtype`` asks for fp16 (else fp32); anything else is an error."""
+    dt = np.dtype(out_dtype)
+    if dt not in (np.float16, np.float32):
+        raise InvalidInput(f"out_dtype must be float16 or float32; got {dt}")
+    return dt == np.float16
 
 
 def _version_text(v: int) -> str:
@@ -396,6 +404,7 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
+                module.kernel("mlp_forward_half").max_dynamic_shared_size_bytes = self.smem_fwd
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 train.max_dynamic_shared_size_bytes = self.smem_train
             if self.fused_wgrad and self.smem_fused > 48 * 1024:
@@ -511,8 +520,10 @@ class CudaMmaModel(MmaPlan, CompiledModel):
         except _device_errors(self.cp) as exc:
             raise LaunchError(f"a CUDA kernel failed: {exc}") from exc
 
-    def _device_input(self, x: Any, cols: int, name: str, encode: bool) -> tuple[Any, bool]:
-        """(device fp32 C-contiguous rows x encoded cols, whether x came from the host)."""
+    def _device_input(self, x: Any, cols: int, name: str, encode: bool,
+                      keep_half: bool = False) -> tuple[Any, bool]:
+        """(device fp32 C-contiguous rows x encoded cols, whether x came from the host); with
+        ``keep_half``, an fp16 device array without an encoding to apply stays fp16."""
         cp = self.cp
         on_device = isinstance(x, cp.ndarray)
         if not on_device:
@@ -526,6 +537,10 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
         if x.dtype not in (cp.float32, cp.float16, cp.float64):
             raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+        if keep_half and x.dtype == cp.float16 and not (encode and self.spec.encoding.otype != "Identity"):
+            x = cp.ascontiguousarray(x)
+            # the kernels read 4-byte pairs and cuBLASLt plans assume aligned operands
+            return (x.copy() if x.data.ptr % 16 else x), False
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         if encode and self.spec.encoding.otype != "Identity":
             # encodings are defined once, in NumPy (numerics.encode): applied on the host
@@ -539,21 +554,26 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             raise LaunchError(f"launching {name} failed: {exc}") from exc
 
     # -- compute --------------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """See ``CompiledModel.forward``; ``out_dtype`` float16 gives fp16 outputs (rounded once
+        from the fp32 result). fp16 device inputs with fp16 outputs run ``mlp_forward_half``,
+        which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes)."""
         cp = self.cp
-        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        half_out = _half_output(out_dtype)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
         rows = dx.shape[0]
-        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        half_io = half_out and dx.dtype == cp.float16
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float16 if half_io else cp.float32)
         if rows:
             rows_pad = math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
             tiles = rows_pad // (16 * self.mt_fwd)
             grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
-            self._launch("mlp_forward", (grid,), (self.warps * 32,),
+            self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), out, self.wimage, self.b_all),
                          self.smem_fwd if self.w_smem_fwd else 0)
-        if from_host:
-            return self.download(out)
-        return out
+        if half_out and not half_io:
+            out = out.astype(cp.float16)
+        return self.download(out) if from_host else out
 
     def fused_blocks(self, rows_pad: int) -> int:
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
@@ -983,8 +1003,11 @@ class CudaWgmmaModel(CudaMmaModel):
                             self.wg_bimage, np.int32(n_b)))
         self._wg_stale = False
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """fp32 in and out in the kernel; ``out_dtype`` float16 casts the result (the wgmma kernel
+        has no fp16-I/O form yet)."""
         cp = self.cp
+        half_out = _half_output(out_dtype)
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
         rows = dx.shape[0]
         out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
@@ -997,6 +1020,8 @@ class CudaWgmmaModel(CudaMmaModel):
             self._launch_wgmma("wgmma_forward", (blocks,), (WGMMA_THREADS * self.wg.warpgroups,),
                                (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage),
                                self.wg.smem_bytes)
+        if half_out:
+            out = out.astype(cp.float16)
         return self.download(out) if from_host else out
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
@@ -1154,12 +1179,15 @@ class CublasLtModel(CompiledModel):
                 pass
         self._plans.clear()
 
-    def _forward_t(self, dx, rows: int, train: bool):
-        """Output pre-activations z^T (n_out, rows) fp32, each layer's input h^T, stored derivatives;
-        all F-order (row-major memory)."""
+    def _forward_t(self, dx, rows: int, train: bool, half_out: bool = False):
+        """Output pre-activations z^T (n_out, rows) fp32 (``half_out``: fp16, bias added by the
+        matmul), each layer's input h^T, stored derivatives; all F-order (row-major memory)."""
         cp = self.cp
-        h16 = cp.empty(dx.shape, dtype=cp.float16)  # dx is [rows][n_in]: h^T is its F-order view
-        self._launch("ew_half", (max(1, math.ceil(dx.size / 1024)),), (256,), (dx, np.int64(dx.size), h16))
+        if dx.dtype == cp.float16:
+            h16 = dx
+        else:
+            h16 = cp.empty(dx.shape, dtype=cp.float16)  # dx is [rows][n_in]: h^T is its F-order view
+            self._launch("ew_half", (max(1, math.ceil(dx.size / 1024)),), (256,), (dx, np.int64(dx.size), h16))
         h = h16.T
         hs, dacts = [h], []
         for i in range(self.n_layers - 1):
@@ -1176,7 +1204,11 @@ class CublasLtModel(CompiledModel):
                 dacts.append(dact)
             hs.append(h)
         last = self.n_layers - 1
-        zt = self._mm(("fwd", last, rows), self.w16[last], h, c=self.b[last].reshape(self.layers[last][1], 1))
+        if half_out:
+            zt = self._mm(("fwd16", last, rows), self.w16[last], h, epilog=self._epilog.BIAS,
+                          epilog_inputs={"bias": self.b16[last]})
+        else:
+            zt = self._mm(("fwd", last, rows), self.w16[last], h, c=self.b[last].reshape(self.layers[last][1], 1))
         return zt, hs, dacts
 
     # -- host <-> device ----------------------------------------------------------------------------
@@ -1187,18 +1219,25 @@ class CublasLtModel(CompiledModel):
     _prepare_batch = CudaMmaModel._prepare_batch
 
     # -- compute ------------------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """See ``CompiledModel.forward``. ``out_dtype`` float16: without an output activation the
+        output layer's matmul writes fp16 itself (BIAS epilog, the fp16 bias); fp16 device inputs
+        are used as the first layer's operand without a cast."""
         cp = self.cp
-        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        half_out = _half_output(out_dtype)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
         rows = dx.shape[0]
         if not rows:
-            out = cp.empty((0, self.spec.n_output_dims), dtype=cp.float32)
+            out = cp.empty((0, self.spec.n_output_dims), dtype=cp.float16 if half_out else cp.float32)
         elif self.spec.output_activation == "None":
-            out = self._forward_t(dx, rows, train=False)[0].T  # z^T in F order is out, C order
+            # z^T in F order is out, C order
+            out = self._forward_t(dx, rows, train=False, half_out=half_out)[0].T
         else:
             zt, _, _ = self._forward_t(dx, rows, train=False)  # [rows][n_out] memory, like out
             out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
             self._launch("ew_output", (math.ceil(zt.size / 256),), (256,), (zt, np.int64(zt.size), out))
+            if half_out:
+                out = out.astype(cp.float16)
         return self.download(out) if from_host else out
 
     def _grads(self, dx, dy, rows: int, on_layer) -> Any:

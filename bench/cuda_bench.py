@@ -68,10 +68,11 @@ def measure_ceilings() -> dict[str, float]:
             "gemm_flops_per_s": 2 * n ** 3 / statistics.median(gemm[2:])}
 
 
-def floor_s(name: str, batch: int, ceilings: dict[str, float], training: bool) -> float:
-    """max(bytes / copy rate, FLOPs / GEMM rate); bytes of the fp32 inputs/outputs the kernels move."""
+def floor_s(name: str, batch: int, ceilings: dict[str, float], training: bool, io_bytes: int = 4) -> float:
+    """max(bytes / copy rate, FLOPs / GEMM rate); bytes of the inputs/outputs the kernels move
+    (fp32: ``io_bytes`` 4; the fp16-I/O forward: 2)."""
     spec = bench_spec(name)
-    per_row = 4 * (spec.n_input_dims + spec.n_output_dims * (2 if training else 1))
+    per_row = io_bytes * (spec.n_input_dims + spec.n_output_dims * (2 if training else 1))
     flops = spec.flops_per_sample() * (3 if training else 1) * batch
     return max(per_row * batch / ceilings["copy_bytes_per_s"], flops / ceilings["gemm_flops_per_s"])
 
@@ -159,6 +160,15 @@ def bench_mmad(names: list[str], batch: int, repeats: int, variant: str | None) 
         xs = [dx] + [model.upload(rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)) for _ in range(2)]
         it = iter(range(10 ** 9))
         entry["forward_s"] = cuda_median_s(lambda: model.forward(xs[next(it) % 3]), repeats)
+        # fp16 in, fp16 out: the I/O of the PyTorch peer's half forward (its input is x.half())
+        xs16 = [a.astype(cp.float16) for a in xs]
+        x16 = cp.asnumpy(xs16[0][cp.asarray(check)]).astype(np.float32)
+        out16 = model.download(model.forward(xs16[0], out_dtype=np.float16))[check].astype(np.float64)
+        ref16 = oracle.forward(x16)
+        entry["rel_err_half_io"] = (float(np.linalg.norm(out16 - ref16) / np.linalg.norm(ref16))
+                                    if np.isfinite(out16).all() else float("inf"))
+        entry["forward_half_io_s"] = cuda_median_s(lambda: model.forward(xs16[next(it) % 3], out_dtype=np.float16),
+                                                   repeats)
         entry["train_s"] = cuda_median_s(lambda: model.train_step(dx, dy), repeats)
         results[name] = entry
         model.close()
@@ -525,8 +535,9 @@ def main(argv: list[str] | None = None) -> int:
         mine = bench_mmad(names, args.batch, args.repeats, args.variant)
         report.update(ceilings=ceilings, torch=peers, mmad=mine)
         rows = [f"copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, fp16 GEMM {ceilings['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s",
-                "| model | variant | rel.err | fwd Ms/s | torch fwd | x torch | % floor | train Ms/s | torch train | x torch | % floor |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| model | variant | rel.err | fwd Ms/s | torch fwd | x torch | % floor | train Ms/s | torch train | x torch "
+                "| % floor | fp16-I/O fwd Ms/s | x torch | % floor | fp16-I/O rel.err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name in names:
             e, t = mine.get(name, {}), peers[name]
             if "error" in e:
@@ -537,7 +548,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {name} | {e['variant']} | {e['rel_err']:.1e} | {b / e['forward_s'] / 1e6:.0f} | {b / t['forward_s'] / 1e6:.0f} | "
                 f"{t['forward_s'] / e['forward_s']:.2f} | {100 * floor_s(name, b, ceilings, False) / e['forward_s']:.0f}% | "
                 f"{b / e['train_s'] / 1e6:.0f} | {b / t['train_s'] / 1e6:.0f} | {t['train_s'] / e['train_s']:.2f} | "
-                f"{100 * floor_s(name, b, ceilings, True) / e['train_s']:.0f}% |")
+                f"{100 * floor_s(name, b, ceilings, True) / e['train_s']:.0f}% | "
+                f"{b / e['forward_half_io_s'] / 1e6:.0f} | {t['forward_s'] / e['forward_half_io_s']:.2f} | "
+                f"{100 * floor_s(name, b, ceilings, False, io_bytes=2) / e['forward_half_io_s']:.0f}% | "
+                f"{e['rel_err_half_io']:.1e} |")
         report["table"] = rows
         print("\n".join(rows), flush=True)
     (out / "cuda_bench.json").write_text(json.dumps(report, indent=1, default=str))

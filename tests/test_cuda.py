@@ -18,7 +18,7 @@ import pytest
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
-from mmad.errors import CompileError
+from mmad.errors import CompileError, InvalidInput
 from mmad.spec import ACTIVATIONS, LOSSES, bench_spec
 
 pytestmark = pytest.mark.gpu
@@ -272,6 +272,40 @@ def test_device_arrays_stay_on_device(backend, cache):
     out = model.forward(model.upload(x))
     assert isinstance(out, cupy.ndarray)
     assert rel_err(model.download(out), oracle.forward(x)) <= FWD_TOL
+
+
+HALF_IO_CASES = [  # (variant, spec overrides): fp16 in/out kernels, odd widths, an encoding, an output activation
+    ("mma", {"name": "S"}),
+    ("mma", {"name": "M", "n_input_dims": 17, "n_output_dims": 3}),
+    ("mma", {"name": "M", "encoding": {"otype": "Frequency", "n_frequencies": 4}, "n_input_dims": 3}),
+    ("cublaslt", {"name": "M"}),
+    ("cublaslt", {"name": "W"}),
+    ("cublaslt", {"name": "M", "output_activation": "Sigmoid", "activation": "SiLU"}),
+]
+
+
+@pytest.mark.parametrize(("variant", "overrides"), HALF_IO_CASES)
+def test_half_io_forward_matches_oracle(backend, cache, variant, overrides):
+    """``forward(x16, out_dtype=float16)``: fp16 device inputs read as they are, fp16 outputs."""
+    import cupy as cp
+
+    rows = {r.variant: r for r in backend.probe()}
+    if not rows[variant].available:
+        pytest.skip(f"the cuda {variant} variant is unavailable here: {rows[variant].reason}")
+    overrides = dict(overrides)
+    spec = bench_spec(overrides.pop("name"), **overrides)
+    rng = np.random.default_rng(hash((variant, spec.content_hash())) % 2**32)
+    model, oracle = make_pair(backend, cache, spec, rng, variant=variant)
+    for batch in (1, 7, 1000, 65_537):
+        x16 = inputs(rng, batch, spec).astype(np.float16)
+        out = model.forward(cp.asarray(x16), out_dtype=np.float16)
+        assert isinstance(out, cp.ndarray) and out.dtype == cp.float16 and out.shape == (batch, spec.n_output_dims)
+        err = rel_err(cp.asnumpy(out).astype(np.float64), oracle.forward(x16.astype(np.float32)))
+        assert err <= FWD_TOL, f"{variant} {spec.n_input_dims}->{spec.n_output_dims}, batch {batch}: {err:.2e}"
+    host = model.forward(x16, out_dtype="float16")  # host in, host out, same dtype rule
+    assert isinstance(host, np.ndarray) and host.dtype == np.float16
+    with pytest.raises(InvalidInput, match="out_dtype"):
+        model.forward(x16, out_dtype=np.int32)
 
 
 def test_params_and_optimizer_state_round_trip(backend, cache):

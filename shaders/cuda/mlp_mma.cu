@@ -92,6 +92,41 @@ __device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int
     return pack_h2(a, b);
 }
 
+// fp16 input (u16 bits, as the caller's float16 array holds them): the pair is already packed
+__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, i64 rows) {
+    u32 v = 0u;
+    if (row < rows) {
+        const u16* p = x + row * NIN + col;
+#if NIN % 2 == 0
+        if (col < NIN) v = __ldg(reinterpret_cast<const u32*>(p));
+#else
+        if (col < NIN) v = __ldg(p);
+        if (col + 1 < NIN) v |= (u32)__ldg(p + 1) << 16;
+#endif
+    }
+    return v;
+}
+
+// two adjacent output values, fp32 or (u16 output) rounded to fp16
+__device__ __forceinline__ void store_out2(float* o, int col, float p0, float p1) {
+#if NOUT % 2 == 0
+    if (col < NOUT) *reinterpret_cast<float2*>(o) = make_float2(p0, p1);
+#else
+    if (col < NOUT) o[0] = p0;
+    if (col + 1 < NOUT) o[1] = p1;
+#endif
+}
+
+__device__ __forceinline__ void store_out2(u16* o, int col, float p0, float p1) {
+    const u32 v = pack_h2(p0, p1);
+#if NOUT % 2 == 0
+    if (col < NOUT) *reinterpret_cast<u32*>(o) = v;
+#else
+    if (col < NOUT) o[0] = (u16)(v & 0xFFFFu);
+    if (col + 1 < NOUT) o[1] = (u16)(v >> 16);
+#endif
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
@@ -173,9 +208,10 @@ __device__ __forceinline__ void fused_store_partials(float* __restrict__ partial
 }
 
 // ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----
-template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS>
+// XT / OT: float, or u16 for fp16 inputs / outputs (the forward's half I/O; training reads fp32)
+template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS, typename XT = float, typename OT = float>
 __device__ __forceinline__ void mlp_tile_loop(
-    const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
+    const XT* __restrict__ x, i64 rows, i64 rows_pad, OT* __restrict__ out,
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
     const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
     u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial,
@@ -363,15 +399,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                             const int col = og * 16 + j * 8 + 2 * t;
                             const float p0 = activate(OUT_ACT, Z[mt][j][half * 2]);
                             const float p1 = activate(OUT_ACT, Z[mt][j][half * 2 + 1]);
-                            if (r < rows) {
-                                float* o = out + r * NOUT + col;
-#if NOUT % 2 == 0
-                                if (col < NOUT) *reinterpret_cast<float2*>(o) = make_float2(p0, p1);
-#else
-                                if (col < NOUT) o[0] = p0;
-                                if (col + 1 < NOUT) o[1] = p1;
-#endif
-                            }
+                            if (r < rows) store_out2(out + r * NOUT + col, col, p0, p1);
                         }
                 continue;
             }
@@ -528,13 +556,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
                          nullptr, nullptr);
 }
 
+// fp16 in, fp16 out (the I/O of an fp16 pipeline such as PyTorch's half forward): half the bytes
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half(
+    const u16* __restrict__ x, i64 rows, i64 rows_pad, u16* __restrict__ out,
+    const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16>(x, rows, rows_pad, out, wpack, bias, nullptr, 0.f,
+                                                         nullptr, nullptr, nullptr, nullptr);
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
     double* __restrict__ loss_partial) {
-    mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, nullptr, wpack, bias, target, grad_scale, hbuf, dbuf,
-                        dactbuf, loss_partial);
+    mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
+                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial);
 }
 
 #if FUSED_WGRAD
@@ -544,8 +580,8 @@ extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     float* __restrict__ partial, double* __restrict__ loss_partial) {
-    mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, nullptr, wpack, bias, target, grad_scale, nullptr, nullptr,
-                                     nullptr, loss_partial, partial);
+    mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
+                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial);
 }
 #endif
 
