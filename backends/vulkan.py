@@ -46,9 +46,14 @@ from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
 log = logging.getLogger("mmad.vulkan")
 
 VARIANTS = ("coopmat", "simt")
-# kernel -> (storage buffers, push-constant bytes)
+# kernel -> (storage buffers, push-constant bytes); the coopmat forward and backward also bind
+# the fp16 hidden activations
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (9, 20),
                       "finalize": (2, 16)}
+COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "backward": (6, 44)}
+# hidden activations whose derivative depends only on z > 0: the coopmat kernels then keep no
+# fp32 hidden pre-activations, only the fp16 activations with that bit (flag_nonpositive)
+SIGN_DERIVATIVE_ACTIVATIONS = ("None", "ReLU", "LeakyReLU")
 ROW_ALIGN = 128
 HIST_CAP = 1024
 BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
@@ -150,6 +155,21 @@ class Geometry:
     def n_layers(self) -> int:
         return len(self.k)
 
+    @property
+    def store_hidden_z(self) -> bool:
+        """Whether training stores the hidden layers' fp32 pre-activations (simt always; coopmat
+        where the hidden activation's derivative needs more than z's side of 0)."""
+        return not self.coopmat or self.spec.activation not in SIGN_DERIVATIVE_ACTIVATIONS
+
+    def training_row_bytes(self) -> dict[str, int]:
+        """Bytes per row of each per-chunk training buffer: fp32 pre-activations ``z``, deltas
+        ``d`` (fp16 on coopmat, fp32 on simt) and, on coopmat, the fp16 hidden activations ``h``."""
+        if not self.coopmat:
+            return {"z": 4 * self.z_cols, "d": 4 * self.z_cols}
+        hidden = self.z_cols - self.out_pad
+        return {"z": 4 * (self.z_cols if self.store_hidden_z else self.out_pad), "d": 2 * self.z_cols,
+                "h": 2 * hidden}
+
     def chunk_rows(self, outer: int) -> int:
         """Weight rows per shared chunk for a layer whose rows are ``outer`` long."""
         step = 16 if self.coopmat else 4
@@ -213,6 +233,9 @@ class Geometry:
             lines += [f"#define NACC {self.nacc}", f"#define SUBGROUPS {self.subgroups}",
                       f"#define NCJ {self.ncj}", f"#define NRB {self.rows_per_tile // m_cm}",
                       f"#define AS {self.act_stride}",
+                      f"#define STORE_HIDDEN_Z {int(self.store_hidden_z)}",
+                      # the output layer's column in the fp32 pre-activation buffer
+                      f"#define ZOUT_COL {off['Z_COL'][-1] if self.store_hidden_z else 0}",
                       f"#define CM_M {m_cm}", f"#define CM_N {n_cm}", f"#define CM_K {k_cm}"]
         else:
             lines += [f"#define MTPT {self.mtpt}", f"#define MR {self.micro_rows}",
@@ -341,8 +364,9 @@ class VulkanModel(CompiledModel):
 
     def _chunks(self, rows_pad: int) -> list[tuple[int, int]]:
         """(first row, padded rows) of each chunk a training batch runs in: as many rows as
-        keep the pre-activation buffer within ``maxStorageBufferRange`` (or ``max_chunk_rows``)."""
-        limit = self.device.info.max_storage_range // (self.geo.z_cols * 4) // ROW_ALIGN * ROW_ALIGN
+        keep every per-chunk buffer within ``maxStorageBufferRange`` (or ``max_chunk_rows``)."""
+        row_bytes = max(self.geo.training_row_bytes().values())
+        limit = self.device.info.max_storage_range // row_bytes // ROW_ALIGN * ROW_ALIGN
         if self.max_chunk_rows:
             limit = min(limit, self.max_chunk_rows // ROW_ALIGN * ROW_ALIGN)
         size = max(ROW_ALIGN, min(rows_pad, limit))
@@ -350,15 +374,16 @@ class VulkanModel(CompiledModel):
 
     def _ensure_batch(self, rows_pad: int, training: bool = False) -> dict[str, vr.Buffer]:
         """Per-batch buffers for at least ``rows_pad`` rows (grown, never shrunk): input,
-        target and output always; for training the per-chunk pre-activations and deltas,
-        the per-tile losses and the weight-gradient partial sums of every chunk."""
+        target and output always; for training the per-chunk pre-activations, deltas (and
+        coopmat's fp16 activations), the per-tile losses and the weight-gradient partial sums of
+        every chunk."""
         geo = self.geo
         need = {"x": rows_pad * geo.in_pad * 4, "y": rows_pad * geo.out_pad * 4}
         if training:
             chunks = self._chunks(rows_pad)
             chunk = chunks[0][1]
-            need.update({"out": chunk * geo.out_pad * 4, "z": chunk * geo.z_cols * 4,
-                         "d": chunk * geo.z_cols * 4})
+            need["out"] = chunk * geo.out_pad * 4
+            need.update({name: chunk * nbytes for name, nbytes in geo.training_row_bytes().items()})
         else:
             need["out"] = rows_pad * geo.out_pad * 4
         for name, nbytes in need.items():
@@ -454,9 +479,11 @@ class VulkanModel(CompiledModel):
             tiles = rows_pad // self.geo.rows_per_tile
             grid = self._grid(tiles)
             push = np.array([rows_pad, grid[0], 0, *self._acts, 0], np.uint32).tobytes()
-            program = vr.Program(self.device, [vr.Dispatch(
-                self._pipelines["forward"], [x_buf, self._mma_weights, self._bias, out_buf, z_buf], push, grid)],
-                timestamps=self.gpu_timestamps)
+            buffers = [x_buf, self._mma_weights, self._bias, out_buf, z_buf]
+            if self.variant == "coopmat":
+                buffers.append(z_buf)  # the fp16 activations, not written either
+            program = vr.Program(self.device, [vr.Dispatch(self._pipelines["forward"], buffers, push, grid)],
+                                 timestamps=self.gpu_timestamps)
             self._programs[key] = program
         self._last_run["forward"] = program
         return program
@@ -486,17 +513,24 @@ class VulkanModel(CompiledModel):
             loss_push = (u32(rows, grid[0], valid, n_out, hidden, output, LOSSES.index(self.spec.loss))
                          + np.float32(self.spec.huber_delta).tobytes()
                          + u32(row_base, row_base // geo.rows_per_tile, n_rows))
+            if self.variant == "coopmat":  # + the fp16 hidden activations; wgrad reads those
+                fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"], b["h"]]
+                bwd = [y_buf, self._mma_weights, b["z"], b["h"], b["d"], b["loss"]]
+                wgrad = [x_buf, b["h"], b["d"], b["part"]]
+            else:
+                fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"]]
+                bwd = [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]]
+                wgrad = [x_buf, b["z"], b["d"], b["part"]]
             dispatches += [
-                vr.Dispatch(p["forward"], [x_buf, self._mma_weights, self._bias, b["out"], b["z"]],
-                            u32(rows, grid[0], 1, hidden, output, row_base), grid),
-                vr.Dispatch(p["backward"], [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]], loss_push, grid),
+                vr.Dispatch(p["forward"], fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
+                vr.Dispatch(p["backward"], bwd, loss_push, grid),
             ]
             for layer in range(geo.n_layers):
                 wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
                 # the layers' gradients are independent (disjoint partial sums): no barriers
                 # between them, so their dispatches overlap
                 dispatches.append(vr.Dispatch(
-                    p["wgrad"], [x_buf, b["z"], b["d"], b["part"]],
+                    p["wgrad"], wgrad,
                     u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid,
                     barrier=layer == 0))
             split_base += splits
@@ -827,7 +861,7 @@ class VulkanBackend(Backend):
             key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
                 if key not in self._pipelines:
-                    n_bind, push = PIPELINE_INTERFACE[name]
+                    n_bind, push = (COOPMAT_INTERFACE if variant == "coopmat" else PIPELINE_INTERFACE)[name]
                     self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
                 pipelines[name] = self._pipelines[key]
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape)

@@ -235,16 +235,50 @@ def test_training_in_row_chunks_matches_oracle(backend, variant, cache):
 
 
 def test_stored_deltas_are_fp16_values(backend, variant, cache):
-    """The contract rounds every delta to fp16 before it is stored; the coopmat backward may
-    leave that rounding to the device's fp16 conversion (CONVERT_RNE), so check the memory."""
+    """The contract rounds every delta to fp16 before it is stored: simt keeps them in fp32
+    storage (r16), coopmat stores fp16 (the device's conversion rounds). Either way the output
+    layer's stored deltas must be the fp16-rounded loss gradient of the oracle's prediction."""
     spec = bench_spec("M", seed=5)
     model = model_for(backend, variant, cache, spec)
     x, y = data(spec, 1000)
     model.loss_and_grads(x, y)
     rows_pad = 1024  # ROW_ALIGN multiple: one chunk; the layers' deltas are blocks of rows_pad rows
-    d = np.frombuffer(model._batch["d"].read(rows_pad * model.geo.z_cols * 4), np.float32)
+    dtype = np.float16 if variant == "coopmat" else np.float32
+    assert model.geo.training_row_bytes()["d"] == model.geo.z_cols * np.dtype(dtype).itemsize
+    raw = model._batch["d"].read(rows_pad * model.geo.z_cols * np.dtype(dtype).itemsize)
+    d = np.frombuffer(raw, dtype).astype(np.float32)
     assert np.count_nonzero(d) > d.size // 10
     assert np.array_equal(d, d.astype(np.float16).astype(np.float32))
+    # L2 loss, no output activation: delta = fp16(2 (pred - y) * loss_scale / (rows * outputs))
+    pred = CpuBackend("emulate").compile(spec).forward(x)
+    want = ((2 * spec.loss_scale / y.size) * (pred - y)).astype(np.float16).astype(np.float32)
+    start = model.geo.offsets()["Z_COL"][-1] * rows_pad
+    got = d[start:start + rows_pad * model.geo.out_pad].reshape(rows_pad, model.geo.out_pad)
+    assert not got[1000:].any() and not got[:, spec.n_output_dims:].any(), "padding has deltas"
+    assert rel(got[:1000, :spec.n_output_dims], want) <= 1e-2
+
+
+@pytest.mark.parametrize("activation", ["ReLU", "LeakyReLU"])
+def test_derivative_at_pre_activations_fp16_rounds_to_zero(backend, variant, cache, activation):
+    """coopmat keeps no fp32 hidden pre-activations for these activations, only the fp16
+    activation flagged with z's side of 0: a unit with 0 < z < 2^-25 (its fp16 activation is 0)
+    must still pass gradients (ReLU' = 1), and one with z = +0 exactly must not (ReLU' = 0)."""
+    spec = bench_spec("S", activation=activation, seed=3)
+    model = model_for(backend, variant, cache, spec)
+    params = vulkan.init_params(spec)
+    params["W0"][:2] = 0.0
+    params["b0"][:2] = [2.0 ** -26, 0.0]  # unit 0: tiny positive z; unit 1: z = 0 on every row
+    model.set_params(params)
+    x, y = data(spec, 1000)
+    _, grads = model.loss_and_grads(x, y)
+    oracle = CpuBackend("emulate").compile(spec)
+    oracle.set_params(params)
+    _, want = oracle.loss_and_grads(x, y)
+    assert want["b0"][0] != 0 and abs(grads["b0"][0] - want["b0"][0]) <= 1e-2 * abs(want["b0"][0])
+    assert abs(grads["b0"][1] - want["b0"][1]) <= 1e-2 * abs(want["b0"][0])
+    if activation == "ReLU":
+        assert grads["b0"][1] == 0 and want["b0"][1] == 0
+    assert rel(grads["W0"][:2], want["W0"][:2]) <= GRAD_TOL_EMULATE
 
 
 def test_gradients_are_deterministic(backend, variant, cache):

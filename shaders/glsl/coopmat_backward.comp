@@ -3,7 +3,10 @@
 // Fused MLP backward with cooperative matrices, one tile of R rows per workgroup: the loss and
 // its gradient element-wise from the stored output pre-activations (as the SIMT kernel), then
 // delta_{l-1} = (delta_l . W_l) * act'(z_{l-1}) with fp16 operands and fp32 accumulators; the
-// pre-activations are loaded as accumulator-shaped matrices so that act' applies element-wise.
+// fp32 pre-activations (STORE_HIDDEN_Z) or the flagged fp16 activations (flag_nonpositive) are
+// loaded as accumulator-shaped matrices so that act' applies element-wise. Deltas are stored
+// as fp16 (D16): they are fp16 values by the contract, and the conversion rounds them (RNE;
+// r16 first where the device's conversion does not).
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -14,9 +17,10 @@ layout(local_size_x = THREADS) in;
 
 layout(std430, binding = 0) restrict readonly buffer TargetBuf { float Y[]; };
 layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
-layout(std430, binding = 2) restrict readonly buffer ZBuf { float Z[]; };
-layout(std430, binding = 3) restrict writeonly buffer DBuf { float D[]; };
-layout(std430, binding = 4) restrict writeonly buffer LossBuf { float LOSS_PART[]; };
+layout(std430, binding = 2) restrict readonly buffer ZBuf { float Z[]; };          // fp32 pre-activations
+layout(std430, binding = 3) restrict readonly buffer HBuf { float16_t H16[]; };    // flagged hidden activations
+layout(std430, binding = 4) restrict writeonly buffer DBuf { float16_t D16[]; };   // deltas, every layer
+layout(std430, binding = 5) restrict writeonly buffer LossBuf { float LOSS_PART[]; };
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
@@ -32,7 +36,8 @@ void main() {
     if (row0 >= pc.rows_pad) return;
     uint tid = gl_LocalInvocationID.x;
     const int L = N_LAYERS - 1;
-    uint zlast = uint(Z_COL[L]) * pc.rows_pad;
+    uint zlast = uint(ZOUT_COL) * pc.rows_pad;
+    uint dlast = uint(Z_COL[L]) * pc.rows_pad;
     float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
     float loss_sum = 0.0;
     // 8 elements per pass with their loads unconditional (in bounds: rows_pad rows), so that
@@ -60,9 +65,9 @@ void main() {
             }
             vec2 term = loss_term(LOSS_ID, pc.huber_delta, activate(OUTPUT_ACT, z), target, lum);
             loss_sum += valid ? term.x : 0.0;
-            float delta = valid ? r16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z)) : 0.0;
-            D[zlast + row0 * uint(OUT_PAD) + i] = delta;
-            ACT[r * uint(AS) + c] = float16_t(delta);
+            float16_t delta = float16_t(valid ? pre_f16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z)) : 0.0);
+            D16[dlast + row0 * uint(OUT_PAD) + i] = delta;
+            ACT[r * uint(AS) + c] = delta;
         }
     }
     LOSS_SH[tid] = loss_sum;
@@ -77,20 +82,27 @@ void main() {
         int ncb = outer / CM_N;
         [[unroll]] for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
         tile_mma(inner, outer, uint(WR_OFF[l]));
-        uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;
+        uint zbase = uint(Z_COL[l - 1]) * pc.rows_pad;  // layer l-1's block in Z, H16 and D16
         [[unroll]] for (int j = 0; j < NCJ; ++j) {
             int cb = col_block(j);
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
                 uint at = zbase + (row0 + uint(rb * CM_M)) * uint(outer) + uint(cb * CM_N);
-                ACC_T z;
-                coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-                [[unroll]] for (int e = 0; e < acc[i].length(); ++e)
-                    acc[i][e] = r16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
-                coopMatStore(acc[i], D, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-                ACC16_T h = ACC16_T(acc[i]);
-                coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                if (STORE_HIDDEN_Z == 1) {
+                    ACC_T z;
+                    coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e)
+                        acc[i][e] = pre_f16(acc[i][e] * activation_grad(HIDDEN_ACT, z[e]));
+                } else {
+                    ACC16_T h;
+                    coopMatLoad(h, H16, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e)
+                        acc[i][e] = pre_f16(acc[i][e] * activation_grad_flagged(HIDDEN_ACT, float(h[e])));
+                }
+                ACC16_T d = ACC16_T(acc[i]);
+                coopMatStore(d, D16, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(d, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
             }
         }
     }

@@ -4,8 +4,11 @@
 // tile of R rows in one workgroup; fp16 activations in shared memory, fp32 accumulators with
 // the bias folded in (loaded once per column block from the row-replicated bias block),
 // activation applied element-wise on the accumulators, then converted to fp16 for the next
-// layer, rounding to nearest even (r16 first unless the device's conversion does that itself). With store_z != 0 the pre-activations are stored for the
-// backward pass.
+// layer, rounding to nearest even (r16 first unless the device's conversion does that itself).
+// With store_z != 0 (training) the kernel keeps what the backward pass and the weight gradients
+// read: every hidden layer's fp16 activation (H16, the next layer's exact operand), the output
+// layer's fp32 pre-activation (Z, instead of the output) and, where the hidden activation's
+// derivative needs more than z's side of 0 (STORE_HIDDEN_Z), the hidden fp32 pre-activations.
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -18,7 +21,8 @@ layout(std430, binding = 0) restrict readonly buffer InputBuf { vec4 X4[]; };
 layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
 layout(std430, binding = 2) restrict readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
 layout(std430, binding = 3) restrict writeonly buffer OutBuf { float OUT[]; };
-layout(std430, binding = 4) restrict writeonly buffer ZBuf { float Z[]; };
+layout(std430, binding = 4) restrict writeonly buffer ZBuf { float Z[]; };      // fp32 pre-activations
+layout(std430, binding = 5) restrict writeonly buffer HBuf { float16_t H16[]; };  // hidden activations
 // row_base: first row of this chunk in the input (training runs big batches in chunks)
 layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; uint row_base; } pc;
 
@@ -49,25 +53,36 @@ void main() {
         }
         tile_mma(kin, nout, uint(WT_OFF[l]));
         bool last = l == N_LAYERS - 1;
-        uint zbase = uint(Z_COL[l]) * pc.rows_pad;
+        // layer l's block in Z (fp32) and H16 (fp16): rows_pad x nout from column Z_COL[l] on
+        uint zbase = uint(last ? ZOUT_COL : Z_COL[l]) * pc.rows_pad;
+        uint hbase = uint(Z_COL[l]) * pc.rows_pad;
         [[unroll]] for (int j = 0; j < NCJ; ++j) {
             int cb = col_block(j);
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
                 uint row = row0 + uint(rb * CM_M);
-                if (pc.store_z != 0u)
+                if (pc.store_z != 0u && (last || STORE_HIDDEN_Z == 1))
                     coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
                                  gl_CooperativeMatrixLayoutRowMajor);
                 if (last) {
-                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
-                    coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
-                                 gl_CooperativeMatrixLayoutRowMajor);
+                    if (pc.store_z == 0u) {  // training reads the pre-activation (above) instead
+                        [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
+                        coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
+                                     gl_CooperativeMatrixLayoutRowMajor);
+                    }
                 } else {
-                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(activate(HIDDEN_ACT, acc[i][e]));
+                    [[unroll]] for (int e = 0; e < acc[i].length(); ++e) {
+                        float h = pre_f16(activate(HIDDEN_ACT, acc[i][e]));
+                        // the flag only matters to the backward pass (-0 multiplies as +0)
+                        acc[i][e] = STORE_HIDDEN_Z == 1 || pc.store_z == 0u ? h : flag_nonpositive(h, acc[i][e]);
+                    }
                     ACC16_T h = ACC16_T(acc[i]);
                     coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
                                  gl_CooperativeMatrixLayoutRowMajor);
+                    if (pc.store_z != 0u)
+                        coopMatStore(h, H16, hbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
+                                     gl_CooperativeMatrixLayoutRowMajor);
                 }
             }
         }

@@ -92,6 +92,19 @@ float activation_grad(int id, float z) {
     }
 }
 
+// For None, ReLU and LeakyReLU act'(z) depends only on whether z > 0, which the fp16 activation
+// alone loses where 0 < z < 2^-25 (it rounds to 0). The coopmat kernels store h = act(z) with
+// its sign bit set where z <= 0 (or NaN) instead of storing z: the value is unchanged but for a
+// +0 becoming -0, which no product or sum tells apart. Bit operations, not a select of -0.0:
+// Vulkan does not require arithmetic to keep the sign of a zero.
+float flag_nonpositive(float h, float z) {
+    return uintBitsToFloat(floatBitsToUint(h) | (z > 0.0 ? 0u : 0x80000000u));
+}
+// act'(z) of those activations from the flagged activation (-1 and 1 stand for z's side of 0)
+float activation_grad_flagged(int id, float h) {
+    return activation_grad(id, floatBitsToUint(h) >= 0x80000000u ? -1.0 : 1.0);
+}
+
 vec4 activate4(int id, vec4 z) {
     return vec4(activate(id, z.x), activate(id, z.y), activate(id, z.z), activate(id, z.w));
 }
