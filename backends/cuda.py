@@ -28,6 +28,7 @@ NVRTC. This module imports without CuPy: the probe then reports why nothing can 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -49,6 +50,8 @@ from mmad.backends.contract import (
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
+
+log = logging.getLogger("mmad.backends.cuda")
 
 VARIANTS = ("wgmma", "mma", "cublaslt")
 MMA_MAX_WIDTH = 256  # wider than 128 holds 254 registers per thread (see docs/gpu-notes-cuda.md)
@@ -1063,8 +1066,8 @@ class CublasLtModel(CompiledModel):
 
     Each layer is ``h_{l+1}^T = act(W_l @ h_l^T + b_l)`` (W as A) so that cuBLASLt's bias runs
     along M: ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of
-    the fp32 master), other hidden layers and the output layer take the fp32 accumulator plus the
-    fp32 bias (C broadcast along N, beta 1) and finish in ``shaders/cuda/mlp_elementwise.cu``.
+    the fp32 master), other hidden layers and the output layer an fp32 result type with the BIAS
+    epilog (fp32 bias; no C operand to read) and finish in ``shaders/cuda/mlp_elementwise.cu``.
     Backward: input gradients ``W^T @ delta`` and weight gradients ``h @ delta^T`` (= dW^T, so
     that dW comes out row-major like W) as fp32 matmuls (fp32 zero C), bias gradients by
     ``ew_colsum`` plus a CuPy sum of its partials (fixed order), then the optimizer kernel.
@@ -1088,7 +1091,11 @@ class CublasLtModel(CompiledModel):
             raise SpecError("precision", f"the cuda cublaslt variant computes in fp16; got {spec.precision!r}")
         from nvmath.linalg.advanced import Matmul, MatmulEpilog
 
+        from nvmath import CudaDataType
+
         self._matmul_cls, self._epilog = Matmul, MatmulEpilog
+        self._f32_type = CudaDataType.CUDA_R_32F
+        self._f32_result: bool | None = None  # fp32 result type + BIAS epilog: untried / works / refused
         self.cp, self.info = cp, info
         self.layers = spec.layer_dims  # (fan_in, fan_out)
         self.n_layers = len(self.layers)
@@ -1145,7 +1152,27 @@ class CublasLtModel(CompiledModel):
         except _device_errors(self.cp) as exc:
             raise LaunchError(f"launching {name} failed: {exc}") from exc
 
-    def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None):
+    def _mm_bias32(self, key: tuple, w16, h, bias):
+        """fp32 ``w16 @ h + bias``: an fp32 result type with the BIAS epilog, so no C is read
+        (an fp32 C broadcast along N, the other way to get fp32 out of fp16 operands, took 2.5x
+        the time of an fp16 layer in run 12). Where nvmath/cuBLASLt refuse that combination, the
+        broadcast C, with a warning naming the reason."""
+        if self._f32_result is not False:
+            try:
+                out = self._mm(key, w16, h, epilog=self._epilog.BIAS, epilog_inputs={"bias": bias},
+                               options={"result_type": self._f32_type})
+                self._f32_result = True
+                return out
+            except LaunchError as exc:
+                if self._f32_result is True:  # it worked before: this is a real failure
+                    raise
+                self._f32_result = False
+                self._plans.pop(key, None)
+                log.warning("cublaslt: fp32 results with the BIAS epilog are refused here (%s); using an fp32 C "
+                            "broadcast along N instead", exc)
+        return self._mm(key, w16, h, c=bias.reshape(-1, 1))
+
+    def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None, options=None):
         """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed);
         the result as nvmath returns it, which must be F-contiguous (see the class docstring)."""
         kind, layer, rows = key
@@ -1154,7 +1181,7 @@ class CublasLtModel(CompiledModel):
             if mm is None:
                 if any(k[2] != rows for k in self._plans):  # plans of one batch size at a time
                     self._free_plans()
-                mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0)
+                mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0, options=options)
                 mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
                 self._plans[key] = mm
             else:
@@ -1196,7 +1223,7 @@ class CublasLtModel(CompiledModel):
                 h = self._mm(("fwd", i, rows), self.w16[i], h, epilog=self._epilog.RELU_BIAS,
                              epilog_inputs={"bias": self.b16[i]})
             else:
-                z = self._mm(("fwd", i, rows), self.w16[i], h, c=self.b[i].reshape(fo, 1))
+                z = self._mm_bias32(("fwd", i, rows), self.w16[i], h, self.b[i])
                 h = cp.empty((fo, rows), dtype=cp.float16, order="F")
                 dact = cp.empty((fo, rows), dtype=cp.float16, order="F") if (train and self.store_dact) else h
                 self._launch("ew_hidden", (math.ceil(z.size / 256),), (256,),
@@ -1208,7 +1235,7 @@ class CublasLtModel(CompiledModel):
             zt = self._mm(("fwd16", last, rows), self.w16[last], h, epilog=self._epilog.BIAS,
                           epilog_inputs={"bias": self.b16[last]})
         else:
-            zt = self._mm(("fwd", last, rows), self.w16[last], h, c=self.b[last].reshape(self.layers[last][1], 1))
+            zt = self._mm_bias32(("fwd", last, rows), self.w16[last], h, self.b[last])
         return zt, hs, dacts
 
     # -- host <-> device ----------------------------------------------------------------------------

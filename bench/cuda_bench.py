@@ -330,6 +330,44 @@ def nvmath_check() -> list[str]:
         mm.free()
     except Exception as exc:
         lines.append(f"FAIL stateful Matmul: {type(exc).__name__}: {str(exc)[:300]}")
+    lines += output_layer_options()
+    return lines
+
+
+def output_layer_options(rows: int = 1 << 20, width: int = 256) -> list[str]:
+    """The cublaslt model's output layer (W @ h^T + b, W fp16 (width, width), h^T F-order) three
+    ways, timed (median of 10) and checked against fp32: an fp32 C broadcast along N (beta 1),
+    an fp32 result type with the BIAS epilog, and fp16 out with the BIAS epilog."""
+    import cupy as cp
+    from nvmath import CudaDataType
+    from nvmath.linalg.advanced import Matmul, MatmulEpilog, MatmulOptions
+
+    rng = cp.random.default_rng(1)
+    w = (rng.standard_normal((width, width), dtype=cp.float32) / 16).astype(cp.float16)
+    h = rng.standard_normal((rows, width), dtype=cp.float32).astype(cp.float16).T  # F order
+    b32 = rng.standard_normal(width, dtype=cp.float32)
+    ref = w.astype(cp.float32) @ h.astype(cp.float32) + b32[:, None]
+    options = {
+        "c fp32 (width,1) beta=1": (lambda: Matmul(w, h, c=b32.reshape(width, 1), beta=1.0), None, None),
+        "result_type fp32 + BIAS fp32": (lambda: Matmul(w, h, options=MatmulOptions(result_type=CudaDataType.CUDA_R_32F)),
+                                         MatmulEpilog.BIAS, b32),
+        "fp16 out + BIAS fp16": (lambda: Matmul(w, h), MatmulEpilog.BIAS, b32.astype(cp.float16)),
+    }
+    lines = [f"output layer, {rows} rows x {width}:"]
+    for label, (make, epilog, bias) in options.items():
+        try:
+            mm = make()
+            mm.plan(epilog=epilog, epilog_inputs=None if bias is None else {"bias": bias})
+            d = mm.execute()
+            d = d[0] if isinstance(d, tuple) else d
+            err = float(cp.linalg.norm(d.astype(cp.float32) - ref) / cp.linalg.norm(ref))
+            t = cuda_median_s(mm.execute, 10)
+            gbs = (h.nbytes + d.nbytes) / t / 1e9
+            lines.append(f"  OK   {label}: {1e3 * t:.3f} ms, out {d.dtype} {'F' if d.flags.f_contiguous else 'C'}, "
+                         f"rel. err {err:.1e}, {gbs:.0f} GB/s of A + D")
+            mm.free()
+        except Exception as exc:
+            lines.append(f"  FAIL {label}: {type(exc).__name__}: {str(exc)[:300]}")
     return lines
 
 
