@@ -44,7 +44,7 @@ from mmad.backends import layouts as L
 from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
+    Backend, CompiledModel, MMAShape, ProbeRow, check_host_output, check_params, check_rows, init_params,
     optimizer_state_names,
 )
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
@@ -533,6 +533,11 @@ class CudaMmaModel(MmaPlan, CompiledModel):
             host = check_rows(x, cols, name)
             if encode and self.spec.encoding.otype != "Identity":
                 host = np.ascontiguousarray(nm.encode(self.spec.encoding, host), dtype=np.float32)
+            elif keep_half and host.dtype == np.float16:  # half the bytes over PCIe, no cast on either side
+                try:
+                    return self.cp.asarray(np.ascontiguousarray(host)), True
+                except _device_errors(self.cp) as exc:
+                    raise LaunchError(f"copying {host.shape} to the device failed: {exc}") from exc
             return self.upload(host), True
         if x.ndim == 1 and cols == 1:
             x = x.reshape(-1, 1)
@@ -577,6 +582,19 @@ class CudaMmaModel(MmaPlan, CompiledModel):
         if half_out and not half_io:
             out = out.astype(cp.float16)
         return self.download(out) if from_host else out
+
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None) -> None:
+        """``forward`` into the host array ``out`` in its own dtype: an fp16 ``out`` is produced
+        on the device (fp16 inputs read as they are), so half the bytes come back and the host
+        casts nothing."""
+        out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
+        dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=True,
+                                   keep_half=out.dtype == np.float16)
+        result = self.forward(dx, out_dtype=out.dtype)
+        try:
+            result.get(out=out)
+        except _device_errors(self.cp) as exc:
+            raise LaunchError(f"copying the output from the device failed: {exc}") from exc
 
     def fused_blocks(self, rows_pad: int) -> int:
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
@@ -1240,6 +1258,7 @@ class CublasLtModel(CompiledModel):
 
     # -- host <-> device ----------------------------------------------------------------------------
     upload = CudaMmaModel.upload
+    forward_to_host = CudaMmaModel.forward_to_host
     download = CudaMmaModel.download
     synchronize = CudaMmaModel.synchronize
     _device_input = CudaMmaModel._device_input

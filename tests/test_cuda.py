@@ -304,6 +304,13 @@ def test_half_io_forward_matches_oracle(backend, cache, variant, overrides):
         assert err <= FWD_TOL, f"{variant} {spec.n_input_dims}->{spec.n_output_dims}, batch {batch}: {err:.2e}"
     host = model.forward(x16, out_dtype="float16")  # host in, host out, same dtype rule
     assert isinstance(host, np.ndarray) and host.dtype == np.float16
+    # the service's path: host input, output written into a host buffer in the buffer's dtype
+    ref = oracle.forward(x16.astype(np.float32))
+    for x_host, dtype in ((x16, np.float16), (x16.astype(np.float32), np.float32), (x16, np.float32)):
+        buf = np.full((x16.shape[0], spec.n_output_dims), np.nan, dtype)
+        model.forward_to_host(x_host, buf)
+        err = rel_err(buf.astype(np.float64), ref)
+        assert err <= FWD_TOL, f"forward_to_host {x_host.dtype} -> {np.dtype(dtype)}: {err:.2e}"
     with pytest.raises(InvalidInput, match="out_dtype"):
         model.forward(x16, out_dtype=np.int32)
 
