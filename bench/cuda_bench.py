@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mmad.bench.torch_peer import forward_fn, torch_mlp, train_step_fn
 from mmad.spec import bench_spec
 
 
@@ -83,34 +84,12 @@ def torch_peers(names: list[str], batch: int, repeats: int) -> dict[str, dict[st
     out = {}
     for name in names:
         spec = bench_spec(name)
-        layers: list[torch.nn.Module] = []
-        for i, (fi, fo) in enumerate(spec.layer_dims):
-            layers.append(torch.nn.Linear(fi, fo))
-            if i < len(spec.layer_dims) - 1:
-                layers.append(torch.nn.ReLU())
-        net = torch.nn.Sequential(*layers).cuda()
+        net = torch_mlp(spec, "cuda")
         x = torch.randn(batch, spec.n_input_dims, device="cuda")
         y = torch.randn(batch, spec.n_output_dims, device="cuda")
-        half = torch.nn.Sequential(*layers).cuda().half()
-        xh = x.half()
-        with torch.inference_mode():
-            half(xh)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                half(xh)
-            fwd = _torch_median(graph.replay, repeats)
-        net = net.float()
-        opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-15, fused=True)
-
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type="cuda", dtype=torch.float16):
-                loss = torch.nn.functional.mse_loss(net(x).float(), y)
-            loss.backward()
-            opt.step()
-
-        out[name] = {"forward_s": fwd, "train_s": _torch_median(step, repeats)}
-        del net, half, opt, x, y
+        out[name] = {"forward_s": _torch_median(forward_fn(net, x), repeats),
+                     "train_s": _torch_median(train_step_fn(net, x, y), repeats)}
+        del net, x, y
         torch.cuda.empty_cache()
     return out
 

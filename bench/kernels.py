@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 from tqdm import tqdm
 
+from mmad.bench.torch_peer import forward_fn, torch_mlp, train_step_fn
 from mmad.spec import MLPSpec, bench_spec
 
 FP16_TOLERANCE = 3e-3
@@ -128,41 +129,16 @@ def bench_torch(names: list[str], batch: int, repeats: int, training: bool, bar:
     results = []
     for name in names:
         spec = bench_spec(name)
-        layers: list[torch.nn.Module] = []
-        for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
-            layers.append(torch.nn.Linear(fan_in, fan_out))
-            if i < len(spec.layer_dims) - 1:
-                layers.append(torch.nn.ReLU())
-        net = torch.nn.Sequential(*layers).to(device)
+        net = torch_mlp(spec, device)
         gen = torch.Generator(device=device).manual_seed(7)
         x = torch.randn(batch, spec.n_input_dims, device=device, generator=gen)
         y = torch.randn(batch, spec.n_output_dims, device=device, generator=gen)
         entry: dict[str, Any] = {"model": name, "backend": f"torch-{torch.__version__}-{device}",
                                  "dtype": str(dtype).replace("torch.", "")}
-        fwd_net = net.half() if on_gpu else net
-        xin = x.to(dtype)
-        with torch.inference_mode():
-            if on_gpu:
-                static_out = fwd_net(xin)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    static_out = fwd_net(xin)
-                entry["forward_s"] = median_seconds(graph.replay, sync, repeats)
-            else:
-                entry["forward_s"] = median_seconds(lambda: fwd_net(xin), sync, repeats)
+        entry["forward_s"] = median_seconds(forward_fn(net, x), sync, repeats)
         bar.update(1)
         if training:
-            net = net.float()
-            opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-15, fused=True)
-
-            def step() -> None:
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(device_type=device, dtype=torch.float16, enabled=on_gpu):
-                    loss = torch.nn.functional.mse_loss(net(x).float(), y)
-                loss.backward()
-                opt.step()
-
-            entry["train_s"] = median_seconds(step, sync, repeats)
+            entry["train_s"] = median_seconds(train_step_fn(net, x, y), sync, repeats)
             bar.update(1)
         results.append(entry)
     return results

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from mmad.backends.cpu import CpuBackend
 from mmad.backends.webgpu import WgpuBackend
+from mmad.bench.torch_peer import forward_fn, torch_mlp, train_step_fn
 from mmad.spec import bench_spec
 
 ROWS = 1 << 20
@@ -42,55 +43,23 @@ REPS = 20
 rows_out = []
 
 
-def torch_peer(spec, x_np, y_np):
-    dims = [spec.n_input_dims] + [spec.n_neurons] * spec.n_hidden_layers + [spec.n_output_dims]
-    layers = []
-    for i in range(len(dims) - 1):
-        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
-        if i < len(dims) - 2:
-            layers.append(torch.nn.ReLU())
-    net = torch.nn.Sequential(*layers).cuda()
-    x = torch.from_numpy(x_np).cuda()
-    y = torch.from_numpy(y_np).cuda()
+def timed(fn):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(REPS):
+        start.record(); fn(); end.record(); end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
-    def timed(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(REPS):
-            start.record(); fn(); end.record(); end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
 
-    half = torch.nn.Sequential(*layers).cuda().half()
-    xh = x.half()
-    static_out = None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.no_grad():
-        for _ in range(3):
-            half(xh)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        static_out = half(xh)
-    fwd = timed(graph.replay)
-    del static_out, graph
-    net = net.float()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-15, fused=True)
-    scaler = torch.amp.GradScaler("cuda", init_scale=128.0, growth_interval=10**9)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = ((net(x) - y) ** 2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    train = timed(step)
-    del net, half, opt, x, y, xh
+def torch_peer(spec, x_np, y_np):
+    net = torch_mlp(spec, "cuda")
+    x, y = torch.from_numpy(x_np).cuda(), torch.from_numpy(y_np).cuda()
+    fwd, train = timed(forward_fn(net, x)), timed(train_step_fn(net, x, y))
+    del net, x, y
     torch.cuda.empty_cache()
     return fwd, train
 
