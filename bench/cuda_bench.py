@@ -419,6 +419,24 @@ def serve_check(backend: str = "cuda") -> list[str]:
     return lines
 
 
+def run_forward(name: str, variant: str, rows: int, times: int = 4) -> str:
+    """Compile one model and run its forward ``times`` times on fresh random rows: the workload
+    for an outside profiler (ncu picks a launch out of these)."""
+    import cupy as cp
+
+    from mmad.backends.cuda import CudaBackend
+
+    spec = bench_spec(name)
+    model = CudaBackend().compile(spec, variant=variant)
+    x = cp.asarray(np.random.default_rng(3).standard_normal((rows, spec.n_input_dims), dtype=np.float32))
+    for _ in range(times):
+        out = model.forward(x)
+    model.synchronize()
+    finite = bool(cp.isfinite(out).all())
+    model.close()
+    return f"{name}:{model.variant} forward x{times} at {rows} rows, output finite: {finite}"
+
+
 def profile_ops(name: str, variant: str, rows: int) -> list[str]:
     """Where a variant's time goes: CUDA events around every kernel launch (and, for cublaslt,
     every matmul) of one forward and one training step after a warm-up."""
@@ -519,11 +537,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="time every kernel/matmul of one forward and training step (repeatable), e.g. M:mma")
     p.add_argument("--sweep-mma", metavar="SETTINGS", help="time the mma kernels per WARPS/MT_TRAIN setting, "
                    "e.g. 4/1,8/1,16/1,4/2 (models from --models)")
+    p.add_argument("--run-forward", metavar="MODEL:VARIANT", help="only run that model's forward a few times at "
+                   "--batch rows (for an outside profiler such as ncu), e.g. S:wgmma")
     p.add_argument("--no-bench", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "batch": args.batch}
+    if args.run_forward:
+        name, _, variant = args.run_forward.partition(":")
+        print(run_forward(name.upper(), variant or "mma", args.batch), flush=True)
+        return 0
     if args.nvmath_check:
         lines = nvmath_check()
         report["nvmath_check"] = lines

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep ncu
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
@@ -144,6 +144,22 @@ for name in 'SW':
       # where the time goes, op by op (CUDA events): PROFILE="M:mma W:cublaslt ..." (run 7: W cublaslt)
       args=""; for item in ${PROFILE:-M:mma W:cublaslt}; do args="$args --profile $item"; done
       timeout 200 python3 -m mmad.bench.cuda_bench --out /tmp/prof $args --no-bench 2>&1 | tee "$OUT/profile.log" | tail -n 80 | tee -a "$SUMMARY" ;;
+    ncu)
+      # Nsight Compute on one forward launch per NCU="MODEL:VARIANT ..." (what limits each kernel:
+      # speed of light, memory, warp stalls, occupancy); one text report per item, tarred into $OUT/ncu.tgz
+      mkdir -p /tmp/ncu
+      NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+      for item in ${NCU:-S:wgmma S:mma M:wgmma M:mma}; do
+        MMAD_CUDA_WGMMA=1 timeout ${NCU_TIMEOUT:-150} "$NCU_BIN" --clock-control none \
+          -k regex:'^(wgmma_forward|mlp_forward)$' --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+          --section Occupancy --section SchedulerStats --section LaunchStats \
+          python3 -m mmad.bench.cuda_bench --out /tmp/ncu --run-forward "$item" > "/tmp/ncu/${item/:/_}.txt" 2>&1
+        echo "ncu $item rc=$?" | tee -a "$SUMMARY"
+        grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp Per|No Eligible|Theoretical Occupancy" \
+          "/tmp/ncu/${item/:/_}.txt" | sed 's/^ */  /' | tee -a "$SUMMARY"
+      done
+      tar czf "$OUT/ncu.tgz" -C /tmp ncu ;;
     nvmath)
       python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
