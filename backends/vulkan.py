@@ -47,10 +47,12 @@ log = logging.getLogger("mmad.vulkan")
 
 VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes); the coopmat forward and backward also bind
-# the fp16 hidden activations
+# the fp16 hidden activations, and coopmat training runs its own forward pipeline
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (9, 20),
                       "finalize": (2, 16)}
-COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "backward": (6, 44)}
+COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
+# coopmat_forward.comp's specialization constant that makes its training pipeline
+TRAINING_CONSTANT = 14
 # hidden activations whose derivative depends only on z > 0: the coopmat kernels then keep no
 # fp32 hidden pre-activations, only the fp16 activations with that bit (flag_nonpositive)
 SIGN_DERIVATIVE_ACTIVATIONS = ("None", "ReLU", "LeakyReLU")
@@ -514,15 +516,17 @@ class VulkanModel(CompiledModel):
                          + np.float32(self.spec.huber_delta).tobytes()
                          + u32(row_base, row_base // geo.rows_per_tile, n_rows))
             if self.variant == "coopmat":  # + the fp16 hidden activations; wgrad reads those
+                forward = p["forward_train"]
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"], b["h"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["h"], b["d"], b["loss"]]
                 wgrad = [x_buf, b["h"], b["d"], b["part"]]
             else:
+                forward = p["forward"]
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]]
                 wgrad = [x_buf, b["z"], b["d"], b["part"]]
             dispatches += [
-                vr.Dispatch(p["forward"], fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
+                vr.Dispatch(forward, fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
                 vr.Dispatch(p["backward"], bwd, loss_push, grid),
             ]
             for layer in range(geo.n_layers):
@@ -858,6 +862,8 @@ class VulkanBackend(Backend):
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
             used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
+            if name == "forward_train":
+                used[TRAINING_CONSTANT] = 1
             key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
                 if key not in self._pipelines:
@@ -971,5 +977,6 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str,
         files["forward"] = "glsl/coopmat_forward.comp"
         files["backward"] = "glsl/coopmat_backward.comp"
         files["wgrad"] = "glsl/coopmat_wgrad.comp"
+        files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
     return {name: shader_source(path, param_header if name == "optimizer" else header)
             for name, path in files.items()}

@@ -15,11 +15,14 @@
 layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
-layout(std430, binding = 0) restrict readonly buffer TargetBuf { float Y[]; };
+layout(std430, binding = 0) restrict readonly buffer TargetBuf { vec4 Y4[]; };
 layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
 layout(std430, binding = 2) restrict readonly buffer ZBuf { float Z[]; };          // fp32 pre-activations
+layout(std430, binding = 2) restrict readonly buffer ZBuf4 { vec4 Z4[]; };         // the same, 4 at a time
 layout(std430, binding = 3) restrict readonly buffer HBuf { float16_t H16[]; };    // flagged hidden activations
 layout(std430, binding = 4) restrict writeonly buffer DBuf { float16_t D16[]; };   // deltas, every layer
+// the same, 4 at a time (the output layer's block only: no element is written through both)
+layout(std430, binding = 4) restrict writeonly buffer DBuf4 { f16vec4 D16x4[]; };
 layout(std430, binding = 5) restrict writeonly buffer LossBuf { float LOSS_PART[]; };
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
@@ -40,35 +43,36 @@ void main() {
     uint dlast = uint(Z_COL[L]) * pc.rows_pad;
     float inv_count = 1.0 / (float(pc.n_total) * float(pc.n_out));
     float loss_sum = 0.0;
-    // 8 elements per pass with their loads unconditional (in bounds: rows_pad rows), so that
-    // they are in flight together; padded rows and columns then contribute nothing
-    const int ITEMS = (R * OUT_PAD + THREADS - 1) / THREADS;
-    for (int it0 = 0; it0 < ITEMS; it0 += 8) {
-        [[unroll]] for (int q = 0; q < 8; ++q) {
-            uint i = tid + uint((it0 + q) * THREADS);
-            if (it0 + q >= ITEMS || i >= uint(R * OUT_PAD)) break;
-            uint r = i / uint(OUT_PAD), c = i - r * uint(OUT_PAD);
-            uint row = row0 + r;
-            uint zrow = zlast + row * uint(OUT_PAD);
-            float z = Z[zrow + c];
-            float target = Y[(pc.row_base + row) * uint(OUT_PAD) + c];
-            bool valid = row < pc.n_rows && c < pc.n_out;
-            float lum = 0.0;
-            if (LOSS_ID == LOSS_REL_L2_LUM && valid) {
-                if (pc.n_out >= 3u) {
-                    lum = 0.299 * activate(OUTPUT_ACT, Z[zrow]) + 0.587 * activate(OUTPUT_ACT, Z[zrow + 1u])
-                        + 0.114 * activate(OUTPUT_ACT, Z[zrow + 2u]);
-                } else {
-                    for (uint k = 0u; k < pc.n_out; ++k) lum += abs(activate(OUTPUT_ACT, Z[zrow + k]));
-                    lum /= float(pc.n_out);
-                }
+    // 4 columns per item, all items unrolled so that their loads are in flight together (in
+    // bounds: rows_pad rows); padded rows and columns then contribute nothing
+    const int ITEMS = (R * OUT_PAD / 4 + THREADS - 1) / THREADS;
+    [[unroll]] for (int it = 0; it < ITEMS; ++it) {
+        uint i = tid + uint(it * THREADS);
+        if (i >= uint(R * OUT_PAD / 4)) break;
+        uint r = i / uint(OUT_PAD / 4), c0 = (i - r * uint(OUT_PAD / 4)) * 4u;
+        uint row = row0 + r;
+        uint zrow = zlast + row * uint(OUT_PAD);
+        vec4 z = Z4[(zrow + c0) / 4u];
+        vec4 target = Y4[((pc.row_base + row) * uint(OUT_PAD) + c0) / 4u];
+        float lum = 0.0;
+        if (LOSS_ID == LOSS_REL_L2_LUM && row < pc.n_rows) {
+            if (pc.n_out >= 3u) {
+                lum = 0.299 * activate(OUTPUT_ACT, Z[zrow]) + 0.587 * activate(OUTPUT_ACT, Z[zrow + 1u])
+                    + 0.114 * activate(OUTPUT_ACT, Z[zrow + 2u]);
+            } else {
+                for (uint k = 0u; k < pc.n_out; ++k) lum += abs(activate(OUTPUT_ACT, Z[zrow + k]));
+                lum /= float(pc.n_out);
             }
-            vec2 term = loss_term(LOSS_ID, pc.huber_delta, activate(OUTPUT_ACT, z), target, lum);
-            loss_sum += valid ? term.x : 0.0;
-            float16_t delta = float16_t(valid ? pre_f16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z)) : 0.0);
-            D16[dlast + row0 * uint(OUT_PAD) + i] = delta;
-            ACT[r * uint(AS) + c] = delta;
         }
+        f16vec4 delta;
+        [[unroll]] for (uint q = 0u; q < 4u; ++q) {
+            bool valid = row < pc.n_rows && c0 + q < pc.n_out;
+            vec2 term = loss_term(LOSS_ID, pc.huber_delta, activate(OUTPUT_ACT, z[q]), target[q], lum);
+            loss_sum += valid ? term.x : 0.0;
+            delta[q] = float16_t(valid ? pre_f16(term.y * inv_count * LOSS_SCALE * activation_grad(OUTPUT_ACT, z[q])) : 0.0);
+            ACT[r * uint(AS) + c0 + q] = delta[q];
+        }
+        D16x4[(dlast + row * uint(OUT_PAD) + c0) / 4u] = delta;
     }
     LOSS_SH[tid] = loss_sum;
     barrier();

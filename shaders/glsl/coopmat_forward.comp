@@ -5,7 +5,8 @@
 // the bias folded in (loaded once per column block from the row-replicated bias block),
 // activation applied element-wise on the accumulators, then converted to fp16 for the next
 // layer, rounding to nearest even (r16 first unless the device's conversion does that itself).
-// With store_z != 0 (training) the kernel keeps what the backward pass and the weight gradients
+// The training pipeline (specialization constant TRAINING = 1; the push constant store_z is
+// the simt kernel's) keeps what the backward pass and the weight gradients
 // read: every hidden layer's fp16 activation (H16, the next layer's exact operand), the output
 // layer's fp32 pre-activation (Z, instead of the output) and, where the hidden activation's
 // derivative needs more than z's side of 0 (STORE_HIDDEN_Z), the hidden fp32 pre-activations.
@@ -25,6 +26,8 @@ layout(std430, binding = 4) restrict writeonly buffer ZBuf { float Z[]; };      
 layout(std430, binding = 5) restrict writeonly buffer HBuf { float16_t H16[]; };  // hidden activations
 // row_base: first row of this chunk in the input (training runs big batches in chunks)
 layout(push_constant) uniform Push { uint rows_pad; uint tiles_x; uint store_z; int hidden_act; int output_act; uint row_base; } pc;
+// a pipeline of its own for training, so that inference carries none of its stores or branches
+layout(constant_id = 14) const int TRAINING = 0;
 
 #include "coopmat_tile.glsl"
 
@@ -62,11 +65,11 @@ void main() {
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
                 uint row = row0 + uint(rb * CM_M);
-                if (pc.store_z != 0u && (last || STORE_HIDDEN_Z == 1))
+                if (TRAINING == 1 && (last || STORE_HIDDEN_Z == 1))
                     coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
                                  gl_CooperativeMatrixLayoutRowMajor);
                 if (last) {
-                    if (pc.store_z == 0u) {  // training reads the pre-activation (above) instead
+                    if (TRAINING == 0) {  // training reads the pre-activation (above) instead
                         [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
                         coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
                                      gl_CooperativeMatrixLayoutRowMajor);
@@ -75,12 +78,12 @@ void main() {
                     [[unroll]] for (int e = 0; e < acc[i].length(); ++e) {
                         float h = pre_f16(activate(HIDDEN_ACT, acc[i][e]));
                         // the flag only matters to the backward pass (-0 multiplies as +0)
-                        acc[i][e] = STORE_HIDDEN_Z == 1 || pc.store_z == 0u ? h : flag_nonpositive(h, acc[i][e]);
+                        acc[i][e] = STORE_HIDDEN_Z == 1 || TRAINING == 0 ? h : flag_nonpositive(h, acc[i][e]);
                     }
                     ACC16_T h = ACC16_T(acc[i]);
                     coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
                                  gl_CooperativeMatrixLayoutRowMajor);
-                    if (pc.store_z != 0u)
+                    if (TRAINING == 1)
                         coopMatStore(h, H16, hbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
                                      gl_CooperativeMatrixLayoutRowMajor);
                 }
