@@ -80,6 +80,7 @@ WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
 WGMMA_THREADS = 128  # one warpgroup
 WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"  # forces 1 or 2 warpgroups per block
+WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"  # forces 1 or 2 prefetched input tiles per warpgroup
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
 
@@ -820,11 +821,14 @@ class WgmmaPlan:
     images sit back to back, each on a 1024-byte boundary.
     """
 
-    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None):
+    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None,
+                 stages: int | None = None):
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
         if warpgroups not in (None, 1, 2):
             raise SpecError("warpgroups", f"the wgmma kernel runs 1 or 2 warpgroups per block; got {warpgroups!r}")
+        if stages not in (None, 1, 2):
+            raise SpecError("stages", f"the wgmma kernel prefetches 1 or 2 input tiles per warpgroup; got {stages!r}")
         self.spec = spec
         self.nin = spec.n_encoded_dims
         self.kin_p = next_pow2(self.nin, 16)
@@ -843,28 +847,37 @@ class WgmmaPlan:
         self.w_total_bytes = offset
         self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
         self.b_total = self.n_hidden * self.wp + self.nout_p
-        self._plan_shared_memory(smem_limit, warpgroups)
+        self._plan_shared_memory(smem_limit, warpgroups, stages)
         self.source = self._source()
 
-    def _plan_shared_memory(self, limit: int, warpgroups: int | None) -> None:
+    def _plan_shared_memory(self, limit: int, warpgroups: int | None, stages: int | None) -> None:
         """The first that fits of: resident weights shared by two warpgroups (each with its own
-        input tile, prefetched if room), by one warpgroup, then one layer's weights at a time
-        (one warpgroup: the stage is refilled for every layer of every tile)."""
+        input tile, and two, one or no next tiles prefetched), by one warpgroup, then one layer's
+        weights at a time (one warpgroup: the stage is refilled for every layer of every tile).
+
+        Two prefetched tiles per warpgroup: ncu (run 16) found the forward waiting on memory —
+        DRAM at 61-69% of its peak, no eligible warp in 64-68% of the cycles, 16 warps per SM
+        with one 64-row input tile in flight per warpgroup."""
         self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
         self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
         b_bytes = _align(self.b_total * 4)
         stage = max(_align(n * k * 2) for _, _, k, n, _, _ in self.layers)
-        choices = [(True, wgs, staged) for wgs in (2, 1) for staged in (True, False)]
-        choices += [(False, 1, True), (False, 1, False)]
+        # (weights resident, warpgroups, prefetched input tiles per warpgroup); streamed weights
+        # wait for all copies per layer, so a second prefetched tile would not stay in flight there
+        choices = [(True, wgs, x) for wgs in (2, 1) for x in (2, 1, 0)]
+        choices += [(False, 1, 1), (False, 1, 0)]
         tried = []
-        for resident, wgs, staged in choices:
+        for resident, wgs, x_stages in choices:
             if warpgroups is not None and wgs != warpgroups:
                 continue
+            if stages is not None and x_stages not in (0, stages):
+                continue
             w_bytes = self.w_total_bytes if resident else stage
-            total = w_bytes + wgs * self.a_bytes + b_bytes + (wgs * self.x_bytes if staged else 0) + WGMMA_ALIGN
+            total = w_bytes + wgs * self.a_bytes + b_bytes + wgs * x_stages * self.x_bytes + WGMMA_ALIGN
             tried.append(total)
             if total <= limit:
-                self.w_resident, self.warpgroups, self.input_staged = resident, wgs, staged
+                self.w_resident, self.warpgroups, self.input_staged = resident, wgs, x_stages > 0
+                self.x_stages = max(x_stages, 1)
                 self.sm_a_off = w_bytes
                 self.sm_b_off = w_bytes + wgs * self.a_bytes
                 self.sm_x_off = self.sm_b_off + b_bytes
@@ -955,7 +968,7 @@ class WgmmaPlan:
             "W_HID_STRIDE": _align(self.wp * self.wp * 2),
             "W_OFF_OUT": self.layers[-1][5], "W_TOTAL_BYTES": self.w_total_bytes, "B_TOTAL": self.b_total,
             "SM_A_OFF": self.sm_a_off, "A_BYTES": self.a_bytes, "SM_B_OFF": self.sm_b_off,
-            "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes,
+            "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes, "X_STAGES": self.x_stages,
         }
         head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
@@ -974,7 +987,8 @@ class CudaWgmmaModel(CudaMmaModel):
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
         forced = _env_choice(WGMMA_WARPGROUPS_ENV, (1, 2), 0)  # measuring 1 against 2; 0: the plan decides
-        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=forced or None)
+        stages = _env_choice(WGMMA_STAGES_ENV, (1, 2), 0)
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=forced or None, stages=stages or None)
         self._wg_stale = True
         super().__init__(spec, cp, info, cache)
         self._wg_module = self._build_wgmma(cache)

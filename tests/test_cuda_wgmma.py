@@ -101,6 +101,8 @@ def test_shared_memory_plan_of_the_benchmark_models():
     # S, M: resident weights shared by two warpgroups, each prefetching its next input tile
     for name in "SM":
         assert (plans[name].w_resident, plans[name].warpgroups, plans[name].input_staged) == (True, 2, True)
+        assert plans[name].x_stages == 2  # two input tiles in flight per warpgroup
+        assert WgmmaPlan(bench_spec(name), stages=1).x_stages == 1
     # L: 160 KiB of weights leave room for two input tiles but not for two prefetch buffers
     assert (plans["L"].w_resident, plans["L"].warpgroups, plans["L"].input_staged) == (True, 2, False)
     one = WgmmaPlan(bench_spec("L"), warpgroups=1)
@@ -114,7 +116,8 @@ def test_shared_memory_plan_of_the_benchmark_models():
         for off in (plan.sm_a_off, plan.a_bytes, plan.sm_b_off, plan.sm_x_off, plan.x_bytes):
             assert off % 1024 == 0
         assert plan.sm_b_off == plan.sm_a_off + plan.warpgroups * plan.a_bytes
-        assert plan.smem_bytes >= plan.sm_x_off + (plan.warpgroups * plan.x_bytes if plan.input_staged else 0) + 1024
+        staging = plan.warpgroups * plan.x_stages * plan.x_bytes if plan.input_staged else 0
+        assert plan.smem_bytes >= plan.sm_x_off + staging + 1024
     with pytest.raises(SpecError):
         WgmmaPlan(bench_spec("S", precision="fp32"))
     with pytest.raises(SpecError):
@@ -446,6 +449,25 @@ def test_wgmma_forced_warpgroups(wgmma_backend, cache, monkeypatch, name, warpgr
     x = inputs(rng, 70_001, spec)
     err = rel_err(model.forward(x), oracle.forward(x))
     assert err <= FWD_TOL, f"{name} with {warpgroups} warpgroups: rel. err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", ["1", "2"])
+@pytest.mark.parametrize("name", ["S", "M"])
+def test_wgmma_input_stages(wgmma_backend, cache, monkeypatch, name, stages):
+    """The ring of prefetched input tiles: many tiles per warpgroup and a ragged last tile."""
+    monkeypatch.setenv(cuda.WGMMA_STAGES_ENV, stages)
+    rng = np.random.default_rng(100 + int(stages))
+    spec = bench_spec(name, activation="LeakyReLU")
+    model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+    assert model.wg.x_stages == int(stages) and model.wg.input_staged
+    oracle = CpuBackend("float64").compile(spec)
+    oracle.set_params(model.get_params())
+    x = inputs(rng, 500_001, spec)
+    out = model.forward(x)
+    check = np.concatenate([np.sort(rng.choice(500_001 - 100, 8192, replace=False)), np.arange(500_001 - 100, 500_001)])
+    err = rel_err(out[check], oracle.forward(x[check]))
+    assert err <= FWD_TOL, f"{name} with {stages} prefetched tiles: rel. err {err:.2e}"
 
 
 @pytest.mark.gpu

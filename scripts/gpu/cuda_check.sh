@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests sass nvmath serve bench cublaslt profile sweep ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests sass nvmath serve bench cublaslt profile sweep ncu
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
@@ -136,6 +136,32 @@ for name in 'SW':
         grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
+    wgmma-stages)
+      # the wgmma forward's input prefetch depth (MMAD_CUDA_WGMMA_STAGES 2 against 1) and mma, same
+      # call: quick correctness slice, bench of WGMMA_MODELS, racecheck on S with the default plan
+      W=/tmp/wgmma-stages; mkdir -p "$W"
+      ( export MMAD_CUDA_WGMMA=1
+        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" -n 6 tests/test_cuda_wgmma.py \
+          -k "rows1000 or odd or forced or stages" --timeout 120 -q --tb=short -rfE > "$W/pytest_quick.log" 2>&1
+        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"; grep -E "^(FAILED|ERROR) " "$W/pytest_quick.log" | head -10
+        for setting in "wgmma 2" "wgmma 1" "mma 0"; do
+          set -- $setting
+          MMAD_CUDA_WGMMA_STAGES=$([ "$2" = 0 ] && echo "" || echo "$2") timeout ${BENCH_TIMEOUT:-150} \
+            python3 -m mmad.bench.cuda_bench --out "$W/bench_$1_$2" --variant $1 --models ${WGMMA_MODELS:-S,M,L} \
+            --repeats 30 > "$W/bench_$1_$2.log" 2>&1
+          echo "bench $1 stages=$2 rc=$?"; grep -E "^\| [SMLW] " "$W/bench_$1_$2.log"
+        done
+        SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+        timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool racecheck --error-exitcode 3 python3 -c "
+import numpy as np
+from mmad.backends.cuda import CudaBackend
+from mmad.spec import bench_spec
+m = CudaBackend().compile(bench_spec('S'), variant='wgmma')
+out = m.forward(np.random.default_rng(0).standard_normal((5000, 32), dtype=np.float32))
+print('S stages', m.wg.x_stages, 'finite' if np.isfinite(out).all() else 'NOT FINITE')" > "$W/racecheck.log" 2>&1
+        echo "racecheck rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/racecheck.log" | tr '\n' ' ')"
+      ) 2>&1 | tee -a "$SUMMARY"
+      tar czf "$OUT/wgmma-stages.tgz" -C /tmp wgmma-stages ;;
     sweep)
       # mma kernel geometry: SWEEP="4/1,8/1,..." (warps per block / 16-row tiles per warp in training)
       timeout ${SWEEP_TIMEOUT:-240} python3 -m mmad.bench.cuda_bench --out /tmp/sweep --models ${SWEEP_MODELS:-S,M,L} \

@@ -10,13 +10,15 @@
 //   ACT OUT_ACT         activation codes (mlp_common.cuh)
 //   W_RESIDENT          1: every layer's weights stay in shared memory for the whole launch;
 //                       0: one layer at a time is copied into one stage before its products
-//   INPUT_STAGED        1: the next tile's fp32 input is prefetched into shared memory by
-//                       cp.async while this tile computes; 0: read from global when converted
+//   INPUT_STAGED        1: the next X_STAGES tiles' fp32 inputs are prefetched into shared memory
+//                       by cp.async while this tile computes (a ring of X_STAGES staging tiles
+//                       per warpgroup); 0: read from global when converted
 //   W_BYTES0 W_OFF1 W_HID_STRIDE W_OFF_OUT W_TOTAL_BYTES   weight image sizes/offsets (bytes)
 //   B_TOTAL             floats in the bias image (layer l at l * WP, the output at NHID * WP)
 //   WGS                 warpgroups per block (they share the resident weights; 1 when streamed)
 //   SM_A_OFF A_BYTES SM_B_OFF SM_X_OFF X_BYTES   shared-memory sections (bytes from a
-//                       1024-aligned base): weights, WGS input A tiles, biases, WGS staging tiles
+//                       1024-aligned base): weights, WGS input A tiles, biases, WGS x X_STAGES
+//                       staging tiles
 //
 // Each warpgroup (128 threads) computes 64-row tiles, persistent over the grid; warpgroups of
 // one block meet only at the start (weights and biases), then sync on their own named barrier.
@@ -41,6 +43,9 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// every committed group but the newest N complete
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 // generic-proxy writes (st.shared, cp.async) become visible to wgmma (the async proxy)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -113,7 +118,9 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
     const u32 s_w = smem_addr(smem), s_a = s_w + SM_A_OFF + wg * A_BYTES;
     unsigned char* a_tile = smem + SM_A_OFF + wg * A_BYTES;
     float* bias_s = reinterpret_cast<float*>(smem + SM_B_OFF);
-    float* staging = reinterpret_cast<float*>(smem + SM_X_OFF + wg * X_BYTES);
+    // staging tile s of this warpgroup: the input of its (s mod X_STAGES)-th tile
+    float* const staging = reinterpret_cast<float*>(smem + SM_X_OFF + wg * X_STAGES * X_BYTES);
+    constexpr int X_FLOATS = X_BYTES / 4;
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 tile_step = (i64)gridDim.x * WGS;
 
@@ -125,19 +132,27 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
     cp_async_wait_all();
     fence_proxy_async();  // resident weights (cp.async) are read by wgmma
     __syncthreads();      // biases and weights visible to every warpgroup
+    // the ring's other tiles, one cp.async group each (empty groups keep the count regular)
+#pragma unroll
+    for (int s = 1; s < X_STAGES; ++s) {
+        if (INPUT_STAGED && tile + s * tile_step < n_tiles)
+            stage_input(staging + s * X_FLOATS, x, rows, tile + s * tile_step);
+        cp_async_commit();
+    }
 
-    for (; tile < n_tiles; tile += tile_step) {
-        cp_async_wait_all();
+    for (int it = 0; tile < n_tiles; tile += tile_step, ++it) {
+        float* const staged = staging + (it % X_STAGES) * X_FLOATS;
+        cp_async_wait_group<X_STAGES - 1>();  // this tile's group is done; later tiles' may still fly
         wg_sync();  // staged input visible; this warpgroup's reads of the last tile are done
-        if (INPUT_STAGED) convert_input(staging, 64 * NIN, a_tile);
+        if (INPUT_STAGED) convert_input(staged, 64 * NIN, a_tile);
         else convert_input(x + tile * 64 * NIN, rows * NIN - tile * 64 * NIN, a_tile);
         if (!W_RESIDENT) { copy_async(s_w, wimg, W_BYTES0); cp_async_commit(); cp_async_wait_all(); }
         fence_proxy_async();  // A tile (st.shared) and streamed weights (cp.async) are read by wgmma next
         wg_sync();
-        if (INPUT_STAGED && tile + tile_step < n_tiles) {  // staging is free: prefetch the next tile
-            stage_input(staging, x, rows, tile + tile_step);
-            cp_async_commit();
-        }
+        // this staging tile is free: the tile X_STAGES ahead goes into it (always one group)
+        if (INPUT_STAGED && tile + X_STAGES * tile_step < n_tiles)
+            stage_input(staged, x, rows, tile + X_STAGES * tile_step);
+        cp_async_commit();
 
         float d[WP / 2];
         u32 a[WP / 4];
