@@ -82,6 +82,7 @@ WGMMA_THREADS = 128  # one warpgroup
 WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"  # forces 1 or 2 warpgroups per block
 WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"  # forces 1 or 2 prefetched input tiles per warpgroup
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+WGMMA_SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (each block also takes 1 KiB for the system)
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
 
 # one m64n8k16 with A from registers (all 1.0) and B (8 x 16, all 1.0) from a 32-byte-swizzled
@@ -857,7 +858,9 @@ class WgmmaPlan:
 
         Two prefetched tiles per warpgroup: ncu (run 16) found the forward waiting on memory —
         DRAM at 61-69% of its peak, no eligible warp in 64-68% of the cycles, 16 warps per SM
-        with one 64-row input tile in flight per warpgroup."""
+        with one 64-row input tile in flight per warpgroup. Only where two blocks still fit on
+        an SM: M's second ring tile left one block per SM and took 12% off (run 17), S gained 5%.
+        """
         self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
         self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
         b_bytes = _align(self.b_total * 4)
@@ -875,6 +878,8 @@ class WgmmaPlan:
             w_bytes = self.w_total_bytes if resident else stage
             total = w_bytes + wgs * self.a_bytes + b_bytes + wgs * x_stages * self.x_bytes + WGMMA_ALIGN
             tried.append(total)
+            if x_stages == 2 and stages is None and 2 * (total + 1024) > WGMMA_SMEM_PER_SM:
+                continue  # the second ring tile would cost a resident block
             if total <= limit:
                 self.w_resident, self.warpgroups, self.input_staged = resident, wgs, x_stages > 0
                 self.x_stages = max(x_stages, 1)

@@ -101,8 +101,11 @@ def test_shared_memory_plan_of_the_benchmark_models():
     # S, M: resident weights shared by two warpgroups, each prefetching its next input tile
     for name in "SM":
         assert (plans[name].w_resident, plans[name].warpgroups, plans[name].input_staged) == (True, 2, True)
-        assert plans[name].x_stages == 2  # two input tiles in flight per warpgroup
         assert WgmmaPlan(bench_spec(name), stages=1).x_stages == 1
+        assert WgmmaPlan(bench_spec(name), stages=2).x_stages == 2
+    # two input tiles in flight per warpgroup where two blocks still fit on an SM: S, not M
+    assert (plans["S"].x_stages, plans["M"].x_stages) == (2, 1)
+    assert 2 * (plans["S"].smem_bytes + 1024) <= cuda.WGMMA_SMEM_PER_SM
     # L: 160 KiB of weights leave room for two input tiles but not for two prefetch buffers
     assert (plans["L"].w_resident, plans["L"].warpgroups, plans["L"].input_staged) == (True, 2, False)
     one = WgmmaPlan(bench_spec("L"), warpgroups=1)
