@@ -80,7 +80,8 @@ WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
 WGMMA_THREADS = 128  # one warpgroup
 WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"  # forces 1 or 2 warpgroups per block
-WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"  # forces 1 or 2 prefetched input tiles per warpgroup
+WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"  # forces 0, 1 or 2 prefetched input tiles per warpgroup
+WGMMA_MIN_BLOCKS_ENV = "MMAD_CUDA_WGMMA_MIN_BLOCKS"  # __launch_bounds__ blocks per SM (1-4; measuring)
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 WGMMA_SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (each block also takes 1 KiB for the system)
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
@@ -828,8 +829,8 @@ class WgmmaPlan:
             raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
         if warpgroups not in (None, 1, 2):
             raise SpecError("warpgroups", f"the wgmma kernel runs 1 or 2 warpgroups per block; got {warpgroups!r}")
-        if stages not in (None, 1, 2):
-            raise SpecError("stages", f"the wgmma kernel prefetches 1 or 2 input tiles per warpgroup; got {stages!r}")
+        if stages not in (None, 0, 1, 2):
+            raise SpecError("stages", f"the wgmma kernel prefetches 0, 1 or 2 input tiles per warpgroup; got {stages!r}")
         self.spec = spec
         self.nin = spec.n_encoded_dims
         self.kin_p = next_pow2(self.nin, 16)
@@ -974,6 +975,7 @@ class WgmmaPlan:
             "W_OFF_OUT": self.layers[-1][5], "W_TOTAL_BYTES": self.w_total_bytes, "B_TOTAL": self.b_total,
             "SM_A_OFF": self.sm_a_off, "A_BYTES": self.a_bytes, "SM_B_OFF": self.sm_b_off,
             "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes, "X_STAGES": self.x_stages,
+            "MIN_BLOCKS": _env_choice(WGMMA_MIN_BLOCKS_ENV, (1, 2, 3, 4), 1),
         }
         head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
@@ -992,8 +994,9 @@ class CudaWgmmaModel(CudaMmaModel):
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
         forced = _env_choice(WGMMA_WARPGROUPS_ENV, (1, 2), 0)  # measuring 1 against 2; 0: the plan decides
-        stages = _env_choice(WGMMA_STAGES_ENV, (1, 2), 0)
-        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=forced or None, stages=stages or None)
+        stages = _env_choice(WGMMA_STAGES_ENV, (0, 1, 2), -1)  # measuring; -1 (unset): the plan decides
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=forced or None,
+                            stages=None if stages < 0 else stages)
         self._wg_stale = True
         super().__init__(spec, cp, info, cache)
         self._wg_module = self._build_wgmma(cache)

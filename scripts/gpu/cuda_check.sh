@@ -142,14 +142,15 @@ for name in 'SW':
       W=/tmp/wgmma-stages; mkdir -p "$W"
       ( export MMAD_CUDA_WGMMA=1
         timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" -n 6 tests/test_cuda_wgmma.py \
-          -k "rows1000 or odd or forced or stages" --timeout 120 -q --tb=short -rfE > "$W/pytest_quick.log" 2>&1
+          -k "${WGMMA_QUICK_K:-rows1000 or odd or forced or stages}" --timeout 120 -q --tb=short -rfE > "$W/pytest_quick.log" 2>&1
         echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"; grep -E "^(FAILED|ERROR) " "$W/pytest_quick.log" | head -10
-        for setting in "wgmma 2" "wgmma 1" "mma 0"; do
-          set -- $setting
-          MMAD_CUDA_WGMMA_STAGES=$([ "$2" = 0 ] && echo "" || echo "$2") timeout ${BENCH_TIMEOUT:-150} \
-            python3 -m mmad.bench.cuda_bench --out "$W/bench_$1_$2" --variant $1 --models ${WGMMA_MODELS:-S,M,L} \
-            --repeats 30 > "$W/bench_$1_$2.log" 2>&1
-          echo "bench $1 stages=$2 rc=$?"; grep -E "^\| [SMLW] " "$W/bench_$1_$2.log"
+        # WGMMA_SETTINGS: "variant/stages/min-blocks ..." ("-": the plan's choice)
+        for setting in ${WGMMA_SETTINGS:-wgmma/2/- wgmma/1/- mma/-/-}; do
+          IFS=/ read -r v st mb <<< "$setting"
+          MMAD_CUDA_WGMMA_STAGES=${st#-} MMAD_CUDA_WGMMA_MIN_BLOCKS=${mb#-} timeout ${BENCH_TIMEOUT:-150} \
+            python3 -m mmad.bench.cuda_bench --out "$W/bench_${v}_${st}_${mb}" --variant $v --models ${WGMMA_MODELS:-S,M,L} \
+            --repeats 30 > "$W/bench_${v}_${st}_${mb}.log" 2>&1
+          echo "bench $v stages=$st min_blocks=$mb rc=$?"; grep -E "^\| [SMLW] " "$W/bench_${v}_${st}_${mb}.log"
         done
         SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
         timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool racecheck --error-exitcode 3 python3 -c "
@@ -180,10 +181,14 @@ print('S stages', m.wg.x_stages, 'finite' if np.isfinite(out).all() else 'NOT FI
           -k regex:'^(wgmma_forward|mlp_forward)$' --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section Occupancy --section SchedulerStats --section LaunchStats \
+          --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
           python3 -m mmad.bench.cuda_bench --out /tmp/ncu --run-forward "$item" > "/tmp/ncu/${item/:/_}.txt" 2>&1
         echo "ncu $item rc=$?" | tee -a "$SUMMARY"
         grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp Per|No Eligible|Theoretical Occupancy" \
           "/tmp/ncu/${item/:/_}.txt" | sed 's/^ */  /' | tee -a "$SUMMARY"
+        # the five largest stall reasons (warps stalled per issued instruction)
+        grep -E "smsp__average_warps_issue_stalled_" "/tmp/ncu/${item/:/_}.txt" | awk '{print $NF, $1}' | sort -gr | head -5 \
+          | sed 's/^/  stall /' | tee -a "$SUMMARY"
       done
       tar czf "$OUT/ncu.tgz" -C /tmp ncu ;;
     nvmath)

@@ -16,6 +16,7 @@
 //   W_BYTES0 W_OFF1 W_HID_STRIDE W_OFF_OUT W_TOTAL_BYTES   weight image sizes/offsets (bytes)
 //   B_TOTAL             floats in the bias image (layer l at l * WP, the output at NHID * WP)
 //   WGS                 warpgroups per block (they share the resident weights; 1 when streamed)
+//   MIN_BLOCKS          blocks per SM the register allocation must allow (__launch_bounds__)
 //   SM_A_OFF A_BYTES SM_B_OFF SM_X_OFF X_BYTES   shared-memory sections (bytes from a
 //                       1024-aligned base): weights, WGS input A tiles, biases, WGS x X_STAGES
 //                       staging tiles
@@ -107,7 +108,7 @@ __device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const fl
         }
 }
 
-extern "C" __global__ void __launch_bounds__(128 * WGS, 1)
+extern "C" __global__ void __launch_bounds__(128 * WGS, MIN_BLOCKS)
 wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
               const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
     extern __shared__ unsigned char smem_raw[];
