@@ -14,9 +14,14 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
 
 if [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   # bookworm-backports from the same mirror the machine already uses
-  if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    mirror=$(grep -rhoE '(URIs:|deb) +[a-z]+://[^ ]+' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null \
-             | grep -v security | head -n1 | awk '{print $2}')
+  if ! grep -qs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; then
+    # the first Debian archive among the enabled source files (not security, not third-party repos)
+    sources=()
+    for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+      [ -f "$f" ] && sources+=("$f")
+    done
+    mirror=$(awk '$1 == "deb" || $1 == "URIs:" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\/[^ ]*\/debian\/?$/) { print $i; exit } }' \
+             "${sources[@]}" /dev/null)
     echo "deb ${mirror:?no Debian mirror found in /etc/apt} bookworm-backports main" \
       | as_root tee /etc/apt/sources.list.d/mmad-backports.list >/dev/null
   fi
