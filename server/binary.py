@@ -32,6 +32,17 @@ def _padded_header(doc: dict[str, Any]) -> bytes:
     return json_bytes + b" " * (-len(json_bytes) % DATA_ALIGN)
 
 
+def _response_body(json_bytes: bytes, data_bytes: int) -> np.ndarray:
+    """A response body: ``json_bytes`` then ``data_bytes`` left for the tensors to be written.
+
+    NumPy's ``empty``, not a ``bytearray``, which would first zero the whole body (8 MiB for a
+    65,536-row FP16 response) on the event loop.
+    """
+    body = np.empty(len(json_bytes) + data_bytes, dtype=np.uint8)
+    body[:len(json_bytes)] = np.frombuffer(json_bytes, dtype=np.uint8)
+    return body
+
+
 @dataclass
 class InferRequest:
     """A parsed request: the JSON header and its tensors by name (float views of the body)."""
@@ -215,8 +226,7 @@ def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoi
     if not binaries:
         return orjson.dumps({**header, "outputs": entries}, option=orjson.OPT_SERIALIZE_NUMPY), None
     json_bytes = _padded_header({**header, "outputs": entries})
-    body = bytearray(len(json_bytes) + sum(a.size * d.itemsize for a, d in binaries))
-    body[:len(json_bytes)] = json_bytes
+    body = _response_body(json_bytes, sum(a.size * d.itemsize for a, d in binaries))
     offset = len(json_bytes)
     for array, dtype in binaries:
         target = np.frombuffer(body, dtype=dtype, count=array.size, offset=offset).reshape(array.shape)
@@ -240,7 +250,6 @@ def binary_response_buffer(header: dict[str, Any], choice: OutputChoice, shape: 
     entry = {"name": choice.name, "datatype": choice.datatype, "shape": list(shape),
              "parameters": {"binary_data_size": size * dtype.itemsize}}
     json_bytes = _padded_header({**header, "outputs": [entry]})
-    body = bytearray(len(json_bytes) + size * dtype.itemsize)
-    body[:len(json_bytes)] = json_bytes
+    body = _response_body(json_bytes, size * dtype.itemsize)
     tensor = np.frombuffer(body, dtype=dtype, count=size, offset=len(json_bytes)).reshape(shape)
     return memoryview(body), len(json_bytes), tensor

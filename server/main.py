@@ -78,6 +78,20 @@ def limit_blas_threads(threads: int) -> None:
         log.warning("--blas-threads %d: NumPy loaded no BLAS library that can be limited", threads)
 
 
+def http_protocol(settings: Settings):
+    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.http`'s
+    protocol, which reads large infer bodies in place; h11 as uvicorn has it."""
+    if settings.http == "h11":
+        return "h11"
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # as uvicorn does: auto falls back to h11, an explicit httptools fails at start-up
+        return settings.http
+    from mmad.server.http import protocol_class
+
+    return protocol_class(settings.max_body_bytes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            loop=settings.loop, http=settings.http,
+                            loop=settings.loop, http=http_protocol(settings),
                             timeout_graceful_shutdown=settings.graceful_timeout_s, lifespan="on",
                             access_log=settings.log_level == "debug")
     server = GracefulServer(config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import zlib
 from typing import Any
@@ -54,15 +55,16 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
 
 def all_finite(array: np.ndarray) -> bool:
     if array.dtype == np.float16:  # NumPy's float16 isfinite is ~10x slower than this exponent test
-        return not np.any((array.view(np.uint16) & 0x7C00) == 0x7C00)
+        return (array.view(np.uint16) & np.uint16(0x7C00)).max(initial=0) != 0x7C00
     return bool(np.isfinite(array).all())
 
 
 def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int],
-                  keep_fp16: bool = False) -> dict[str, np.ndarray]:
+                  keep_fp16: bool = False, check_finite: bool = True) -> dict[str, np.ndarray]:
     """The request's tensors as float32 [rows, cols], all with the same rows, finite unless allowed.
 
     ``keep_fp16``: FP16 tensors stay float16 views of the body (the forward casts them chunk by chunk).
+    ``check_finite=False``: the caller checks finiteness (:func:`check_finite_input`).
     """
     unknown = sorted(set(request.tensors) - set(names))
     if unknown:
@@ -79,10 +81,15 @@ def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int
         rows = array.shape[0]
         if not (keep_fp16 and array.dtype == np.float16):
             array = array.astype(np.float32, copy=False)
-        if not entry.config.allow_nonfinite and not all_finite(array):
-            raise InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
+        if check_finite:
+            check_finite_input(entry, name, array)
         out[name] = array
     return out
+
+
+def check_finite_input(entry: ModelEntry, name: str, array: np.ndarray) -> None:
+    if not entry.config.allow_nonfinite and not all_finite(array):
+        raise InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
 
 
 INFLATE_STEP = 1 << 20  # inflate in steps, so a bomb costs at most the cap plus one step
@@ -189,37 +196,46 @@ async def _infer(request: Request, rt: Runtime, model: str, version: str | None)
             registry.check_version(model, version)
         parsed = await parse_tensors(rt, request)
         names = {INPUT: entry.spec.n_input_dims}
+        checking = None
         if sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES:
             x = model_tensors(entry, parsed, names, keep_fp16=True)[INPUT]
-        else:  # the finiteness check of a large tensor: off the event loop
-            x = (await registry.run(model_tensors, entry, parsed, names, True))[INPUT]
-        outputs = requested_outputs(parsed, (OUTPUT,))
-        header = {"model_name": model, "model_version": version or registry.latest_version(model)}
-        if parsed.id is not None:
-            header["id"] = parsed.id
-        out_shape = (x.shape[0], entry.spec.n_output_dims)
-        body, out = None, None
-        if len(outputs) == 1 and outputs[0].binary:  # the forward writes (and casts) into the response
-            body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
-        t1 = time.perf_counter_ns()
-        if version is None:
-            batcher = entry.batcher  # None once an unload that began while the body was read finished
-            if batcher is None:
-                raise ModelNotReady(model)
-            result = await batcher.submit(x, out)
-            out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
         else:
-            out = await registry.run(registry.forward_pinned, entry, version, x,
-                                     np.empty(out_shape, dtype=np.float32) if out is None else out)
-            queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
-            registry.record_batch(entry, x.shape[0], 1, compute_ns)
-        t2 = time.perf_counter_ns()
-        if body is None:
-            outs = [(o, out) for o in outputs]
-            if out.size <= INLINE_TENSOR_VALUES:
-                body, header_length = encode_infer_response(header, outs)
+            # a large tensor's finiteness is checked on a compute thread while its forward runs: in
+            # series it held the forward back ~1.5 ms per 65,536 FP16 rows; a refused input's
+            # output is never sent
+            x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
+            checking = asyncio.ensure_future(registry.run(check_finite_input, entry, INPUT, x))
+        try:
+            outputs = requested_outputs(parsed, (OUTPUT,))
+            header = {"model_name": model, "model_version": version or registry.latest_version(model)}
+            if parsed.id is not None:
+                header["id"] = parsed.id
+            out_shape = (x.shape[0], entry.spec.n_output_dims)
+            body, out = None, None
+            if len(outputs) == 1 and outputs[0].binary:  # the forward writes (and casts) into the response
+                body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
+            t1 = time.perf_counter_ns()
+            if version is None:
+                batcher = entry.batcher  # None once an unload that began while the body was read finished
+                if batcher is None:
+                    raise ModelNotReady(model)
+                result = await batcher.submit(x, out)
+                out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
             else:
-                body, header_length = await registry.run(encode_infer_response, header, outs)
+                out = await registry.run(registry.forward_pinned, entry, version, x,
+                                         np.empty(out_shape, dtype=np.float32) if out is None else out)
+                queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+                registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            t2 = time.perf_counter_ns()
+            if body is None:
+                outs = [(o, out) for o in outputs]
+                if out.size <= INLINE_TENSOR_VALUES:
+                    body, header_length = encode_infer_response(header, outs)
+                else:
+                    body, header_length = await registry.run(encode_infer_response, header, outs)
+        finally:
+            if checking is not None:
+                await checking  # its InvalidInput, if any, is the answer
     except MMADError as exc:
         if stats is not None:
             with stats.lock:
