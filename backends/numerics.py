@@ -42,6 +42,22 @@ def activate(name: str, z: np.ndarray) -> np.ndarray:
     raise ValueError(f"unknown activation {name!r}")
 
 
+def activate_in_place(name: str, z: np.ndarray) -> np.ndarray:
+    """``activate(name, z)`` written over ``z`` and returned: one ufunc pass without a temporary
+    where one ufunc is the activation (the host forward's hot path), else through ``activate``."""
+    if name == "None":
+        return z
+    if name == "ReLU":
+        return np.maximum(z, z.dtype.type(0), out=z)
+    if name in _ONE_UFUNC:
+        return _ONE_UFUNC[name](z, out=z)
+    z[...] = activate(name, z)
+    return z
+
+
+_ONE_UFUNC = {"Tanh": np.tanh, "Exponential": np.exp, "Sine": np.sin}
+
+
 def activation_grad(name: str, z: np.ndarray) -> np.ndarray:
     """d activate(z) / dz, element-wise."""
     if name == "None":

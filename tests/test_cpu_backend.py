@@ -218,29 +218,32 @@ def test_half_to_float_matches_numpy_on_every_float16():
 
 def test_float_to_half_matches_numpy_rounding():
     """Bit-identical to NumPy's cast where rounding is decided: every float16 value, the midpoints
-    between neighbours (ties to even) and one float32 ulp either side, subnormals, overflow, Inf,
-    and random values over the whole exponent range. (An exhaustive run over all 2^32 float32
-    bit patterns matched as well; too slow for the suite.)"""
+    between neighbours (ties to even) and one float32 ulp either side, subnormals, the largest
+    values that still round to 65504, and random values over the finite FP16 range, all on the
+    fast path (an array holding a value from 65520 up takes NumPy's cast); then overflow, Inf and
+    NaN through NumPy's cast. (An exhaustive run over all 2^32 float32 bit patterns matched as
+    well; too slow for the suite.)"""
     from mmad.backends.cpu import float_to_half
 
-    halves = np.arange(0x7C01, dtype=np.uint16).view(np.float16).astype(np.float64)  # +0 .. +Inf
+    def check(values):
+        with np.errstate(over="ignore"):
+            expected = values.astype(np.float16)
+        out = np.empty(values.shape, np.float16)
+        float_to_half(values, out, np.empty((2, values.size), np.uint32))
+        assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))
+
+    halves = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)  # +0 .. 65504
     mids = (halves[:-1] + halves[1:]) / 2  # exact in float32: 12 significant bits
-    base = np.concatenate([halves, mids, [65504.0, 65519.99, 65520.0, 1e6, 2.0 ** -25, 2.0 ** -26]]).astype(np.float32)
+    base = np.concatenate([halves, mids, [65504.0, 65519.99, 2.0 ** -25, 2.0 ** -26, 2.0 ** -149]]).astype(np.float32)
     bits = base.view(np.uint32)
     near = np.concatenate([bits, bits + 1, np.maximum(bits, 1) - 1]).view(np.float32)
+    near = near[np.abs(near) < 65520]
     rng = np.random.default_rng(5)
-    random_bits = rng.integers(0, 0x7F800000, size=200_000, dtype=np.uint32).view(np.float32)
+    random_bits = rng.integers(0, 0x477FF000, size=200_000, dtype=np.uint32).view(np.float32)
     values = np.concatenate([near, random_bits])
-    values = np.concatenate([values, -values])
-    with np.errstate(over="ignore"):
-        expected = values.astype(np.float16)
-    out = np.empty(values.shape, np.float16)
-    float_to_half(values, out, np.empty((2, values.size), np.uint32))
-    assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))
-    nan = np.array([1.0, np.nan, -np.inf], np.float32)  # NaN: NumPy's cast, payload and all
-    out = np.empty(3, np.float16)
-    float_to_half(nan, out, np.empty((2, 3), np.uint32))
-    assert np.array_equal(out.view(np.uint16), nan.astype(np.float16).view(np.uint16))
+    check(np.concatenate([values, -values]))
+    check(np.array([1.0, 65520.0, -1e6, 0.5], np.float32))  # overflow to Inf
+    check(np.array([1.0, np.nan, -np.inf], np.float32))  # NaN: NumPy's cast, payload and all
 
 
 @pytest.mark.parametrize("rows", [1, 4096, 3 * 4096 + 123])
@@ -268,6 +271,35 @@ def test_forward_to_host_equals_forward(rows, wire):
             out = np.full((rows, 64), np.nan, dtype)
             model.forward_to_host(x, out, executor)
             assert np.array_equal(out.view(np.uint8), out32.astype(dtype).view(np.uint8))
+
+
+@pytest.mark.parametrize("numerics", ["fp32", "emulate", "float64"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_forward_to_host_in_reused_buffers_equals_the_chunk_forward(activation, numerics):
+    """forward_to_host keeps one set of buffers per thread and runs activations in place: every
+    activation, output activations, an encoding and each numerics mode give the plain chunk
+    forward's values, also when calls of other row counts reuse (and grow) the buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = small_spec(activation=activation, output_activation="Sigmoid" if activation == "Tanh" else activation,
+                      encoding={"otype": "Frequency", "n_frequencies": 3})
+    model = CpuModel(spec, numerics)
+    rng = np.random.default_rng(len(activation))
+    with ThreadPoolExecutor(2) as pool:
+        for rows in (5000, 3, 4096 * 2 + 1):
+            x = rng.uniform(-1, 1, (rows, spec.n_input_dims)).astype(np.float32)
+            expected = model._forward_chunk(x, keep=False)[0].astype(np.float32)
+            out = np.full((rows, spec.n_output_dims), np.nan, np.float32)
+            model.forward_to_host(x, out, pool)
+            np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_activate_in_place_equals_activate():
+    z = np.random.default_rng(2).normal(0, 2, (64, 16)).astype(np.float32)
+    for name in ACTIVATIONS:
+        work = z.copy()
+        assert np.array_equal(nm.activate_in_place(name, work), nm.activate(name, z))
+        assert np.array_equal(work, nm.activate(name, z))  # written over its argument
 
 
 def test_forward_to_host_checks_its_buffers():
