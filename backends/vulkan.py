@@ -8,9 +8,10 @@ loss, weight gradients and optimizer; they differ in the fused forward/backward 
   tile shape comes from the probed list (``shaders/glsl/coopmat_*.comp``).
 
 Numerics (the contract in ``backends/contract.py``): activations, deltas and the weight copies
-the kernels multiply are rounded to fp16 — in fp32 storage, with an exact integer
+the kernels multiply are rounded to fp16 — simt in fp32 storage, with an exact integer
 round-to-nearest-even (``r16`` in ``mlp_common.glsl``) so that the result does not depend on
 the device having ``shaderFloat16``/16-bit storage (lavapipe has neither in every version);
+coopmat (which needs both) stores training's activations and deltas as fp16;
 every product accumulates in fp32; bias and activation act on the fp32 accumulator; the output
 layer stays fp32. Masters and Adam/SGD state are fp32 on the device; the fp16 copies (two
 layouts: transposed for forward, plain for backward) are refreshed by the optimizer kernel.
@@ -820,6 +821,7 @@ class VulkanBackend(Backend):
         else:
             reason = compiler_error
         coop_details = dict(details)
+        coop_details["fp16_storage"] = "float16_t buffers (training's activations and deltas), rounded to nearest even"
         if usable and not reason:
             coop_details["tile_shape"] = "x".join(map(str, usable[0]))
         coop = ProbeRow("vulkan", "coopmat", not reason, reason=reason, mma_shapes=shapes,

@@ -4,6 +4,7 @@
 # tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
 # benchmark vs PyTorch fp16, then (SERVE=1, the default) the daemon on the vulkan backend end to
 # end (client -> HTTP -> coopmat kernels). Logs and JSON go to $OUT (default ./vulkan-check-out).
+# TEST_SELECT: a pytest -k expression; BENCH_ARGS: vulkan_bench.py's options; SERVE=0 skips the daemon.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/vulkan-check-out}
@@ -19,7 +20,7 @@ export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp
 export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-1}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py \
-    --durations=10 >"$OUT/pytest.log" 2>&1
+    ${TEST_SELECT:+-k "$TEST_SELECT"} --durations=10 >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >>"$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
 python3 scripts/gpu/vulkan_bench.py --json "$OUT/vulkan_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 14

@@ -6,8 +6,7 @@
 // shared memory as fp16 with a padded row stride (WS) against bank conflicts, and D^T is read
 // with a column-major load. Deltas (D16) and hidden activations (H16, flagged: a -0 multiplies
 // as +0) are stored as fp16 by the fused kernels and copied 8 halves at a time; the first
-// layer's inputs are fp32 (rounded to fp16 here). The next stage's global loads are issued
-// before the current stage's products, so that they overlap.
+// layer's inputs are fp32 (rounded to fp16 here).
 // The bias gradient sums the staged deltas' columns, even and odd rows in two thread groups
 // where the workgroup has the threads. Accumulation is fp32 in a fixed order.
 #extension GL_KHR_cooperative_matrix : require
@@ -22,7 +21,6 @@ layout(std430, binding = 1) restrict readonly buffer HBuf { uvec4 H8[]; };  // 8
 layout(std430, binding = 2) restrict readonly buffer DBuf { uvec4 D8[]; };  // 8 fp16 deltas each
 layout(std430, binding = 3) restrict writeonly buffer PartBuf { float PART[]; };
 // row_base / split_base: this chunk's first input row and first partial-sum slot
-// (hidden_act: the simt kernel's; here the activations come stored)
 layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_split; uint gsize; int hidden_act; uint row_base; uint split_base; } pc;
 
 #define RC 64
@@ -34,65 +32,6 @@ layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_sp
 shared float16_t DS[RC * WS];
 shared float16_t HS[RC * WS];
 shared float BSUM[TILE];
-
-#define DITEMS ((RC * TILE / 8 + THREADS - 1) / THREADS)  // 8-half items per invocation and stage
-#define XITEMS ((RC * TILE / 4 + THREADS - 1) / THREADS)  // 4-float items (layer 0's inputs)
-// one stage's rows in registers: fetched while the previous stage's products run
-uvec4 dreg[DITEMS], hreg[DITEMS];
-vec4 xreg[XITEMS];
-
-// global loads of the RC rows from r on (deltas; the layer's inputs: fp16 activations, or for
-// layer 0 the fp32 encoded inputs), all in flight together; nothing here uses them, so the
-// products that follow need not wait for them
-void fetch(uint r, int l, int N, int K, int n0, int k0, uint dbase, uint hbase) {
-    uint tid = gl_LocalInvocationID.x;
-    [[unroll]] for (int it = 0; it < DITEMS; ++it) {
-        uint i = tid + uint(it * THREADS);
-        if (i >= uint(RC * TILE / 8)) break;
-        uint rr = i / uint(TILE / 8), q = i - rr * uint(TILE / 8);
-        int cn = n0 + int(q) * 8, ck = k0 + int(q) * 8;
-        dreg[it] = cn < N ? D8[dbase + (r + rr) * uint(N / 8) + uint(cn / 8)] : uvec4(0u);
-        hreg[it] = l > 0 && ck < K ? H8[hbase + (r + rr) * uint(K / 8) + uint(ck / 8)] : uvec4(0u);
-    }
-    if (l == 0) {
-        [[unroll]] for (int it = 0; it < XITEMS; ++it) {
-            uint i = tid + uint(it * THREADS);
-            if (i >= uint(RC * TILE / 4)) break;
-            uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
-            int ck = k0 + int(q) * 4;
-            xreg[it] = ck < K ? X4[(pc.row_base + r + rr) * uint(IN_PAD / 4) + uint(ck / 4)] : vec4(0.0);
-        }
-    }
-}
-
-// the fetched rows into the shared stage (fp16, padded stride)
-void stage(int l) {
-    uint tid = gl_LocalInvocationID.x;
-    [[unroll]] for (int it = 0; it < DITEMS; ++it) {
-        uint i = tid + uint(it * THREADS);
-        if (i >= uint(RC * TILE / 8)) break;
-        uint rr = i / uint(TILE / 8), q = i - rr * uint(TILE / 8);
-        [[unroll]] for (uint c = 0u; c < 4u; ++c) {
-            f16vec2 dp = unpackFloat2x16(dreg[it][c]);
-            DS[rr * uint(WS) + q * 8u + 2u * c] = dp.x;
-            DS[rr * uint(WS) + q * 8u + 2u * c + 1u] = dp.y;
-            if (l > 0) {
-                f16vec2 hp = unpackFloat2x16(hreg[it][c]);
-                HS[rr * uint(WS) + q * 8u + 2u * c] = hp.x;
-                HS[rr * uint(WS) + q * 8u + 2u * c + 1u] = hp.y;
-            }
-        }
-    }
-    if (l == 0) {
-        [[unroll]] for (int it = 0; it < XITEMS; ++it) {
-            uint i = tid + uint(it * THREADS);
-            if (i >= uint(RC * TILE / 4)) break;
-            uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
-            vec4 h = pre_f16(xreg[it]);  // used only here: the loads stay in flight until now
-            [[unroll]] for (uint c = 0u; c < 4u; ++c) HS[rr * uint(WS) + q * 4u + c] = float16_t(h[c]);
-        }
-    }
-}
 
 void main() {
     int l = int(pc.layer);
@@ -108,11 +47,37 @@ void main() {
     coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator> acc[WACC];
     [[unroll]] for (int i = 0; i < WACC; ++i) acc[i] = coopmat<float, gl_ScopeSubgroup, CM_M, CM_N, gl_MatrixUseAccumulator>(0.0);
     float bias_acc = 0.0;
-    if (r_begin < r_end) fetch(r_begin, l, N, K, n0, k0, dbase, hbase);
     for (uint r = r_begin; r < r_end; r += uint(RC)) {
-        barrier();  // the previous stage's products are done with DS/HS
-        stage(l);
-        if (r + uint(RC) < r_end) fetch(r + uint(RC), l, N, K, n0, k0, dbase, hbase);
+        barrier();
+        [[unroll]] for (int it = 0; it < (RC * TILE / 8 + THREADS - 1) / THREADS; ++it) {  // loads in flight together
+            uint i = tid + uint(it * THREADS);
+            if (i >= uint(RC * TILE / 8)) break;
+            uint rr = i / uint(TILE / 8), q = i - rr * uint(TILE / 8);
+            uint row = r + rr;
+            int cn = n0 + int(q) * 8, ck = k0 + int(q) * 8;
+            uvec4 d = cn < N ? D8[dbase + row * uint(N / 8) + uint(cn / 8)] : uvec4(0u);
+            uvec4 h = l > 0 && ck < K ? H8[hbase + row * uint(K / 8) + uint(ck / 8)] : uvec4(0u);
+            [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                f16vec2 dp = unpackFloat2x16(d[c]);
+                DS[rr * uint(WS) + q * 8u + 2u * c] = dp.x;
+                DS[rr * uint(WS) + q * 8u + 2u * c + 1u] = dp.y;
+                if (l > 0) {
+                    f16vec2 hp = unpackFloat2x16(h[c]);
+                    HS[rr * uint(WS) + q * 8u + 2u * c] = hp.x;
+                    HS[rr * uint(WS) + q * 8u + 2u * c + 1u] = hp.y;
+                }
+            }
+        }
+        if (l == 0) {  // the encoded inputs: fp32, fp16 values once rounded
+            [[unroll]] for (int it = 0; it < (RC * TILE / 4 + THREADS - 1) / THREADS; ++it) {
+                uint i = tid + uint(it * THREADS);
+                if (i >= uint(RC * TILE / 4)) break;
+                uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
+                int ck = k0 + int(q) * 4;
+                vec4 h = ck < K ? pre_f16(X4[(pc.row_base + r + rr) * uint(IN_PAD / 4) + uint(ck / 4)]) : vec4(0.0);
+                [[unroll]] for (uint c = 0u; c < 4u; ++c) HS[rr * uint(WS) + q * 4u + c] = float16_t(h[c]);
+            }
+        }
         barrier();
         if (gl_WorkGroupID.y == 0u && tid < uint(BGROUPS * TILE))
             for (int rr = int(tid) / TILE; rr < RC; rr += BGROUPS) bias_acc += float(DS[rr * WS + int(tid) % TILE]);
