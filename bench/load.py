@@ -620,7 +620,7 @@ class Bench:
         with one BLAS thread; and as the daemon runs it, ``forward_to_host`` with one BLAS thread
         and the row chunks spread over one thread per CPU. And the daemon's way on FP16 in and
         out (the casts fused per chunk), the same tensors as the binary FP16 requests carry.
-        Each wire is compared with the in-process run on its own tensors (:data:`SAME_TENSORS`:
+        Each wire is compared with the in-process run on its own tensors (:func:`same_tensors`:
         FP16 with the FP16 way, FP32 and JSON with the fastest float32 way), and every wire with
         the fastest float32 way as well, the stricter reading for FP16 (it pays no casts).
         """
@@ -640,12 +640,12 @@ class Bench:
                               default=1)
         cpus = os.cpu_count() or 1
         pool = ThreadPoolExecutor(cpus, thread_name_prefix="in-process-forward")
+        fp16_way = f"{FP16_WAY}, 1 BLAS thread, chunks on {cpus} threads"
         ways = {f"forward, {default_threads} BLAS threads": (default_threads, lambda: model.forward(x)),
                 "forward, 1 BLAS thread": (1, lambda: model.forward(x)),
                 f"forward_to_host, 1 BLAS thread, chunks on {cpus} threads":
                     (1, lambda: model.forward_to_host(x, out, pool)),
-                f"{FP16_WAY}, 1 BLAS thread, chunks on {cpus} threads":
-                    (1, lambda: model.forward_to_host(x16, out16, pool))}
+                fp16_way: (1, lambda: model.forward_to_host(x16, out16, pool))}
         variants, cpu_ms = {}, {}
         try:
             for label, (threads, forward) in ways.items():
@@ -664,11 +664,10 @@ class Bench:
             pool.shutdown()
             model.close()
             backend.close()
-        fastest = max((k for k in variants if not k.startswith(FP16_WAY)), key=variants.get)
-        fp16 = next(k for k in variants if k.startswith(FP16_WAY))
+        fastest = max((k for k in variants if k != fp16_way), key=variants.get)
         return {"backend": f"{row.backend}:{row.variant}", "rows": self.opts.large_rows,
                 "samples_per_s_by_way": variants, "cpu_ms_by_way": cpu_ms, "fastest_float32": fastest,
-                "reference_by_wire": {"binary16": fp16, "binary32": fastest, "json": fastest},
+                "reference_by_wire": {"binary16": fp16_way, "binary32": fastest, "json": fastest},
                 "repeats": repeats or self.opts.in_process_repeats, "load_avg_1m": round(os.getloadavg()[0], 2)}
 
     def check_outputs(self, daemon: Service, peer: Service | None, weights: dict[str, np.ndarray]) -> dict[str, float]:
@@ -711,7 +710,10 @@ def same_tensors(ip: dict[str, Any], wire: str) -> float:
 
 
 def fastest_float32(ip: dict[str, Any]) -> float:
+    """In-process samples/s of the fastest float32-in/out way."""
     return ip["samples_per_s_by_way"][ip["fastest_float32"]]
+
+
 CLIENT_LABELS = {
     "tritonclient": "tritonclient.http InferenceServerClient(concurrency=N).async_infer",
     "tritonclient-aio": "tritonclient.http.aio InferenceServerClient, N tasks awaiting infer",
