@@ -14,10 +14,15 @@
     ├── ConflictError              the request conflicts with current state (e.g. model exists)
     ├── InvalidInput               a tensor or request field is malformed (shape, dtype, NaN ...)
     ├── PayloadTooLarge            a body or tensor exceeds a configured limit
-    └── Overloaded                 a queue is full; try again later
+    ├── Overloaded                 a queue is full; try again later
+    ├── NotReady                   the daemon cannot serve yet (starting or stopping)
+    │   └── ModelNotReady          the model exists but is not loaded
+    ├── Unauthorized               no API key was sent to a daemon that requires one
+    └── Forbidden                  the API key sent is wrong
 
-The HTTP layer maps these onto status codes (400, 404, 409, 413, 503); anything not in this
-tree that escapes a handler is a bug and becomes a 500.
+The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
+409, 413, 503; compile, launch and cache failures 500); anything not in this tree that escapes
+a handler is a bug and becomes a 500.
 """
 
 from __future__ import annotations
@@ -98,3 +103,22 @@ class Overloaded(MMADError):
     def __init__(self, message: str, retry_after_s: float = 1.0):
         self.retry_after_s = retry_after_s
         super().__init__(message)
+
+
+class NotReady(MMADError):
+    """The daemon cannot serve yet: it is starting or stopping (HTTP 503)."""
+
+
+class ModelNotReady(NotReady):
+    """The model exists in the store but is not loaded (HTTP 503)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r} is not loaded; POST /v2/repository/models/{name}/load")
+
+
+class Unauthorized(MMADError):
+    """No API key was sent to a daemon that requires one (HTTP 401)."""
+
+
+class Forbidden(MMADError):
+    """The API key sent is wrong (HTTP 403)."""

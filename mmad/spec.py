@@ -22,6 +22,9 @@ ACTIVATIONS = (
     "Exponential", "Sine",
 )
 LOSSES = ("L2", "L1", "RelativeL2", "RelativeL1", "RelativeL2Luminance", "MAPE", "SMAPE", "Huber")
+# the integer each activation and loss has inside the kernels (CUDA, GLSL, WGSL): its index above
+ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
 OPTIMIZERS = ("Adam", "SGD")
 ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -361,5 +364,5 @@ def bench_spec(name: str, **overrides: Any) -> MLPSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES",
+__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES",
            "OPTIMIZERS", "ENCODINGS", "PRECISIONS", "MLP_OTYPES"]

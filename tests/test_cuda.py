@@ -155,12 +155,12 @@ def test_fused_weight_gradients_equal_the_separate_kernels(backend, cache, monke
     """mlp_train_fused (weight gradients accumulated inside the training kernel) against the
     separate weight-gradient kernels on the same parameters and data: the same fp16 operands,
     only the fp32 summation order differs."""
-    from mmad.backends import cuda
+    from mmad.backends.cuda import knobs
 
     rng = np.random.default_rng(hash((name, activation, batch, "fused")) % 2**32)
     spec = bench_spec(name, activation=activation)
     fused, oracle = make_pair(backend, cache, spec, rng)
-    monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "0")
+    monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "0")
     separate = backend.compile(spec, cache=cache)
     separate.set_params(oracle.get_params())
     assert fused.fused_wgrad and not separate.fused_wgrad
@@ -332,7 +332,7 @@ def test_params_and_optimizer_state_round_trip(backend, cache):
 
 
 def test_cache_hit_compiles_nothing(backend, tmp_path, monkeypatch):
-    from mmad.backends import cuda
+    from mmad.backends.cuda import mma
 
     cache = KernelCache(tmp_path)
     spec = bench_spec("S", activation="Sine")
@@ -342,7 +342,7 @@ def test_cache_hit_compiles_nothing(backend, tmp_path, monkeypatch):
     def no_compiler(*args, **kwargs):
         raise AssertionError("NVRTC was called on a cache hit")
 
-    monkeypatch.setattr(cuda, "nvrtc_compile", no_compiler)
+    monkeypatch.setattr(mma, "nvrtc_compile", no_compiler)
     model = backend.compile(spec, variant="mma", cache=cache)
     assert cache.stats.hits == 1
     x = np.random.default_rng(1).standard_normal((10, spec.n_input_dims), dtype=np.float32)
@@ -350,9 +350,9 @@ def test_cache_hit_compiles_nothing(backend, tmp_path, monkeypatch):
 
 
 def test_compile_error_names_the_model_and_shows_the_log(backend, tmp_path, monkeypatch):
-    from mmad.backends import cuda
+    from mmad.backends.cuda import mma
 
-    monkeypatch.setattr(cuda, "read_source", lambda path: "this is not CUDA;\n")
+    monkeypatch.setattr(mma, "read_source", lambda path: "this is not CUDA;\n")
     with pytest.raises(CompileError) as info:
         backend.compile(bench_spec("S"), variant="mma", cache=KernelCache(tmp_path))
     text = str(info.value)

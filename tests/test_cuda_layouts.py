@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from mmad.backends import layouts as L
-from mmad.backends.cuda import CudaBackend, MmaPlan, b_image_index
+from mmad.backends.cuda import CudaBackend
+from mmad.backends.cuda.mma import MmaPlan, b_image_index
 from mmad.errors import SpecError
 from mmad.spec import bench_spec
 
@@ -106,15 +107,15 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
 def test_fused_weight_gradients_where_they_fit(name, overrides, fused, monkeypatch) -> None:
     """mlp_train_fused (weight gradients accumulated in the training kernel) is planned exactly
     where its stash, delta stage and accumulators fit; MMAD_CUDA_FUSED_WGRAD=0 turns it off."""
-    from mmad.backends import cuda
+    from mmad.backends.cuda import knobs, mma
 
     plan = MmaPlan(bench_spec(name, **overrides))
     assert plan.fused_wgrad is fused
     assert ("#define FUSED_WGRAD 1" in plan.source) is fused
     if fused:
-        assert plan.smem_fused <= cuda.FUSED_SMEM_LIMIT
-        monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "0")
+        assert plan.smem_fused <= mma.FUSED_SMEM_LIMIT
+        monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "0")
         assert MmaPlan(bench_spec(name, **overrides)).fused_wgrad is False
-        monkeypatch.setenv(cuda.FUSED_WGRAD_ENV, "yes")
-        with pytest.raises(SpecError, match=cuda.FUSED_WGRAD_ENV):
+        monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "yes")
+        with pytest.raises(SpecError, match=knobs.FUSED_WGRAD_ENV):
             MmaPlan(bench_spec(name, **overrides))

@@ -27,12 +27,13 @@ from oracle import rel_err
 import pytest
 
 from mmad.backends import cuda
+from mmad.backends.cuda import knobs, mma, toolchain, wgmma
 from mmad.backends import layouts as L
 from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
-from mmad.backends.cuda import WgmmaPlan
+from mmad.backends.cuda.wgmma import WgmmaPlan
 from mmad.errors import SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, bench_spec
@@ -105,7 +106,7 @@ def test_shared_memory_plan_of_the_benchmark_models():
         assert WgmmaPlan(bench_spec(name), stages=2).x_stages == 2
     # two input tiles in flight per warpgroup where two blocks still fit on an SM: S, not M
     assert (plans["S"].x_stages, plans["M"].x_stages) == (2, 1)
-    assert 2 * (plans["S"].smem_bytes + 1024) <= cuda.WGMMA_SMEM_PER_SM
+    assert 2 * (plans["S"].smem_bytes + 1024) <= wgmma.WGMMA_SMEM_PER_SM
     # L: 160 KiB of weights leave room for two input tiles but not for two prefetch buffers
     assert (plans["L"].w_resident, plans["L"].warpgroups, plans["L"].input_staged) == (True, 2, False)
     one = WgmmaPlan(bench_spec("L"), warpgroups=1)
@@ -115,7 +116,7 @@ def test_shared_memory_plan_of_the_benchmark_models():
     with pytest.raises(SpecError):
         WgmmaPlan(bench_spec("W"), warpgroups=2)  # a streamed stage is refilled by one warpgroup
     for plan in [*plans.values(), one]:
-        assert plan.smem_bytes <= cuda.WGMMA_SMEM_LIMIT
+        assert plan.smem_bytes <= wgmma.WGMMA_SMEM_LIMIT
         for off in (plan.sm_a_off, plan.a_bytes, plan.sm_b_off, plan.sm_x_off, plan.x_bytes):
             assert off % 1024 == 0
         assert plan.sm_b_off == plan.sm_a_off + plan.warpgroups * plan.a_bytes
@@ -309,7 +310,7 @@ def test_accumulator_to_a_registers_is_the_identity(n):
 
 # -- CPU: nvcc assembles the generated source --------------------------------------------------------
 def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
-    nvcc = cuda.find_nvcc()
+    nvcc = toolchain.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the wgmma source is only assembled where it is")
     sources = {"S": WgmmaPlan(bench_spec("S")).source,
@@ -323,7 +324,7 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
     for name, source in sources.items():  # in parallel: each is a separate nvcc process
         src = tmp_path / f"{name}.cu"
         src.write_text(source)
-        jobs[name] = subprocess.Popen([nvcc, *cuda.WGMMA_NVCC_OPTIONS, "-Xptxas", "-v", str(src), "-o",
+        jobs[name] = subprocess.Popen([nvcc, *wgmma.WGMMA_NVCC_OPTIONS, "-Xptxas", "-v", str(src), "-o",
                                        str(tmp_path / f"{name}.cubin")], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
     for name, job in jobs.items():
@@ -344,10 +345,10 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
 
 
 def test_probe_kernel_assembles():
-    if cuda.find_nvcc() is None:
+    if toolchain.find_nvcc() is None:
         pytest.skip("nvcc is not installed here: the probe kernel is only assembled where it is")
-    source = read_source("cuda/wgmma_layout.cuh") + cuda._WGMMA_PROBE_KERNEL
-    assert cuda.nvcc_compile(source, cuda.WGMMA_NVCC_OPTIONS, "probe")[:4] == b"\x7fELF"
+    source = read_source("cuda/wgmma_layout.cuh") + wgmma._WGMMA_PROBE_KERNEL
+    assert toolchain.nvcc_compile(source, wgmma.WGMMA_NVCC_OPTIONS, "probe")[:4] == b"\x7fELF"
 
 
 # -- GPU -----------------------------------------------------------------------------------------
@@ -357,16 +358,16 @@ def wgmma_backend():
         import cupy  # noqa: F401
     except ImportError:
         pytest.skip("CuPy is not installed: the cuda backend cannot run here")
-    previous = os.environ.get(cuda.WGMMA_ENV)
-    os.environ[cuda.WGMMA_ENV] = "1"
+    previous = os.environ.get(knobs.WGMMA_ENV)
+    os.environ[knobs.WGMMA_ENV] = "1"
     try:
         backend = cuda.CudaBackend()
         row = {r.variant: r for r in backend.probe()}["wgmma"]
     finally:
         if previous is None:
-            os.environ.pop(cuda.WGMMA_ENV)
+            os.environ.pop(knobs.WGMMA_ENV)
         else:
-            os.environ[cuda.WGMMA_ENV] = previous
+            os.environ[knobs.WGMMA_ENV] = previous
     if not row.available:
         pytest.skip(f"the cuda wgmma variant is unavailable here: {row.reason}")
     return backend
@@ -442,7 +443,7 @@ def test_wgmma_odd_shapes(wgmma_backend, cache, name):
 @pytest.mark.parametrize("warpgroups", ["1", "2"])
 @pytest.mark.parametrize("name", ["M", "L"])
 def test_wgmma_forced_warpgroups(wgmma_backend, cache, monkeypatch, name, warpgroups):
-    monkeypatch.setenv(cuda.WGMMA_WARPGROUPS_ENV, warpgroups)
+    monkeypatch.setenv(knobs.WGMMA_WARPGROUPS_ENV, warpgroups)
     rng = np.random.default_rng(int(warpgroups))
     spec = bench_spec(name, activation="Softplus")
     model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
@@ -459,7 +460,7 @@ def test_wgmma_forced_warpgroups(wgmma_backend, cache, monkeypatch, name, warpgr
 @pytest.mark.parametrize("name", ["S", "M"])
 def test_wgmma_input_stages(wgmma_backend, cache, monkeypatch, name, stages):
     """The ring of prefetched input tiles: many tiles per warpgroup and a ragged last tile."""
-    monkeypatch.setenv(cuda.WGMMA_STAGES_ENV, stages)
+    monkeypatch.setenv(knobs.WGMMA_STAGES_ENV, stages)
     rng = np.random.default_rng(100 + int(stages))
     spec = bench_spec(name, activation="LeakyReLU")
     model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
@@ -506,9 +507,9 @@ def test_wgmma_device_input_at_an_odd_offset(wgmma_backend, cache):
 
 @pytest.mark.gpu
 def test_wgmma_probe_gate_and_default_choice(wgmma_backend, cache, monkeypatch):
-    monkeypatch.delenv(cuda.WGMMA_ENV, raising=False)
+    monkeypatch.delenv(knobs.WGMMA_ENV, raising=False)
     row = {r.variant: r for r in cuda.CudaBackend().probe()}["wgmma"]
-    assert not row.available and row.reason == cuda.WGMMA_OFF
+    assert not row.available and row.reason == wgmma.WGMMA_OFF
     assert cuda.CudaBackend().compile(bench_spec("S"), cache=cache).variant == "mma"
     # with the gate open (wgmma_backend's probe), the default for a model that fits is wgmma
     assert wgmma_backend.compile(bench_spec("S"), cache=cache).variant == "wgmma"
@@ -524,8 +525,8 @@ def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     def no_compiler(*args, **kwargs):
         raise AssertionError("a compiler was called on a cache hit")
 
-    monkeypatch.setattr(cuda, "nvcc_compile", no_compiler)
-    monkeypatch.setattr(cuda, "nvrtc_compile", no_compiler)
+    monkeypatch.setattr(wgmma, "nvcc_compile", no_compiler)
+    monkeypatch.setattr(mma, "nvrtc_compile", no_compiler)
     model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
     assert cache.stats.hits == misses == 2
     x = np.random.default_rng(1).standard_normal((10, spec.n_input_dims), dtype=np.float32)
@@ -540,15 +541,15 @@ def _fake_device(monkeypatch, cc):
     fake_cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime), __version__="stand-in")
     info = {"name": "stand-in GPU", "cc": cc, "sm_count": 132, "smem_per_sm": 228 * 1024,
             "smem_optin": 227 * 1024, "regs_per_sm": 65536}
-    monkeypatch.setattr(cuda, "_cupy", lambda: fake_cp)
+    monkeypatch.setattr(cuda, "cupy_module", lambda: fake_cp)
     monkeypatch.setattr(cuda, "device_info", lambda cp: info)
-    monkeypatch.setattr(cuda, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cuda, "nvrtc_version", lambda: "13.0")
     monkeypatch.setattr(cuda, "cublaslt_availability", lambda: (False, "not here", ""))
 
 
 @pytest.mark.parametrize(("cc", "env", "check", "available", "reason"), [
-    ((9, 0), None, None, False, cuda.WGMMA_OFF),
-    ((9, 0), "0", None, False, cuda.WGMMA_OFF),
+    ((9, 0), None, None, False, wgmma.WGMMA_OFF),
+    ((9, 0), "0", None, False, wgmma.WGMMA_OFF),
     ((9, 0), "1", (True, ""), True, ""),
     ((9, 0), "1", (False, "nvcc exit 1: boom"), False, "the sm_90a wgmma check failed: nvcc exit 1: boom"),
     ((8, 9), "1", None, False, "wgmma needs compute capability 9.0 (sm_90a); this GPU is 8.9"),
@@ -556,16 +557,16 @@ def _fake_device(monkeypatch, cc):
 def test_probe_gate(monkeypatch, cc, env, check, available, reason):
     _fake_device(monkeypatch, cc)
     if env is None:
-        monkeypatch.delenv(cuda.WGMMA_ENV, raising=False)
+        monkeypatch.delenv(knobs.WGMMA_ENV, raising=False)
     else:
-        monkeypatch.setenv(cuda.WGMMA_ENV, env)
+        monkeypatch.setenv(knobs.WGMMA_ENV, env)
     calls = []
 
     def fake_check():
         calls.append(1)
         return check
 
-    monkeypatch.setattr(cuda, "_nvcc_runs_wgmma", fake_check)
+    monkeypatch.setattr(cuda, "nvcc_runs_wgmma", fake_check)
     rows = {r.variant: r for r in cuda.CudaBackend().probe()}
     assert (rows["wgmma"].available, rows["wgmma"].reason) == (available, reason)
     assert len(calls) == (check is not None)  # the run check happens only behind the gate

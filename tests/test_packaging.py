@@ -12,7 +12,7 @@ import pytest
 import mmad.shaders
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_SHADERS = sorted(str(p.relative_to(ROOT / "shaders")) for p in (ROOT / "shaders").glob("*/*")
+SOURCE_SHADERS = sorted(str(p.relative_to(ROOT / "mmad" / "shaders")) for p in (ROOT / "mmad" / "shaders").glob("*/*")
                         if p.suffix in (".comp", ".glsl", ".wgsl", ".cu", ".cuh"))
 
 CHECK = """
@@ -23,13 +23,22 @@ print(json.dumps({"file": mmad.__file__, "shaders": sorted(found), "empty": [p f
 """
 
 
-def test_namespaced_imports_in_this_install():
-    import mmad.backends
+def test_import_paths_are_file_paths():
+    import mmad.backends.cuda.mma
     import mmad.bench
     import mmad.server
 
-    assert mmad.backends.__name__ == "mmad.backends"
-    assert Path(mmad.server.__file__).parent == ROOT / "server"
+    assert Path(mmad.server.__file__).parent == ROOT / "mmad" / "server"
+    assert Path(mmad.backends.cuda.mma.__file__) == ROOT / "mmad" / "backends" / "cuda" / "mma.py"
+    assert "package-dir" not in (ROOT / "pyproject.toml").read_text()
+
+
+def test_a_clone_imports_without_installing(tmp_path):
+    """``python -c "import mmad.backends.cuda"`` from the repository root, no install (CuPy absent is fine)."""
+    code = "import mmad.backends.cuda, mmad.server.app; print(mmad.backends.cuda.__file__)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(ROOT / "mmad" / "backends" / "cuda" / "__init__.py")
 
 
 def test_editable_install_finds_every_shader():
@@ -46,6 +55,11 @@ def test_built_wheel_imports_and_finds_every_shader(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mmad/backends/cpu.py" in names and "mmad/server/__init__.py" in names
     assert not any(n.startswith(("backends/", "server/", "tests/")) for n in names), "bare top-level packages leaked"
+    # the wheel's package files mirror the repository's mmad/ folder
+    in_repo = {str(p.relative_to(ROOT)) for p in (ROOT / "mmad").rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts}
+    in_wheel = {n for n in names if n.startswith("mmad/")}
+    assert in_wheel == in_repo, (sorted(in_repo - in_wheel), sorted(in_wheel - in_repo))
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, timeout=300)

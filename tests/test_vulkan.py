@@ -457,7 +457,7 @@ def test_kernel_cache_hit_skips_the_compiler(backend, variant, tmp_path):
 
 
 def test_compile_errors_carry_log_and_numbered_source():
-    from mmad.backends.glsl_compiler import compile_glsl
+    from mmad.backends.vulkan.glsl import compile_glsl
     source = "#version 450\nlayout(local_size_x = 1) in;\nvoid main() { undefined_thing = 1; }\n"
     with pytest.raises(CompileError) as info:
         compile_glsl(source, "broken kernel")

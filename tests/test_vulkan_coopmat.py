@@ -14,7 +14,7 @@ import pytest
 from mmad.spec import MLPSpec, bench_spec
 
 vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python package is not installed")
-glsl = pytest.importorskip("mmad.backends.glsl_compiler")
+glsl = pytest.importorskip("mmad.backends.vulkan.glsl")
 ROW_ALIGN = vulkan.ROW_ALIGN
 
 GEOMETRIES = {

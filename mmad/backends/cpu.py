@@ -18,12 +18,13 @@ import os
 import platform
 import threading
 from concurrent.futures import Executor, wait
+from typing import Any
 
 import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
-    Backend, CompiledModel, ProbeRow, check_host_output, check_params, init_params, optimizer_state_names,
+    Backend, CompiledModel, ProbeRow, check_host_output, check_params, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
@@ -123,7 +124,8 @@ class CpuModel(CompiledModel):
         self.dtype = np.float64 if numerics == "float64" else np.float32
         self.compute = spec.precision if numerics == "emulate" else "fp32"
         self._params = {k: v.astype(self.dtype) for k, v in init_params(spec).items()}
-        self._slots = {n: np.zeros_like(self._params[n.split(".", 1)[1]]) for n in optimizer_state_names(spec)}
+        # one dict per optimizer slot (contract.optimizer_slots): parameter name -> array
+        self._slots = [{n: np.zeros_like(v) for n, v in self._params.items()} for _ in optimizer_slots(spec)]
         self._refresh_compute_weights()
         self._scratch_by_thread = threading.local()
 
@@ -144,22 +146,14 @@ class CpuModel(CompiledModel):
         self._params = {k: v.astype(self.dtype) for k, v in check_params(self.spec, params).items()}
         self._refresh_compute_weights()
 
-    def get_optimizer_state(self) -> dict[str, np.ndarray]:
-        state = {k: v.astype(np.float32) for k, v in self._slots.items()}
-        state["step"] = np.array([self.step_count], dtype=np.int64)
-        return state
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        return {name: value.astype(np.float32) for name, value in self._slots[slot].items()}
 
-    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        for name, slot in self._slots.items():
-            if name not in state or np.shape(state[name]) != slot.shape:
-                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
-        if "step" not in state:
-            raise InvalidInput("optimizer state lacks 'step'")
-        self._slots = {k: np.asarray(state[k], dtype=self.dtype).copy() for k in self._slots}
-        self.step_count = int(np.asarray(state["step"]).reshape(-1)[0])
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        self._slots = [{name: value.astype(self.dtype) for name, value in values.items()} for values in slots]
 
     def device_bytes(self) -> int:
-        return sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for a in self._slots.values())
+        return sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for s in self._slots for a in s.values())
 
     # -- compute --------------------------------------------------------------------------
     def _forward_chunk(self, x: np.ndarray, keep: bool, scratch: _Scratch | None = None,
@@ -198,12 +192,13 @@ class CpuModel(CompiledModel):
             scratch = self._scratch_by_thread.scratch = _Scratch()
         return scratch
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
+    def forward(self, x: np.ndarray, out_dtype: Any = np.float32) -> np.ndarray:
+        dtype = output_dtype(out_dtype)
         x = self.check_input(x)
         out = np.empty((x.shape[0], self.spec.n_output_dims), dtype=np.float32)
         for start in range(0, x.shape[0], CHUNK_ROWS):
             out[start:start + CHUNK_ROWS] = self._forward_chunk(x[start:start + CHUNK_ROWS], keep=False)[0]
-        return out
+        return out if dtype == np.float32 else out.astype(dtype)
 
     def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
         """``forward(x)`` written into ``out``, chunk by chunk, each chunk's casts fused with its forward.
@@ -291,7 +286,7 @@ class CpuModel(CompiledModel):
             losses[s], grads = self._loss_and_grads(x, y)
             self.step_count += 1
             for name, w in self._params.items():
-                slots = {k.split(".", 1)[0]: v for k, v in self._slots.items() if k.endswith("." + name)}
+                slots = {slot: values[name] for slot, values in zip(optimizer_slots(self.spec), self._slots)}
                 nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
             self._refresh_compute_weights()
         return losses

@@ -1,13 +1,13 @@
 """vulkan backend: fused MLP training and inference through Vulkan compute (GLSL → SPIR-V).
 
-Two variants share the host code (``vulkan_runtime``), the buffers and the kernels for the
+Two variants share the host code (:mod:`.runtime`), the buffers and the kernels for the
 loss, weight gradients and optimizer; they differ in the fused forward/backward kernels:
 
 * ``simt`` — any Vulkan 1.2 device: shared-memory tile products with 4×4 register tiles.
 * ``coopmat`` — ``VK_KHR_cooperative_matrix`` with an fp16×fp16→fp32 subgroup shape; the
   tile shape comes from the probed list (``shaders/glsl/coopmat_*.comp``).
 
-Numerics (the contract in ``backends/contract.py``): activations, deltas and the weight copies
+Numerics (the contract in ``mmad/backends/contract.py``): activations, deltas and the weight copies
 the kernels multiply are rounded to fp16 — simt in fp32 storage, with an exact integer
 round-to-nearest-even (``r16`` in ``mlp_common.glsl``) so that the result does not depend on
 the device having ``shaderFloat16``/16-bit storage (lavapipe has neither in every version);
@@ -15,7 +15,7 @@ coopmat (which needs both) stores training's activations and deltas as fp16;
 every product accumulates in fp32; bias and activation act on the fp32 accumulator; the output
 layer stays fp32. Masters and Adam/SGD state are fp32 on the device; the fp16 copies (two
 layouts: transposed for forward, plain for backward) are refreshed by the optimizer kernel.
-Encodings run on the host (``numerics.encode``) before upload. Rows are padded to a multiple
+Encodings run on the host (``CompiledModel.encode``) before upload. Rows are padded to a multiple
 of ``ROW_ALIGN`` internally; padded rows get zero gradients and never reach the caller.
 """
 
@@ -36,10 +36,10 @@ from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
     Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
-    optimizer_state_names, param_shapes,
+    output_dtype, param_shapes,
 )
-from mmad.backends.glsl_compiler import build_spirv
-from mmad.backends import vulkan_runtime as vr
+from mmad.backends.vulkan.glsl import build_spirv
+from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
@@ -430,7 +430,7 @@ class VulkanModel(CompiledModel):
 
     # -- host <-> device ------------------------------------------------------------------
     def _encode(self, x: np.ndarray, rows_pad: int) -> np.ndarray:
-        enc = nm.encode(self.spec.encoding, x.astype(np.float32))
+        enc = self.encode(x)
         out = np.zeros((rows_pad, self.geo.in_pad), np.float32)
         out[:x.shape[0], :enc.shape[1]] = enc
         return out
@@ -582,11 +582,14 @@ class VulkanModel(CompiledModel):
                 self._programs.pop(key).destroy()
 
     # -- compute --------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        dtype = output_dtype(out_dtype)
         with self._lock:
             self._check_open()
             self._evict_programs()
             if isinstance(x, VulkanArray):
+                if dtype != np.float32:
+                    raise InvalidInput("the vulkan backend's device outputs are float32: download, then cast")
                 if x.owner is not self or x.kind != "input":
                     raise InvalidInput("forward takes an input array uploaded by this model")
                 out = self._alloc(x.rows_pad * self.geo.out_pad * 4)
@@ -599,7 +602,7 @@ class VulkanModel(CompiledModel):
             self._forward_program(b["x"], b["out"], rows_pad, self._unused).run()
             raw = b["out"].read(x.shape[0] * self.geo.out_pad * 4)
             out = np.frombuffer(raw, np.float32).reshape(x.shape[0], self.geo.out_pad)
-            return out[:, :self.spec.n_output_dims].copy()
+            return out[:, :self.spec.n_output_dims].astype(dtype)
 
     def forward_into(self, x: VulkanArray, out: VulkanArray, run: bool = True) -> vr.Program:
         """Forward of a device input into an existing device output (no allocation); returns
@@ -711,35 +714,21 @@ class VulkanModel(CompiledModel):
                 self._wall16.write(wall.astype(np.float16))
             self._bias.write(np.tile(bias, BIAS_ROWS))
 
-    def get_optimizer_state(self) -> dict[str, np.ndarray]:
-        with self._lock:
-            self._check_open()
-            state: dict[str, np.ndarray] = {}
-            slots = {"m": self._slot_a, "v": self._slot_b, "velocity": self._slot_a}
-            for slot in {n.split(".", 1)[0] for n in optimizer_state_names(self.spec)}:
-                flat = np.frombuffer(slots[slot].read(self.n_params * 4), np.float32)
-                state.update({f"{slot}.{k}": v for k, v in self._unflatten(flat).items()})
-            state["step"] = np.array([self.step_count], np.int64)
-            return state
+    def _slot_buffer(self, slot: int) -> vr.Buffer:
+        return (self._slot_a, self._slot_b)[slot]
 
-    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        names = optimizer_state_names(self.spec)
-        shapes = param_shapes(self.spec)
-        for name in names:
-            if name not in state or np.shape(state[name]) != shapes[name.split(".", 1)[1]]:
-                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
-        if "step" not in state:
-            raise InvalidInput("optimizer state lacks 'step'")
-        step = int(np.asarray(state["step"]).reshape(-1)[0])
-        if not 0 <= step < 2**32 - HIST_CAP:
-            raise InvalidInput(f"optimizer step {step} is out of range")
-        slots = {"m": self._slot_a, "v": self._slot_b, "velocity": self._slot_a}
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         with self._lock:
             self._check_open()
-            for slot in {n.split(".", 1)[0] for n in names}:
-                flat = self._flatten({k: np.asarray(state[f"{slot}.{k}"], np.float32) for k in shapes})
-                slots[slot].write(flat)
-            self.step_count = step
+            return self._unflatten(np.frombuffer(self._slot_buffer(slot).read(self.n_params * 4), np.float32))
+
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        if step >= 2**32 - HIST_CAP:  # the device counts steps in 32 bits
+            raise InvalidInput(f"optimizer step {step} is out of range")
+        with self._lock:
+            self._check_open()
+            for j, values in enumerate(slots):
+                self._slot_buffer(j).write(self._flatten(values))
             self._ctrl.write(np.array([step, step], np.uint32))
 
     def device_bytes(self) -> int:
@@ -791,7 +780,7 @@ class VulkanBackend(Backend):
             return [ProbeRow("vulkan", v, False, reason=reason) for v in VARIANTS]
         dev = infos[0]
         try:
-            from mmad.backends.glsl_compiler import compiler_version
+            from mmad.backends.vulkan.glsl import compiler_version
             compiler = compiler_version()
             compiler_error = ""
         except Exception as exc:  # noqa: BLE001

@@ -13,7 +13,7 @@ and keeps them on the device between calls. Parameters cross the host boundary o
 ``get_params``/``set_params`` (unpadded fp32 arrays, named ``W{i}`` with shape
 ``(fan_out, fan_in)`` and ``b{i}`` with shape ``(fan_out,)``, input layer first).
 
-Numerics every backend follows (DESIGN.md "Numerics"): the encoded input is rounded to the
+Numerics every backend follows (docs/design.md, "Numerics"): the encoded input is rounded to the
 compute type (fp16/bf16) before the first product; every product accumulates in fp32; bias and
 activation are applied to the fp32 accumulator and the result rounded to the compute type for
 the next layer; the last layer's output stays fp32. Backward multiplies the loss gradient by
@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from mmad.backends.numerics import encode as encode_inputs, step_learning_rate
 from mmad.errors import InvalidInput
 from mmad.spec import MLPSpec
 
@@ -91,7 +92,15 @@ class ProbeRow:
 
 
 class CompiledModel(abc.ABC):
-    """A model compiled for one backend variant; owns device buffers until ``close()``."""
+    """A model compiled for one backend variant; owns device buffers until ``close()``.
+
+    A backend provides: ``forward``, ``train_step``, ``loss_and_grads``, ``get_params`` /
+    ``set_params``, ``_read_slot`` / ``_write_slots`` (the optimizer's per-parameter arrays),
+    and, when its arrays live on a device, ``upload`` / ``download`` / ``synchronize`` /
+    ``is_device_array``. The contract owns the bookkeeping: the step count and the learning
+    rate of the next step, the optimizer state's names, shapes and validation, the input
+    encoding, the output dtype choice.
+    """
 
     backend: ClassVar[str]
     variant: str
@@ -100,42 +109,42 @@ class CompiledModel(abc.ABC):
         self.spec = spec
         self.step_count = 0
 
-    # -- host <-> device ------------------------------------------------------------------
-    def upload(self, x: np.ndarray) -> Any:
-        """Copy a host array to the device (returns the backend's device array)."""
-        return np.ascontiguousarray(x)
-
-    def download(self, a: Any) -> np.ndarray:
-        """Copy a device array (from ``upload`` or ``forward``) back to the host."""
-        return np.asarray(a)
-
-    def synchronize(self) -> None:
-        """Wait for every submitted launch to finish."""
-
     # -- compute --------------------------------------------------------------------------
     @abc.abstractmethod
-    def forward(self, x: Any) -> Any:
-        """Outputs (rows × n_output_dims, fp32) for inputs (rows × n_input_dims).
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """Outputs (rows × n_output_dims) for raw inputs (rows × n_input_dims, fp16/fp32).
 
         Host arrays in → host array out; device arrays in → device array out (no copy back).
+        ``out_dtype`` is float32 (default) or float16 (rounded once from the fp32 result;
+        :func:`output_dtype` checks it). The input encoding is applied by ``encode``.
         """
 
+    @abc.abstractmethod
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32).
+
+        Each step's learning rate is ``next_step_rate()``; ``step_count`` grows by one a step.
+        """
+
+    @abc.abstractmethod
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and unscaled fp32 gradients of every parameter, without an optimizer step."""
+
     def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
-        """``forward(x)`` for host arrays, written (and cast) into the host array ``out``.
+        """``forward(x)`` for host arrays, written into the host array ``out`` in its dtype.
 
         ``out`` is rows × n_output_dims, float16 or float32 (e.g. a view of a response buffer).
         A backend may use ``executor``'s threads for host-side work; this default ignores it.
         """
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
-        np.copyto(out, self.download(self.forward(x)), casting="same_kind")
+        np.copyto(out, self.download(self.forward(x, out_dtype=out.dtype)), casting="same_kind")
 
-    @abc.abstractmethod
-    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
-        """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32)."""
-
-    @abc.abstractmethod
-    def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-        """Loss and unscaled fp32 gradients of every parameter, without an optimizer step."""
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        """The spec's input encoding of host rows (float32): every backend encodes here, on the
+        host, before the upload (``numerics.encode`` is the one definition)."""
+        if self.spec.encoding.otype == "Identity":
+            return np.ascontiguousarray(x, dtype=np.float32)
+        return np.ascontiguousarray(encode_inputs(self.spec.encoding, x), dtype=np.float32)
 
     # -- parameters -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -146,13 +155,50 @@ class CompiledModel(abc.ABC):
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         """Replace every parameter (validated by :func:`check_params`); resets nothing else."""
 
+    # -- optimizer state: the names, shapes, step count and checks live here --------------
     @abc.abstractmethod
-    def get_optimizer_state(self) -> dict[str, np.ndarray]:
-        """Optimizer state as named fp32 arrays plus ``step`` (shape (1,), int64)."""
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        """The optimizer's ``slot``-th array per parameter (``optimizer_slots(spec)[slot]``),
+        fp32, unpadded, named like ``get_params``."""
 
     @abc.abstractmethod
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        """Replace every slot (validated: one dict per ``optimizer_slots`` entry, fp32 arrays of
+        the parameters' shapes) and whatever the device keeps of the step count."""
+
+    def next_step_rate(self) -> float:
+        """The learning rate of the next optimizer step (Adam's bias correction included)."""
+        return step_learning_rate(self.spec.optimizer, self.step_count + 1)
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """Optimizer state as named fp32 arrays (``m.W0``, ``v.W0``, ... or ``velocity.W0``)
+        plus ``step`` (shape (1,), int64)."""
+        state = {f"{slot}.{name}": value for j, slot in enumerate(optimizer_slots(self.spec))
+                 for name, value in self._read_slot(j).items()}
+        state["step"] = np.array([self.step_count], dtype=np.int64)
+        return state
+
     def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what ``get_optimizer_state`` returned."""
+        """Restore what ``get_optimizer_state`` returned (every name checked first)."""
+        slots, step = check_optimizer_state(self.spec, state)
+        self._write_slots(slots, step)
+        self.step_count = step
+
+    # -- host <-> device ------------------------------------------------------------------
+    def is_device_array(self, x: Any) -> bool:
+        """Whether ``x`` is this backend's device array (host backends: never)."""
+        return False
+
+    def upload(self, x: np.ndarray) -> Any:
+        """Copy a host array to the device (returns the backend's device array)."""
+        return np.ascontiguousarray(x)
+
+    def download(self, a: Any) -> np.ndarray:
+        """Copy a device array (from ``upload`` or ``forward``) back to the host."""
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        """Wait for every submitted launch to finish."""
 
     def device_bytes(self) -> int:
         """Bytes of device memory this model holds (for leak checks and metrics)."""
@@ -178,8 +224,35 @@ class CompiledModel(abc.ABC):
         return y
 
 
-def check_rows(x: Any, cols: int, name: str) -> np.ndarray:
-    """A C-contiguous (rows × cols) float32 view or copy of ``x``; clear errors otherwise."""
+class Backend(abc.ABC):
+    """One compute stack (cpu, cuda, vulkan, wgpu)."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def probe(self) -> list[ProbeRow]:
+        """One row per variant; never raises."""
+
+    @abc.abstractmethod
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
+        """Compile ``spec`` (best usable variant when ``variant`` is None)."""
+
+    def close(self) -> None:
+        """Release the device and anything the probe opened."""
+
+
+# -- helpers every backend uses -------------------------------------------------------------
+def output_dtype(out_dtype: Any) -> np.dtype:
+    """``forward``'s ``out_dtype`` as float16 or float32; anything else is a clear error."""
+    dt = np.dtype(out_dtype)
+    if dt not in (np.float16, np.float32):
+        raise InvalidInput(f"the output type must be float16 or float32; got {dt}")
+    return dt
+
+
+def check_rows(x: Any, cols: int, name: str, keep_half: bool = False) -> np.ndarray:
+    """A C-contiguous (rows × cols) float32 view or copy of ``x`` (float16 kept as it is with
+    ``keep_half``); clear errors otherwise."""
     x = np.asarray(x)
     if x.ndim == 1 and cols == 1:
         x = x.reshape(-1, 1)
@@ -187,6 +260,8 @@ def check_rows(x: Any, cols: int, name: str) -> np.ndarray:
         raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
     if x.dtype not in (np.float32, np.float16, np.float64):
         raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+    if keep_half and x.dtype == np.float16:
+        return np.ascontiguousarray(x)
     return np.ascontiguousarray(x, dtype=np.float32)
 
 
@@ -242,24 +317,31 @@ def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
     return params
 
 
+def optimizer_slots(spec: MLPSpec) -> tuple[str, ...]:
+    """The optimizer's per-parameter arrays: Adam's moments ``m``, ``v``; SGD's ``velocity``."""
+    return ("m", "v") if spec.optimizer.otype == "Adam" else ("velocity",)
+
+
 def optimizer_state_names(spec: MLPSpec) -> list[str]:
     """Names of the optimizer's per-parameter arrays (``m.W0``, ``v.W0``, ... or ``velocity.W0``)."""
-    slots = ("m", "v") if spec.optimizer.otype == "Adam" else ("velocity",)
-    return [f"{slot}.{name}" for slot in slots for name in param_shapes(spec)]
+    return [f"{slot}.{name}" for slot in optimizer_slots(spec) for name in param_shapes(spec)]
 
 
-class Backend(abc.ABC):
-    """One compute stack (cpu, cuda, vulkan, wgpu)."""
-
-    name: ClassVar[str]
-
-    @abc.abstractmethod
-    def probe(self) -> list[ProbeRow]:
-        """One row per variant; never raises."""
-
-    @abc.abstractmethod
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
-        """Compile ``spec`` (best usable variant when ``variant`` is None)."""
-
-    def close(self) -> None:
-        """Release the device and anything the probe opened."""
+def check_optimizer_state(spec: MLPSpec, state: dict[str, Any]) -> tuple[list[dict[str, np.ndarray]], int]:
+    """(one dict of fp32 arrays per optimizer slot, the step) from a state dict; clear errors."""
+    shapes = param_shapes(spec)
+    slots = []
+    for slot in optimizer_slots(spec):
+        values = {}
+        for name, shape in shapes.items():
+            key = f"{slot}.{name}"
+            if key not in state or np.shape(state[key]) != shape:
+                raise InvalidInput(f"optimizer state {key} is missing or has the wrong shape")
+            values[name] = np.array(state[key], dtype=np.float32, order="C")
+        slots.append(values)
+    if "step" not in state or np.size(state["step"]) != 1:
+        raise InvalidInput("optimizer state lacks 'step'")
+    step = int(np.asarray(state["step"]).reshape(-1)[0])
+    if not 0 <= step < 2**31:
+        raise InvalidInput(f"optimizer step {step} is out of range")
+    return slots, step

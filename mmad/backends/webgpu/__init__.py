@@ -31,30 +31,25 @@ one submission.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
-    Backend, CompiledModel, ProbeRow, check_params, check_rows, init_params, optimizer_state_names, param_shapes,
+    Backend, CompiledModel, ProbeRow, check_params, check_rows, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
-from mmad.shaders import read_source
-from mmad.spec import EncodingSpec, MLPSpec
+from mmad.backends.webgpu.wgsl import ceil_div, generate_wgsl, make_plan
+from mmad.spec import MLPSpec
 
-THREADS = 256              # invocations of the fused forward/backward workgroups
 SLOT_BYTES = 256           # uniform slot stride (>= every adapter's uniform offset alignment)
 UNIFORM_SLOTS = 1024
 STEP_SLOTS = 256           # losses[0:256] per step, losses[256] the running chunk sum
-MAX_CHUNK_ROWS = 65536
 MAX_EW_WORKGROUPS = 4096   # element-wise kernels stride over their range with at most this many
-MAX_ACCUMULATORS = 64      # fp32 accumulators per invocation in the fused kernels
 LAYOUT_VERSION = 1
 
 # limits the backend asks for (the adapter's own values, not WebGPU's defaults)
@@ -85,504 +80,6 @@ def _native_version(wgpu) -> str:
 def _is_software(info: dict) -> bool:
     text = " ".join(str(info.get(k, "")) for k in ("vendor", "device", "description")).lower()
     return info.get("adapter_type") == "CPU" or any(s in text for s in ("llvmpipe", "lavapipe", "swiftshader", "warp"))
-
-
-def _pad16(n: int) -> int:
-    return (n + 15) // 16 * 16
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# -- the shape plan -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Stage:
-    """One GEMM of a fused kernel: out[R x n] = A[R x k] @ B[k x n]."""
-
-    layer: int
-    k: int    # reduction size (padded to 16)
-    n: int    # output width (padded to 16)
-    kc: int   # reduction rows of B staged per workgroup-memory chunk
-
-
-@dataclass(frozen=True)
-class _Plan:
-    n_in: int
-    n_enc: int
-    n_out: int
-    kp: tuple[int, ...]     # padded fan_in per layer
-    op: tuple[int, ...]     # padded fan_out per layer
-    hidden: int
-    ct_bytes: int
-    rows: int               # R: rows per fused workgroup
-    fwd_kcx: int            # columns of the streamed A chunk (first forward stage)
-    fwd_wsh: int            # vec4 slots of the forward weight staging area
-    bwd_kcx: int
-    bwd_wsh: int
-    fwd: tuple[_Stage, ...]
-    bwd: tuple[_Stage, ...]
-    chunk_rows: int         # largest training chunk
-    fwd_chunk_rows: int     # inference chunk
-    n_splits_max: int
-    woff: tuple[int, ...]
-    boff: tuple[int, ...]
-    p: int
-    hoff: tuple[int, ...]
-    zoff: tuple[int, ...]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.kp)
-
-
-def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, budget: int, cb: int,
-                max_kc: int):
-    """Chunk sizes for stages (layer, k, n); None when they cannot fit at this row count."""
-    first_k, first_n = dims[0][1], min(dims[0][2], 256)
-    kcx = 0
-    for kc in range(min(first_k, 256, max_kc), 15, -16):
-        if act_bytes + kc * (rows + first_n) * cb <= budget:
-            kcx = kc
-            break
-    if not kcx:
-        return None
-    room = budget - act_bytes - rows * kcx * cb
-    stages, wsh = [], 0
-    for layer, k, n in dims:
-        ng = min(n, 256)
-        kc = kcx if layer == dims[0][0] else min(k, max_kc, (room // (ng * cb)) // 16 * 16)
-        if kc < 16:
-            return None
-        stages.append(_Stage(layer, k, n, kc))
-        wsh = max(wsh, kc * ng // 4)
-    return kcx, tuple(stages), wsh
-
-
-def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_rows: int = 4096) -> _Plan:
-    """Tile sizes for ``spec`` on an adapter with ``limits``.
-
-    ``max_stage_rows`` caps the weight rows staged per chunk (a multiple of 16). Hardware adapters
-    stage whole layers whenever they fit; CPU adapters use 16, because lavapipe's LLVM unrolls a
-    whole staged chunk and compile times grow several-fold with it (M: 47 s vs 17 s per pipeline).
-    """
-    dims = spec.layer_dims
-    kp = tuple(_pad16(i) for i, _ in dims)
-    op = tuple(_pad16(o) for _, o in dims)
-    hidden = spec.n_neurons
-    budget = int(limits["max-compute-workgroup-storage-size"])
-    n_layers = len(dims)
-    widest = max(max(op), max(kp[1:]))
-    for rows in (128, 64, 32, 16, 8, 4):
-        if rows * min(widest, 256) // THREADS > MAX_ACCUMULATORS:
-            continue
-        act_bytes = rows * hidden * ct_bytes
-        fwd = _fit_stages([(i, kp[i], op[i]) for i in range(n_layers)], rows, act_bytes, budget, ct_bytes,
-                          max_stage_rows)
-        bwd = _fit_stages([(i, op[i], kp[i]) for i in range(n_layers - 1, 0, -1)], rows, act_bytes, budget,
-                          ct_bytes, max_stage_rows)
-        if fwd and bwd:
-            break
-    else:
-        raise SpecError("network", f"the model does not fit the adapter's {budget} bytes of workgroup memory")
-    woff, boff, p = [], [], 0
-    for i in range(n_layers):
-        woff.append(p)
-        p += op[i] * kp[i]
-        boff.append(p)
-        p += op[i]
-    binding = int(limits["max-storage-buffer-binding-size"])
-    per_row_z = 4 * sum(op)
-    chunk = MAX_CHUNK_ROWS
-    while chunk > 256 and (chunk * per_row_z > min(binding, 256 << 20)
-                           or chunk * 4 * max(spec.n_input_dims, spec.n_output_dims) > binding):
-        chunk //= 2
-    fwd_chunk = 256
-    max_groups = int(limits["max-compute-workgroups-per-dimension"])
-    while (fwd_chunk * 2 <= min(1 << 20, max_groups * rows)
-           and fwd_chunk * 2 * 4 * max(spec.n_input_dims, spec.n_output_dims) <= binding):
-        fwd_chunk *= 2
-    n_splits = max(1, min(128, chunk // 256, (64 << 20) // (4 * p)))
-    # row-major scratch: row r of layer i's input at hbuf[r * HS + hoff[i]], its
-    # pre-activation / output gradient at zbuf / dbuf[r * ZS + zoff[i]]
-    hoff = [sum(kp[:i]) for i in range(n_layers)]
-    zoff = [sum(op[:i]) for i in range(n_layers)]
-    return _Plan(spec.n_input_dims, spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
-                 fwd[0], fwd[2], bwd[0], bwd[2], fwd[1], bwd[1], chunk, fwd_chunk, n_splits, tuple(woff), tuple(boff), p,
-                 tuple(hoff), tuple(zoff))
-
-
-# -- WGSL generation ------------------------------------------------------------------------
-_ACT = {
-    "None": ("z", "1.0"),
-    "ReLU": ("max(z, 0.0)", "select(0.0, 1.0, z > 0.0)"),
-    "LeakyReLU": (f"select(z * {nm.LEAKY_SLOPE}, z, z > 0.0)", f"select({nm.LEAKY_SLOPE}, 1.0, z > 0.0)"),
-    "Sigmoid": ("sigmoid(z)", "sigmoid(z) * (1.0 - sigmoid(z))"),
-    "Tanh": ("tanh(clamp(z, -20.0, 20.0))", "1.0 - tanh(clamp(z, -20.0, 20.0)) * tanh(clamp(z, -20.0, 20.0))"),
-    "SiLU": ("z * sigmoid(z)", "sigmoid(z) * (1.0 + z * (1.0 - sigmoid(z)))"),
-    "Softplus": ("max(z, 0.0) + log1p_exp_neg_abs(z)", "sigmoid(z)"),
-    "Squareplus": ("select(0.5 * (z + sqrt(z * z + 4.0)), 2.0 / (sqrt(z * z + 4.0) - z), z < 0.0)",
-                   "0.5 * (1.0 + z / sqrt(z * z + 4.0))"),
-    "Exponential": ("exp(z)", "exp(z)"),
-    "Sine": ("sin(z)", "cos(z)"),
-}
-
-_LOSS_NORMALISER = {  # normalisers of the relative losses (tiny-cuda-nn holds them constant)
-    "RelativeL2": f"p * p + {nm.LOSS_EPSILON}",
-    "RelativeL1": f"abs(p) + {nm.LOSS_EPSILON}",
-    "MAPE": f"abs(t) + {nm.LOSS_EPSILON}",
-    "SMAPE": f"abs(p) + abs(t) + {nm.LOSS_EPSILON}",
-}
-
-
-def _f(v: float) -> str:
-    """A WGSL f32 literal."""
-    text = repr(float(v))
-    if "inf" in text or "nan" in text:
-        raise SpecError("(constant)", f"{v} cannot be used in a kernel")
-    return text if ("e" in text or "." in text) else text + ".0"
-
-
-def _rounding(spec: MLPSpec, native_f16: bool) -> tuple[str, str]:
-    """(WGSL type alias, rnd function) for the spec's precision."""
-    if spec.precision == "fp16" and native_f16:
-        return "f16", "fn rnd(v: f32) -> CT { return CT(v); }"
-    if spec.precision == "fp16":
-        # bit-exact round-to-nearest-even to fp16 in f32 storage; pack2x16float's rounding is
-        # implementation-defined (lavapipe's differs from RNE), so it is not used for this
-        return "f32", ("fn rnd(v: f32) -> CT {\n"
-                       "    if (abs(v) >= 65520.0) { return bitcast<f32>((bitcast<u32>(v) & 0x80000000u) | 0x7f800000u); }\n"
-                       "    if (abs(v) < 6.103515625e-05) { return round(v * 16777216.0) / 16777216.0; }\n"
-                       "    let b = bitcast<u32>(v);\n"
-                       "    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);\n}")
-    if spec.precision == "bf16":
-        return "f32", ("fn rnd(v: f32) -> CT {\n    let b = bitcast<u32>(v);\n"
-                       "    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);\n}")
-    return "f32", "fn rnd(v: f32) -> CT { return v; }"
-
-
-def _loss_wgsl(spec: MLPSpec) -> str:
-    name = spec.loss
-    eps = _f(nm.LOSS_EPSILON)
-    lines = ["fn loss_terms(p: f32, t: f32, row: u32) -> vec2<f32> {", "    let d = p - t;"]
-    if name == "L2":
-        lines.append("    return vec2<f32>(d * d, 2.0 * d);")
-    elif name == "L1":
-        lines.append("    return vec2<f32>(abs(d), sign(d));")
-    elif name == "Huber":
-        delta = _f(spec.huber_delta)
-        lines.append(f"    if (abs(d) <= {delta}) {{ return vec2<f32>(0.5 * d * d, d); }}")
-        lines.append(f"    return vec2<f32>({delta} * (abs(d) - 0.5 * {delta}), {delta} * sign(d));")
-    else:
-        if name == "RelativeL2Luminance":
-            base = "row * ZS + Z_LAST"
-            if spec.n_output_dims >= 3:
-                lines.append(f"    let lum = 0.299 * act_o(zbuf[{base}]) + 0.587 * act_o(zbuf[{base} + 1u])"
-                             f" + 0.114 * act_o(zbuf[{base} + 2u]);")
-            else:
-                terms = " + ".join(f"abs(act_o(zbuf[{base} + {c}u]))" for c in range(spec.n_output_dims))
-                lines.append(f"    let lum = ({terms}) / {_f(spec.n_output_dims)};")
-            lines.append(f"    let n = lum * lum + {eps};")
-        else:
-            lines.append(f"    let n = {_LOSS_NORMALISER[name]};")
-        if name in ("RelativeL2", "RelativeL2Luminance"):
-            lines.append("    return vec2<f32>(d * d / n, 2.0 * d / n);")
-        elif name == "SMAPE":
-            lines.append("    return vec2<f32>(2.0 * abs(d) / n, 2.0 * sign(d) / n);")
-        else:
-            lines.append("    return vec2<f32>(abs(d) / n, sign(d) / n);")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _optimizer_wgsl(spec: MLPSpec) -> str:
-    opt = spec.optimizer
-    if opt.otype == "Adam":
-        return "\n".join([
-            "fn optimizer_delta(p: u32, g: f32) -> f32 {",
-            f"    let m = {_f(opt.beta1)} * mom1[p] + {_f(1 - opt.beta1)} * g;",
-            f"    let v = {_f(opt.beta2)} * mom2[p] + {_f(1 - opt.beta2)} * (g * g);",
-            "    mom1[p] = m;", "    mom2[p] = v;",
-            f"    return launch.lr_t * m / (sqrt(v) + {_f(opt.epsilon)});", "}"])
-    return "\n".join([
-        "fn optimizer_delta(p: u32, g: f32) -> f32 {",
-        f"    let vel = {_f(opt.momentum)} * mom1[p] + g;", "    mom1[p] = vel;",
-        "    return launch.lr_t * vel;", "}"])
-
-
-def _encoding_parts(encoding: EncodingSpec, n_in: int) -> list[tuple[EncodingSpec, int, int, int]]:
-    """(part, first input dim, input dims, first encoded column) of every encoding part."""
-    parts = encoding.nested if encoding.otype == "Composite" else (encoding,)
-    out, dim, col = [], 0, 0
-    for part in parts:
-        dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else n_in - dim
-        out.append((part, dim, dims, col))
-        dim += dims
-        col += part.n_output_dims(dims)
-    return out
-
-
-def _encode_wgsl(spec: MLPSpec) -> str:
-    """fn encode(row, k): encoded input column k of a chunk row (k < N_ENC)."""
-    lines = ["fn encode(row: u32, k: u32) -> f32 {", "    let base = row * N_IN;"]
-    for part, dim, dims, col in _encoding_parts(spec.encoding, spec.n_input_dims):
-        width = part.n_output_dims(dims)
-        lines.append(f"    if (k < {col + width}u) {{")
-        lines.append(f"        let j = k - {col}u;")
-        if part.otype == "Identity":
-            lines.append(f"        return x_in[base + {dim}u + j];")
-        elif part.otype == "Frequency":
-            nf = part.n_frequencies
-            # [dim][frequency][sin, cos]; x * 2^f is exact in f32, the reduction to [-1, 1) too
-            lines.append(f"        let v = x_in[base + {dim}u + j / {2 * nf}u];")
-            lines.append(f"        let t = ldexp(v, i32((j / 2u) % {nf}u));")
-            lines.append("        return select(sin_pi_times(t), cos_pi_times(t), (j & 1u) == 1u);")
-        else:
-            nb = part.n_bins
-            lines.append(f"        let v = x_in[base + {dim}u + j / {nb}u];")
-            lines.append(f"        let lo = f32(j % {nb}u) / {_f(nb)};")
-            lines.append(f"        let scale = 1.0 / ({_f(1.0 / nb)} * {_f(math.sqrt(2.0))});")
-            lines.append(f"        return 0.5 * (erf_approx((lo + {_f(1.0 / nb)} - v) * scale)"
-                         " - erf_approx((lo - v) * scale));")
-        lines.append("    }")
-    lines.append("    return 0.0;")
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _prelude(spec: MLPSpec, plan: _Plan, native_f16: bool) -> str:
-    ct, rnd = _rounding(spec, native_f16)
-    hidden_act, hidden_dact = _ACT[spec.activation]
-    out_act, out_dact = _ACT[spec.output_activation]
-    last = plan.n_layers - 1
-    consts = {
-        "N_IN": plan.n_in, "N_ENC": plan.n_enc, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
-        "ZS": sum(plan.op), "HS": sum(plan.kp), "Z_LAST": plan.zoff[last],
-    }
-    lines = ["enable f16;" if ct == "f16" else "", f"alias CT = {ct};", rnd]
-    lines += [f"const {k}: u32 = {v}u;" for k, v in consts.items()]
-    lines.append(f"const LOSS_SCALE: f32 = {_f(spec.loss_scale)};")
-    lines.append(f"const L2_REG: f32 = {_f(spec.optimizer.l2_reg)};")
-    lines.append(f"fn act_h(z: f32) -> f32 {{ return {hidden_act}; }}")
-    lines.append(f"fn dact_h(z: f32) -> f32 {{ return {hidden_dact}; }}")
-    lines.append(f"fn act_o(z: f32) -> f32 {{ return {out_act}; }}")
-    lines.append(f"fn dact_o(z: f32) -> f32 {{ return {out_dact}; }}")
-    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _encode_wgsl(spec)]
-    return "\n".join(lines) + "\n"
-
-
-def _gemm_stage(plan: _Plan, st: _Stage, *, backward: bool, a_global: bool, train: bool, epilogue) -> list[str]:
-    """WGSL for one stage of a fused kernel: acc = A @ B over st.k in chunks, then ``epilogue``.
-
-    A is the activation tile ``act`` (stride HIDDEN) or, for the first stage, chunks streamed from
-    global memory into ``xsh``. B is layer ``st.layer``'s weights: W^T for the forward pass,
-    W for the backward pass, staged as vec4 columns in ``wsh``. The backward kernel has its own
-    workgroup arrays (``bact``, ``bxsh``, ``bwsh``), sized for its stages.
-    """
-    act, xsh, wsh = ("bact", "bxsh", "bwsh") if backward else ("act", "xsh", "wsh")
-    R, T = plan.rows, THREADS
-    i = st.layer
-    kp = plan.kp[i]
-    out: list[str] = []
-    for col0 in range(0, st.n, 256):
-        ncols = min(256, st.n - col0)
-        ncq = ncols // 4
-        nblk = (R // 4) * ncq
-        nb = _ceil_div(nblk, T)
-        guard = nblk % T != 0
-        out.append("    {")
-        out += [f"    var a{j}_{r} = vec4<f32>(0.0);" for j in range(nb) for r in range(4)]
-        out.append(f"    for (var k0 = 0u; k0 < {st.k}u; k0 = k0 + {st.kc}u) {{")
-        out.append("        workgroupBarrier();")
-        # stage B: wsh[kk * ncq + cq] = four output columns of reduction row k0 + kk
-        out.append(f"        for (var e = lid; e < {st.kc * ncq}u; e = e + {T}u) {{")
-        out.append(f"            let kk = e / {ncq}u; let cq = e % {ncq}u; let k = k0 + kk;")
-        out.append("            var w = vec4<CT>(CT(0.0));")
-        out.append(f"            if (k < {st.k}u) {{")
-        if backward:  # W[o = k][kcol..kcol+3], contiguous
-            out.append(f"                let b = {plan.woff[i]}u + k * {kp}u + {col0}u + cq * 4u;")
-            out.append("                w = vec4<CT>(wc[b], wc[b + 1u], wc[b + 2u], wc[b + 3u]);")
-        else:  # W^T: W[o..o+3][k]
-            out.append(f"                let b = {plan.woff[i]}u + ({col0}u + cq * 4u) * {kp}u + k;")
-            out.append(f"                w = vec4<CT>(wc[b], wc[b + {kp}u], wc[b + {2 * kp}u], wc[b + {3 * kp}u]);")
-        out.append("            }")
-        out.append(f"            {wsh}[e] = w;")
-        out.append("        }")
-        if a_global:
-            out.append(f"        for (var e = lid; e < {R * st.kc}u; e = e + {T}u) {{")
-            out.append(f"            let lr = e / {st.kc}u; let k = k0 + e % {st.kc}u; let row = row0 + lr;")
-            out.append("            var v = CT(0.0);")
-            if backward:  # the last layer's output gradient, written by loss_grad
-                out.append(f"            if (row < launch.n_rows && k < {st.k}u) {{ v = dbuf[row * ZS + Z_LAST + k]; }}")
-            else:
-                out.append("            if (row < n_rows && k < N_ENC) { v = rnd(encode(row, k)); }")
-                if train:
-                    out.append(f"            if (row < n_rows && k < {kp}u) {{ hbuf[row * HS + k] = v; }}")
-            out.append(f"            {xsh}[e] = v;")
-            out.append("        }")
-        out.append("        workgroupBarrier();")
-        for j in range(nb):
-            indent = "            "
-            out.append(f"        if (lid + {j * T}u < {nblk}u) {{" if guard else "        {")
-            out.append(f"{indent}let rb = (lid + {j * T}u) / {ncq}u * 4u; let cq = (lid + {j * T}u) % {ncq}u;")
-            out.append(f"{indent}for (var kk = 0u; kk < {st.kc}u; kk = kk + 1u) {{")
-            out.append(f"{indent}    let w = vec4<f32>({wsh}[kk * {ncq}u + cq]);")
-            for r in range(4):
-                a_index = (f"(rb + {r}u) * {st.kc}u + kk" if a_global else f"(rb + {r}u) * HIDDEN + k0 + kk")
-                out.append(f"{indent}    a{j}_{r} = a{j}_{r} + f32({xsh if a_global else act}[{a_index}]) * w;")
-            out.append(f"{indent}}}")
-            out.append("        }")
-        out.append("    }")
-        out.append("    workgroupBarrier();")
-        for j in range(nb):
-            indent = "    "
-            if guard:
-                out.append(f"    if (lid + {j * T}u < {nblk}u) {{")
-                indent += "    "
-            out.append(f"{indent}let rb{j} = (lid + {j * T}u) / {ncq}u * 4u;"
-                       f" let col{j} = {col0}u + (lid + {j * T}u) % {ncq}u * 4u;")
-            for r in range(4):
-                out += [indent + line for line in epilogue(f"a{j}_{r}", f"rb{j} + {r}u", f"col{j}")]
-            if guard:
-                out.append("    }")
-        out.append("    }")
-    return out
-
-
-def _fused_kernels(spec: MLPSpec, plan: _Plan) -> str:
-    R, L = plan.rows, plan.n_layers
-    lines = [
-        f"const ROWS: u32 = {R}u;", f"const HIDDEN: u32 = {plan.hidden}u;",
-        f"var<workgroup> act: array<CT, {R * plan.hidden}>;",
-        f"var<workgroup> xsh: array<CT, {R * plan.fwd_kcx}>;",
-        f"var<workgroup> wsh: array<vec4<CT>, {plan.fwd_wsh}>;",
-        f"var<workgroup> bact: array<CT, {R * plan.hidden}>;",
-        f"var<workgroup> bxsh: array<CT, {R * plan.bwd_kcx}>;",
-        f"var<workgroup> bwsh: array<vec4<CT>, {plan.bwd_wsh}>;",
-    ]
-
-    def bias(i: int, col: str) -> str:
-        b = f"{plan.boff[i]}u + {col}"
-        return f"vec4<f32>(master[{b}], master[{b} + 1u], master[{b} + 2u], master[{b} + 3u])"
-
-    def fwd_epilogue(i: int, train: bool):
-        last = i == L - 1
-
-        def emit(acc: str, lr: str, col: str) -> list[str]:
-            body = [f"{{ let lr = {lr}; let row = row0 + lr; let z = {acc} + {bias(i, col)};"]
-            if last:
-                if train:
-                    body.append(f"  if (row < n_rows) {{ for (var c = 0u; c < 4u; c = c + 1u) {{"
-                                f" zbuf[row * ZS + {plan.zoff[i]}u + {col} + c] = z[c]; }} }}")
-                else:
-                    body.append(f"  for (var c = 0u; c < 4u; c = c + 1u) {{ if (row < n_rows && {col} + c < N_OUT) {{"
-                                f" y_out[row * N_OUT + {col} + c] = act_o(z[c]); }} }}")
-            else:
-                body.append("  for (var c = 0u; c < 4u; c = c + 1u) {")
-                body.append("    let h = rnd(act_h(z[c]));")
-                body.append(f"    act[lr * HIDDEN + {col} + c] = h;")
-                if train:
-                    body.append(f"    if (row < n_rows) {{ zbuf[row * ZS + {plan.zoff[i]}u + {col} + c] = z[c];"
-                                f" hbuf[row * HS + {plan.hoff[i + 1]}u + {col} + c] = h; }}")
-                body.append("  }")
-            body.append("}")
-            return body
-        return emit
-
-    for train in (False, True):
-        name = "fwd_train" if train else "fwd_infer"
-        lines.append("@compute @workgroup_size(256)")
-        lines.append(f"fn {name}(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{")
-        lines.append("    let n_rows = launch.n_rows;")
-        lines.append("    let row0 = wid.x * ROWS;")
-        for st in plan.fwd:
-            lines += _gemm_stage(plan, st, backward=False, a_global=st.layer == 0, train=train,
-                                 epilogue=fwd_epilogue(st.layer, train))
-        lines.append("}")
-
-    def bwd_epilogue(i: int):
-        # delta_{i-1} = rnd((delta_i @ W_i) * act_h'(z_{i-1}))
-        prev = i - 1
-
-        def emit(acc: str, lr: str, col: str) -> list[str]:
-            body = [f"{{ let lr = {lr}; let row = row0 + lr;",
-                    "  for (var c = 0u; c < 4u; c = c + 1u) {",
-                    f"    let zi = row * ZS + {plan.zoff[prev]}u + {col} + c;",
-                    f"    let d = rnd({acc}[c] * dact_h(zbuf[zi]));"]
-            if prev > 0:
-                body.append(f"    bact[lr * HIDDEN + {col} + c] = d;")
-            body.append("    if (row < launch.n_rows) { dbuf[zi] = d; }")
-            body += ["  }", "}"]
-            return body
-        return emit
-
-    lines.append("@compute @workgroup_size(256)")
-    lines.append("fn bwd(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {")
-    lines.append("    let row0 = wid.x * ROWS;")
-    for st in plan.bwd:
-        lines += _gemm_stage(plan, st, backward=True, a_global=st.layer == L - 1, train=True,
-                             epilogue=bwd_epilogue(st.layer))
-    lines.append("}")
-    return "\n".join(lines)
-
-
-def _wgrad_kernels(plan: _Plan) -> str:
-    """Per layer: wpart[split] = delta^T @ [h, 1] over the split's rows (64 x 64 tiles, 16 rows a step)."""
-    lines = ["var<workgroup> dt: array<vec4<f32>, 256>;", "var<workgroup> ht: array<vec4<f32>, 256>;"]
-    for i in range(plan.n_layers):
-        kp, op = plan.kp[i], plan.op[i]
-        lines += [
-            "@compute @workgroup_size(256)",
-            f"fn wgrad_{i}(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {{",
-            "    let k0 = wid.x * 64u; let o0 = wid.y * 64u; let split = wid.z;",
-            "    let r_begin = split * launch.rows_per_split;",
-            "    let r_end = min(r_begin + launch.rows_per_split, launch.n_rows);",
-            "    let ty = lid / 16u; let tx = lid % 16u;",
-            "    let lrow = lid / 16u; let q = lid % 16u;",
-            "    var acc0 = vec4<f32>(0.0); var acc1 = vec4<f32>(0.0);",
-            "    var acc2 = vec4<f32>(0.0); var acc3 = vec4<f32>(0.0);",
-            "    for (var r0 = split * launch.rows_per_split; r0 < split * launch.rows_per_split + launch.rows_per_split; r0 = r0 + 16u) {",
-            "        workgroupBarrier();",
-            "        let row = r0 + lrow;",
-            "        var d = vec4<f32>(0.0); var h = vec4<f32>(0.0);",
-            "        if (row >= r_begin && row < r_end) {",
-            "            for (var c = 0u; c < 4u; c = c + 1u) {",
-            "                let o = o0 + q * 4u + c; let k = k0 + q * 4u + c;",
-            f"                if (o < {op}u) {{ d[c] = f32(dbuf[row * ZS + {plan.zoff[i]}u + o]); }}",
-            f"                if (k < {kp}u) {{ h[c] = f32(hbuf[row * HS + {plan.hoff[i]}u + k]); }}",
-            f"                if (k == {kp}u) {{ h[c] = 1.0; }}",
-            "            }",
-            "        }",
-            "        dt[lid] = d; ht[lid] = h;",
-            "        workgroupBarrier();",
-            "        for (var rr = 0u; rr < 16u; rr = rr + 1u) {",
-            "            let dv = dt[rr * 16u + ty]; let hv = ht[rr * 16u + tx];",
-            "            acc0 = acc0 + dv.x * hv; acc1 = acc1 + dv.y * hv;",
-            "            acc2 = acc2 + dv.z * hv; acc3 = acc3 + dv.w * hv;",
-            "        }",
-            "    }",
-            "    let base = split * P;",
-            "    for (var a = 0u; a < 4u; a = a + 1u) {",
-            "        let o = o0 + ty * 4u + a;",
-            "        var v = acc0;",
-            "        if (a == 1u) { v = acc1; } if (a == 2u) { v = acc2; } if (a == 3u) { v = acc3; }",
-            f"        if (o < {op}u) {{",
-            "            for (var b = 0u; b < 4u; b = b + 1u) {",
-            "                let k = k0 + tx * 4u + b;",
-            f"                if (k < {kp}u) {{ wpart[base + {plan.woff[i]}u + o * {kp}u + k] = v[b]; }}",
-            f"                if (k == {kp}u) {{ wpart[base + {plan.boff[i]}u + o] = v[b]; }}",
-            "            }",
-            "        }",
-            "    }",
-            "}",
-        ]
-    return "\n".join(lines)
-
-
-def generate_wgsl(spec: MLPSpec, plan: _Plan, native_f16: bool) -> str:
-    """The whole WGSL module for one model."""
-    return "\n".join([_prelude(spec, plan, native_f16), read_source("wgsl/mlp_common.wgsl"),
-                      _fused_kernels(spec, plan), _wgrad_kernels(plan)])
 
 
 # -- device arrays --------------------------------------------------------------------------
@@ -697,7 +194,8 @@ class WgpuModel(CompiledModel):
         self._scratch: dict[str, WgpuArray] = {}
         self._pool: dict[int, list] = {}
         self.set_params(init_params(spec))
-        self.set_optimizer_state(self._zero_state())
+        zeros = {name: np.zeros_like(value) for name, value in init_params(spec).items()}
+        self._write_slots([zeros] * len(optimizer_slots(spec)), 0)
 
     # -- set-up ---------------------------------------------------------------------------
     def _build_pipelines(self, module_cache: dict | None):
@@ -900,7 +398,8 @@ class WgpuModel(CompiledModel):
         return self._scratch_array(name, host), False
 
     # -- compute --------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        dtype = output_dtype(out_dtype)
         self._check_open()
         with self._lock:
             xa, on_device = self._device_rows(x, self.spec.n_input_dims, "input")
@@ -913,9 +412,13 @@ class WgpuModel(CompiledModel):
                 for start in range(0, rows, step):
                     n = min(step, rows - start)
                     group = self._io_group("fwd_infer", start, n, {"x_in": xa, "y_out": y})
-                    rec.dispatch("fwd_infer", rec.slot(n), (_ceil_div(n, self.plan.rows), 1, 1), group)
+                    rec.dispatch("fwd_infer", rec.slot(n), (ceil_div(n, self.plan.rows), 1, 1), group)
                 rec.flush()
-            return y if on_device else self.download(y)
+            if on_device:
+                if dtype != np.float32:
+                    raise InvalidInput("the wgpu backend's device outputs are float32: download, then cast")
+                return y
+            return self.download(y).astype(dtype, copy=False)
 
     def _scratch_out(self, shape: tuple[int, int]) -> WgpuArray:
         arr = self._scratch.get("output")
@@ -930,33 +433,27 @@ class WgpuModel(CompiledModel):
         rows = xa.shape[0]
         chunk = min(plan.chunk_rows, (rows + 255) // 256 * 256)
         n_splits = max(1, min(plan.n_splits_max, chunk // 256))
-        rows_per_split = _ceil_div(_ceil_div(chunk, n_splits), 16) * 16
+        rows_per_split = ceil_div(ceil_div(chunk, n_splits), 16) * 16
         self._ensure_training_scratch(chunk, n_splits)
         inv_count = 1.0 / (rows * self.spec.n_output_dims)
-        loss_wg = min(MAX_EW_WORKGROUPS, _ceil_div(chunk * plan.op[-1], 256))
-        ew_wg = min(MAX_EW_WORKGROUPS, _ceil_div(plan.p, 256))
+        loss_wg = min(MAX_EW_WORKGROUPS, ceil_div(chunk * plan.op[-1], 256))
+        ew_wg = min(MAX_EW_WORKGROUPS, ceil_div(plan.p, 256))
         starts = list(range(0, rows, chunk))
         for c, start in enumerate(starts):
             n = min(chunk, rows - start)
             first, last = c == 0, c == len(starts) - 1
             off = rec.slot(n, rows_per_split=rows_per_split, first=first, last=last, loss_slot=loss_slot,
                            inv_count=inv_count, lr_t=lr_t, n_splits=n_splits, n_loss_wg=loss_wg)
-            tiles = _ceil_div(n, plan.rows)
+            tiles = ceil_div(n, plan.rows)
             rec.dispatch("fwd_train", off, (tiles, 1, 1), self._io_group("fwd_train", start, n, {"x_in": xa}))
             rec.dispatch("loss_grad", off, (loss_wg, 1, 1), self._io_group("loss_grad", start, n, {"targets": ya}))
             rec.dispatch("loss_reduce", off, (1, 1, 1))
             rec.dispatch("bwd", off, (tiles, 1, 1))
             for i in range(plan.n_layers):
-                rec.dispatch(f"wgrad_{i}", off, (_ceil_div(plan.kp[i] + 1, 64), _ceil_div(plan.op[i], 64), n_splits))
+                rec.dispatch(f"wgrad_{i}", off, (ceil_div(plan.kp[i] + 1, 64), ceil_div(plan.op[i], 64), n_splits))
             rec.dispatch("grad_reduce", off, (ew_wg, 1, 1))
             if last and optimize:
                 rec.dispatch("optimize", off, (ew_wg, 1, 1))
-
-    def _lr_t(self, step: int) -> float:
-        opt = self.spec.optimizer
-        if opt.otype == "Adam":
-            return opt.learning_rate * math.sqrt(1 - opt.beta2 ** step) / (1 - opt.beta1 ** step)
-        return opt.learning_rate
 
     def _train_inputs(self, x: Any, y: Any) -> tuple[WgpuArray, WgpuArray]:
         xa, _ = self._device_rows(x, self.spec.n_input_dims, "input")
@@ -979,8 +476,8 @@ class WgpuModel(CompiledModel):
                 batch = min(STEP_SLOTS, steps - done)
                 rec = _Recorder(self)
                 for s in range(batch):
+                    self._record_step(rec, xa, ya, s, self.next_step_rate(), optimize=True)
                     self.step_count += 1
-                    self._record_step(rec, xa, ya, s, self._lr_t(self.step_count), optimize=True)
                 rec.flush()
                 losses[done:done + batch] = self._read(self.buffers["losses"], batch * 4, np.float32)
                 done += batch
@@ -1038,38 +535,16 @@ class WgpuModel(CompiledModel):
     def _slot_buffers(self) -> list[str]:
         return ["mom1", "mom2"] if self.spec.optimizer.otype == "Adam" else ["mom1"]
 
-    def _zero_state(self) -> dict[str, np.ndarray]:
-        shapes = param_shapes(self.spec)
-        state = {n: np.zeros(shapes[n.split(".", 1)[1]], np.float32) for n in optimizer_state_names(self.spec)}
-        state["step"] = np.zeros(1, dtype=np.int64)
-        return state
-
-    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         self._check_open()
-        slots = ("m", "v") if self.spec.optimizer.otype == "Adam" else ("velocity",)
-        state: dict[str, np.ndarray] = {}
         with self._lock:
-            for slot, buf in zip(slots, self._slot_buffers()):
-                for name, value in self._unpack(self._read(self.buffers[buf], self.plan.p * 4, np.float32)).items():
-                    state[f"{slot}.{name}"] = value
-        state["step"] = np.array([self.step_count], dtype=np.int64)
-        return state
+            return self._unpack(self._read(self.buffers[self._slot_buffers()[slot]], self.plan.p * 4, np.float32))
 
-    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
         self._check_open()
-        shapes = param_shapes(self.spec)
-        for name in optimizer_state_names(self.spec):
-            if name not in state or np.shape(state[name]) != shapes[name.split(".", 1)[1]]:
-                raise InvalidInput(f"optimizer state {name} is missing or has the wrong shape")
-        if "step" not in state:
-            raise InvalidInput("optimizer state lacks 'step'")
-        slots = ("m", "v") if self.spec.optimizer.otype == "Adam" else ("velocity",)
         with self._lock:
-            for slot, buf in zip(slots, self._slot_buffers()):
-                params = {k.split(".", 1)[1]: np.asarray(v, np.float32) for k, v in state.items()
-                          if k.startswith(slot + ".")}
-                self._write_buffer(buf, self._pack(params))
-            self.step_count = int(np.asarray(state["step"]).reshape(-1)[0])
+            for buf, values in zip(self._slot_buffers(), slots):
+                self._write_buffer(buf, self._pack(values))
 
     def device_bytes(self) -> int:
         return sum(b.size for b in self.buffers.values()) + sum(a.buffer.size for a in self._scratch.values())

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmad.backends.contract import Backend, CompiledModel, ProbeRow, check_params
-from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound
+from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound, ModelNotReady
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.metrics import Metrics
 from mmad.server.settings import Settings
@@ -158,13 +158,6 @@ class ModelEntry:
                 raise ModelNotReady(self.name)
             losses = self.live.train_step(x, y, steps)
             return losses, self.live.step_count
-
-
-class ModelNotReady(MMADError):
-    """The model exists in the store but is not loaded (HTTP 503)."""
-
-    def __init__(self, name: str):
-        super().__init__(f"model {name!r} is not loaded; POST /v2/repository/models/{name}/load")
 
 
 class Registry:

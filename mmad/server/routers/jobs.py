@@ -5,7 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from mmad.server.common import ERROR_RESPONSES, Runtime, json_body, json_response, require_key, runtime
+from mmad.server.bodies import json_body, json_response
+
+from mmad.server.deps import Runtime, require_key, runtime
+
+from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.jobs import JobRequest
 
 router = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from mmad.server.common import ERROR_RESPONSES, Runtime, json_response, runtime
+from mmad.server.bodies import json_response
+
+from mmad.server.deps import Runtime, runtime
+
+from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["devices"], responses=ERROR_RESPONSES)
 

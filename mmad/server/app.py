@@ -17,12 +17,14 @@ from fastapi import FastAPI
 
 import mmad
 from mmad.backends import probe_all, select
-from mmad.server.common import BodyLimitMiddleware, Runtime, install_error_handlers
+from mmad.server.bodies import BodyLimitMiddleware
+from mmad.server.deps import Runtime
+from mmad.server.errors import install_error_handlers
 from mmad.server.jobs import JobManager
 from mmad.server.metrics import Metrics
 from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.routers import ALL as ROUTERS
-from mmad.server.routers.models import InferFastPath
+from mmad.server.inference import InferFastPath
 from mmad.server.settings import Settings
 from mmad.server.store import Store
 from mmad.spec import MLPSpec

@@ -9,7 +9,7 @@ daemon copied it once more into its aligned buffer (docs/service-performance.md)
 :class:`DirectBodyProtocol` puts uvicorn's protocol behind a buffered protocol: for
 ``POST .../infer`` with a Content-Length of at least :data:`DIRECT_BODY_MIN` bytes (and within
 the body cap), the socket reads go into one buffer of the body's size, placed so that its
-tensors are aligned (:func:`mmad.server.common.tensor_buffer`), without pauses, and the app
+tensors are aligned (:func:`mmad.server.bodies.tensor_buffer`), without pauses, and the app
 receives the body as one message (a memoryview of that buffer). Request lines, headers and
 every other body still go through uvicorn's parser and its own handling. (A wrapper, not a
 subclass: uvloop reads into a buffered protocol's buffers only when it is no
@@ -24,7 +24,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from mmad.server.common import tensor_buffer
+from mmad.server.bodies import tensor_buffer
 
 DIRECT_BODY_MIN = 256 * 1024
 SCRATCH_BYTES = 256 * 1024  # reads outside a direct body (uvloop's own read size)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput
-from mmad.server.common import ERROR_RESPONSES, Runtime, json_body, json_response, require_key, runtime
+from mmad.server.bodies import json_body, json_response
+from mmad.server.deps import Runtime, require_key, runtime
+from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["repository"], responses=ERROR_RESPONSES)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 import mmad
-from mmad.server.common import ERROR_RESPONSES, NotReady, json_response
+from mmad.errors import NotReady
+from mmad.server.bodies import json_response
+from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["health"], responses=ERROR_RESPONSES)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmad.spec import EncodingSpec, MLPSpec, OptimizerSpec
+from mmad.spec import EncodingSpec, OptimizerSpec
 
 LEAKY_SLOPE = 0.01
 LOSS_EPSILON = 0.01  # tiny-cuda-nn's normaliser offset for the relative losses
@@ -174,6 +174,15 @@ def _erf(x: np.ndarray) -> np.ndarray:
 
 
 # -- optimizers ----------------------------------------------------------------------------
+def step_learning_rate(opt: OptimizerSpec, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (from 1): Adam's bias-corrected rate
+    lr·sqrt(1 − β2^t)/(1 − β1^t), folded into one scalar as every backend's kernel takes it;
+    SGD's plain rate."""
+    if opt.otype == "Adam":
+        return opt.learning_rate * float(np.sqrt(1 - opt.beta2 ** step)) / (1 - opt.beta1 ** step)
+    return opt.learning_rate
+
+
 def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray,
                      slots: dict[str, np.ndarray]) -> None:
     """One in-place update of ``w`` (fp32 master) and its slots; ``step`` counts from 1."""
@@ -185,7 +194,7 @@ def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray
         m += (1 - opt.beta1) * g
         v *= opt.beta2
         v += (1 - opt.beta2) * (g * g)
-        lr_t = opt.learning_rate * np.sqrt(1 - opt.beta2 ** step) / (1 - opt.beta1 ** step)
+        lr_t = step_learning_rate(opt, step)
         w -= (lr_t * m / (np.sqrt(v) + opt.epsilon)).astype(w.dtype)
     else:
         vel = slots["velocity"]

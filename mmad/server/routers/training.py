@@ -6,10 +6,13 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput, MMADError
-from mmad.server.common import BINARY_REQUEST_DOC, ERROR_RESPONSES, TENSOR_REQUEST_DOC, Runtime, json_response, require_key, runtime, status_for
+from mmad.server.bodies import json_response
+from mmad.server.deps import Runtime, require_key, runtime
+from mmad.server.errors import ERROR_RESPONSES, status_for
+from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC
 from mmad.server.jobs import JobManager
 from mmad.server.registry import INPUT, TARGET
-from mmad.server.routers.models import model_tensors, parse_tensors
+from mmad.server.tensors import model_tensors, parse_tensors
 from mmad.server.store import check_model_name, tensors_from_bytes
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)

@@ -1,0 +1,126 @@
+"""cuda backend: fused MLP kernels on NVIDIA GPUs, through CuPy (memory, streams, NVRTC).
+
+One file per variant; ``probe()`` reports each, with the reason when it cannot run:
+
+* ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forward; off unless ``MMAD_CUDA_WGMMA=1``.
+* ``mma`` (:mod:`.mma`) — mma.sync.m16n8k16 fused forward and training, compute capability 8.0+,
+  widths 16-256: the default for every model.
+* ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python; chosen only
+  when asked for by name.
+
+:mod:`.toolchain` holds the compilers, cubin loading and the host<->device side every variant
+shares; :mod:`.knobs` the environment settings. Kernels are specialised per model, compiled
+(NVRTC, nvcc for wgmma) and kept in the kernel cache (key: backend, architecture, compiler
+version, options, source): a cache hit loads the cubin without compiling. The package imports
+without CuPy; the probe then says why nothing can run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import Backend, CompiledModel, MMAShape, ProbeRow
+from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
+from mmad.backends.cuda.knobs import CudaKnobs
+from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
+from mmad.backends.cuda.toolchain import cupy_module, device_info, find_nvcc, nvrtc_version, version_text
+from mmad.backends.cuda.wgmma import WGMMA_OFF, CudaWgmmaModel, WgmmaPlan, nvcc_runs_wgmma
+from mmad.errors import BackendUnavailable, SpecError
+from mmad.spec import MLPSpec
+
+VARIANTS = ("wgmma", "mma", "cublaslt")
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        self._rows: list[ProbeRow] | None = None
+
+    def probe(self) -> list[ProbeRow]:
+        if self._rows is None:
+            self._rows = self._probe()
+        return self._rows
+
+    def _probe(self) -> list[ProbeRow]:
+        def all_unavailable(reason: str, **kw: Any) -> list[ProbeRow]:
+            return [ProbeRow("cuda", v, False, reason=reason, **kw) for v in VARIANTS]
+
+        try:
+            cp = cupy_module()
+        except BackendUnavailable as exc:
+            return all_unavailable(exc.reason)
+        try:
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # no driver, no device, broken install: all the same to the user
+            return all_unavailable(f"no CUDA device is usable: {exc}")
+        if count == 0:
+            return all_unavailable("no CUDA device is present")
+        try:
+            info = device_info(cp)
+            nvrtc = nvrtc_version()
+            api = (f"driver {version_text(cp.cuda.runtime.driverGetVersion())}, runtime "
+                   f"{version_text(cp.cuda.runtime.runtimeGetVersion())}, NVRTC {nvrtc}, "
+                   f"CuPy {cp.__version__}")
+        except Exception as exc:
+            return all_unavailable(f"querying the CUDA device failed: {type(exc).__name__}: {exc}")
+        cc = info["cc"]
+        common = {"device": info["name"], "api_version": api}
+        details = {"compute_capability": f"{cc[0]}.{cc[1]}", "multiprocessors": info["sm_count"]}
+        mma_shape = [MMAShape(16, 8, 16, scope="warp")]
+
+        # wgmma: compute capability 9.0, then (only when asked for: slower than mma on small models)
+        # nvcc builds a wgmma kernel and a child process runs it with the right result
+        wg_shapes = [MMAShape(64, n, 16, scope="warpgroup") for n in (8, 16, 32, 64, 128, 256)]
+        if cc != (9, 0):
+            wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
+                          f"this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+        elif not CudaKnobs.from_env().wgmma:
+            wg = ProbeRow("cuda", "wgmma", False, reason=WGMMA_OFF, details=dict(details), **common)
+        else:
+            ok, why = nvcc_runs_wgmma()
+            wg = ProbeRow("cuda", "wgmma", ok, reason="" if ok else f"the sm_90a wgmma check failed: {why}",
+                          details={**details, "nvcc": find_nvcc() or "missing"},
+                          mma_shapes=wg_shapes if ok else [], **common)
+        if cc >= (8, 0):
+            mma = ProbeRow("cuda", "mma", True, mma_shapes=mma_shape,
+                           details={**details, "max_width": MMA_MAX_WIDTH}, **common)
+        else:
+            mma = ProbeRow("cuda", "mma", False, reason=f"mma.sync m16n8k16 kernels need compute capability "
+                           f"8.0 or newer; this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+        lt_ok, lt_reason, lt_version = cublaslt_availability()
+        lt = ProbeRow("cuda", "cublaslt", lt_ok, reason=lt_reason,
+                      details={**details, "nvmath": lt_version}, **common)
+        return [wg, mma, lt]
+
+    @staticmethod
+    def _wgmma_fits(spec: MLPSpec) -> bool:
+        try:
+            WgmmaPlan(spec)
+        except SpecError:
+            return False
+        return True
+
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
+        rows = {r.variant: r for r in self.probe()}
+        if variant is not None and variant not in rows:
+            raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
+        if variant is None:  # wgmma where enabled and the model fits it; mma takes every width 16-256
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) else "mma"
+        row = rows[variant]
+        if not row.available:
+            raise BackendUnavailable(f"cuda:{variant}", row.reason)
+        cp = cupy_module()
+        info = device_info(cp)
+        if cache is None:
+            cache = KernelCache()
+        knobs = CudaKnobs.from_env()
+        if variant == "mma":
+            return CudaMmaModel(spec, cp, info, cache, knobs)
+        if variant == "wgmma":
+            return CudaWgmmaModel(spec, cp, info, cache, knobs)
+        return CublasLtModel(spec, cp, info, cache)
+
+
+__all__ = ["CudaBackend", "VARIANTS"]

@@ -1,0 +1,336 @@
+"""The ``cublaslt`` variant: per-layer cuBLASLt matmuls with epilogs (nvmath-python) plus
+element-wise kernels (``mmad/shaders/cuda/mlp_elementwise.cu``); the fastest on wide models (W),
+where every fused kernel is register-bound. See :class:`CublasLtModel`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import check_params, init_params, optimizer_slots
+from mmad.backends.cuda.mma import DERIVATIVE_FROM_OUTPUT, NVRTC_OPTIONS, f32_literal, optimizer_defines
+from mmad.backends.cuda.toolchain import (
+    CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
+)
+from mmad.errors import InvalidInput, LaunchError, SpecError
+from mmad.shaders import read_source
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+
+log = logging.getLogger("mmad.backends.cuda")
+
+
+def cublaslt_availability() -> tuple[bool, str, str]:
+    """(usable, reason when not, nvmath version)."""
+    try:
+        import nvmath
+        from nvmath.linalg.advanced import Matmul, MatmulEpilog  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA library it could not load
+        return False, f"nvmath-python is not importable ({type(exc).__name__}: {exc})", ""
+    return True, "", getattr(nvmath, "__version__", "?")
+
+
+EW_KERNELS = ("ew_half", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_colsum", "ew_optimize")
+COLSUM_ROWS = 1024  # rows per partial sum of ew_colsum (SUM_ROWS in mlp_elementwise.cu)
+
+
+class CublasLtModel(CudaModel):
+    """Per-layer cuBLASLt matmuls (nvmath-python, planned once per shape) + element-wise kernels.
+
+    Each layer is ``h_{l+1}^T = act(W_l @ h_l^T + b_l)`` (W as A) so that cuBLASLt's bias runs
+    along M: ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of
+    the fp32 master), other hidden layers and the output layer an fp32 result type with the BIAS
+    epilog (fp32 bias; no C operand to read) and finish in ``shaders/cuda/mlp_elementwise.cu``.
+    Backward: input gradients ``W^T @ delta`` and weight gradients ``h @ delta^T`` (= dW^T, so
+    that dW comes out row-major like W) as fp32 matmuls (fp32 zero C), bias gradients by
+    ``ew_colsum`` plus a CuPy sum of its partials (fixed order), then the optimizer kernel.
+
+    Layout: every activation, pre-activation and delta is an (features, rows) array in F order,
+    i.e. row-major [rows][features] memory. That is the order nvmath gives D whenever a C operand
+    is passed (D follows C, and an (M, 1) C counts as column-major) or a bias epilog is used
+    (column-major D), so results are used as they come. (Run 7 found the first version, with
+    C-order activations, copying every matmul result into C order: a W layer took 6.4 ms in the
+    model against 0.35 ms alone.) The fp16 input is the fp32 input cast, and the output and loss
+    kernels read [rows][outputs] like the targets and the result. ``_mm`` raises if a result ever
+    comes back in another layout rather than copying it.
+    """
+
+    variant = "cublaslt"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
+        super().__init__(spec, cp, info)
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda cublaslt variant computes in fp16; got {spec.precision!r}")
+        from nvmath.linalg.advanced import Matmul, MatmulEpilog
+
+        from nvmath import CudaDataType
+
+        self._matmul_cls, self._epilog = Matmul, MatmulEpilog
+        self._f32_type = CudaDataType.CUDA_R_32F
+        self._f32_result: bool | None = None  # fp32 result type + BIAS epilog: untried / works / refused
+        self.layers = spec.layer_dims  # (fan_in, fan_out)
+        self.n_layers = len(self.layers)
+        self.relu_epilog = spec.activation == "ReLU"
+        self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
+        self.source = self._source()
+        what = f"cuBLASLt element-wise kernels for model {spec.content_hash()}"
+
+        def build() -> bytes:
+            return nvrtc_compile(self.source, self.arch_digits, NVRTC_OPTIONS, what)
+
+        cubin = cached_cubin(cache, build, backend="cuda-cublaslt", device=self.arch,
+                             compiler=f"nvrtc-{nvrtc_version()}", options=NVRTC_OPTIONS, source=self.source)
+        try:
+            self._module = LoadedModule(cp, cubin, EW_KERNELS)
+            self.w = [cp.zeros((fo, fi), dtype=cp.float32) for fi, fo in self.layers]
+            self.b = [cp.zeros(fo, dtype=cp.float32) for _, fo in self.layers]
+            self.w16 = [cp.zeros((fo, fi), dtype=cp.float16) for fi, fo in self.layers]
+            self.b16 = [cp.zeros(fo, dtype=cp.float16) for _, fo in self.layers]
+            n_slots = len(optimizer_slots(spec))
+            self.slot_w = [[cp.zeros_like(w) for w in self.w] for _ in range(n_slots)]
+            self.slot_b = [[cp.zeros_like(b) for b in self.b] for _ in range(n_slots)]
+            # fp32 C (zeros) for the backward matmuls: fp16 operands with an fp32 C give an fp32 D
+            self.zero_cols = {fi: cp.zeros((fi, 1), dtype=cp.float32) for fi, _ in self.layers}
+        except device_errors(cp) as exc:
+            raise LaunchError(f"setting up the cuBLASLt model failed: {exc}") from exc
+        self._plans: dict[tuple, Any] = {}
+        self.set_params(init_params(spec))
+
+    def _source(self) -> str:
+        s = self.spec
+        defines = {
+            "NIN": s.n_encoded_dims, "NOUT": s.n_output_dims, "ACT": ACTIVATION_CODES[s.activation],
+            "OUT_ACT": ACTIVATION_CODES[s.output_activation], "LOSS": LOSS_CODES[s.loss],
+            "HUBER_DELTA": f32_literal(s.huber_delta), "STORE_DACT": int(self.store_dact), **optimizer_defines(s),
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_elementwise.cu")
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def _launch(self, name: str, grid, block, args) -> None:
+        self._launch_from(self._module, name, grid, block, args)
+
+    def _mm_bias32(self, key: tuple, w16, h, bias):
+        """fp32 ``w16 @ h + bias``: an fp32 result type with the BIAS epilog, so no C is read
+        (an fp32 C broadcast along N, the other way to get fp32 out of fp16 operands, took 2.5x
+        the time of an fp16 layer in run 12). Where nvmath/cuBLASLt refuse that combination, the
+        broadcast C, with a warning naming the reason."""
+        if self._f32_result is not False:
+            try:
+                out = self._mm(key, w16, h, epilog=self._epilog.BIAS, epilog_inputs={"bias": bias},
+                               options={"result_type": self._f32_type})
+                self._f32_result = True
+                return out
+            except LaunchError as exc:
+                if self._f32_result is True:  # it worked before: this is a real failure
+                    raise
+                self._f32_result = False
+                self._plans.pop(key, None)
+                log.warning("cublaslt: fp32 results with the BIAS epilog are refused here (%s); using an fp32 C "
+                            "broadcast along N instead", exc)
+        return self._mm(key, w16, h, c=bias.reshape(-1, 1))
+
+    def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None, options=None):
+        """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed);
+        the result as nvmath returns it, which must be F-contiguous (see the class docstring)."""
+        kind, layer, rows = key
+        try:
+            mm = self._plans.get(key)
+            if mm is None:
+                if any(k[2] != rows for k in self._plans):  # plans of one batch size at a time
+                    self._free_plans()
+                mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0, options=options)
+                mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
+                self._plans[key] = mm
+            else:
+                mm.reset_operands(a=a, b=b, c=c, epilog_inputs=epilog_inputs)
+            result = mm.execute()
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) failed: {exc}") from exc
+        except Exception as exc:  # nvmath reports unsupported shapes, types or epilogs as ValueError & co.
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) was refused by "
+                              f"nvmath-python: {type(exc).__name__}: {exc}") from exc
+        out = result[0] if isinstance(result, tuple) else result
+        if not out.flags.f_contiguous:  # a copy here would cost more than the matmul itself
+            raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) returned a {out.shape} result "
+                              f"with strides {out.strides}; the cublaslt model needs it F-contiguous")
+        return out
+
+    def _free_plans(self) -> None:
+        for mm in self._plans.values():
+            try:
+                mm.free()
+            except Exception:  # freeing is best effort; the plan is dropped either way
+                pass
+        self._plans.clear()
+
+    def _forward_t(self, dx, rows: int, train: bool, half_out: bool = False):
+        """Output pre-activations z^T (n_out, rows) fp32 (``half_out``: fp16, bias added by the
+        matmul), each layer's input h^T, stored derivatives; all F-order (row-major memory)."""
+        cp = self.cp
+        if dx.dtype == cp.float16:
+            h16 = dx
+        else:
+            h16 = cp.empty(dx.shape, dtype=cp.float16)  # dx is [rows][n_in]: h^T is its F-order view
+            self._launch("ew_half", (max(1, math.ceil(dx.size / 1024)),), (256,), (dx, np.int64(dx.size), h16))
+        h = h16.T
+        hs, dacts = [h], []
+        for i in range(self.n_layers - 1):
+            fo = self.layers[i][1]
+            if self.relu_epilog:
+                h = self._mm(("fwd", i, rows), self.w16[i], h, epilog=self._epilog.RELU_BIAS,
+                             epilog_inputs={"bias": self.b16[i]})
+            else:
+                z = self._mm_bias32(("fwd", i, rows), self.w16[i], h, self.b[i])
+                h = cp.empty((fo, rows), dtype=cp.float16, order="F")
+                dact = cp.empty((fo, rows), dtype=cp.float16, order="F") if (train and self.store_dact) else h
+                self._launch("ew_hidden", (math.ceil(z.size / 256),), (256,),
+                             (z, np.int64(z.size), h, dact, np.int32(train)))
+                dacts.append(dact)
+            hs.append(h)
+        last = self.n_layers - 1
+        if half_out:
+            zt = self._mm(("fwd16", last, rows), self.w16[last], h, epilog=self._epilog.BIAS,
+                          epilog_inputs={"bias": self.b16[last]})
+        else:
+            zt = self._mm_bias32(("fwd", last, rows), self.w16[last], h, self.b[last])
+        return zt, hs, dacts
+
+    # -- compute ------------------------------------------------------------------------------------
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """See ``CompiledModel.forward``. ``out_dtype`` float16: without an output activation the
+        output layer's matmul writes fp16 itself (BIAS epilog, the fp16 bias); fp16 device inputs
+        are used as the first layer's operand without a cast."""
+        cp = self.cp
+        half_out = self._half_out(out_dtype)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
+        rows = dx.shape[0]
+        if not rows:
+            out = cp.empty((0, self.spec.n_output_dims), dtype=cp.float16 if half_out else cp.float32)
+        elif self.spec.output_activation == "None":
+            # z^T in F order is out, C order
+            out = self._forward_t(dx, rows, train=False, half_out=half_out)[0].T
+        else:
+            zt, _, _ = self._forward_t(dx, rows, train=False)  # [rows][n_out] memory, like out
+            out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+            self._launch("ew_output", (math.ceil(zt.size / 256),), (256,), (zt, np.int64(zt.size), out))
+            if half_out:
+                out = out.astype(cp.float16)
+        return self.download(out) if from_host else out
+
+    def _grads(self, dx, dy, rows: int, on_layer) -> Any:
+        """Forward, loss, backward; ``on_layer(i, dW, db)`` once per layer, last first."""
+        cp = self.cp
+        n_out = self.spec.n_output_dims
+        zt, hs, dacts = self._forward_t(dx, rows, train=True)
+        # zt, dy (rows x n_out, C order), delta and values all hold [rows][n_out]
+        delta = cp.empty((n_out, rows), dtype=cp.float16, order="F")
+        values = cp.empty((n_out, rows), dtype=cp.float32, order="F")
+        grad_scale = np.float32(self.spec.loss_scale / (rows * n_out))
+        self._launch("ew_loss", (math.ceil(zt.size / 256),), (256,),
+                     (zt, dy, np.int64(zt.size), grad_scale, delta, values))
+        loss = values.sum(dtype=cp.float64)
+        chunks = math.ceil(rows / COLSUM_ROWS)
+        for i in reversed(range(self.n_layers)):
+            fi, fo = self.layers[i]
+            # dW^T = h @ delta^T, (fi, fo) F-contiguous: its transpose is dW row-major, like W
+            dw = self._mm(("wgrad", i, rows), hs[i], delta.T, c=self.zero_cols[fi]).T
+            # a CuPy sum over the strided rows axis would run on a handful of blocks
+            partial = cp.empty((chunks, fo), dtype=cp.float32)
+            self._launch("ew_colsum", (chunks, math.ceil(fo / 32)), (32, 8),  # block (TILE, SUM_LANES)
+                         (delta, np.int64(rows), np.int32(fo), partial))
+            db = partial.sum(axis=0)
+            if i > 0:  # the input gradient uses this layer's weights before the update below
+                g = self._mm(("dgrad", i, rows), self.w16[i].T, delta, c=self.zero_cols[fi])
+                stored = dacts[i - 1] if self.store_dact else hs[i]
+                delta = cp.empty((fi, rows), dtype=cp.float16, order="F")
+                self._launch("ew_backward", (math.ceil(g.size / 256),), (256,),
+                             (g, stored, np.int64(g.size), delta))
+            on_layer(i, dw, db)
+        return loss
+
+    def _optimize(self, i: int, mode: int, dw, db, lr_t: float) -> None:
+        w, b = self.w[i], self.b[i]
+        s1w, s1b = self.slot_w[0][i], self.slot_b[0][i]
+        s2w, s2b = self.slot_w[-1][i], self.slot_b[-1][i]
+        total = w.size + b.size
+        self._launch("ew_optimize", (math.ceil(total / 256),), (256,),
+                     (np.int32(mode), np.int32(w.size), np.int32(b.size), w, b,
+                      w if dw is None else dw, b if db is None else db, s1w, s1b, s2w, s2b,
+                      self.w16[i], self.b16[i], np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale)))
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        dx, dy, rows = self._prepare_batch(x, y)
+        losses = self.cp.zeros(steps, dtype=self.cp.float64)
+        for s in range(steps):
+            lr_t = self.next_step_rate()
+            losses[s] = self._grads(dx, dy, rows, lambda i, dw, db: self._optimize(i, 0, dw, db, lr_t))
+            self.step_count += 1
+        return (self.download(losses) / (rows * self.spec.n_output_dims)).astype(np.float32)
+
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        dx, dy, rows = self._prepare_batch(x, y)
+        grads: dict[str, np.ndarray] = {}
+
+        def keep(i: int, dw, db) -> None:
+            grads[f"W{i}"] = self.download(dw) / np.float32(self.spec.loss_scale)
+            grads[f"b{i}"] = self.download(db) / np.float32(self.spec.loss_scale)
+
+        loss = self._grads(dx, dy, rows, keep)
+        value = float(self.download(loss)) / (rows * self.spec.n_output_dims)
+        return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
+
+    # -- parameters ---------------------------------------------------------------------------------
+    def get_params(self) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self.download(self.w[i])
+            out[f"b{i}"] = self.download(self.b[i])
+        return out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        try:
+            for i in range(self.n_layers):
+                self.w[i][...] = self.cp.asarray(params[f"W{i}"])
+                self.b[i][...] = self.cp.asarray(params[f"b{i}"])
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading parameters failed: {exc}") from exc
+        for i in range(self.n_layers):
+            self._optimize(i, 2, None, None, 0.0)
+
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self.download(self.slot_w[slot][i])
+            out[f"b{i}"] = self.download(self.slot_b[slot][i])
+        return out
+
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        try:
+            for j, values in enumerate(slots):
+                for i in range(self.n_layers):
+                    self.slot_w[j][i][...] = self.cp.asarray(values[f"W{i}"])
+                    self.slot_b[j][i][...] = self.cp.asarray(values[f"b{i}"])
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading the optimizer state failed: {exc}") from exc
+
+    def device_bytes(self) -> int:
+        arrays = [*self.w, *self.b, *self.w16, *self.b16]
+        for slots in (*self.slot_w, *self.slot_b):
+            arrays += slots
+        return int(sum(a.nbytes for a in arrays))
+
+    def close(self) -> None:
+        self._free_plans()
+        for name in ("w", "b", "w16", "b16", "slot_w", "slot_b", "zero_cols"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+

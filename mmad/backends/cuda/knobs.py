@@ -1,0 +1,50 @@
+"""The cuda backend's settings from the environment, parsed once per compile, typed, checked.
+
+| variable | values | default | what |
+|---|---|---|---|
+| ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: slower than mma.sync on S/M, docs/cuda.md) |
+| ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
+| ``MMAD_CUDA_WGMMA_WARPGROUPS`` | 1, 2 | plan | warpgroups per wgmma forward block (unset: the shared-memory plan decides) |
+| ``MMAD_CUDA_WGMMA_STAGES`` | 0, 1, 2 | plan | input tiles each wgmma warpgroup prefetches (unset: the plan decides) |
+
+A value outside its list is an error naming the variable, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mmad.errors import SpecError
+
+WGMMA_ENV = "MMAD_CUDA_WGMMA"
+FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"
+WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"
+WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"
+
+
+def env_choice(name: str, allowed: tuple[int, ...]) -> int | None:
+    """An integer setting from the environment, one of ``allowed``; None when unset."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return None
+    if not raw.isdigit() or int(raw) not in allowed:
+        raise SpecError(name, f"must be one of {', '.join(map(str, allowed))}; got {raw!r}")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class CudaKnobs:
+    wgmma: bool = False
+    fused_wgrad: bool = True
+    wgmma_warpgroups: int | None = None
+    wgmma_stages: int | None = None
+
+    @classmethod
+    def from_env(cls) -> "CudaKnobs":
+        return cls(
+            wgmma=env_choice(WGMMA_ENV, (0, 1)) == 1,
+            fused_wgrad=env_choice(FUSED_WGRAD_ENV, (0, 1)) != 0,
+            wgmma_warpgroups=env_choice(WGMMA_WARPGROUPS_ENV, (1, 2)),
+            wgmma_stages=env_choice(WGMMA_STAGES_ENV, (0, 1, 2)),
+        )

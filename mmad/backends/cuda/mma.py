@@ -1,0 +1,464 @@
+"""The ``mma`` variant: fused MLP kernels on mma.sync.m16n8k16 (fp16 in, fp32 accumulate).
+
+``mmad/shaders/cuda/mlp_mma.cu``; compute capability 8.0 or newer, hidden widths 16-256 (the
+default variant for every model). One kernel runs the whole forward pass with activations
+chained in registers. A training step is one fused forward + loss + backward kernel; where the
+weight gradients fit in registers (ReLU family, weights in shared memory: S and M),
+``mlp_train_fused`` accumulates them inside it from a shared-memory stash of each layer's
+input; otherwise per-layer activations and deltas go to memory once and a weight-gradient
+kernel per layer runs mma over fixed row chunks (deterministic). A reduction + optimizer kernel
+per layer sums the partials in a fixed order, updates the fp32 masters and refreshes the packed
+fp16 weight images the kernels read.
+
+Kernels are specialised per model (widths, depth, activations, loss, optimizer constants as
+``#define``s), compiled by NVRTC and kept in the kernel cache.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import check_params, init_params, optimizer_slots
+from mmad.backends.cuda.knobs import CudaKnobs
+from mmad.backends.cuda.toolchain import (
+    CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
+)
+from mmad.errors import InvalidInput, LaunchError, SpecError
+from mmad.shaders import read_source
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+
+MMA_MAX_WIDTH = 256  # wider than 256 would not fit the fused kernels' registers
+WARPS_PER_BLOCK = 4  # warps per block of the mma kernels (2-16 measured within 12%: docs/gpu-notes-cuda.md)
+FUSED_WARPS, FUSED_ROWS = 8, 128  # mlp_train_fused: warps per block, rows per super-tile (FW, SUPER_ROWS)
+FUSED_MAX_ACC = 96  # fp32 weight-gradient accumulators per thread the fused kernel may hold
+WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
+SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
+FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
+NVRTC_OPTIONS = ("-std=c++17",)
+
+MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
+# activations whose derivative follows from the stored fp16 output (no extra buffer)
+DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
+
+
+def f32_literal(v: float) -> str:
+    """A float as the CUDA fp32 literal of its fp32 value."""
+    return f"{float(np.float32(v))!r}f"
+
+
+def optimizer_defines(spec: MLPSpec) -> dict[str, Any]:
+    """The optimizer's constants as the kernels' ``#define``s (mma and element-wise kernels)."""
+    opt = spec.optimizer
+    return {"OPT_ADAM": int(opt.otype == "Adam"), "LR": f32_literal(opt.learning_rate),
+            "BETA1": f32_literal(opt.beta1), "BETA2": f32_literal(opt.beta2), "EPS": f32_literal(opt.epsilon),
+            "L2REG": f32_literal(opt.l2_reg), "MOMENTUM": f32_literal(opt.momentum)}
+
+
+def describe(spec: MLPSpec) -> str:
+    return (f"{spec.n_encoded_dims}->{spec.n_neurons}x{spec.n_hidden_layers}->{spec.n_output_dims}, "
+            f"{spec.activation}/{spec.output_activation}, {spec.loss}, {spec.optimizer.otype}")
+
+
+def pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def b_image_index(k_dim: int, k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Where element (k, n) of a K x N B operand sits in its packed image (halves).
+
+    Mirrors ``b_image_index`` in mlp_mma.cu: n-tile (8 columns) major, then k-chunk (16),
+    then lane (g = n % 8, t = (k % 8) // 2 -> lane 4g + t), then the four halves b0 b1 b2 b3
+    (b0 b1: k % 16 < 8, b2 b3: k % 16 >= 8; low/high half by k % 2).
+    """
+    k = np.asarray(k)
+    n = np.asarray(n)
+    kc, kk = k >> 4, k & 15
+    hi, rr = kk >> 3, kk & 7
+    lane = (n & 7) * 4 + (rr >> 1)
+    return ((((n >> 3) * (k_dim >> 4) + kc) * 32 + lane) * 4 + hi * 2 + (rr & 1)).astype(np.int64)
+
+
+
+def master_offsets(layers: list[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:
+    """Where each layer's fp32 master W (n x k, row-major) and b (n) start in the mma model's
+    flat ``w_all`` / ``b_all`` (layers as MmaPlan.layers: fan_in, fan_out, k, n)."""
+    w_off, b_off, ow, ob = [], [], 0, 0
+    for _, _, k, n in layers:
+        w_off.append(ow)
+        b_off.append(ob)
+        ow += n * k
+        ob += n
+    return w_off, b_off
+
+
+class MmaPlan:
+    """Geometry and generated source of one spec's mma kernels (needs no GPU, no CuPy)."""
+
+    def __init__(self, spec: MLPSpec, knobs: CudaKnobs | None = None):
+        knobs = knobs or CudaKnobs.from_env()
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda mma variant computes in fp16; got {spec.precision!r}")
+        if spec.n_neurons > MMA_MAX_WIDTH:
+            raise SpecError("network.n_neurons",
+                            f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got {spec.n_neurons}")
+        self.spec = spec
+        self.width = spec.n_neurons
+        self.n_hidden = spec.n_hidden_layers
+        self.k_in = pad16(spec.n_encoded_dims)
+        self.n_out_pad = pad16(spec.n_output_dims)
+        # (fan_in, fan_out, K padded, N padded) per layer
+        self.layers = [(fi, fo, pad16(fi), pad16(fo)) for fi, fo in spec.layer_dims]
+        self.n_layers = len(self.layers)
+        self.wf_total = sum(k * n for _, _, k, n in self.layers)
+        self.wb_total = sum(k * n for _, _, k, n in self.layers[1:])
+        self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
+        self.smem_fwd = self.wf_total * 2
+        self.smem_train = (self.wf_total + self.wb_total) * 2
+        self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
+        self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
+        self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
+        self.warps = WARPS_PER_BLOCK
+        self.fused_wgrad, self.smem_fused = self._fused_plan(knobs.fused_wgrad)
+        self.source = self._source()
+
+    def _fused_plan(self, wanted: bool) -> tuple[bool, int]:
+        """Whether mlp_train_fused applies (weight gradients accumulated in the training kernel),
+        and its shared memory: the weights, a 128-row stash of every layer's input, a delta stage.
+        It needs the derivative from h (ReLU family), the weights in shared memory, and
+        accumulators that fit in registers (each thread holds 1/256 of every dW)."""
+        rows = FUSED_ROWS
+        stash = sum(rows * (k + 8) for _, _, k, _ in self.layers)
+        stage = rows * (max(self.width, self.n_out_pad) + 8)
+        smem = (self.wf_total + self.wb_total + stash + stage) * 2
+        units = [math.ceil((n // 16) * (k // 16) / FUSED_WARPS) for _, _, k, n in self.layers]
+        acc = 8 * sum(units)  # two m16n8 fragments of 4 floats per 16 x 16 unit
+        fits = not self.store_dact and self.w_smem_train and acc <= FUSED_MAX_ACC and smem <= FUSED_SMEM_LIMIT
+        return wanted and fits, smem
+
+    def _source(self) -> str:
+        s = self.spec
+        defines = {
+            "NIN": s.n_encoded_dims, "KIN": self.k_in, "WIDTH": self.width, "NHID": self.n_hidden,
+            "NOUT": s.n_output_dims, "NOUT_PAD": self.n_out_pad,
+            "ACT": ACTIVATION_CODES[s.activation], "OUT_ACT": ACTIVATION_CODES[s.output_activation],
+            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
+            "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": self.warps,
+            "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
+            "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
+            **optimizer_defines(s),
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_mma.cu")
+
+
+class CudaMmaModel(MmaPlan, CudaModel):
+    """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
+
+    variant = "mma"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
+                 knobs: CudaKnobs | None = None):
+        CudaModel.__init__(self, spec, cp, info)
+        MmaPlan.__init__(self, spec, knobs)
+        self._module = self._build(cache)
+        self._allocate()
+        self.set_params(init_params(spec))
+
+    # -- build ------------------------------------------------------------------------------
+    def _build(self, cache: KernelCache | None) -> LoadedModule:
+        what = f"mma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+
+        def build() -> bytes:
+            return nvrtc_compile(self.source, self.arch_digits, NVRTC_OPTIONS, what)
+
+        cubin = cached_cubin(cache, build, backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
+                             options=NVRTC_OPTIONS, source=self.source)
+        try:
+            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (("mlp_train_fused",) if self.fused_wgrad else ()))
+            fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
+            if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
+                fwd.max_dynamic_shared_size_bytes = self.smem_fwd
+                module.kernel("mlp_forward_half").max_dynamic_shared_size_bytes = self.smem_fwd
+            if self.w_smem_train and self.smem_train > 48 * 1024:
+                train.max_dynamic_shared_size_bytes = self.smem_train
+            if self.fused_wgrad and self.smem_fused > 48 * 1024:
+                module.kernel("mlp_train_fused").max_dynamic_shared_size_bytes = self.smem_fused
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+        self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
+        self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
+        self.grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
+                           if self.fused_wgrad else 0)
+        return module
+
+    def _resident_blocks(self, kernel, smem: int, warps: int | None = None) -> int:
+        """Blocks of one launch that fit on the GPU at once (the persistent grid)."""
+        warps = warps or self.warps
+        threads = warps * 32
+        regs = max(int(kernel.num_regs), 1)
+        regs_per_warp = math.ceil(regs * 32 / 256) * 256
+        by_regs = self.info["regs_per_sm"] // (regs_per_warp * warps)
+        by_smem = self.info["smem_per_sm"] // (smem + 1024) if smem else 64
+        by_threads = 2048 // threads
+        return max(1, min(by_regs, by_smem, by_threads, 32)) * self.info["sm_count"]
+
+    # -- buffers ----------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        cp = self.cp
+        try:
+            n_w = [n * k for _, _, k, n in self.layers]
+            n_b = [n for _, _, _, n in self.layers]
+            total_w, total_b = sum(n_w), sum(n_b)
+            self.w_all = cp.zeros(total_w, dtype=cp.float32)
+            self.b_all = cp.zeros(total_b, dtype=cp.float32)  # the kernels read biases here
+            n_slots = len(optimizer_slots(self.spec))
+            self.slot_w = [cp.zeros(total_w, dtype=cp.float32) for _ in range(n_slots)]
+            self.slot_b = [cp.zeros(total_b, dtype=cp.float32) for _ in range(n_slots)]
+            self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
+            self.dummy = cp.zeros(4, dtype=cp.float32)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"allocating the model's device buffers failed: {exc}") from exc
+        self.w_off, self.b_off, self.wf_off, self.wb_off = [], [], [], []
+        ow = ob = of = 0
+        ob_img = self.wf_total
+        for i, (_, _, k, n) in enumerate(self.layers):
+            self.w_off.append(ow)
+            self.b_off.append(ob)
+            self.wf_off.append(of)
+            self.wb_off.append(ob_img if i > 0 else -1)
+            ow += n * k
+            ob += n
+            of += n * k
+            if i > 0:
+                ob_img += n * k
+        self._workspace: dict[int, dict[str, Any]] = {}
+
+    def _workspace_for(self, rows_pad: int) -> dict[str, Any]:
+        ws = self._workspace.get(rows_pad)
+        if ws is not None:
+            return ws
+        self._workspace.clear()  # one batch size at a time: large buffers are not hoarded
+        cp = self.cp
+        w, nh = self.width, self.n_hidden
+        sm = self.info["sm_count"]
+        if self.fused_wgrad:
+            # one partial sum per block of mlp_train_fused, every layer (mlp_optimize adds them)
+            blocks = self.fused_blocks(rows_pad)
+            chunks = [(blocks, 0)] * self.n_layers
+            max_partial = blocks * sum(n * k + n for _, _, k, n in self.layers)
+        else:
+            chunks, max_partial = [], 0
+            for _, _, k, n in self.layers:
+                tiles = math.ceil(n / 64) * math.ceil(k / 64)
+                n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * sm / tiles)))
+                chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
+                n_chunks = math.ceil(rows_pad / chunk_rows)
+                chunks.append((n_chunks, chunk_rows))
+                max_partial = max(max_partial, n_chunks * (n * k + n))
+        stored_rows = 0 if self.fused_wgrad else rows_pad  # the fused kernel keeps h and deltas on chip
+        try:
+            ws = {
+                "h": cp.empty(max(stored_rows * (self.k_in + nh * w) // 2, 2), dtype=cp.uint32),
+                "d": cp.empty(max(stored_rows * (nh * w + self.n_out_pad) // 2, 2), dtype=cp.uint32),
+                "dact": cp.empty(stored_rows * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
+                "partial": cp.empty(max_partial, dtype=cp.float32),
+                "loss": cp.zeros(max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS), dtype=cp.float64),
+                "chunks": chunks,
+            }
+        except device_errors(cp) as exc:
+            raise LaunchError(f"allocating training buffers for {rows_pad} rows failed: {exc}") from exc
+        self._workspace[rows_pad] = ws
+        return ws
+
+    def _launch(self, name: str, grid, block, args, smem: int = 0) -> None:
+        self._launch_from(self._module, name, grid, block, args, smem)
+
+    # -- compute --------------------------------------------------------------------------------
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """See ``CompiledModel.forward``; ``out_dtype`` float16 gives fp16 outputs (rounded once
+        from the fp32 result). fp16 device inputs with fp16 outputs run ``mlp_forward_half``,
+        which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes)."""
+        cp = self.cp
+        half_out = self._half_out(out_dtype)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
+        rows = dx.shape[0]
+        half_io = half_out and dx.dtype == cp.float16
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float16 if half_io else cp.float32)
+        if rows:
+            rows_pad = self._rows_padded(rows)
+            tiles = rows_pad // (16 * self.mt_fwd)
+            grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
+            self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), out, self.wimage, self.b_all),
+                         self.smem_fwd if self.w_smem_fwd else 0)
+        if half_out and not half_io:
+            out = out.astype(cp.float16)
+        return self.download(out) if from_host else out
+
+    def fused_blocks(self, rows_pad: int) -> int:
+        """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
+        return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
+
+    def _forward_backward(self, dx, dy, rows: int, step_slot) -> dict[str, Any]:
+        """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
+        in each layer's chunked kernel afterwards (``_layer_grads``)."""
+        rows_pad = self._rows_padded(rows)
+        ws = self._workspace_for(rows_pad)
+        grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
+        if self.fused_wgrad:
+            grid = self.fused_blocks(rows_pad)
+            loss_slots = ws["loss"][: grid * FUSED_WARPS]
+            self._launch("mlp_train_fused", (grid,), (FUSED_WARPS * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
+                          ws["partial"], loss_slots), self.smem_fused)
+        else:
+            grid = max(1, min(self.grid_train, math.ceil(rows_pad // (16 * self.mt_train) / self.warps)))
+            loss_slots = ws["loss"][: grid * self.warps]
+            self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
+                         (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
+                          ws["h"], ws["d"], ws["dact"], loss_slots),
+                         self.smem_train if self.w_smem_train else 0)
+        step_slot[...] = loss_slots.sum()
+        ws["rows_pad"] = rows_pad
+        return ws
+
+    def _layer_grads(self, ws: dict[str, Any], i: int) -> tuple[int, Any, Any]:
+        """Layer i's partial weight / bias sums: (chunks, partial W sums, partial b sums), from
+        mlp_train_fused's buffer (layout: partial_off in mlp_mma.cu) or its own kernel."""
+        rows_pad = ws["rows_pad"]
+        _, _, k, n = self.layers[i]
+        n_chunks, chunk_rows = ws["chunks"][i]
+        if self.fused_wgrad:
+            off = n_chunks * sum(nj * kj + nj for _, _, kj, nj in self.layers[:i])
+            return (n_chunks, ws["partial"][off:off + n_chunks * n * k],
+                    ws["partial"][off + n_chunks * n * k:off + n_chunks * (n * k + n)])
+        h_off = 0 if i == 0 else rows_pad * (self.k_in + (i - 1) * self.width)
+        d_off = rows_pad * i * self.width
+        h = ws["h"].view(self.cp.uint16)[h_off:h_off + rows_pad * k]
+        d = ws["d"].view(self.cp.uint16)[d_off:d_off + rows_pad * n]
+        pw = ws["partial"][: n_chunks * n * k]
+        pb = ws["partial"][n_chunks * n * k: n_chunks * (n * k + n)]
+        tiles = math.ceil(n / 64) * math.ceil(k / 64)
+        self._launch("mlp_wgrad", (n_chunks, tiles), (128,),
+                     (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb))
+        return n_chunks, pw, pb
+
+    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, lr_t: float,
+                        grad_w=None, grad_b=None) -> None:
+        fan_in, fan_out, k, n = self.layers[i]
+        w = self.w_all[self.w_off[i]:self.w_off[i] + n * k]
+        b = self.b_all[self.b_off[i]:self.b_off[i] + n]
+        s1w = self.slot_w[0][self.w_off[i]:self.w_off[i] + n * k]
+        s1b = self.slot_b[0][self.b_off[i]:self.b_off[i] + n]
+        s2w = self.slot_w[-1][self.w_off[i]:self.w_off[i] + n * k]
+        s2b = self.slot_b[-1][self.b_off[i]:self.b_off[i] + n]
+        total = n * k + n
+        d = self.dummy
+        self._launch("mlp_optimize", (math.ceil(total / 256),), (256,),
+                     (np.int32(mode), w, b, s1w, s1b, s2w, s2b, d if pw is None else pw,
+                      d if pb is None else pb, np.int32(n_chunks), np.int32(n), np.int32(k),
+                      np.int32(fan_out), np.int32(fan_in), self.wimage, np.int32(self.wf_off[i]),
+                      np.int32(self.wb_off[i]), np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale),
+                      d if grad_w is None else grad_w, d if grad_b is None else grad_b))
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        dx, dy, rows = self._prepare_batch(x, y)
+        losses = self.cp.zeros(steps, dtype=self.cp.float64)
+        for s in range(steps):
+            ws = self._forward_backward(dx, dy, rows, losses[s])
+            lr_t = self.next_step_rate()
+            for i in reversed(range(self.n_layers)):
+                n_chunks, pw, pb = self._layer_grads(ws, i)
+                self._optimize_layer(i, 0, n_chunks, pw, pb, lr_t)
+            self.step_count += 1
+        total = self.download(losses) / (rows * self.spec.n_output_dims)
+        return total.astype(np.float32)
+
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        cp = self.cp
+        dx, dy, rows = self._prepare_batch(x, y)
+        loss = cp.zeros((), dtype=cp.float64)
+        ws = self._forward_backward(dx, dy, rows, loss)
+        grads: dict[str, np.ndarray] = {}
+        for i in reversed(range(self.n_layers)):
+            fan_in, fan_out, k, n = self.layers[i]
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            gw = cp.zeros(n * k, dtype=cp.float32)
+            gb = cp.zeros(n, dtype=cp.float32)
+            self._optimize_layer(i, 1, n_chunks, pw, pb, 0.0, gw, gb)
+            grads[f"W{i}"] = self.download(gw).reshape(n, k)[:fan_out, :fan_in].copy()
+            grads[f"b{i}"] = self.download(gb)[:fan_out].copy()
+        value = float(self.download(loss)) / (rows * self.spec.n_output_dims)
+        return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
+
+    # -- parameters -------------------------------------------------------------------------------
+    def _padded(self, flat: Any, offsets: list[int], i: int, is_w: bool) -> np.ndarray:
+        fan_in, fan_out, k, n = self.layers[i]
+        if is_w:
+            return self.download(flat[offsets[i]:offsets[i] + n * k]).reshape(n, k)[:fan_out, :fan_in].copy()
+        return self.download(flat[offsets[i]:offsets[i] + n])[:fan_out].copy()
+
+    def _upload_padded(self, flat: Any, offsets: list[int], i: int, value: np.ndarray, is_w: bool) -> None:
+        fan_in, fan_out, k, n = self.layers[i]
+        if is_w:
+            host = np.zeros((n, k), dtype=np.float32)
+            host[:fan_out, :fan_in] = value
+            flat[offsets[i]:offsets[i] + n * k] = self.cp.asarray(host.reshape(-1))
+        else:
+            host = np.zeros(n, dtype=np.float32)
+            host[:fan_out] = value
+            flat[offsets[i]:offsets[i] + n] = self.cp.asarray(host)
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self._padded(self.w_all, self.w_off, i, True)
+            out[f"b{i}"] = self._padded(self.b_all, self.b_off, i, False)
+        return out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        try:
+            for i in range(self.n_layers):
+                self._upload_padded(self.w_all, self.w_off, i, params[f"W{i}"], True)
+                self._upload_padded(self.b_all, self.b_off, i, params[f"b{i}"], False)
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading parameters failed: {exc}") from exc
+        for i in range(self.n_layers):  # refresh the fp16 images the kernels read
+            self._optimize_layer(i, 2, 0, None, None, 0.0)
+
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        out = {}
+        for i in range(self.n_layers):
+            out[f"W{i}"] = self._padded(self.slot_w[slot], self.w_off, i, True)
+            out[f"b{i}"] = self._padded(self.slot_b[slot], self.b_off, i, False)
+        return out
+
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        try:
+            for j, values in enumerate(slots):
+                for i in range(self.n_layers):
+                    self._upload_padded(self.slot_w[j], self.w_off, i, values[f"W{i}"], True)
+                    self._upload_padded(self.slot_b[j], self.b_off, i, values[f"b{i}"], False)
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading the optimizer state failed: {exc}") from exc
+
+    def device_bytes(self) -> int:
+        arrays = [self.w_all, self.b_all, self.wimage, *self.slot_w, *self.slot_b]
+        for ws in self._workspace.values():
+            arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
+        return int(sum(a.nbytes for a in arrays))
+
+    def close(self) -> None:
+        self._workspace.clear()
+        for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+

@@ -1,0 +1,389 @@
+"""The ``wgmma`` variant: Hopper warpgroup MMA (sm_90a) for the forward pass.
+
+``mmad/shaders/cuda/mlp_wgmma.cu``: one warpgroup per 64-row tile, the weights resident in
+shared memory in the swizzled K-major image the descriptors read (packed on the device through
+maps built here with ``layouts.wgmma_smem_operand``; later layers take A from registers).
+Training runs the mma variant's kernels on the same fp32 masters. Built with nvcc for sm_90a
+(NVRTC crashed compiling wgmma on the H100). Off unless ``MMAD_CUDA_WGMMA=1``: on the H100 it
+computes correctly but is slower than mma.sync on S and M (docs/cuda.md); then the probe
+requires compute capability 9.0, an nvcc build and a child process that runs a wgmma.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from mmad.backends import layouts as L
+from mmad.backends.cache import KernelCache
+from mmad.backends.cuda.knobs import CudaKnobs
+from mmad.backends.cuda.mma import CudaMmaModel, MmaPlan, f32_literal, master_offsets, describe
+from mmad.backends.cuda.toolchain import (
+    LoadedModule, cached_cubin, device_errors, find_nvcc, nvcc_compile, nvcc_version,
+)
+from mmad.errors import CompileError, LaunchError, SpecError
+from mmad.shaders import read_source
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+
+WGMMA_OFF = ("wgmma is off by default: on the H100/H200 it ran correctly but slower than mma.sync on "
+             "small models (docs/cuda.md); set MMAD_CUDA_WGMMA=1 to enable")
+WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
+WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
+WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
+WGMMA_THREADS = 128  # one warpgroup
+WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
+WGMMA_SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (each block also takes 1 KiB for the system)
+WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
+
+
+# one m64n8k16 with A from registers (all 1.0) and B (8 x 16, all 1.0) from a 32-byte-swizzled
+# shared tile: every accumulator element is 16, so each thread's four sum to 64
+_WGMMA_PROBE_KERNEL = r"""
+extern "C" __global__ void wgmma_probe(float* out) {
+    __shared__ __align__(1024) unsigned short b[8 * 16];
+    b[threadIdx.x] = 0x3C00;  // 1.0 in fp16
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+    const unsigned one = 0x3C003C00u;
+    const unsigned long long desc = kmajor_desc((unsigned)__cvta_generic_to_shared(b), 0, 8, 32);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    asm volatile("{.reg .pred p; setp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;}"
+                 : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3)
+                 : "r"(one), "r"(one), "r"(one), "r"(one), "l"(desc), "r"(0));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    asm volatile("" : "+f"(d0), "+f"(d1), "+f"(d2), "+f"(d3) :: "memory");
+    out[threadIdx.x] = d0 + d1 + d2 + d3;
+}
+"""
+
+_WGMMA_PROBE_RUN = """
+import sys, cupy
+module = cupy.RawModule(path=sys.argv[1])
+kernel = module.get_function("wgmma_probe")
+out = cupy.zeros(128, dtype=cupy.float32)
+kernel((1,), (128,), (out,))
+cupy.cuda.Device().synchronize()
+values = out.get()
+if not (values == 64).all():
+    sys.exit(f"wrong wgmma result: {values[:8].tolist()} (expected 64 each)")
+"""
+
+
+def nvcc_runs_wgmma() -> tuple[bool, str]:
+    """Build a wgmma kernel with nvcc, then run it in a child process (a crash stays there)."""
+    source = read_source("cuda/wgmma_layout.cuh") + _WGMMA_PROBE_KERNEL
+    try:
+        cubin = nvcc_compile(source, WGMMA_NVCC_OPTIONS, "the wgmma probe kernel")
+    except CompileError as exc:
+        return False, exc.log.strip()[-300:]
+    fd, path = tempfile.mkstemp(suffix=".cubin", prefix="mmad-wgmma-probe-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        done = subprocess.run([sys.executable, "-c", _WGMMA_PROBE_RUN, path], capture_output=True, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"the wgmma run check did not finish: {exc}"
+    finally:
+        os.unlink(path)
+    if done.returncode == 0:
+        return True, ""
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return False, f"the wgmma run check failed (exit {done.returncode}): {' '.join(tail)[:300]}"
+
+
+
+def next_pow2(n: int, least: int) -> int:
+    return max(least, 1 << (int(n) - 1).bit_length())
+
+
+def kmajor_swizzle(k: int) -> int:
+    """Swizzle bytes of a K-major fp16 tile with K columns: the widest atom K fills (K >= 16)."""
+    return min(128, 2 * k)
+
+
+def _align(n: int, to: int = WGMMA_ALIGN) -> int:
+    return (n + to - 1) // to * to
+
+
+class WgmmaPlan:
+    """Geometry, shared-memory plan, weight-image maps and source of one spec's wgmma forward
+    kernel (needs no GPU, no CuPy).
+
+    Widths are padded to powers of two (input K >= 16, hidden N = K >= 16, output N >= 8): the
+    layouts module's wgmma operand layouts are defined for those. Each layer's weights form a
+    K-major tile of N rows (fan_out) x K cols (fan_in) with the widest swizzle K fills; the
+    images sit back to back, each on a 1024-byte boundary.
+    """
+
+    def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None,
+                 stages: int | None = None):
+        if spec.precision != "fp16":
+            raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
+        if warpgroups not in (None, 1, 2):
+            raise SpecError("warpgroups", f"the wgmma kernel runs 1 or 2 warpgroups per block; got {warpgroups!r}")
+        if stages not in (None, 0, 1, 2):
+            raise SpecError("stages", f"the wgmma kernel prefetches 0, 1 or 2 input tiles per warpgroup; got {stages!r}")
+        self.spec = spec
+        self.nin = spec.n_encoded_dims
+        self.kin_p = next_pow2(self.nin, 16)
+        self.wp = next_pow2(spec.n_neurons, 16)
+        self.nout_p = next_pow2(spec.n_output_dims, 8)
+        self.n_hidden = spec.n_hidden_layers
+        self.swz_in, self.swz_w = kmajor_swizzle(self.kin_p), kmajor_swizzle(self.wp)
+        # (fan_in, fan_out, K, N, swizzle bytes, byte offset in the image) per layer
+        self.layers = []
+        offset = 0
+        for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
+            k = self.kin_p if i == 0 else self.wp
+            n = self.nout_p if i == self.n_hidden else self.wp
+            self.layers.append((fan_in, fan_out, k, n, kmajor_swizzle(k), offset))
+            offset = _align(offset + n * k * 2)
+        self.w_total_bytes = offset
+        self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
+        self.b_total = self.n_hidden * self.wp + self.nout_p
+        self._plan_shared_memory(smem_limit, warpgroups, stages)
+        self.source = self._source()
+
+    def _plan_shared_memory(self, limit: int, warpgroups: int | None, stages: int | None) -> None:
+        """The first that fits of: resident weights shared by two warpgroups (each with its own
+        input tile, and two, one or no next tiles prefetched), by one warpgroup, then one layer's
+        weights at a time (one warpgroup: the stage is refilled for every layer of every tile).
+
+        Two prefetched tiles per warpgroup: ncu (run 16) found the forward waiting on memory —
+        DRAM at 61-69% of its peak, no eligible warp in 64-68% of the cycles, 16 warps per SM
+        with one 64-row input tile in flight per warpgroup. Only where two blocks still fit on
+        an SM: M's second ring tile left one block per SM and took 12% off (run 17), S gained 5%.
+        """
+        self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
+        self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
+        b_bytes = _align(self.b_total * 4)
+        stage = max(_align(n * k * 2) for _, _, k, n, _, _ in self.layers)
+        # (weights resident, warpgroups, prefetched input tiles per warpgroup); streamed weights
+        # wait for all copies per layer, so a second prefetched tile would not stay in flight there
+        choices = [(True, wgs, x) for wgs in (2, 1) for x in (2, 1, 0)]
+        choices += [(False, 1, 1), (False, 1, 0)]
+        tried = []
+        for resident, wgs, x_stages in choices:
+            if warpgroups is not None and wgs != warpgroups:
+                continue
+            if stages is not None and x_stages not in (0, stages):
+                continue
+            w_bytes = self.w_total_bytes if resident else stage
+            total = w_bytes + wgs * self.a_bytes + b_bytes + wgs * x_stages * self.x_bytes + WGMMA_ALIGN
+            tried.append(total)
+            if x_stages == 2 and stages is None and 2 * (total + 1024) > WGMMA_SMEM_PER_SM:
+                continue  # the second ring tile would cost a resident block
+            if total <= limit:
+                self.w_resident, self.warpgroups, self.input_staged = resident, wgs, x_stages > 0
+                self.x_stages = max(x_stages, 1)
+                self.sm_a_off = w_bytes
+                self.sm_b_off = w_bytes + wgs * self.a_bytes
+                self.sm_x_off = self.sm_b_off + b_bytes
+                self.smem_bytes = total
+                return
+        raise SpecError("network.n_neurons",
+                        f"the cuda wgmma variant needs {min(tried)} bytes of shared memory for this model "
+                        f"({warpgroups or 'any number of'} warpgroups); the limit is {limit}")
+
+    def smem_layouts(self) -> list[L.LinearLayout]:
+        """Each layer's weight image: offset (halves) -> (row = n, col = k)."""
+        return [L.wgmma_smem_operand(n, k, "K", swz) for _, _, k, n, swz, _ in self.layers]
+
+    def descriptors(self, i: int) -> list[L.WgmmaDescriptor]:
+        """The B descriptors (one per k16 step) of layer i, relative to the layer's image."""
+        _, _, k, n, swz, _ = self.layers[i]
+        return [L.wgmma_smem_descriptor(n, k, "K", swz, col0=16 * s) for s in range(k // 16)]
+
+    def weight_map(self, w_off: list[int], k_master: list[int]) -> np.ndarray:
+        """Image half -> index into the fp32 master ``w_all`` (-1: zero padding).
+
+        ``w_off[i]`` is layer i's start in ``w_all`` and ``k_master[i]`` its row length there.
+        """
+        image = np.full(self.w_total_bytes // 2, -1, dtype=np.int32)
+        for i, ((fan_in, fan_out, k, n, _, offset), layout) in enumerate(zip(self.layers, self.smem_layouts())):
+            source = np.full((n, k), -1, dtype=np.int32)
+            rows, cols = np.meshgrid(np.arange(fan_out), np.arange(fan_in), indexing="ij")
+            source[:fan_out, :fan_in] = w_off[i] + rows * k_master[i] + cols
+            image[offset // 2: offset // 2 + n * k] = L.pack(source, layout)
+        return image
+
+    def bias_map(self, b_off: list[int]) -> np.ndarray:
+        """Bias image float -> index into the fp32 master ``b_all`` (-1: zero padding)."""
+        image = np.full(self.b_total, -1, dtype=np.int32)
+        for i, (_, fan_out, _, _, _, _) in enumerate(self.layers):
+            image[self.b_offsets[i]: self.b_offsets[i] + fan_out] = b_off[i] + np.arange(fan_out)
+        return image
+
+    def host_images(self, params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(fp16 weight image as uint16, fp32 bias image) exactly as ``wgmma_pack`` builds them
+        on the device from the mma model's padded fp32 masters (for tests and inspection)."""
+        mma_layers = MmaPlan(self.spec).layers
+        w_off, b_off = master_offsets(mma_layers)
+        w_all = np.zeros(sum(n * k for _, _, k, n in mma_layers), dtype=np.float32)
+        b_all = np.zeros(sum(n for _, _, _, n in mma_layers), dtype=np.float32)
+        for i, (fan_in, fan_out, k, n) in enumerate(mma_layers):
+            w_all[w_off[i]: w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in] = params[f"W{i}"]
+            b_all[b_off[i]: b_off[i] + fan_out] = params[f"b{i}"]
+        wmap = self.weight_map(w_off, [k for _, _, k, _ in mma_layers])
+        bmap = self.bias_map(b_off)
+        image = np.where(wmap >= 0, w_all[np.maximum(wmap, 0)], 0).astype(np.float16).view(np.uint16)
+        return image, np.where(bmap >= 0, b_all[np.maximum(bmap, 0)], 0).astype(np.float32)
+
+    def _wrappers(self) -> str:
+        """The wgmma instructions the kernel issues, as inline-PTX functions (N/2 accumulators)."""
+
+        def wrapper(name: str, n: int, a_from_registers: bool) -> str:
+            nd = n // 2
+            outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+            regs = ", ".join(f"%{i}" for i in range(nd))
+            if a_from_registers:
+                a_ops, b, p = f"{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}", nd + 4, nd + 5
+                ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
+                sig, imm = "float* d, const u32* a, unsigned long long desc_b, int scale_d", "1, 1, 0"
+            else:
+                a_ops, b, p = f"%{nd}", nd + 1, nd + 2
+                ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
+                sig, imm = "float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d", "1, 1, 0, 0"
+            return (f"__device__ __forceinline__ void {name}({sig}) {{\n"
+                    f'    asm volatile("{{.reg .pred p; setp.ne.b32 p, %{p}, 0;\\n"\n'
+                    f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{regs}}}, {a_ops}, %{b}, p, {imm};}}"\n'
+                    f"                 : {outs}\n"
+                    f"                 : {ins} : \"memory\");\n}}\n")
+
+        return (wrapper("wgmma_ss_n_hidden", self.wp, False) + wrapper("wgmma_rs_n_hidden", self.wp, True)
+                + wrapper("wgmma_rs_n_out", self.nout_p, True))
+
+    def _source(self) -> str:
+        s = self.spec
+        defines = {
+            "NIN": self.nin, "KIN_P": self.kin_p, "SWZ_IN": self.swz_in, "WP": self.wp, "SWZ_W": self.swz_w,
+            "NHID": self.n_hidden, "NOUT": s.n_output_dims, "NOUT_P": self.nout_p,
+            "ACT": ACTIVATION_CODES[s.activation], "OUT_ACT": ACTIVATION_CODES[s.output_activation],
+            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
+            "W_RESIDENT": int(self.w_resident), "INPUT_STAGED": int(self.input_staged), "WGS": self.warpgroups,
+            "W_BYTES0": self.layers[0][2] * self.layers[0][3] * 2,
+            "W_OFF1": self.layers[1][5] if self.n_hidden > 1 else 0,
+            "W_HID_STRIDE": _align(self.wp * self.wp * 2),
+            "W_OFF_OUT": self.layers[-1][5], "W_TOTAL_BYTES": self.w_total_bytes, "B_TOTAL": self.b_total,
+            "SM_A_OFF": self.sm_a_off, "A_BYTES": self.a_bytes, "SM_B_OFF": self.sm_b_off,
+            "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes, "X_STAGES": self.x_stages,
+            "MIN_BLOCKS": 1,
+        }
+        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
+                + self._wrappers() + read_source("cuda/mlp_wgmma.cu"))
+
+
+class CudaWgmmaModel(CudaMmaModel):
+    """The wgmma forward kernel on the mma model's parameters; training is the mma variant's.
+
+    The fp16 weight image and fp32 bias image the forward kernel copies into shared memory are
+    gathered on the device from the fp32 masters (``wgmma_pack``, through maps built on the
+    host) whenever the parameters changed since the last forward.
+    """
+
+    variant = "wgmma"
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
+                 knobs: CudaKnobs | None = None):
+        knobs = knobs or CudaKnobs.from_env()
+        self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=knobs.wgmma_warpgroups,
+                            stages=knobs.wgmma_stages)
+        self._wg_stale = True
+        super().__init__(spec, cp, info, cache, knobs)
+        self._wg_module = self._build_wgmma(cache)
+        try:
+            self.wg_wmap = cp.asarray(self.wg.weight_map(self.w_off, [k for _, _, k, _ in self.layers]))
+            self.wg_bmap = cp.asarray(self.wg.bias_map(self.b_off))
+            self.wg_wimage = cp.zeros(self.wg.w_total_bytes // 2, dtype=cp.uint16)
+            self.wg_bimage = cp.zeros(self.wg.b_total, dtype=cp.float32)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"allocating the wgmma weight images failed: {exc}") from exc
+
+    def _build_wgmma(self, cache: KernelCache | None) -> LoadedModule:
+        what = f"wgmma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+        source = self.wg.source
+
+        def build() -> bytes:
+            return nvcc_compile(source, WGMMA_NVCC_OPTIONS, what)
+
+        nvcc = find_nvcc()
+        compiler = f"nvcc-{nvcc_version(nvcc)}" if nvcc else "nvcc-missing"
+        cubin = cached_cubin(cache, build, backend="cuda-wgmma", device="sm_90a", compiler=compiler,
+                             options=WGMMA_NVCC_OPTIONS, source=source)
+        try:
+            module = LoadedModule(self.cp, cubin, WGMMA_KERNELS)
+            fwd = module.kernel("wgmma_forward")
+            if self.wg.smem_bytes > 48 * 1024:
+                fwd.max_dynamic_shared_size_bytes = self.wg.smem_bytes
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+        threads = WGMMA_THREADS * self.wg.warpgroups
+        regs_per_block = math.ceil(max(int(fwd.num_regs), 1) * 32 / 256) * 256 * (threads // 32)
+        per_sm = min(self.info["regs_per_sm"] // regs_per_block,
+                     self.info["smem_per_sm"] // (self.wg.smem_bytes + 1024), 2048 // threads)
+        self.wg_grid = max(1, per_sm) * self.info["sm_count"]
+        return module
+
+    def _launch_wgmma(self, name: str, grid, block, args, smem: int = 0) -> None:
+        self._launch_from(self._wg_module, name, grid, block, args, smem)
+
+    def _refresh_images(self) -> None:
+        if not self._wg_stale:
+            return
+        n, n_b = self.wg_wimage.size, self.wg_bimage.size
+        self._launch_wgmma("wgmma_pack", (math.ceil(max(n, n_b) / 256),), (256,),
+                           (self.w_all, self.wg_wmap, self.wg_wimage, np.int32(n), self.b_all, self.wg_bmap,
+                            self.wg_bimage, np.int32(n_b)))
+        self._wg_stale = False
+
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        """fp32 in and out in the kernel; ``out_dtype`` float16 casts the result (the wgmma kernel
+        has no fp16-I/O form yet)."""
+        cp = self.cp
+        half_out = self._half_out(out_dtype)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        rows = dx.shape[0]
+        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        if rows:
+            if dx.data.ptr % 16:  # cp.async moves 16-byte units: a view at an odd offset is copied
+                dx = dx.copy()
+            self._refresh_images()
+            n_tiles = math.ceil(rows / WGMMA_TILE_ROWS)
+            blocks = min(self.wg_grid, math.ceil(n_tiles / self.wg.warpgroups))
+            self._launch_wgmma("wgmma_forward", (blocks,), (WGMMA_THREADS * self.wg.warpgroups,),
+                               (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage),
+                               self.wg.smem_bytes)
+        if half_out:
+            out = out.astype(cp.float16)
+        return self.download(out) if from_host else out
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        super().set_params(params)
+        self._wg_stale = True
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        self._wg_stale = True  # set first: a step that fails half way may have changed weights
+        return super().train_step(x, y, steps)
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + int(sum(a.nbytes for a in (self.wg_wmap, self.wg_bmap, self.wg_wimage,
+                                                                      self.wg_bimage)))
+
+    def close(self) -> None:
+        super().close()
+        for name in ("wg_wmap", "wg_bmap", "wg_wimage", "wg_bimage"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+

@@ -1,0 +1,53 @@
+"""The routers' typed dependencies: the runtime every route reaches, and the API-key check."""
+
+from __future__ import annotations
+
+import hmac
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from mmad.backends.contract import Backend, ProbeRow
+from mmad.errors import Forbidden, NotReady, Unauthorized
+from mmad.server.metrics import Metrics
+from mmad.server.settings import Settings
+
+
+@dataclass
+class Runtime:
+    """Everything the routers reach through ``request.app.state.runtime``."""
+
+    settings: Settings
+    metrics: Metrics
+    executor: ThreadPoolExecutor
+    forward_pool: ThreadPoolExecutor  # the chunks of one large host-side forward (never blocks on anything)
+    backend: Backend | None = None
+    selected: ProbeRow | None = None
+    probe_rows: list[ProbeRow] | None = None
+    store: Any = None
+    registry: Any = None
+    jobs: Any = None
+    ready: bool = False
+    shutting_down: bool = False
+
+
+async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync dependencies in a thread pool
+    rt: Runtime = request.app.state.runtime
+    if not rt.ready:
+        raise NotReady("the daemon is starting or stopping")
+    return rt
+
+
+async def require_key(request: Request) -> None:  # async: no thread hop per request
+    """Dependency of every mutating endpoint: ``Authorization: Bearer <key>`` when a key is set."""
+    expected = request.app.state.runtime.settings.api_key_value
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("this endpoint needs 'Authorization: Bearer <api key>'")
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise Forbidden("the API key is not valid")
