@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="run the HTTP daemon (see `mmad serve --help`)", add_help=False)
 
-    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (BENCHMARKS.md); "
+    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (docs/benchmarks.md); "
                                      "`mmad bench --service [...]` runs the HTTP load benchmark instead")
     p.add_argument("--backend", action="append", help="backend[:variant] to measure (repeatable; default: best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")

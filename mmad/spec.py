@@ -348,7 +348,7 @@ class MLPSpec:
 
 
 def bench_spec(name: str, **overrides: Any) -> MLPSpec:
-    """The S/M/L/W models of BENCHMARKS.md (ReLU hidden, no output activation, fp16)."""
+    """The S/M/L/W models of docs/benchmarks.md (ReLU hidden, no output activation, fp16)."""
     shapes = {"S": (32, 64, 2, 16), "M": (64, 64, 4, 64), "L": (128, 128, 4, 128), "W": (256, 256, 4, 256)}
     if name not in shapes:
         raise SpecError("model", f"unknown benchmark model {name!r}; allowed: {', '.join(shapes)}")

@@ -1,7 +1,7 @@
 """The cuda backend against the float64 cpu oracle, on a CUDA GPU (skipped without one).
 
 Fresh random inputs, targets and biases for every case (never zeros); the measure is
-||out - ref|| / ||ref||. Tolerances: forward 3e-3 (DESIGN.md, fp16); loss 3e-3; gradients per
+||out - ref|| / ||ref||. Tolerances: forward 3e-3 (docs/design.md, fp16); loss 3e-3; gradients per
 tensor within 1e-2 of the cpu backend's fp16 emulation (same rounding points) and within 3e-3 +
 1.25x the emulation's own distance from float64 (ReLU masks flipped by fp16 rounding put fp16
 gradients 1-4% from float64: run 6 on the GPU; tests/oracle.py:grad_errors); 200 Adam steps must

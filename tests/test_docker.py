@@ -1,4 +1,4 @@
-"""Docker deployment files: compose validates, and both files say what DESIGN.md promises."""
+"""Docker deployment files: compose validates, and both files say what docs/service.md promises."""
 
 from __future__ import annotations
 

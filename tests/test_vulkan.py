@@ -5,7 +5,7 @@ host the same tests run every available variant (``MMAD_TEST_VULKAN_VARIANTS=sim
 narrows the set). Every test runs with ``gc.collect()`` around it so that a cffi lifetime bug
 (a nested struct freed before the driver reads it) shows up as a failure here, not in serving.
 
-Tolerances (DESIGN.md): forward fp16 ≤ 3e-3 and fp32 ≤ 1e-5 relative to float64. Gradients
+Tolerances (docs/design.md): forward fp16 ≤ 3e-3 and fp32 ≤ 1e-5 relative to float64. Gradients
 carry the contract's fp16 rounding of every layer's delta (loss-scaled), which at small
 magnitudes costs more than the forward's rounding: they are checked against the cpu oracle's
 ``emulate`` mode (same rounding points) at ≤ 1e-2 and against float64 at ≤ 5e-2.
@@ -309,7 +309,7 @@ def follow_oracle(backend, variant, cache, spec, rows, steps, tol=0.05):
 
 @pytest.mark.parametrize("name,rows,steps", [("S", 256, 200), ("M", 128, 200), ("L", 64, 30), ("W", 16, 10)])
 def test_adam_follows_oracle_loss_curve(backend, variant, cache, name, rows, steps):
-    # the loss curve is the criterion (DESIGN.md): with epsilon 1e-15 Adam moves every weight by
+    # the loss curve is the criterion (docs/design.md): with epsilon 1e-15 Adam moves every weight by
     # about lr per step whatever its gradient's size, so weights whose gradients are pure rounding
     # noise wander differently in fp16 and float64 without changing the loss
     follow_oracle(backend, variant, cache, bench_spec(name), rows, steps)

@@ -1,4 +1,4 @@
-"""wgpu backend against the cpu float64 oracle (DESIGN.md tolerances), on whatever adapter wgpu finds.
+"""wgpu backend against the cpu float64 oracle (docs/design.md tolerances), on whatever adapter wgpu finds.
 
 In CI that is Mesa lavapipe (a CPU Vulkan driver); on the GPU host, NVIDIA's Vulkan driver.
 Gradients of fp16 models are compared twice: with the cpu backend's ``emulate`` mode (the same
@@ -212,7 +212,7 @@ def test_adam_follows_oracle(backend, model, steps, rows):
         ref = CpuBackend("float64").compile(spec)
         ref_losses = ref.train_step(x, y, steps=steps)
         assert np.isfinite(losses).all()
-        # DESIGN.md: the loss curve follows the oracle's within 5 % (checked at every step)
+        # docs/design.md: the loss curve follows the oracle's within 5 % (checked at every step)
         assert np.all(np.abs(losses - ref_losses) <= 0.05 * ref_losses), np.max(np.abs(losses / ref_losses - 1))
         assert losses[-1] < 0.8 * losses[0], "training did not reduce the loss"
         # the parameters themselves drift apart (Adam's normalised steps amplify fp16 rounding),

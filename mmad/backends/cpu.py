@@ -5,7 +5,7 @@ Three numerics modes (``CpuBackend(numerics=...)`` or ``MMAD_CPU_NUMERICS``):
 * ``fp32`` (default for serving): everything in float32, no rounding to the compute type.
 * ``emulate``: float32 with rounding to the spec's precision (fp16/bf16) at exactly the points
   the device kernels round (see :mod:`mmad.backends.contract`), for tight comparisons.
-* ``float64``: everything in float64 — the reference the tolerances of DESIGN.md refer to.
+* ``float64``: everything in float64 — the reference the tolerances of docs/design.md refer to.
 
 Rows are processed in chunks so that activations stay in cache; weight gradients are summed
 over chunks in the working precision. ``forward_to_host`` casts each chunk's input and output

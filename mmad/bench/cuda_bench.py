@@ -1,4 +1,4 @@
-"""CUDA-side timings and checks for the cuda backend (BENCHMARKS.md rules), in one process.
+"""CUDA-side timings and checks for the cuda backend (docs/benchmarks.md, "Method"), in one process.
 
 ``python -m mmad.bench.cuda_bench --out DIR`` measures, in the same run: the hardware ceilings
 (device-to-device copy, cuBLAS fp16 GEMM through PyTorch), the PyTorch fp16 peers (CUDA-graph

@@ -1,4 +1,4 @@
-"""``mmad bench``: kernel throughput of the S/M/L/W models (../shared/BENCHMARKS.md).
+"""``mmad bench``: kernel throughput of the S/M/L/W models (docs/benchmarks.md).
 
 For each chosen backend and model: check the output against the cpu oracle first (float64 on
 a subset of rows), then time forward (input already on the device, output left there) and one
@@ -214,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         peer_name = peer_rows[0]["backend"] + f" ({peer_rows[0]['dtype']})" if peer_rows else "none (PyTorch not importable)"
         for backend_arg in backends:
             rows = by_backend[backend_arg]
-            io_bytes = 2  # fp16 activations in and out (BENCHMARKS.md)
+            io_bytes = 2  # fp16 activations in and out (docs/benchmarks.md)
             summarise(rows, peer_rows, args.batch, floor, io_bytes)
             label = rows[0]["backend"].replace(":", "-") if rows else backend_arg or "auto"
             doc = {"host": host, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

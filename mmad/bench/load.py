@@ -1,4 +1,4 @@
-"""Service load benchmark (../shared/BENCHMARKS.md "Service throughput and latency").
+"""Service load benchmark (docs/benchmarks.md, "Service throughput and latency").
 
 One command reproduces the figures of docs/service-performance.md:
 

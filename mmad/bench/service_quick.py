@@ -1,7 +1,7 @@
 """Quick loopback measurement: binary infer through the daemon vs the same backend in-process.
 
 Starts ``python -m mmad.server.main`` (``--backend``, default cpu; empty temp store) on a free
-loopback port, creates bench model M (BENCHMARKS.md), and in the same run times
+loopback port, creates bench model M (docs/benchmarks.md), and in the same run times
 
 * ``server``: one client sending 65,536-row binary infer requests (``--datatype`` FP32 or
   FP16 both ways) back to back, and

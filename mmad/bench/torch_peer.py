@@ -1,4 +1,4 @@
-"""The PyTorch peer of ../shared/BENCHMARKS.md, defined once for every benchmark script.
+"""The PyTorch peer of docs/benchmarks.md, defined once for every benchmark script.
 
 ``nn.Sequential`` of ``nn.Linear`` + ``ReLU`` with the model's layer widths. On a GPU the
 forward runs in fp16 through a CUDA graph (input ``x.half()``, fp16 output) and the training

@@ -1,6 +1,6 @@
 """Throughput of the vulkan backend (simt and coopmat) vs PyTorch fp16 on the same GPU, same run.
 
-BENCHMARKS.md's method: models S/M/L/W at batch 2^20 (``--rows``), input already on the
+docs/benchmarks.md's method: models S/M/L/W at batch 2^20 (``--rows``), input already on the
 device and output left there; forward = one fused-kernel submission re-submitted ``--reps``
 times per timing, training = ``train_step(steps=reps)`` on device arrays (forward, L2 loss,
 backward, weight gradients, Adam); median of ``--repeats`` timings after a warm-up; outputs

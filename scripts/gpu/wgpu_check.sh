@@ -4,7 +4,7 @@
 #   batch 2^20 against PyTorch fp16 in the same run (CUDA-graph forward; autocast + fused Adam);
 #   with MMAD_BENCH=1 also `mmad bench --backend wgpu` (its JSON and markdown under $OUT/mmad-bench).
 # Run from the repository root through the device tool with carry [".gl", ".whl"] (see
-# ../shared/GPU-HOST.md); logs go to $OUT (or /tmp/wgpu_check), a short table is printed last.
+# docs/gpu-notes.md, "GPU host set-up"); logs go to $OUT (or /tmp/wgpu_check), a short table is printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/wgpu_check}
 mkdir -p "$OUT"

@@ -3,7 +3,7 @@
 Everything goes through ``vulkan.ffi``/``vulkan.lib`` directly rather than the package's
 Python wrappers, so this module owns every struct's lifetime: each ``ffi.new`` that a call
 reads is held in a local (or in ``keep``) until the call returns, nested structs included
-(DESIGN.md: the wrappers keep only pointer fields alive). Sizes are always passed explicitly
+(the cffi wrappers keep only pointer fields alive). Sizes are always passed explicitly
 (``VK_WHOLE_SIZE`` overflows in the bindings) and every ``VkResult`` is checked; device loss
 and memory exhaustion become :class:`~mmad.errors.LaunchError` with the driver's result name.
 
