@@ -1,4 +1,4 @@
-"""Malformed-request corpus for infer/train (issue 10, part 2), end to end through the app.
+"""Malformed-request corpus for infer/train, end to end through the app.
 
 Every entry is a request a buggy or hostile client could send (truncated bodies, header lengths
 past the body, negative or huge ``binary_data_size``, declared 1 GiB tensors, dtype/shape

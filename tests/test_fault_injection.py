@@ -1,4 +1,4 @@
-"""kill -9 during checkpointing training jobs and weight uploads (issue 10, part 3).
+"""kill -9 during checkpointing training jobs and weight uploads.
 
 Runs ``scripts/fault_injection.py`` for 50 kills on one store: after every restart each
 acknowledged version must be listed with the sha256 it was acknowledged with, download and

@@ -1,4 +1,4 @@
-"""Schema fuzzing (issue 10, part 1): schemathesis against the daemon's own OpenAPI document.
+"""Schema fuzzing: schemathesis against the daemon's own OpenAPI document.
 
 A real daemon subprocess (cpu backend, 127.0.0.1, demo model) serves ``/openapi.json``;
 schemathesis generates requests for every operation in it: path parameters, query strings and

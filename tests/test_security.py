@@ -1,4 +1,4 @@
-"""Security properties of the daemon (issue 10, part 5), checked in-process against ``create_app``.
+"""Security properties of the daemon checked in-process against ``create_app``.
 
 - API-key auth on every mutating endpoint. The routes are enumerated from the app itself
   (``app.routes``), so a route added later is covered without editing this file; each one is
@@ -131,7 +131,7 @@ def test_right_key_is_accepted(secured):
 
 
 def test_key_comparison_is_constant_time():
-    sources = "\n".join(p.read_text() for p in (REPO / "server").rglob("*.py"))
+    sources = "\n".join(p.read_text() for p in (REPO / "mmad" / "server").rglob("*.py"))
     assert "hmac.compare_digest" in sources
     # no ordinary comparison against the configured key anywhere
     assert not re.search(r"(==|!=)\s*[\w.]*api_key", sources)

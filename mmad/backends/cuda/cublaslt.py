@@ -52,9 +52,9 @@ class CublasLtModel(CudaModel):
     Layout: every activation, pre-activation and delta is an (features, rows) array in F order,
     i.e. row-major [rows][features] memory. That is the order nvmath gives D whenever a C operand
     is passed (D follows C, and an (M, 1) C counts as column-major) or a bias epilog is used
-    (column-major D), so results are used as they come. (Run 7 found the first version, with
-    C-order activations, copying every matmul result into C order: a W layer took 6.4 ms in the
-    model against 0.35 ms alone.) The fp16 input is the fp32 input cast, and the output and loss
+    (column-major D), so results are used as they come: C-order activations would copy every
+    matmul result into C order, which costs far more than the matmul (measured on the H100: a W
+    layer 6.4 ms against 0.35 ms; docs/gpu-notes-cuda.md). The fp16 input is the fp32 input cast, and the output and loss
     kernels read [rows][outputs] like the targets and the result. ``_mm`` raises if a result ever
     comes back in another layout rather than copying it.
     """
@@ -116,8 +116,8 @@ class CublasLtModel(CudaModel):
 
     def _mm_bias32(self, key: tuple, w16, h, bias):
         """fp32 ``w16 @ h + bias``: an fp32 result type with the BIAS epilog, so no C is read
-        (an fp32 C broadcast along N, the other way to get fp32 out of fp16 operands, took 2.5x
-        the time of an fp16 layer in run 12). Where nvmath/cuBLASLt refuse that combination, the
+        (an fp32 C broadcast along N, the other way to get fp32 out of fp16 operands, costs 2.5x
+        the time of an fp16 layer on the H100). Where nvmath/cuBLASLt refuse that combination, the
         broadcast C, with a warning naming the reason."""
         if self._f32_result is not False:
             try:

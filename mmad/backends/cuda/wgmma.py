@@ -159,10 +159,11 @@ class WgmmaPlan:
         input tile, and two, one or no next tiles prefetched), by one warpgroup, then one layer's
         weights at a time (one warpgroup: the stage is refilled for every layer of every tile).
 
-        Two prefetched tiles per warpgroup: ncu (run 16) found the forward waiting on memory —
-        DRAM at 61-69% of its peak, no eligible warp in 64-68% of the cycles, 16 warps per SM
-        with one 64-row input tile in flight per warpgroup. Only where two blocks still fit on
-        an SM: M's second ring tile left one block per SM and took 12% off (run 17), S gained 5%.
+        Two prefetched tiles per warpgroup because the forward waits on memory latency (Nsight
+        Compute on the H100: DRAM at 61-69% of its peak, no eligible warp in 64-68% of the
+        cycles with one 64-row input tile in flight per warpgroup); only where two blocks still
+        fit on an SM, since losing the second block costs more than the prefetch gains (M: -12%,
+        S: +5%; docs/gpu-notes-cuda.md).
         """
         self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
         self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)

@@ -34,7 +34,7 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 // seen to drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
 // Branch-free (every case computed, then selected). On NVIDIA, r16 on coopmat accumulator
 // elements (branchy or not) cost 256 B of local memory and ~5x the forward's time against
-// letting the fp16 conversion round (gpu-notes-vulkan.md, runs 4-5): see pre_f16 below.
+// letting the fp16 conversion round (docs/gpu-notes-vulkan.md): see pre_f16 below.
 float r16(float x) {
     if (ROUND_FP16 == 0) return x;
     uint u = floatBitsToUint(x);
