@@ -246,7 +246,7 @@ def output_dtype(out_dtype: Any) -> np.dtype:
     """``forward``'s ``out_dtype`` as float16 or float32; anything else is a clear error."""
     dt = np.dtype(out_dtype)
     if dt not in (np.float16, np.float32):
-        raise InvalidInput(f"the output type must be float16 or float32; got {dt}")
+        raise InvalidInput(f"out_dtype (the output type) must be float16 or float32; got {dt}")
     return dt
 
 

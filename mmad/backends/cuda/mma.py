@@ -316,7 +316,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
                           ws["partial"], loss_slots), self.smem_fused)
         else:
-            grid = max(1, min(self.grid_train, math.ceil(rows_pad // (16 * self.mt_train) / self.warps)))
+            grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / self.warps)))
             loss_slots = ws["loss"][: grid * self.warps]
             self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
