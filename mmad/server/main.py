@@ -79,7 +79,7 @@ def limit_blas_threads(threads: int) -> None:
 
 
 def http_protocol(settings: Settings):
-    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.http`'s
+    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.protocol`'s
     protocol, which reads large infer bodies in place; h11 as uvicorn has it."""
     if settings.http == "h11":
         return "h11"
@@ -87,7 +87,7 @@ def http_protocol(settings: Settings):
         import httptools  # noqa: F401
     except ImportError:  # as uvicorn does: auto falls back to h11, an explicit httptools fails at start-up
         return settings.http
-    from mmad.server.http import protocol_class
+    from mmad.server.protocol import protocol_class
 
     return protocol_class(settings.max_body_bytes)
 
