@@ -1,0 +1,107 @@
+"""The documents stand on their own: no pointers outside the repository, no dead links, and the
+paths README.md and docs/design.md name exist.
+
+Runs on the checkout (no daemon, no device). The files checked are git's list (tracked plus
+untracked-but-not-ignored), so a new document is checked before it is committed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Written in pieces so that this file does not match itself.
+FORBIDDEN = ("../" + "shared", "DESIGN" + ".md", "BENCHMARKS" + ".md")
+
+# Markdown whose relative links must resolve: the README and every document under docs/.
+LINKED_DOCS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+
+# Documents whose backticked `mmad/...` paths must exist.
+PATH_DOCS = ["README.md", "docs/design.md"]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def repository_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                             cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"not a git checkout: {exc}")
+    return sorted({f for f in out.decode().split("\0") if f and (ROOT / f).is_file()})
+
+
+def prose(text: str) -> str:
+    """Markdown without code blocks and inline code (links inside code are not links)."""
+    return INLINE_CODE.sub("", FENCE.sub("", text))
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[*_`]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in FENCE.sub("", path.read_text(encoding="utf-8")).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = github_slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_no_file_points_outside_the_repository():
+    offenders = []
+    for name in repository_files():
+        data = (ROOT / name).read_bytes()
+        for needle in FORBIDDEN:
+            if needle.encode() in data:
+                line = data[:data.index(needle.encode())].count(b"\n") + 1
+                offenders.append(f"{name}:{line}: {needle}")
+    assert not offenders, "references to documents outside the repository:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize("doc", LINKED_DOCS)
+def test_relative_links_resolve(doc):
+    path = ROOT / doc
+    broken = []
+    for target in LINK.findall(prose(path.read_text(encoding="utf-8"))):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto: ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif not str(dest).startswith(str(ROOT)):
+            broken.append(f"{target} (outside the repository)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading with anchor #{anchor})")
+    assert not broken, f"{doc}: broken links:\n" + "\n".join(broken)
+
+
+@pytest.mark.parametrize("doc", PATH_DOCS)
+def test_named_package_paths_exist(doc):
+    text = FENCE.sub("", (ROOT / doc).read_text(encoding="utf-8"))
+    missing = []
+    for span in INLINE_CODE.findall(text):
+        token = span.strip("`").split()[0] if span.strip("`").strip() else ""
+        if not token.startswith("mmad/"):
+            continue
+        token = token.rstrip(".,;:)")
+        if not (ROOT / token).exists():
+            missing.append(token)
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
