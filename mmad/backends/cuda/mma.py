@@ -53,8 +53,7 @@ def f32_literal(v: float) -> str:
 def optimizer_defines(spec: MLPSpec) -> dict[str, Any]:
     """The optimizer's constants as the kernels' ``#define``s (mma and element-wise kernels)."""
     opt = spec.optimizer
-    return {"OPT_ADAM": int(opt.otype == "Adam"), "LR": f32_literal(opt.learning_rate),
-            "BETA1": f32_literal(opt.beta1), "BETA2": f32_literal(opt.beta2), "EPS": f32_literal(opt.epsilon),
+    return {"OPT_ADAM": int(opt.otype == "Adam"), "BETA1": f32_literal(opt.beta1), "BETA2": f32_literal(opt.beta2), "EPS": f32_literal(opt.epsilon),
             "L2REG": f32_literal(opt.l2_reg), "MOMENTUM": f32_literal(opt.momentum)}
 
 

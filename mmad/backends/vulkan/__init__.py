@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends import numerics as nm
+from mmad.backends.numerics import step_learning_rate
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
     Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
@@ -42,7 +43,7 @@ from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
 
 log = logging.getLogger("mmad.vulkan")
 
@@ -227,7 +228,7 @@ class Geometry:
         out of the others lets models of one padded geometry share their pipelines.
         """
         off = self.offsets()
-        lines = [f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}",
+        lines = [f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}", f"#define HIST_CAP {HIST_CAP}",
                  f"#define KMAX {self.kmax}", f"#define N_LAYERS {self.n_layers}",
                  f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}",
                  f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]
@@ -262,10 +263,10 @@ def specialization(spec: MLPSpec, specialize_choices: bool) -> dict[int, int | f
     they stay -1 and the kernels read them from push constants (shared pipelines).
     """
     opt = spec.optimizer
-    choices = {0: ACTIVATIONS.index(spec.activation), 1: ACTIVATIONS.index(spec.output_activation),
-               2: LOSSES.index(spec.loss)} if specialize_choices else {}
+    choices = {0: ACTIVATION_CODES[spec.activation], 1: ACTIVATION_CODES[spec.output_activation],
+               2: LOSS_CODES[spec.loss]} if specialize_choices else {}
     return {**choices, 3: float(spec.loss_scale), 5: 0 if spec.precision == "fp32" else 1,
-            6: 1 if opt.otype == "Adam" else 0, 7: float(opt.learning_rate), 8: float(opt.beta1),
+            6: 1 if opt.otype == "Adam" else 0, 8: float(opt.beta1),
             9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
 
 
@@ -325,7 +326,7 @@ class VulkanModel(CompiledModel):
         self._last_run: dict[str, vr.Program] = {}  # "forward"/"train": the program that ran last
         self._closed = False
         self._pipelines = pipelines  # owned by the backend, shared by models with the same kernels
-        self._acts = (ACTIVATIONS.index(spec.activation), ACTIVATIONS.index(spec.output_activation))
+        self._acts = (ACTIVATION_CODES[spec.activation], ACTIVATION_CODES[spec.output_activation])
         try:
             geo = geometry
             self.n_params = geo.n_params
@@ -337,7 +338,9 @@ class VulkanModel(CompiledModel):
             self._slot_a = self._alloc(self.n_params * 4)
             self._slot_b = self._alloc(self.n_params * 4 if spec.optimizer.otype == "Adam" else 16)
             self._grad = self._alloc(self.n_params * 4)
-            self._ctrl = self._alloc(16 + HIST_CAP * 4, host_visible=True)
+            # step, base, 2 pads, then HIST_CAP losses and HIST_CAP learning rates (one per step of
+            # a submission: the contract computes them, the optimizer kernel reads its step's)
+            self._ctrl = self._alloc(16 + 2 * HIST_CAP * 4, host_visible=True)
             for buf in (self._wall, self._bias, self._slot_a, self._slot_b):
                 buf.fill_zero()
             self._ctrl.write(np.zeros(4, np.uint32))
@@ -513,7 +516,7 @@ class VulkanModel(CompiledModel):
             grid = self._grid(tiles)
             splits, per_split = self._splits(rows)
             valid = max(0, min(rows, n_rows - row_base))
-            loss_push = (u32(rows, grid[0], valid, n_out, hidden, output, LOSSES.index(self.spec.loss))
+            loss_push = (u32(rows, grid[0], valid, n_out, hidden, output, LOSS_CODES[self.spec.loss])
                          + np.float32(self.spec.huber_delta).tobytes()
                          + u32(row_base, row_base // geo.rows_per_tile, n_rows))
             if self.variant == "coopmat":  # + the fp16 hidden activations; wgrad reads those
@@ -658,12 +661,18 @@ class VulkanModel(CompiledModel):
             while done < steps:
                 chunk = min(HIST_CAP, steps - done)
                 self._ctrl.write(np.array([self.step_count, self.step_count], np.uint32))
+                self._ctrl.write(self._step_rates(chunk), offset=16 + HIST_CAP * 4)
                 program.run(times=chunk)
                 hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
                 self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
                 losses.append(hist[4:4 + chunk].copy())
                 done += chunk
             return np.concatenate(losses)
+
+    def _step_rates(self, steps: int) -> np.ndarray:
+        """The learning rates of the next ``steps`` optimizer steps (``next_step_rate`` onwards)."""
+        first = self.step_count + 1
+        return np.array([step_learning_rate(self.spec.optimizer, first + k) for k in range(steps)], np.float32)
 
     def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         with self._lock:

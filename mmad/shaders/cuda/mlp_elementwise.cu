@@ -4,7 +4,7 @@
 // run the bias along M. Every activation, pre-activation and delta is stored row-major,
 // [rows][features] (the host holds them as (features, rows) arrays in F order): the layout
 // cuBLASLt writes its column-major D in, so no matmul result is ever transposed. The host
-// prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT OPT_ADAM LR BETA1 BETA2 EPS
+// prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT OPT_ADAM BETA1 BETA2 EPS
 // L2REG MOMENTUM) and mlp_common.cuh.
 
 #define TILE 32
@@ -126,7 +126,7 @@ extern "C" __global__ void ew_optimize(int mode, int n_w, int n_b, float* __rest
         float* vel = is_w ? s1w + j : s1b + j;
         const float vn = MOMENTUM * *vel + grad;
         *vel = vn;
-        p -= LR * vn;
+        p -= lr_t * vn;
 #endif
         *param = p;
     }

@@ -10,7 +10,7 @@
 //   WARPS              warps per block
 //   W_SMEM_FWD W_SMEM_TRAIN  weights staged in shared memory (else read through L1)
 //   STORE_DACT         the hidden activation's derivative is stored (not derivable from h)
-//   OPT_ADAM LR BETA1 BETA2 EPS L2REG MOMENTUM   optimizer
+//   OPT_ADAM BETA1 BETA2 EPS L2REG MOMENTUM      optimizer (the step's rate lr_t comes from the host)
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
 //
@@ -716,7 +716,7 @@ extern "C" __global__ void mlp_optimize(
         float* vel = is_w ? s1w + i : s1b + o;
         const float vn = MOMENTUM * *vel + grad;
         *vel = vn;
-        p -= LR * vn;
+        p -= lr_t * vn;
 #endif
         *param = p;
     }

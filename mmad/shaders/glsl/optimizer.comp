@@ -10,7 +10,6 @@ layout(local_size_x = 256) in;
 #include "mlp_common.glsl"
 
 layout(constant_id = 6) const int OPT_ADAM = 1;
-layout(constant_id = 7) const float LR = 1e-3;
 layout(constant_id = 8) const float BETA1 = 0.9;
 layout(constant_id = 9) const float BETA2 = 0.99;
 layout(constant_id = 10) const float EPSILON = 1e-15;
@@ -24,7 +23,11 @@ layout(std430, binding = 3) buffer SlotB { float SLOT_B[]; };
 layout(std430, binding = 4) buffer WeightBuf { float WALL[]; };
 layout(std430, binding = 5) buffer BiasBuf { float BIAS[]; };
 layout(std430, binding = 6) writeonly buffer GradBuf { float GRAD[]; };
-layout(std430, binding = 7) readonly buffer Control { uint step; uint base; uint pad0; uint pad1; float hist[]; } ctrl;
+// the learning rate of each step of a submission, written by the host (contract.next_step_rate:
+// Adam's bias correction is computed once, in float64, for every backend)
+layout(std430, binding = 7) readonly buffer Control {
+    uint step; uint base; uint pad0; uint pad1; float hist[HIST_CAP]; float rate[];
+} ctrl;
 #ifdef CM_M
 layout(std430, binding = 8) buffer Weight16Buf { float16_t WALL16[]; };  // the coopmat kernels' copy
 #endif
@@ -60,14 +63,13 @@ void main() {
     if (OPT_ADAM != 0) {
         float m = BETA1 * SLOT_A[i] + (1.0 - BETA1) * g;
         float v = BETA2 * SLOT_B[i] + (1.0 - BETA2) * g * g;
-        float t = float(ctrl.step);
-        float lr_t = LR * sqrt(1.0 - pow(BETA2, t)) / (1.0 - pow(BETA1, t));
-        w -= lr_t * m / (sqrt(v) + EPSILON);
+        // ctrl.step was advanced by loss_finalize: this is step ctrl.step, the (step-base)-th of the submission
+        w -= ctrl.rate[ctrl.step - ctrl.base - 1u] * m / (sqrt(v) + EPSILON);
         SLOT_A[i] = m;
         SLOT_B[i] = v;
     } else {
         float vel = MOMENTUM * SLOT_A[i] + g;
-        w -= LR * vel;
+        w -= ctrl.rate[ctrl.step - ctrl.base - 1u] * vel;
         SLOT_A[i] = vel;
     }
     MASTER[i] = w;
