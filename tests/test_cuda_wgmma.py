@@ -2,7 +2,7 @@
 checks against the float64 oracle (skipped, with the reason, where no usable H100 is present).
 
 CPU (run everywhere):
-- the host's weight/bias images (``WgmmaPlan.host_images``, the same gather the device's
+- the host's weight/bias images (``host_images`` below, the same gather the device's
   ``wgmma_pack`` does) hold, element by element, what ``layouts.wgmma_smem_operand`` says;
 - the kernel's own shared-memory offset and descriptor functions (shaders/cuda/wgmma_layout.cuh,
   compiled here with the host C++ compiler) equal ``layouts`` for every geometry the kernels use;
@@ -33,6 +33,7 @@ from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
+from mmad.backends.cuda.mma import MmaPlan, master_offsets
 from mmad.backends.cuda.wgmma import WgmmaPlan
 from mmad.errors import SpecError
 from mmad.shaders import read_source
@@ -54,6 +55,22 @@ ODD_SPECS = {
 }
 
 
+
+def host_images(plan: WgmmaPlan, params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(fp16 weight image as uint16, fp32 bias image) exactly as ``wgmma_pack`` builds them on
+    the device from the mma model's padded fp32 masters, through the plan's maps."""
+    mma_layers = MmaPlan(plan.spec).layers
+    w_off, b_off = master_offsets(mma_layers)
+    w_all = np.zeros(sum(n * k for _, _, k, n in mma_layers), dtype=np.float32)
+    b_all = np.zeros(sum(n for _, _, _, n in mma_layers), dtype=np.float32)
+    for i, (fan_in, fan_out, k, n) in enumerate(mma_layers):
+        w_all[w_off[i]: w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in] = params[f"W{i}"]
+        b_all[b_off[i]: b_off[i] + fan_out] = params[f"b{i}"]
+    wmap = plan.weight_map(w_off, [k for _, _, k, _ in mma_layers])
+    bmap = plan.bias_map(b_off)
+    image = np.where(wmap >= 0, w_all[np.maximum(wmap, 0)], 0).astype(np.float16).view(np.uint16)
+    return image, np.where(bmap >= 0, b_all[np.maximum(bmap, 0)], 0).astype(np.float32)
+
 def plan_cases() -> dict[str, WgmmaPlan]:
     plans = {name: WgmmaPlan(bench_spec(name)) for name in "SMLW"}
     plans.update({name: WgmmaPlan(bench_spec("M").replace(**kw)) for name, kw in ODD_SPECS.items()})
@@ -72,7 +89,7 @@ def random_params(spec, rng):
 def test_host_images_hold_what_wgmma_smem_operand_says(name):
     plan = plan_cases()[name]
     params = random_params(plan.spec, np.random.default_rng(len(name)))
-    image, bias = plan.host_images(params)
+    image, bias = host_images(plan, params)
     assert image.dtype == np.uint16 and image.size == plan.w_total_bytes // 2
     covered = np.zeros(image.size, dtype=bool)
     for i, (fan_in, fan_out, k, n, swz, offset) in enumerate(plan.layers):
@@ -244,7 +261,7 @@ def test_emulated_kernel_data_path_matches_the_oracle(layout_program, name):
     for key in params:
         if key.startswith("W"):
             params[key] *= np.float32(1.0 / np.sqrt(params[key].shape[1]))
-    image, bias = plan.host_images(params)
+    image, bias = host_images(plan, params)
     image = image.tobytes()
     geometries = [(64, plan.kin_p, plan.swz_in, 0)] + [(n, k, swz, off) for _, _, k, n, swz, off in plan.layers]
     values = kernel_layout_values(layout_program, geometries)

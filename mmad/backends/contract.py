@@ -1,4 +1,4 @@
-"""The backend contract: what every ``backends/<name>.py`` provides.
+"""The backend contract: what every backend package or module under ``mmad/backends/`` provides.
 
 A backend module exposes one class derived from :class:`Backend`:
 

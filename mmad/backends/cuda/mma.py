@@ -221,19 +221,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self.dummy = cp.zeros(4, dtype=cp.float32)
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating the model's device buffers failed: {exc}") from exc
-        self.w_off, self.b_off, self.wf_off, self.wb_off = [], [], [], []
-        ow = ob = of = 0
-        ob_img = self.wf_total
-        for i, (_, _, k, n) in enumerate(self.layers):
-            self.w_off.append(ow)
-            self.b_off.append(ob)
-            self.wf_off.append(of)
-            self.wb_off.append(ob_img if i > 0 else -1)
-            ow += n * k
-            ob += n
-            of += n * k
-            if i > 0:
-                ob_img += n * k
+        self.w_off, self.b_off = master_offsets(self.layers)
+        # the packed fp16 images: every layer's forward image (at its master offset: same sizes),
+        # then the backward images of layers 1.. (layer 0's input gradient is never needed)
+        self.wf_off = list(self.w_off)
+        self.wb_off = [-1] + [self.wf_total + off - self.w_off[1] for off in self.w_off[1:]]
         self._workspace: dict[int, dict[str, Any]] = {}
 
     def _workspace_for(self, rows_pad: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 from mmad.backends import layouts as L
 from mmad.backends.cache import KernelCache
 from mmad.backends.cuda.knobs import CudaKnobs
-from mmad.backends.cuda.mma import CudaMmaModel, MmaPlan, f32_literal, master_offsets, describe
+from mmad.backends.cuda.mma import CudaMmaModel, describe, f32_literal
 from mmad.backends.cuda.toolchain import (
     LoadedModule, cached_cubin, device_errors, find_nvcc, nvcc_compile, nvcc_version,
 )
@@ -224,21 +224,6 @@ class WgmmaPlan:
         for i, (_, fan_out, _, _, _, _) in enumerate(self.layers):
             image[self.b_offsets[i]: self.b_offsets[i] + fan_out] = b_off[i] + np.arange(fan_out)
         return image
-
-    def host_images(self, params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(fp16 weight image as uint16, fp32 bias image) exactly as ``wgmma_pack`` builds them
-        on the device from the mma model's padded fp32 masters (for tests and inspection)."""
-        mma_layers = MmaPlan(self.spec).layers
-        w_off, b_off = master_offsets(mma_layers)
-        w_all = np.zeros(sum(n * k for _, _, k, n in mma_layers), dtype=np.float32)
-        b_all = np.zeros(sum(n for _, _, _, n in mma_layers), dtype=np.float32)
-        for i, (fan_in, fan_out, k, n) in enumerate(mma_layers):
-            w_all[w_off[i]: w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in] = params[f"W{i}"]
-            b_all[b_off[i]: b_off[i] + fan_out] = params[f"b{i}"]
-        wmap = self.weight_map(w_off, [k for _, _, k, _ in mma_layers])
-        bmap = self.bias_map(b_off)
-        image = np.where(wmap >= 0, w_all[np.maximum(wmap, 0)], 0).astype(np.float16).view(np.uint16)
-        return image, np.where(bmap >= 0, b_all[np.maximum(bmap, 0)], 0).astype(np.float32)
 
     def _wrappers(self) -> str:
         """The wgmma instructions the kernel issues, as inline-PTX functions (N/2 accumulators)."""
