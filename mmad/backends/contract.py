@@ -142,7 +142,7 @@ class CompiledModel(abc.ABC):
     def encode(self, x: np.ndarray) -> np.ndarray:
         """The spec's input encoding of host rows (float32): every backend encodes here, on the
         host, before the upload (``numerics.encode`` is the one definition)."""
-        if self.spec.encoding.otype == "Identity":
+        if self.spec.encoding.passthrough:
             return np.ascontiguousarray(x, dtype=np.float32)
         return np.ascontiguousarray(encode_inputs(self.spec.encoding, x), dtype=np.float32)
 

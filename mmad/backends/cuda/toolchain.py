@@ -186,7 +186,7 @@ class CudaModel(CompiledModel):
         """(device fp32 C-contiguous rows x encoded cols, whether x came from the host); with
         ``keep_half``, an fp16 array without an encoding to apply stays fp16."""
         cp = self.cp
-        encoded = encode and self.spec.encoding.otype != "Identity"
+        encoded = encode and not self.spec.encoding.passthrough
         if not isinstance(x, cp.ndarray):
             host = check_rows(x, cols, name, keep_half=keep_half and not encoded)
             if encoded:
@@ -226,7 +226,7 @@ class CudaModel(CompiledModel):
         on the device (fp16 inputs read as they are), so half the bytes come back and the host
         casts nothing."""
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
-        if self.spec.encoding.otype != "Identity":  # encoded in fp32 on the host, then as below
+        if not self.spec.encoding.passthrough:  # encoded in fp32 on the host, then as below
             np.copyto(out, self.forward(x, out_dtype=out.dtype))
             return
         dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=False,
