@@ -324,8 +324,8 @@ class MLPSpec:
             try:
                 doc = json.loads(doc)
             except json.JSONDecodeError as exc:
-                raise SpecError("(document)", f"not valid JSON: {exc}") from exc
-        doc = _mapping("(document)", doc)
+                raise SpecError("spec", f"the model config is not valid JSON: {exc}") from exc
+        doc = _mapping("spec", doc)
         _check_keys("", doc, {"n_input_dims", "n_output_dims", "network", "encoding", "loss",
                               "optimizer", "precision", "seed", "loss_scale"})
         n_in = doc.get("n_input_dims", n_input_dims)
