@@ -31,7 +31,8 @@ def readme_blocks() -> list[tuple[str, str]]:
 
 
 def block_id(lang: str, code: str) -> str:
-    first = next(line for line in code.splitlines() if line.strip() and not line.startswith("#"))
+    first = next(line for line in code.splitlines()
+                 if line.strip() and not line.startswith("#") and line != "import numpy as np")
     return f"{lang}: {first[:50]}"
 
 
