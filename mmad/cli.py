@@ -16,17 +16,31 @@ from mmad.errors import MMADError
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from mmad.backends import parse_forced, probe_all
+    from mmad.backends import ENV_VAR, choose, parse_forced, probe_all
 
     forced = parse_forced()  # validates MMAD_BACKEND before anything is probed
     started = time.perf_counter()
     rows = probe_all(args.backend or None)
     elapsed = time.perf_counter() - started
+    chosen = choose(rows, forced)
+    if chosen is not None:
+        note = ("forced by " + ENV_VAR) if forced else "the best available; " + ENV_VAR + " overrides"
+        if args.backend and not forced:
+            note += "; among the backends probed here only"
+        summary = f"selected: {chosen.backend}:{chosen.variant} on {chosen.device} ({note})"
+    elif forced:
+        summary = (f"selected: none: {ENV_VAR}={':'.join(p for p in forced if p)} cannot run here, "
+                   "so `mmad serve` refuses to start")
+    else:
+        summary = "selected: none of the backends probed here can run"
     if args.json:
-        print(json.dumps({"rows": [r.to_json() for r in rows], "seconds": round(elapsed, 3),
+        print(json.dumps({"rows": [{**r.to_json(), "selected": r is chosen} for r in rows],
+                          "selected": None if chosen is None else {"backend": chosen.backend,
+                                                                   "variant": chosen.variant},
+                          "summary": summary, "seconds": round(elapsed, 3),
                           "forced": list(forced) if forced else None}, indent=2))
         return 0
-    header = ("backend", "variant", "status", "device", "api", "capabilities / reason")
+    header = ("backend", "variant", "status", "selected", "device", "api", "capabilities / reason")
     table = []
     for r in rows:
         if r.available:
@@ -36,10 +50,12 @@ def _probe(args: argparse.Namespace) -> int:
                 caps = "software device (used only when forced); " + caps
         else:
             caps = r.reason
-        table.append((r.backend, r.variant, "PASS" if r.available else "FAIL", r.device, r.api_version, caps))
-    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(5)]
+        table.append((r.backend, r.variant, "PASS" if r.available else "FAIL", "*" if r is chosen else "",
+                      r.device, r.api_version, caps))
+    widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(6)]
     for row in [header, *table]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + str(row[5]))
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + str(row[6]))
+    print(summary)
     print(f"({elapsed:.2f} s)")
     return 0
 
@@ -129,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="run the HTTP daemon (see `mmad serve --help`)", add_help=False)
 
     p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (docs/benchmarks.md); "
-                                     "`mmad bench --service [...]` runs the HTTP load benchmark instead")
+                                     "`mmad bench --service [...]` runs the HTTP load benchmark instead",
+                       description="Kernel throughput of the S/M/L/W models (docs/benchmarks.md). "
+                                   "`mmad bench --service [options]` runs the HTTP load benchmark against "
+                                   "the daemon instead (docs/service-performance.md); "
+                                   "`mmad bench --service --help` lists its options.")
     p.add_argument("--backend", action="append", help="backend[:variant] to measure (repeatable; default: best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
     p.add_argument("--batch", type=int, default=1 << 20, help="rows per batch (default 2^20)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from mmad.errors import SpecError
@@ -92,13 +92,41 @@ def _short(value: Any) -> str:
 
 @dataclass(frozen=True)
 class EncodingSpec:
-    """One encoding; ``Composite`` holds ``nested`` parts, each covering ``n_dims_to_encode``."""
+    """One encoding, with tiny-cuda-nn's parameters and defaults.
+
+    A ``Composite`` holds ``nested`` parts, each reading ``n_dims_to_encode`` input dims from
+    ``dims_to_encode_begin`` (both resolved by ``parse``; nested Composites are flattened into
+    their parent), their outputs concatenated in order. Input dims no part reads are dropped,
+    as tiny-cuda-nn drops them.
+    """
 
     otype: str = "Identity"
     n_frequencies: int = 12
     n_bins: int = 16
     n_dims_to_encode: int | None = None
     nested: tuple["EncodingSpec", ...] = ()
+    scale: float = 1.0
+    offset: float = 0.0
+    dims_to_encode_begin: int | None = None
+
+    @property
+    def passthrough(self) -> bool:
+        """True when encoding leaves the inputs as they are (Identity, scale 1, offset 0)."""
+        return self.otype == "Identity" and self.scale == 1.0 and self.offset == 0.0
+
+    def parts(self, n_input_dims: int) -> list[tuple["EncodingSpec", int, int]]:
+        """(part, first input dim, input dims) of every part in output order; an encoding that is
+        not a Composite is its own only part, reading every input dim."""
+        if self.otype != "Composite":
+            return [(self, 0, n_input_dims)]
+        out, begin = [], 0
+        for part in self.nested:
+            if part.dims_to_encode_begin is not None:
+                begin = part.dims_to_encode_begin
+            dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else n_input_dims - begin
+            out.append((part, begin, dims))
+            begin += dims
+        return out
 
     def n_output_dims(self, n_input_dims: int) -> int:
         if self.otype == "Identity":
@@ -107,53 +135,80 @@ class EncodingSpec:
             return n_input_dims * self.n_frequencies * 2
         if self.otype == "OneBlob":
             return n_input_dims * self.n_bins
-        total, left = 0, n_input_dims
-        for part in self.nested:
-            dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else left
-            total += part.n_output_dims(dims)
-            left -= dims
-        return total
+        return sum(part.n_output_dims(dims) for part, _, dims in self.parts(n_input_dims))
 
     @staticmethod
     def parse(where: str, doc: Any, n_input_dims: int, *, nested: bool = False) -> "EncodingSpec":
+        """``doc`` encoding ``n_input_dims`` dims. tiny-cuda-nn's default ``otype`` is OneBlob; a
+        nested part's ``n_dims_to_encode``/``dims_to_encode_begin`` are read by its Composite."""
         doc = _mapping(where, doc)
-        otype = _pick(f"{where}.otype", doc.get("otype", "Identity"), ENCODINGS)
-        common = {"otype", "n_dims_to_encode"} if nested else {"otype"}
-        n_dims = None
-        if nested and "n_dims_to_encode" in doc:
-            n_dims = _int(f"{where}.n_dims_to_encode", doc["n_dims_to_encode"], 1, n_input_dims)
+        otype = _pick(f"{where}.otype", doc.get("otype", "OneBlob"), ENCODINGS)
+        common = {"otype", "n_dims_to_encode", "dims_to_encode_begin"} if nested else {"otype"}
         if otype == "Identity":
             _check_keys(where, doc, common | {"scale", "offset"})
-            if doc.get("scale", 1.0) != 1.0 or doc.get("offset", 0.0) != 0.0:
-                raise SpecError(f"{where}.scale", "only scale 1 and offset 0 are supported")
-            return EncodingSpec("Identity", n_dims_to_encode=n_dims)
+            scale = _float(f"{where}.scale", doc.get("scale", 1.0), -math.inf, math.inf)
+            offset = _float(f"{where}.offset", doc.get("offset", 0.0), -math.inf, math.inf)
+            return EncodingSpec("Identity", scale=scale, offset=offset)
         if otype == "Frequency":
             _check_keys(where, doc, common | {"n_frequencies"})
             n = _int(f"{where}.n_frequencies", doc.get("n_frequencies", 12), 1, 24)
-            return EncodingSpec("Frequency", n_frequencies=n, n_dims_to_encode=n_dims)
+            return EncodingSpec("Frequency", n_frequencies=n)
         if otype == "OneBlob":
             _check_keys(where, doc, common | {"n_bins"})
-            n = _int(f"{where}.n_bins", doc.get("n_bins", 16), 2, 256)
-            return EncodingSpec("OneBlob", n_bins=n, n_dims_to_encode=n_dims)
-        if nested:
-            raise SpecError(f"{where}.otype", "a Composite cannot nest another Composite")
-        _check_keys(where, doc, {"otype", "nested"})
+            n = _int(f"{where}.n_bins", doc.get("n_bins", 16), 1, 256)
+            if n & (n - 1):  # tiny-cuda-nn's kernel puts a power-of-two run of bins on adjacent lanes
+                raise SpecError(f"{where}.n_bins", f"must be a power of two (tiny-cuda-nn requires it); got {n}")
+            return EncodingSpec("OneBlob", n_bins=n)
+        return EncodingSpec._parse_composite(where, doc, n_input_dims, common)
+
+    @staticmethod
+    def _parse_composite(where: str, doc: Mapping[str, Any], n_input_dims: int,
+                         common: set[str]) -> "EncodingSpec":
+        # tiny-cuda-nn's rules (CompositeEncoding): at most one part may leave n_dims_to_encode
+        # out and gets the dims the others leave; dims_to_encode_begin moves a part's first input
+        # dim (then no part may leave n_dims_to_encode out); parts of 0 dims are skipped
+        _check_keys(where, doc, common | {"nested", "reduction"})
+        if "reduction" in doc:
+            _pick(f"{where}.reduction", doc["reduction"], ("Concatenation",))
         parts_doc = doc.get("nested")
         if not isinstance(parts_doc, list) or not parts_doc:
-            raise SpecError(f"{where}.nested", f"must be a non-empty list of encodings; got {parts_doc!r}")
-        parts, left = [], n_input_dims
-        for i, part_doc in enumerate(parts_doc):
-            part = EncodingSpec.parse(f"{where}.nested[{i}]", part_doc, n_input_dims, nested=True)
-            dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else left
-            if dims > left or dims <= 0:
-                raise SpecError(
-                    f"{where}.nested[{i}].n_dims_to_encode",
-                    f"only {left} input dims are left to encode; got {dims}",
-                )
-            left -= dims
-            parts.append(EncodingSpec(part.otype, part.n_frequencies, part.n_bins, dims))
-        if left:
-            raise SpecError(f"{where}.nested", f"the nested encodings leave {left} input dims unencoded")
+            raise SpecError(f"{where}.nested", f"must be a non-empty list of encodings; got {_short(parts_doc)}")
+        docs = [_mapping(f"{where}.nested[{i}]", d) for i, d in enumerate(parts_doc)]
+        given = [_int(f"{where}.nested[{i}].n_dims_to_encode", d["n_dims_to_encode"], 0, n_input_dims)
+                 if "n_dims_to_encode" in d else None for i, d in enumerate(docs)]
+        any_begin = any("dims_to_encode_begin" in d for d in docs)
+        total = sum(g for g in given if g is not None)
+        if not any_begin and total > n_input_dims:
+            raise SpecError(f"{where}.nested", f"the nested encodings encode {total} dims; the input has {n_input_dims}")
+        unspecified = None if any_begin else n_input_dims - total
+        parts: list[EncodingSpec] = []
+        begin = 0
+        for i, (part_doc, dims) in enumerate(zip(docs, given)):
+            here = f"{where}.nested[{i}]"
+            if dims is not None:
+                if "dims_to_encode_begin" in part_doc:
+                    begin = _int(f"{here}.dims_to_encode_begin", part_doc["dims_to_encode_begin"], 0, n_input_dims)
+            else:
+                if "dims_to_encode_begin" in part_doc:
+                    raise SpecError(f"{here}.dims_to_encode_begin", "needs n_dims_to_encode beside it")
+                if unspecified is None:
+                    raise SpecError(f"{here}.n_dims_to_encode",
+                                    "may be left out in only one nested encoding, and in none when "
+                                    "any gives dims_to_encode_begin")
+                dims, unspecified = unspecified, None
+            if begin + dims > n_input_dims:
+                raise SpecError(f"{here}.n_dims_to_encode",
+                                f"dims {begin} to {begin + dims - 1} do not exist; the input has {n_input_dims}")
+            if dims:
+                part = EncodingSpec.parse(here, part_doc, dims, nested=True)
+                if part.otype == "Composite":
+                    parts += [replace(p, dims_to_encode_begin=begin + b, n_dims_to_encode=d)
+                              for p, b, d in part.parts(dims)]
+                else:
+                    parts.append(replace(part, dims_to_encode_begin=begin, n_dims_to_encode=dims))
+            begin += dims
+        if not parts:
+            raise SpecError(f"{where}.nested", "the nested encodings encode no input dims")
         return EncodingSpec("Composite", nested=tuple(parts))
 
     def to_json(self) -> dict[str, Any]:
@@ -162,10 +217,19 @@ class EncodingSpec:
             out["n_frequencies"] = self.n_frequencies
         if self.otype == "OneBlob":
             out["n_bins"] = self.n_bins
-        if self.n_dims_to_encode is not None:
-            out["n_dims_to_encode"] = self.n_dims_to_encode
+        if self.otype == "Identity" and not self.passthrough:
+            out["scale"], out["offset"] = self.scale, self.offset
         if self.otype == "Composite":
-            out["nested"] = [p.to_json() for p in self.nested]
+            out["nested"], begin = [], 0
+            for part in self.nested:
+                doc = part.to_json()
+                if part.n_dims_to_encode is not None:
+                    doc["n_dims_to_encode"] = part.n_dims_to_encode
+                if part.dims_to_encode_begin is not None and part.dims_to_encode_begin != begin:
+                    doc["dims_to_encode_begin"] = part.dims_to_encode_begin
+                    begin = part.dims_to_encode_begin
+                begin += part.n_dims_to_encode or 0
+                out["nested"].append(doc)
         return out
 
 
@@ -260,8 +324,8 @@ class MLPSpec:
             try:
                 doc = json.loads(doc)
             except json.JSONDecodeError as exc:
-                raise SpecError("(document)", f"not valid JSON: {exc}") from exc
-        doc = _mapping("(document)", doc)
+                raise SpecError("spec", f"the model config is not valid JSON: {exc}") from exc
+        doc = _mapping("spec", doc)
         _check_keys("", doc, {"n_input_dims", "n_output_dims", "network", "encoding", "loss",
                               "optimizer", "precision", "seed", "loss_scale"})
         n_in = doc.get("n_input_dims", n_input_dims)

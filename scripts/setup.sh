@@ -4,6 +4,9 @@
 #   scripts/setup.sh --dev      also the test tools (pytest, tritonclient, ...) and the client SDK
 # Mesa's lavapipe (a CPU Vulkan driver) comes from bookworm-backports (Mesa 25), so the Vulkan
 # and wgpu backends run even without a GPU. Set MMAD_SKIP_APT=1 to skip the system packages.
+# A re-run skips apt when every package is already installed (Mesa from backports), and pip when
+# .venv/.mmad-setup records an install of this same pyproject/client/setup script (a --dev
+# install also counts for a plain one); MMAD_SETUP_FORCE=1 installs again regardless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
@@ -12,7 +15,23 @@ dev=0
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
   echo "setup: need root (or sudo) for: $*" >&2; return 1; fi; }
 
-if [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+force="${MMAD_SETUP_FORCE:-0}"
+apt_packages=(python3 python3-venv python3-pip git curl mesa-vulkan-drivers libvulkan1)
+[ "$dev" = 1 ] && apt_packages+=(docker-compose)
+
+apt_done() {
+  [ "$force" != 1 ] || return 1
+  local pkg
+  for pkg in "${apt_packages[@]}"; do
+    [ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" = "install ok installed" ] || return 1
+  done
+  # lavapipe with cooperative matrices needs backports' Mesa, not bookworm's 22.x
+  dpkg --compare-versions "$(dpkg-query -W -f='${Version}' mesa-vulkan-drivers)" ge 25
+}
+
+if [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null && apt_done; then
+  echo "setup: system packages already installed"
+elif [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   # bookworm-backports from the same mirror the machine already uses
   if ! grep -qs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; then
     # the first Debian archive among the enabled source files (not security, not third-party repos)
@@ -36,10 +55,21 @@ if [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip "setuptools>=77" wheel
-if [ "$dev" = 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[vulkan,wgpu,dev]" -e ./client
+# what the pip step installs follows from these files and the venv's Python
+key=$(cat pyproject.toml client/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
+stamp=.venv/.mmad-setup
+if [ "$force" != 1 ] && [ -f "$stamp" ] && [ -x .venv/bin/mmad ] \
+   && { grep -qx "dev $key" "$stamp" || { [ "$dev" = 0 ] && grep -qx "runtime $key" "$stamp"; }; }; then
+  echo "setup: Python packages already installed ($stamp)"
 else
-  .venv/bin/python -m pip install -q -e ".[vulkan,wgpu]"
+  rm -f "$stamp"
+  .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77" wheel
+  if [ "$dev" = 1 ]; then
+    .venv/bin/python -m pip install -q -e ".[vulkan,wgpu,dev]" -e ./client
+    echo "dev $key" > "$stamp"
+  else
+    .venv/bin/python -m pip install -q -e ".[vulkan,wgpu]"
+    echo "runtime $key" > "$stamp"
+  fi
 fi
 echo "setup: done ($(.venv/bin/python --version), $(.venv/bin/mmad --version))"

@@ -169,16 +169,26 @@ CORPUS = [
     ("json-data-strings", "infer", json_req([tensor("INPUT", "FP32", [1, 2], data=["a", "b"])]), 400,
      "data must hold only numbers"),
     ("json-data-null", "infer", json_req([tensor("INPUT", "FP32", [1, 2], data=[None, 1.0])]), 400,
-     "data must hold only numbers"),
+     "data must hold only numbers; got null"),
+    ("json-data-text", "infer", json_req([tensor("INPUT", "FP32", [2, 1], data=[["x"], ["y"]])]), 400,
+     'data must hold only numbers; got the text "x"'),
+    ("json-data-booleans", "infer", json_req([tensor("INPUT", "FP32", [1, 2], data=[True, False])]), 400,
+     "data must hold only numbers; got true"),
+    ("json-data-objects", "infer", json_req([tensor("INPUT", "FP32", [1, 2], data=[{"a": 1}, 2])]), 400,
+     "data must hold only numbers; got an object"),
     ("json-data-ragged", "infer", json_req([tensor("INPUT", "FP32", [2, 2], data=[[1.0, 2.0], [3.0]])]), 400,
-     "data must be numbers"),
+     "data must be numbers.*rows have different lengths"),
+    ("json-data-mixed-nesting", "infer", json_req([tensor("INPUT", "FP32", [2, 2], data=[[1.0, 2.0], 3.0])]), 400,
+     "rows have different lengths"),
     ("json-data-count", "infer", json_req([tensor("INPUT", "FP32", [2, 2], data=[1.0, 2.0, 3.0])]), 400,
      r"holds 3 numbers but shape \[2, 2\] needs 4"),
     ("json-data-nesting", "infer", json_req([tensor("INPUT", "FP32", [2, 2], data=[[1.0], [2.0], [3.0], [4.0]])]), 400,
      r"nested as \[4, 1\] but shape is \[2, 2\]"),
     ("header-not-json", "infer", (b"\x00\x01garbage", {"Inference-Header-Content-Length": "9"}), 400,
-     "the request header is not valid JSON"),
-    ("body-empty", "infer", (b"", {}), 400, "not valid JSON"),
+     r"the request's JSON part \(its first 9 bytes, per Inference-Header-Content-Length\) is not valid JSON"),
+    ("body-not-json", "infer", (b"{inputs: []}", {"Content-Type": "application/json"}), 400,
+     "^the request body is not valid JSON"),
+    ("body-empty", "infer", (b"", {}), 400, "the request body is empty"),
     ("header-is-array", "infer", (b"[1,2]", {}), 400, "the request must be a JSON object"),
     ("input-not-object", "infer", json_req([[1, 2]]), 400, r"inputs\[0\] must be a JSON object"),
     ("input-name-missing", "infer", json_req([{"datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]), 400,
@@ -207,6 +217,12 @@ CORPUS = [
 # decompression may hold up to the body cap (plus one 1 MiB inflate step) before it refuses,
 # never an amount a header asks for
 DECOMPRESSING = {"gzip-bomb", "gzip-corrupt", "gzip-truncated", "deflate-then-bad-json"}
+
+
+# what NumPy or the JSON parser would say, never the user: dtype codes, NumPy's shape errors,
+# the "header" of a plain JSON request, Python type names
+NUMPY_WORDS = re.compile(r"<[UfiSb]\d|\bdtype\b|inhomogeneous|array element|\bndarray\b|\(document\)|"
+                         r"\bNoneType\b|\bstr\b|\bdict\b|\bbool_?\b|float64|object_|zero-length")
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +259,7 @@ def test_malformed_request_gets_its_own_4xx(client, case):
     assert r.status_code == status, f"{name}: {r.status_code} {r.text}"
     error = r.json()["error"]
     assert re.search(message, error), f"{name}: message {error!r} does not match {message!r}"
+    assert not NUMPY_WORDS.search(error), f"{name}: {error!r} speaks NumPy, not the request's terms"
     limit = PEAK_LIMIT + (2 * len(body) if status != 413 else 0) + (BODY_CAP + (2 << 20) if name in DECOMPRESSING else 0)
     assert peak < limit, f"{name}: {peak / 2**20:.1f} MiB allocated while refusing a {len(body)} byte request"
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mmad.backends import probe_all, select
+from mmad.backends import choose, probe_all, select
 from mmad.errors import BackendUnavailable, SpecError
 
 
@@ -27,8 +27,9 @@ def test_probe_table_lists_every_backend_quickly():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:3] == ["backend", "variant", "status"]
-    backends = {line.split()[0] for line in lines[1:-1]}
+    backends = {line.split()[0] for line in lines[1:-2]}
     assert backends == {"cuda", "vulkan", "wgpu", "cpu"}
+    assert lines[-2].startswith("selected: ")
     assert any(line.startswith("cpu") and "PASS" in line for line in lines)
     assert elapsed < 10  # the 3 s budget is checked in-process below; this includes interpreter start
 
@@ -84,3 +85,42 @@ def test_demo_command_trains_and_reports(tmp_path):
     assert "backend: cpu:numpy" in proc.stdout and "M samples/s" in proc.stdout
     losses = [float(line.split()[3]) for line in proc.stdout.splitlines() if line.startswith("step")]
     assert losses[-1] < losses[0]
+
+
+def test_probe_marks_the_backend_the_daemon_uses():
+    _, row = select("")  # automatic, whatever MMAD_BACKEND says here
+    proc = run_cli("probe", env={"MMAD_BACKEND": ""})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:4] == ["backend", "variant", "status", "selected"]
+    marked = [line.split()[:4] for line in lines[1:-2] if line.split()[3:4] == ["*"]]
+    assert marked == [[row.backend, row.variant, "PASS", "*"]]
+    assert lines[-2].startswith(f"selected: {row.backend}:{row.variant} on ")
+    doc = json.loads(run_cli("probe", "--json", env={"MMAD_BACKEND": ""}).stdout)
+    assert doc["selected"] == {"backend": row.backend, "variant": row.variant}
+    assert [(r["backend"], r["variant"]) for r in doc["rows"] if r["selected"]] == [(row.backend, row.variant)]
+    assert doc["summary"].startswith(f"selected: {row.backend}:{row.variant}")
+
+
+def test_probe_marks_a_forced_backend_or_says_it_cannot_run():
+    proc = run_cli("probe", "--json", env={"MMAD_BACKEND": "cpu"})
+    doc = json.loads(proc.stdout)
+    assert doc["selected"] == {"backend": "cpu", "variant": "numpy"}
+    assert "forced by MMAD_BACKEND" in doc["summary"]
+    if any(r.available for r in probe_all(["cuda"])):
+        return
+    proc = run_cli("probe", env={"MMAD_BACKEND": "cuda"})
+    assert proc.returncode == 0, proc.stderr
+    assert not any(line.split()[3:4] == ["*"] for line in proc.stdout.splitlines()[1:-2])
+    assert "MMAD_BACKEND=cuda cannot run here" in proc.stdout
+
+
+def test_choose_agrees_with_select():
+    rows = probe_all()
+    assert choose(rows, None) == select("")[1]
+    assert choose(rows, ("cpu", None)) == select("cpu")[1]
+
+
+def test_bench_help_mentions_service():
+    proc = run_cli("bench", "--help")
+    assert proc.returncode == 0 and "--service" in proc.stdout

@@ -178,16 +178,31 @@ def test_whole_layer_staging(backend):
     be.close()
 
 
-def test_encodings(backend):
-    """Identity, Frequency and OneBlob, as parts of one Composite encoding, computed in the kernel."""
-    encoding = {"otype": "Composite", "nested": [{"otype": "Identity", "n_dims_to_encode": 1},
-                                                 {"otype": "Frequency", "n_frequencies": 6, "n_dims_to_encode": 2},
-                                                 {"otype": "OneBlob", "n_bins": 8}]}
-    spec = MLPSpec.from_json({"n_input_dims": 4, "n_output_dims": 3, "encoding": encoding,
+ENCODINGS = {
+    "parts": {"otype": "Composite", "nested": [{"otype": "Identity", "n_dims_to_encode": 1},
+                                               {"otype": "Frequency", "n_frequencies": 6, "n_dims_to_encode": 2},
+                                               {"otype": "OneBlob", "n_bins": 8}]},
+    # tiny-cuda-nn's Composite rules: parts read from dims_to_encode_begin; Identity's scale/offset
+    "begin": {"otype": "Composite", "nested": [{"otype": "OneBlob", "n_bins": 16, "n_dims_to_encode": 3,
+                                                "dims_to_encode_begin": 1},
+                                               {"otype": "Identity", "scale": 0.5, "offset": -0.25,
+                                                "n_dims_to_encode": 2, "dims_to_encode_begin": 0}]},
+    "oneblob": {"otype": "OneBlob", "n_bins": 4},
+}
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_encodings(backend, name):
+    """Identity, Frequency and OneBlob (numerics.encode's definitions, tiny-cuda-nn's) computed in
+    the kernel, on inputs in [0, 1], at its edges and outside it (OneBlob wraps around)."""
+    spec = MLPSpec.from_json({"n_input_dims": 4, "n_output_dims": 3, "encoding": ENCODINGS[name],
                               "network": {"n_neurons": 16, "n_hidden_layers": 1, "activation": "SiLU"}})
     rng = np.random.default_rng(8)
-    x = rng.uniform(0, 1, (1000, 4)).astype(np.float32)
-    y = rng.standard_normal((1000, 3)).astype(np.float32)
+    edges = np.array([0.0, 1.0, 0.5, 1e-6, 1 - 1e-6, -0.03, 1.03, -0.5, 1.5, 3.0, -2.25, 1 / 16])
+    x = np.concatenate([rng.uniform(0, 1, (1000, 4)), rng.uniform(-2, 3, (200, 4)),
+                        np.tile(edges[:, None], (1, 4)), rng.permutation(np.tile(edges, 4)).reshape(-1, 4)])
+    x = x.astype(np.float32)
+    y = rng.standard_normal((len(x), 3)).astype(np.float32)
     m = compiled(backend, spec)
     assert rel(m.forward(x), CpuBackend("float64").compile(spec).forward(x)) <= FWD_TOL["fp16"]
     loss, grads = m.loss_and_grads(x, y)

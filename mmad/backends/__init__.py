@@ -103,5 +103,16 @@ def select(forced: str | None = None) -> tuple[Backend, ProbeRow]:
     return best
 
 
-__all__ = ["BACKENDS", "Backend", "CompiledModel", "ProbeRow", "load_backend", "probe_all",
+def choose(rows: list[ProbeRow], forced: tuple[str, str | None] | None) -> ProbeRow | None:
+    """The row ``select`` picks, found among rows already probed (``mmad probe`` marks it);
+    None when the forced backend, or every backend, cannot run."""
+    if forced is not None:
+        name, variant = forced
+        usable = [r for r in rows if r.backend == name and variant in (None, r.variant) and r.available]
+    else:
+        usable = [r for r in rows if r.available and not r.software]
+    return max(usable, key=lambda r: r.priority, default=None)  # ties: the first, as select
+
+
+__all__ = ["BACKENDS", "choose", "Backend", "CompiledModel", "ProbeRow", "load_backend", "probe_all",
            "probe_backend", "select", "parse_forced", "ENV_VAR"]

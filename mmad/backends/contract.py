@@ -142,7 +142,7 @@ class CompiledModel(abc.ABC):
     def encode(self, x: np.ndarray) -> np.ndarray:
         """The spec's input encoding of host rows (float32): every backend encodes here, on the
         host, before the upload (``numerics.encode`` is the one definition)."""
-        if self.spec.encoding.otype == "Identity":
+        if self.spec.encoding.passthrough:
             return np.ascontiguousarray(x, dtype=np.float32)
         return np.ascontiguousarray(encode_inputs(self.spec.encoding, x), dtype=np.float32)
 
@@ -253,16 +253,33 @@ def output_dtype(out_dtype: Any) -> np.dtype:
 def check_rows(x: Any, cols: int, name: str, keep_half: bool = False) -> np.ndarray:
     """A C-contiguous (rows × cols) float32 view or copy of ``x`` (float16 kept as it is with
     ``keep_half``); clear errors otherwise."""
-    x = np.asarray(x)
+    try:
+        x = np.asarray(x)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise InvalidInput(f"{name} must be rows of {cols} numbers; its rows have different lengths") from exc
     if x.ndim == 1 and cols == 1:
         x = x.reshape(-1, 1)
     if x.ndim != 2 or x.shape[1] != cols:
         raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
     if x.dtype not in (np.float32, np.float16, np.float64):
-        raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+        raise InvalidInput(f"{name} must be floating-point numbers (float32 or float16); got {_elements(x.dtype)}")
     if keep_half and x.dtype == np.float16:
         return np.ascontiguousarray(x)
     return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _elements(dtype: np.dtype) -> str:
+    """What an array holds, in words (not NumPy's type codes)."""
+    kind = dtype.kind
+    if kind in "US":
+        return "text"
+    if kind == "b":
+        return "true/false values"
+    if kind == "O":
+        return "values that are not all numbers (None, or rows of different lengths)"
+    if kind in "iu":
+        return f"integers ({dtype.name})"
+    return f"{dtype.name} values"
 
 
 def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:

@@ -139,38 +139,49 @@ def _luminance(p: np.ndarray) -> np.ndarray:
 
 
 # -- encodings -----------------------------------------------------------------------------
+# tiny-cuda-nn's definitions (encodings/identity.h, frequency.h, oneblob.h, composite.h); the
+# columns tiny-cuda-nn pads an encoding with up to the network's alignment hold 1, but mmad's
+# parameters are unpadded, so no padded column is ever exposed or computed here.
 def encode(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
     """Apply an encoding to (rows × dims) inputs; the dtype of ``x`` is kept."""
     if encoding.otype == "Identity":
-        return x
+        if encoding.passthrough:
+            return x
+        return x * x.dtype.type(encoding.scale) + x.dtype.type(encoding.offset)
     if encoding.otype == "Frequency":
-        # [dim][frequency][sin, cos], frequencies 2^i · π (tiny-cuda-nn's scalbn(x, i) · π)
+        # [dim][frequency][sin, cos]: sin(2^i·π·x), then sin(2^i·π·x + π/2) = cos(2^i·π·x)
         freqs = (2.0 ** np.arange(encoding.n_frequencies)) * np.pi
         arg = x[:, :, None] * freqs.astype(x.dtype)
         out = np.stack([np.sin(arg), np.cos(arg)], axis=-1)
         return out.reshape(x.shape[0], -1)
     if encoding.otype == "OneBlob":
-        # each bin holds the mass of a Gaussian (σ = 1 / n_bins) centred on x over that bin
-        n = encoding.n_bins
-        edges = np.arange(n + 1, dtype=x.dtype) / n
-        sigma = 1.0 / n
-        cdf = 0.5 * (1 + _erf((edges[None, None, :] - x[:, :, None]) / (sigma * np.sqrt(2.0))))
-        return (cdf[:, :, 1:] - cdf[:, :, :-1]).astype(x.dtype).reshape(x.shape[0], -1)
-    parts, start = [], 0
-    for part in encoding.nested:
-        dims = part.n_dims_to_encode
-        parts.append(encode(part, x[:, start:start + dims]))
-        start += dims
+        return _one_blob(x, encoding.n_bins)
+    parts = [encode(part, x[:, begin:begin + dims]) for part, begin, dims in encoding.parts(x.shape[1])]
     return np.concatenate(parts, axis=1)
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    # Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7): NumPy has no erf and SciPy is not a dependency
-    sign = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return sign * (1.0 - poly * np.exp(-a * a))
+def _one_blob(x: np.ndarray, n: int) -> np.ndarray:
+    """Bin k of each dim holds the mass over [k/n, (k+1)/n) of a quartic kernel of radius 1/n
+    centred on x, wrapped around the unit interval: C(b) = Q(b − x) + Q(b − x − 1) + Q(b − x + 1)
+    (Q the kernel's CDF) at each bin's left boundary b, and the last bin's right value is
+    C(0) + 1 (tiny-cuda-nn's kernel takes it from the first bin's lane), so the bins sum to 1."""
+    left = np.arange(n, dtype=x.dtype) / x.dtype.type(n)  # k · 2^-log2(n): exact
+    u = left[None, None, :] - x[:, :, None]
+    one = x.dtype.type(1)
+    cdf = _quartic_cdf(u, n) + _quartic_cdf(u - one, n) + _quartic_cdf(u + one, n)
+    right = np.concatenate([cdf[..., 1:], cdf[..., :1] + one], axis=-1)
+    return (right - cdf).reshape(x.shape[0], -1)
+
+
+def _quartic_cdf(v: np.ndarray, inv_radius: int) -> np.ndarray:
+    """CDF of the quartic kernel 15/16·(1 − u²)² (u = v / radius), clamped to [0, 1]; fmin/fmax
+    like CUDA's fminf/fmaxf, so a NaN argument gives 1 as it does there."""
+    t = v.dtype.type
+    u = v * t(inv_radius)
+    u2 = u * u
+    u4 = u2 * u2
+    poly = t(15 / 16) * u * (t(1) - t(2 / 3) * u2 + t(1 / 5) * u4) + t(0.5)
+    return np.fmax(t(0), np.fmin(t(1), poly))
 
 
 # -- optimizers ----------------------------------------------------------------------------

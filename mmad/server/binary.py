@@ -83,13 +83,17 @@ def _shape(where: str, value: Any) -> tuple[int, ...]:
 
 
 def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """Nested or flat JSON numbers → float32 of ``shape``."""
+    """Nested or flat JSON numbers → float32 of ``shape``; errors in the request's own terms."""
     try:
         array = np.array(data)
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"{where}.data must be numbers (nested like the shape, or flat): {exc}") from exc
-    if array.dtype.kind not in "fiu":  # strings, booleans, objects, null
-        raise InvalidInput(f"{where}.data must hold only numbers; got elements of type {array.dtype}")
+    except (ValueError, TypeError) as exc:  # ragged nesting, or numbers beside lists
+        raise InvalidInput(f"{where}.data must be numbers, nested like the shape or flat; its rows have "
+                           "different lengths (or mix numbers and lists)") from exc
+    if array.dtype.kind not in "fiu":  # text, true/false, null, or integers too large for 64 bits
+        for v in array.flat:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidInput(f"{where}.data must hold only numbers; got {_json_word(v)}")
+        array = array.astype(np.float64)  # Python integers beyond 64 bits: become Inf below
     with np.errstate(over="ignore"):  # out-of-range numbers become Inf, refused by the finiteness check
         array = array.astype(np.float32)
     if array.size != math.prod(shape):
@@ -100,13 +104,31 @@ def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
     return array.reshape(shape)
 
 
+def _json_word(value: Any) -> str:
+    """How a JSON value that is not a number reads in an error: null, true, "text"."""
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, (str, np.str_)):
+        text = str(value)
+        return "the text " + orjson.dumps(text if len(text) <= 20 else text[:17] + "...").decode()
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
 def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
     """Split and validate a request body; tensors come back as float32/float16 arrays."""
     json_part = body if header_length is None else memoryview(body)[:header_length]
+    if not json_part:
+        raise InvalidInput("the request body is empty; a JSON object is expected")
     try:
         header = orjson.loads(json_part)
     except orjson.JSONDecodeError as exc:
-        raise InvalidInput(f"the request header is not valid JSON: {exc}") from exc
+        what = ("the request body" if header_length is None else
+                f"the request's JSON part (its first {header_length} bytes, per Inference-Header-Content-Length)")
+        raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise InvalidInput("the request must be a JSON object")
     parameters = header.get("parameters") or {}

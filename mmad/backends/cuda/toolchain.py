@@ -192,7 +192,7 @@ class CudaModel(CompiledModel):
         """(device fp32 C-contiguous rows x encoded cols, whether x came from the host); with
         ``keep_half``, an fp16 array without an encoding to apply stays fp16."""
         cp = self.cp
-        encoded = encode and self.spec.encoding.otype != "Identity"
+        encoded = encode and not self.spec.encoding.passthrough
         if not isinstance(x, cp.ndarray):
             host = check_rows(x, cols, name, keep_half=keep_half and not encoded)
             if encoded:
@@ -238,7 +238,7 @@ class CudaModel(CompiledModel):
         """
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
         x = check_rows(x, self.spec.n_input_dims, "input", keep_half=out.dtype == np.float16)
-        if self.spec.encoding.otype != "Identity":
+        if not self.spec.encoding.passthrough:
             x = self.encode(x)
         rows = x.shape[0]
         if rows == 0:

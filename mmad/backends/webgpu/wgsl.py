@@ -6,7 +6,6 @@ Needs no adapter: the plan and the source are pure functions of the spec and the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from mmad.backends import numerics as nm
@@ -244,25 +243,26 @@ def _optimizer_wgsl(spec: MLPSpec) -> str:
 
 def _encoding_parts(encoding: EncodingSpec, n_in: int) -> list[tuple[EncodingSpec, int, int, int]]:
     """(part, first input dim, input dims, first encoded column) of every encoding part."""
-    parts = encoding.nested if encoding.otype == "Composite" else (encoding,)
-    out, dim, col = [], 0, 0
-    for part in parts:
-        dims = part.n_dims_to_encode if part.n_dims_to_encode is not None else n_in - dim
+    out, col = [], 0
+    for part, dim, dims in encoding.parts(n_in):
         out.append((part, dim, dims, col))
-        dim += dims
         col += part.n_output_dims(dims)
     return out
 
 
 def _encode_wgsl(spec: MLPSpec) -> str:
-    """fn encode(row, k): encoded input column k of a chunk row (k < N_ENC)."""
+    """fn encode(row, k): encoded input column k of a chunk row (k < N_ENC); numerics.encode's
+    definitions (tiny-cuda-nn's)."""
     lines = ["fn encode(row: u32, k: u32) -> f32 {", "    let base = row * N_IN;"]
     for part, dim, dims, col in _encoding_parts(spec.encoding, spec.n_input_dims):
         width = part.n_output_dims(dims)
         lines.append(f"    if (k < {col + width}u) {{")
         lines.append(f"        let j = k - {col}u;")
         if part.otype == "Identity":
-            lines.append(f"        return x_in[base + {dim}u + j];")
+            value = f"x_in[base + {dim}u + j]"
+            if not part.passthrough:
+                value = f"{value} * ({_f(part.scale)}) + ({_f(part.offset)})"
+            lines.append(f"        return {value};")
         elif part.otype == "Frequency":
             nf = part.n_frequencies
             # [dim][frequency][sin, cos]; x * 2^f is exact in f32, the reduction to [-1, 1) too
@@ -272,10 +272,12 @@ def _encode_wgsl(spec: MLPSpec) -> str:
         else:
             nb = part.n_bins
             lines.append(f"        let v = x_in[base + {dim}u + j / {nb}u];")
-            lines.append(f"        let lo = f32(j % {nb}u) / {_f(nb)};")
-            lines.append(f"        let scale = 1.0 / ({_f(1.0 / nb)} * {_f(math.sqrt(2.0))});")
-            lines.append(f"        return 0.5 * (erf_approx((lo + {_f(1.0 / nb)} - v) * scale)"
-                         " - erf_approx((lo - v) * scale));")
+            lines.append(f"        let bin = j % {nb}u;")
+            lines.append(f"        let left = one_blob_cdf(f32(bin) / {_f(nb)} - v, {_f(nb)});")
+            # the last bin's right boundary wraps to the first bin's, one period on
+            lines.append(f"        let right = select(one_blob_cdf(f32(bin + 1u) / {_f(nb)} - v, {_f(nb)}),"
+                         f" one_blob_cdf(-v, {_f(nb)}) + 1.0, bin == {nb - 1}u);")
+            lines.append("        return right - left;")
         lines.append("    }")
     lines.append("    return 0.0;")
     lines.append("}")

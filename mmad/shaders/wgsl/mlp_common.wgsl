@@ -51,12 +51,17 @@ fn log1p_exp_neg_abs(z: f32) -> f32 {
     return select(log(u) * e / (u - 1.0), e, u == 1.0);
 }
 
-fn erf_approx(v: f32) -> f32 {
-    // Abramowitz & Stegun 7.1.26, as backends/numerics.py
-    let a = abs(v);
-    let t = 1.0 / (1.0 + 0.3275911 * a);
-    let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
-    return sign(v) * (1.0 - poly * exp(-a * a));
+fn quartic_cdf(v: f32, inv_radius: f32) -> f32 {
+    // CDF of the quartic kernel 15/16 (1 - u^2)^2 of radius 1 / inv_radius, as backends/numerics.py
+    let u = v * inv_radius;
+    let u2 = u * u;
+    let u4 = u2 * u2;
+    return clamp(0.9375 * u * (1.0 - (2.0 / 3.0) * u2 + 0.2 * u4) + 0.5, 0.0, 1.0);
+}
+
+fn one_blob_cdf(u: f32, inv_radius: f32) -> f32 {
+    // the kernel's CDF wrapped around the unit interval (OneBlob, as backends/numerics.py)
+    return quartic_cdf(u, inv_radius) + quartic_cdf(u - 1.0, inv_radius) + quartic_cdf(u + 1.0, inv_radius);
 }
 
 fn sin_pi_times(t: f32) -> f32 {
