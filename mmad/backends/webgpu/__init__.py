@@ -387,22 +387,28 @@ class WgpuModel(CompiledModel):
         self._write(arr, a)
         return arr
 
-    def _device_rows(self, a: Any, cols: int, name: str) -> tuple[WgpuArray, bool]:
+    def _device_rows(self, a: Any, cols: int, name: str, encode: bool = False) -> tuple[WgpuArray, bool]:
+        """(the rows on the device, whether they came as a device array); with ``encode``, the
+        model's input encoding applied first (on the host: ``encode``), so the kernels read
+        encoded inputs."""
+        encoded = encode and not self.spec.encoding.passthrough
         if isinstance(a, WgpuArray):
             if a.device is not self.device:
                 raise InvalidInput(f"{name} lives on another wgpu device")
             if a.shape[1] != cols:
                 raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(a.shape)}")
+            if encoded:
+                return self._scratch_array(f"{name}.encoded", self.encode(self.download(a))), True
             return a, True
         host = check_rows(a, cols, name)
-        return self._scratch_array(name, host), False
+        return self._scratch_array(name, self.encode(host) if encoded else host), False
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
         dtype = output_dtype(out_dtype)
         self._check_open()
         with self._lock:
-            xa, on_device = self._device_rows(x, self.spec.n_input_dims, "input")
+            xa, on_device = self._device_rows(x, self.spec.n_input_dims, "input", encode=True)
             rows = xa.shape[0]
             y = self._new_array((rows, self.spec.n_output_dims), pooled=True) if on_device else \
                 self._scratch_out((rows, self.spec.n_output_dims))
@@ -456,7 +462,7 @@ class WgpuModel(CompiledModel):
                 rec.dispatch("optimize", off, (ew_wg, 1, 1))
 
     def _train_inputs(self, x: Any, y: Any) -> tuple[WgpuArray, WgpuArray]:
-        xa, _ = self._device_rows(x, self.spec.n_input_dims, "input")
+        xa, _ = self._device_rows(x, self.spec.n_input_dims, "input", encode=True)
         ya, _ = self._device_rows(y, self.spec.n_output_dims, "target")
         if xa.shape[0] != ya.shape[0]:
             raise InvalidInput(f"target has {ya.shape[0]} rows but input has {xa.shape[0]}")

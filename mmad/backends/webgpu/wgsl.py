@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from mmad.backends import numerics as nm
 from mmad.errors import SpecError
 from mmad.shaders import read_source
-from mmad.spec import EncodingSpec, MLPSpec
+from mmad.spec import MLPSpec
 
 THREADS = 256              # invocations of the fused forward/backward workgroups
 MAX_CHUNK_ROWS = 65536
@@ -39,8 +39,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    n_in: int
-    n_enc: int
+    n_in: int               # columns of the kernel's input: the encoded width (encoded on the host)
     n_out: int
     kp: tuple[int, ...]     # padded fan_in per layer
     op: tuple[int, ...]     # padded fan_out per layer
@@ -126,19 +125,19 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
     per_row_z = 4 * sum(op)
     chunk = MAX_CHUNK_ROWS
     while chunk > 256 and (chunk * per_row_z > min(binding, 256 << 20)
-                           or chunk * 4 * max(spec.n_input_dims, spec.n_output_dims) > binding):
+                           or chunk * 4 * max(spec.n_encoded_dims, spec.n_output_dims) > binding):
         chunk //= 2
     fwd_chunk = 256
     max_groups = int(limits["max-compute-workgroups-per-dimension"])
     while (fwd_chunk * 2 <= min(1 << 20, max_groups * rows)
-           and fwd_chunk * 2 * 4 * max(spec.n_input_dims, spec.n_output_dims) <= binding):
+           and fwd_chunk * 2 * 4 * max(spec.n_encoded_dims, spec.n_output_dims) <= binding):
         fwd_chunk *= 2
     n_splits = max(1, min(128, chunk // 256, (64 << 20) // (4 * p)))
     # row-major scratch: row r of layer i's input at hbuf[r * HS + hoff[i]], its
     # pre-activation / output gradient at zbuf / dbuf[r * ZS + zoff[i]]
     hoff = [sum(kp[:i]) for i in range(n_layers)]
     zoff = [sum(op[:i]) for i in range(n_layers)]
-    return Plan(spec.n_input_dims, spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
+    return Plan(spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
                  fwd[0], fwd[2], bwd[0], bwd[2], fwd[1], bwd[1], chunk, fwd_chunk, n_splits, tuple(woff), tuple(boff), p,
                  tuple(hoff), tuple(zoff))
 
@@ -241,56 +240,13 @@ def _optimizer_wgsl(spec: MLPSpec) -> str:
         "    return launch.lr_t * vel;", "}"])
 
 
-def _encoding_parts(encoding: EncodingSpec, n_in: int) -> list[tuple[EncodingSpec, int, int, int]]:
-    """(part, first input dim, input dims, first encoded column) of every encoding part."""
-    out, col = [], 0
-    for part, dim, dims in encoding.parts(n_in):
-        out.append((part, dim, dims, col))
-        col += part.n_output_dims(dims)
-    return out
-
-
-def _encode_wgsl(spec: MLPSpec) -> str:
-    """fn encode(row, k): encoded input column k of a chunk row (k < N_ENC); numerics.encode's
-    definitions (tiny-cuda-nn's)."""
-    lines = ["fn encode(row: u32, k: u32) -> f32 {", "    let base = row * N_IN;"]
-    for part, dim, dims, col in _encoding_parts(spec.encoding, spec.n_input_dims):
-        width = part.n_output_dims(dims)
-        lines.append(f"    if (k < {col + width}u) {{")
-        lines.append(f"        let j = k - {col}u;")
-        if part.otype == "Identity":
-            value = f"x_in[base + {dim}u + j]"
-            if not part.passthrough:
-                value = f"{value} * ({_f(part.scale)}) + ({_f(part.offset)})"
-            lines.append(f"        return {value};")
-        elif part.otype == "Frequency":
-            nf = part.n_frequencies
-            # [dim][frequency][sin, cos]; x * 2^f is exact in f32, the reduction to [-1, 1) too
-            lines.append(f"        let v = x_in[base + {dim}u + j / {2 * nf}u];")
-            lines.append(f"        let t = ldexp(v, i32((j / 2u) % {nf}u));")
-            lines.append("        return select(sin_pi_times(t), cos_pi_times(t), (j & 1u) == 1u);")
-        else:
-            nb = part.n_bins
-            lines.append(f"        let v = x_in[base + {dim}u + j / {nb}u];")
-            lines.append(f"        let bin = j % {nb}u;")
-            lines.append(f"        let left = one_blob_cdf(f32(bin) / {_f(nb)} - v, {_f(nb)});")
-            # the last bin's right boundary wraps to the first bin's, one period on
-            lines.append(f"        let right = select(one_blob_cdf(f32(bin + 1u) / {_f(nb)} - v, {_f(nb)}),"
-                         f" one_blob_cdf(-v, {_f(nb)}) + 1.0, bin == {nb - 1}u);")
-            lines.append("        return right - left;")
-        lines.append("    }")
-    lines.append("    return 0.0;")
-    lines.append("}")
-    return "\n".join(lines)
-
-
 def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     ct, rnd = _rounding(spec, native_f16)
     hidden_act, hidden_dact = _ACT[spec.activation]
     out_act, out_dact = _ACT[spec.output_activation]
     last = plan.n_layers - 1
     consts = {
-        "N_IN": plan.n_in, "N_ENC": plan.n_enc, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
+        "N_IN": plan.n_in, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
         "ZS": sum(plan.op), "HS": sum(plan.kp), "Z_LAST": plan.zoff[last],
     }
     lines = ["enable f16;" if ct == "f16" else "", f"alias CT = {ct};", rnd]
@@ -301,7 +257,7 @@ def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     lines.append(f"fn dact_h(z: f32) -> f32 {{ return {hidden_dact}; }}")
     lines.append(f"fn act_o(z: f32) -> f32 {{ return {out_act}; }}")
     lines.append(f"fn dact_o(z: f32) -> f32 {{ return {out_dact}; }}")
-    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _encode_wgsl(spec)]
+    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec)]
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +305,7 @@ def _gemm_stage(plan: Plan, st: Stage, *, backward: bool, a_global: bool, train:
             if backward:  # the last layer's output gradient, written by loss_grad
                 out.append(f"            if (row < launch.n_rows && k < {st.k}u) {{ v = dbuf[row * ZS + Z_LAST + k]; }}")
             else:
-                out.append("            if (row < n_rows && k < N_ENC) { v = rnd(encode(row, k)); }")
+                out.append("            if (row < n_rows && k < N_IN) { v = rnd(x_in[row * N_IN + k]); }")
                 if train:
                     out.append(f"            if (row < n_rows && k < {kp}u) {{ hbuf[row * HS + k] = v; }}")
             out.append(f"            {xsh}[e] = v;")

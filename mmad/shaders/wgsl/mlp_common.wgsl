@@ -51,30 +51,6 @@ fn log1p_exp_neg_abs(z: f32) -> f32 {
     return select(log(u) * e / (u - 1.0), e, u == 1.0);
 }
 
-fn quartic_cdf(v: f32, inv_radius: f32) -> f32 {
-    // CDF of the quartic kernel 15/16 (1 - u^2)^2 of radius 1 / inv_radius, as backends/numerics.py
-    let u = v * inv_radius;
-    let u2 = u * u;
-    let u4 = u2 * u2;
-    return clamp(0.9375 * u * (1.0 - (2.0 / 3.0) * u2 + 0.2 * u4) + 0.5, 0.0, 1.0);
-}
-
-fn one_blob_cdf(u: f32, inv_radius: f32) -> f32 {
-    // the kernel's CDF wrapped around the unit interval (OneBlob, as backends/numerics.py)
-    return quartic_cdf(u, inv_radius) + quartic_cdf(u - 1.0, inv_radius) + quartic_cdf(u + 1.0, inv_radius);
-}
-
-fn sin_pi_times(t: f32) -> f32 {
-    // sin(pi * t) after an exact reduction of t to [-1, 1): keeps large frequencies accurate
-    var r = t - 2.0 * floor(t * 0.5);
-    r = select(r, r - 2.0, r >= 1.0);
-    return sin(3.14159265358979 * r);
-}
-
-fn cos_pi_times(t: f32) -> f32 {
-    return sin_pi_times(t + 0.5);
-}
-
 fn workgroup_sum(lid: u32, value: f32) -> f32 {
     red[lid] = value;
     workgroupBarrier();
