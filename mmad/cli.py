@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--daemon-check", action="store_true",
                    help="`mmad serve` on --backend (default cuda) end to end: model M created over HTTP, binary "
                         "inference checked against the float64 oracle, 20 training steps")
-    g.add_argument("--sass", metavar="DIR", help="cuda: instruction mix of the S/M/L mma kernels (cuobjdump); "
-                                                 "cubins and SASS listings go to DIR")
+    g.add_argument("--sass", metavar="DIR", help="cuda: instruction mix of the mma kernels of S/M/L (or, with "
+                                                 "--backend cuda:wgmma, the wgmma forward of S/M/L/W) from "
+                                                 "cuobjdump; cubins and SASS listings go to DIR")
     g.add_argument("--nvmath-check", action="store_true",
                    help="cuda: what nvmath-python's cuBLASLt epilogs accept and compute here")
     g.add_argument("--run-forward", metavar="MODEL:VARIANT",

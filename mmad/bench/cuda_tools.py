@@ -6,8 +6,10 @@ goes op by op (``--profile`` on cuda). Imports CuPy and nvmath only when a funct
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import shutil
 import struct
 import subprocess
 import time
@@ -18,6 +20,11 @@ import numpy as np
 
 from mmad.bench import timing
 from mmad.spec import bench_spec
+
+
+def cuda_tool(name: str) -> str:
+    """A CUDA toolkit program: on PATH, else where the toolkit installs it."""
+    return shutil.which(name) or f"/usr/local/cuda/bin/{name}"
 
 
 def complete_elf(image: bytes) -> bytes:
@@ -56,10 +63,10 @@ def sass_mix(out_dir: Path) -> dict[str, dict[str, int]]:
             else:  # CuPy handed back PTX: assemble it the way the driver would
                 ptx = out_dir / f"mma_{name}.ptx"
                 ptx.write_bytes(payload)
-                done = subprocess.run(["ptxas", "-arch=sm_90", str(ptx), "-o", str(cubin)],
+                done = subprocess.run([cuda_tool("ptxas"), "-arch=sm_90", str(ptx), "-o", str(cubin)],
                                       capture_output=True, text=True)
                 kind = f"ptx (ptxas rc {done.returncode} {done.stderr.strip()[:200]})"
-            dump = subprocess.run(["cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True)
+            dump = subprocess.run([cuda_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True)
             sass = dump.stdout
             (out_dir / f"mma_{name}.sass.txt").write_text(sass + dump.stderr)
             per_kernel: dict[str, int] = {"binary: " + kind: 1}
@@ -187,8 +194,9 @@ def run_forward(name: str, variant: str, rows: int, times: int = 4) -> str:
         out = model.forward(x)
     model.synchronize()
     finite = bool(cp.isfinite(out).all())
+    stages = f", wgmma input stages {model.wg.x_stages}" if hasattr(model, "wg") else ""
     model.close()
-    return f"{name}:{model.variant} forward x{times} at {rows} rows, output finite: {finite}"
+    return f"{name}:{model.variant} forward x{times} at {rows} rows{stages}, output {'finite' if finite else 'NOT FINITE'}"
 
 
 def profile_ops(name: str, variant: str, rows: int) -> list[str]:
@@ -280,10 +288,49 @@ def cublaslt_layouts(k: int, n: int, rows: int) -> list[str]:
     return lines
 
 
-def sass_report(out_dir: Path) -> list[str]:
-    """``sass_mix`` into ``out_dir`` (plus ``sass.json``), one summary line per model (the
-    optimizer kernel's counts left out: it has no matrix instructions)."""
+def wgmma_sass(out_dir: Path) -> list[str]:
+    """The wgmma forward of S/M/L/W compiled with nvcc as the backend does, its SASS dumped: per
+    model the plan (weights resident, warpgroups, input staging, shared memory) and the count of
+    each instruction that matters, against the HGMMA count the source implies."""
+    from mmad.backends.cuda.toolchain import nvcc_compile
+    from mmad.backends.cuda.wgmma import WGMMA_NVCC_OPTIONS, WgmmaPlan
+
+    lines = []
+    for name in "SMLW":
+        plan = WgmmaPlan(bench_spec(name))
+        cubin = out_dir / f"wgmma_{name}.cubin"
+        cubin.write_bytes(nvcc_compile(plan.source, WGMMA_NVCC_OPTIONS, name))
+        dump = subprocess.run([cuda_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True)
+        (out_dir / f"wgmma_{name}.sass.txt").write_text(dump.stdout + dump.stderr)
+        ops: collections.Counter[str] = collections.Counter()
+        fn = "?"
+        for line in dump.stdout.splitlines():
+            m = re.search(r"Function : (\w+)", line)
+            if m:
+                fn = m.group(1)
+            m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+            if m and fn == "wgmma_forward":
+                op = m.group(1)
+                ops[op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
+        keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
+        # one HGMMA per wgmma in the source: layer 0, the (not unrolled) hidden loop, the output layer
+        expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
+        lines.append(f"{name} resident={plan.w_resident} warpgroups={plan.warpgroups} staged={plan.input_staged} "
+                     f"smem={plan.smem_bytes} HGMMA expected={expected} "
+                     + " ".join(f"{k}={ops[k]}" for k in keys) + f" total={sum(ops.values())}"
+                     + ("" if dump.stdout else f" cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}"))
+    return lines
+
+
+def sass_report(out_dir: Path, variant: str = "mma") -> list[str]:
+    """The SASS check of ``variant`` (mma: ``sass_mix``, plus ``sass.json``; wgmma: ``wgmma_sass``)
+    into ``out_dir``, one summary line per model (the optimizer kernel's counts left out: it has
+    no matrix instructions)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if variant == "wgmma":
+        return wgmma_sass(out_dir)
+    if variant != "mma":
+        raise ValueError(f"the SASS check covers the mma and wgmma variants; got {variant!r}")
     mix = sass_mix(out_dir)
     (out_dir / "sass.json").write_text(json.dumps(mix, indent=1))
     return [f"{model} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("mlp_optimize"))

@@ -194,7 +194,11 @@ def run_checks(args: argparse.Namespace) -> int:
         if args.sass:
             from mmad.bench import cuda_tools
 
-            print("\n".join(cuda_tools.sass_report(Path(args.sass))), flush=True)
+            for arg in _split(args.backend) or ["cuda:mma"]:
+                name, _, variant = arg.partition(":")
+                if name != "cuda" or variant not in ("", "mma", "wgmma"):
+                    raise SpecError("--backend", f"--sass inspects cuda:mma or cuda:wgmma; got {arg!r}")
+                print("\n".join(cuda_tools.sass_report(Path(args.sass), variant or "mma")), flush=True)
         if args.daemon_check:
             from mmad.bench.daemon_check import daemon_check
 
@@ -206,13 +210,17 @@ def run_checks(args: argparse.Namespace) -> int:
             status = 0 if ok else 1
     except ImportError as exc:
         raise MMADError(f"this check needs the cuda backend's stack (CuPy; nvmath-python for --nvmath-check): {exc}") from exc
+    except FileNotFoundError as exc:
+        raise MMADError(f"this check needs the CUDA toolkit's programs (cuobjdump, ptxas): {exc}") from exc
     return status
 
 
 # -- measuring ----------------------------------------------------------------------------------
 def run(opts: Options) -> dict[str, Any]:
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU host's image may lack it: no progress bar, the same results
+        tqdm = _NoBar
     kinds = sorted({t.kind for t in opts.targets})
     ceilings = {kind: timing.measure_ceilings(on_gpu=kind == "gpu" and _cuda_reachable()) for kind in kinds}
     peers: list[dict[str, Any]] = []
@@ -238,6 +246,8 @@ def run(opts: Options) -> dict[str, Any]:
                     tqdm.write(f"{name} on {t.arg}: {exc}")
                     bar.update(len(opts.modes))
                     continue
+                finally:
+                    _release_device_memory(t)
                 for r in results:
                     floor = ceilings[t.kind]
                     r["floor_seconds"] = timing.floor_seconds(spec, opts.rows, floor, r["mode"] == "train",
@@ -260,6 +270,33 @@ def run(opts: Options) -> dict[str, Any]:
             "rows": opts.rows, "repeats": opts.repeats, "floor": ceilings, "peer": peers,
             "results": rows, "profile": profiles, "errors": opts.errors,
             "python": platform.python_version()}
+
+
+def _release_device_memory(t: Target) -> None:
+    """Hand the model's freed device blocks back to the driver: CuPy's pool would keep them from
+    the PyTorch peer of the next model."""
+    if t.row.backend == "cuda":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+class _NoBar:
+    def __init__(self, **kw: Any) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _cuda_reachable() -> bool:
@@ -369,6 +406,10 @@ def _measure_cuda(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict
 def _measure_host(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
     """cpu and wgpu: the host clock around ``calls`` calls and a synchronize."""
     calls = CALLS_PER_SAMPLE.get(model.backend, 1)
+    info: dict[str, Any] = {}
+    if model.backend == "wgpu":  # the kernels' plan, which decides most of their speed
+        info["plan"] = {"rows_per_workgroup": model.plan.rows, "chunk_rows": model.plan.chunk_rows,
+                        "fwd_stages": [(st.k, st.n, st.kc) for st in model.plan.fwd], "storage": model.storage}
     if mode == "forward":
         xs = _input_sets(model, x_in, dev_in, rng)
         it = count()
@@ -378,16 +419,14 @@ def _measure_host(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict
                 model.forward(xs[next(it) % len(xs)], out_dtype=out_dtype)
 
         seconds = timing.median_seconds(forward, opts.repeats, sync=model.synchronize, calls=calls)
-        return {"seconds": seconds, "clock": "host", "calls_per_sample": calls}
+        return {"seconds": seconds, "clock": "host", "calls_per_sample": calls, **info}
     dx, dy = model.upload(x), model.upload(y)
     _train_losses_finite(model, dx, dy, steps=min(2, calls))
     repeats = opts.repeats if calls == 1 else max(3, opts.repeats // 4)
-    if calls == 1:
-        fn = lambda: model.train_step(dx, dy)  # noqa: E731
-    else:
-        fn = lambda: model.train_step(dx, dy, steps=calls)  # noqa: E731  one submission, one read-back
+    def fn() -> None:  # with calls > 1: one submission and one read-back of the losses
+        model.train_step(dx, dy, steps=calls)
     seconds = timing.median_seconds(fn, repeats, sync=model.synchronize, calls=calls, warmup=1 if calls > 1 else 3)
-    return {"seconds": seconds, "clock": "host", "calls_per_sample": calls}
+    return {"seconds": seconds, "clock": "host", "calls_per_sample": calls, **info}
 
 
 def _measure_vulkan(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
@@ -422,7 +461,7 @@ def _measure_vulkan(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> di
             tx = dev_in if train_rows == opts.rows and x_in.dtype == np.float32 else model.upload(x[:train_rows])
             dy = model.upload_target(y[:train_rows])
             _train_losses_finite(model, tx, dy, steps=1)
-            seconds = timing.median_seconds(lambda: model.train_step(tx, dy, steps=reps),
+            seconds = timing.median_seconds(lambda tx=tx, dy=dy: model.train_step(tx, dy, steps=reps),
                                             max(3, opts.repeats // 4), warmup=1, calls=reps)
             break
         except InvalidInput as exc:  # a buffer over maxStorageBufferRange: halve the batch
