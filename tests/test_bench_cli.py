@@ -141,3 +141,12 @@ def test_gpu_paths_import_without_cupy_or_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)
     assert proc.returncode == 2, proc.stderr
     assert "needs the cuda backend's stack" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_daemon_check_on_the_cpu_backend(monkeypatch):
+    from mmad.bench.daemon_check import daemon_check
+
+    monkeypatch.setenv("MMAD_HTTP", "h11")  # uvicorn's own parser: the check is about the path, not the parser
+    ok, lines = daemon_check("cpu")
+    assert ok, lines
+    assert lines[0].startswith("daemon selected cpu:numpy") and sum(line.startswith("PASS") for line in lines) == 3
