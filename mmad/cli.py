@@ -144,19 +144,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("serve", help="run the HTTP daemon (see `mmad serve --help`)", add_help=False)
 
-    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models (docs/benchmarks.md); "
-                                     "`mmad bench --service [...]` runs the HTTP load benchmark instead",
-                       description="Kernel throughput of the S/M/L/W models (docs/benchmarks.md). "
-                                   "`mmad bench --service [options]` runs the HTTP load benchmark against "
-                                   "the daemon instead (docs/service-performance.md); "
+    p = sub.add_parser("bench", help="kernel throughput of the S/M/L/W models against PyTorch and the hardware "
+                                     "floor (docs/benchmarks.md); `mmad bench --service [...]` runs the HTTP load "
+                                     "benchmark instead",
+                       description="Kernel throughput of the S/M/L/W models against PyTorch and the hardware floor "
+                                   "(docs/benchmarks.md). `mmad bench --service [options]` runs the HTTP load "
+                                   "benchmark against the daemon instead (docs/service-performance.md); "
                                    "`mmad bench --service --help` lists its options.")
-    p.add_argument("--backend", action="append", help="backend[:variant] to measure (repeatable; default: best available)")
+    p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
+                   help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
+                        "comma-separated (default: MMAD_BACKEND, else the best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
-    p.add_argument("--batch", type=int, default=1 << 20, help="rows per batch (default 2^20)")
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per figure (median reported)")
-    p.add_argument("--no-peer", action="store_true", help="skip the PyTorch peer")
-    p.add_argument("--no-training", action="store_true", help="measure forward only")
-    p.add_argument("--out", default="bench/results", help="folder for the JSON and markdown results")
+    p.add_argument("--rows", type=int, help="batch rows (default 2^20 on a GPU, 2^16 on the CPU)")
+    p.add_argument("--io", choices=("fp16", "fp32"),
+                   help="forward input and output type (default fp16; fp32 on vulkan and wgpu, whose device "
+                        "arrays are float32); training always takes fp32 inputs and targets")
+    p.add_argument("--mode", choices=("forward", "train", "both"), default="both", help="what to time (default both)")
+    p.add_argument("--peer", choices=("torch", "none"), default="torch",
+                   help="PyTorch in the same run (fp16 with CUDA graphs on CUDA, float32 on the CPU), or none")
+    p.add_argument("--repeats", type=int, default=20, help="timed samples per figure (median reported)")
+    p.add_argument("--json", metavar="PATH", help="write the rows, peers and floor as JSON")
+    p.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
+    p.add_argument("--profile", action="store_true",
+                   help="per-op GPU times as well: CUDA events per kernel (cuda), GPU timestamps per dispatch "
+                        "and pipeline statistics (vulkan)")
+    g = p.add_argument_group("checks that run instead of the benchmark")
+    g.add_argument("--daemon-check", action="store_true",
+                   help="`mmad serve` on --backend (default cuda) end to end: model M created over HTTP, binary "
+                        "inference checked against the float64 oracle, 20 training steps")
+    g.add_argument("--sass", metavar="DIR", help="cuda: instruction mix of the mma kernels of S/M/L (or, with "
+                                                 "--backend cuda:wgmma, the wgmma forward of S/M/L/W) from "
+                                                 "cuobjdump; cubins and SASS listings go to DIR")
+    g.add_argument("--nvmath-check", action="store_true",
+                   help="cuda: what nvmath-python's cuBLASLt epilogs accept and compute here")
+    g.add_argument("--run-forward", metavar="MODEL:VARIANT",
+                   help="cuda: compile MODEL and run its forward 4 times at --rows rows, nothing else (the "
+                        "workload for an outside profiler such as ncu), e.g. S:wgmma")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train a small MLP with the best available backend")

@@ -1,230 +1,552 @@
-"""``mmad bench``: kernel throughput of the S/M/L/W models (docs/benchmarks.md).
+"""``mmad bench``: kernel throughput of the S/M/L/W models on any backend (docs/benchmarks.md).
 
-For each chosen backend and model: check the output against the cpu oracle first (float64 on
-a subset of rows), then time forward (input already on the device, output left there) and one
-full training step (forward, L2 loss, backward, Adam) as the median of ``--repeats`` runs after
-warm-up, on fresh random data. The PyTorch peer runs in the same process and the same run
-(fp16 with a CUDA graph / autocast + fused Adam on a GPU; fp32 on the CPU). The hardware floor
-is max(bytes / copy bandwidth, FLOPs / GEMM rate), both measured in the same run.
-Results: ``<out>/<host>-<backend>.json`` and a markdown table next to it.
+For each model, and each ``--backend NAME[:VARIANT]`` in turn: compile; check the forward's
+output against the float64 cpu oracle on up to 4096 random rows, in the I/O type that is timed
+(a failed check is an error and the model is not timed on that backend); then time forward
+(input already on the device, output left there) and one full training step (forward, L2
+loss, backward, Adam) as the median of ``--repeats`` samples after warm-up (mmad.bench.timing):
+
+* cuda — CUDA events around each call; the forward rotates three input sets so that repeated
+  calls do not time an input left in L2; ``--io fp16`` is ``forward(x16, out_dtype=float16)``
+  on fp16 device inputs (the PyTorch peer's own I/O);
+* vulkan — the forward's recorded program re-submitted 10 times a sample, training
+  ``train_step(steps=10)`` (a submission's wait is spread over 10 calls); a batch over the
+  device's storage-buffer range trains on halves, its rate scaled to the full batch;
+  ``--profile`` adds the GPU timestamps of each dispatch and the driver's pipeline statistics;
+* wgpu — 10 back-to-back forwards or ``steps=10`` a sample (its synchronisation is a ~1 ms
+  read-back);
+* cpu — host clock, one call a sample.
+
+The PyTorch peer (``--peer torch``, mmad.bench.torch_peer) runs in the same process, model by
+model right before mmad, so that a change of the machine's load shifts both sides of a ratio
+alike: on a CUDA device fp16 (a CUDA-graph forward; autocast + fused Adam training) timed with
+CUDA events, on the CPU float32. The floor is max(bytes / copy bandwidth, FLOPs / matmul rate),
+both measured in the same run on the device the backend runs on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import socket
-import statistics
+import sys
 import time
+from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from mmad.bench.torch_peer import forward_fn, torch_mlp, train_step_fn
+from mmad.bench import timing
+from mmad.errors import InvalidInput, MMADError, SpecError
 from mmad.spec import MLPSpec, bench_spec
 
-FP16_TOLERANCE = 3e-3
+FP16_TOLERANCE = 3e-3  # relative L2 error of an fp16-weight model against the float64 oracle
 CHECK_ROWS = 4096
+INPUT_SETS = 3
+# vulkan and wgpu: a sample's synchronisation (a fence wait, a read-back) costs about a
+# millisecond, so each sample is this many back-to-back calls
+CALLS_PER_SAMPLE = {"vulkan": 10, "wgpu": 10}
+DEVICE_FP32_ONLY = ("vulkan", "wgpu")  # their device arrays are float32 in and out
+PROFILED = ("cuda", "vulkan")
+MODES = {"forward": ("forward",), "train": ("train",), "both": ("forward", "train")}
+ROWS_GPU = 1 << 20
+ROWS_CPU = 1 << 16
 
 
-def median_seconds(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+class CheckFailed(MMADError):
+    """A backend's output differs from the float64 oracle (or training diverged): not timed."""
 
 
-# -- hardware floor ------------------------------------------------------------------------
-def measure_floor(on_gpu: bool) -> dict[str, Any]:
-    """Copy bandwidth (bytes read + written per second) and GEMM rate, measured now."""
-    if on_gpu:
+@dataclass
+class Target:
+    """One ``--backend`` argument, resolved: the backend object and its probe row."""
+
+    arg: str
+    backend: Any
+    row: Any
+    variant: str | None  # None: the backend's own choice per model
+
+    @property
+    def kind(self) -> str:
+        """Where its floor and its peer come from: "gpu" for a hardware GPU, else "cpu"."""
+        return "gpu" if self.row.backend != "cpu" and not self.row.software else "cpu"
+
+
+@dataclass
+class Options:
+    targets: list[Target]
+    models: list[str]
+    rows: int
+    io: dict[str, str]  # backend name -> "fp16" | "fp32"
+    modes: tuple[str, ...]
+    peer: str
+    repeats: int
+    json: Path | None
+    markdown: Path | None
+    profile: bool
+    errors: list[str] = field(default_factory=list)
+
+
+# -- the command line (its options: mmad/cli.py) -----------------------------------------------
+def main(args: argparse.Namespace) -> int:
+    if args.daemon_check or args.sass or args.nvmath_check or args.run_forward:
+        return run_checks(args)
+    opts = parse_options(args)
+    try:
+        doc = run(opts)
+    finally:
+        for t in opts.targets:
+            t.backend.close()
+    write_outputs(opts, doc)
+    if doc["errors"]:
+        raise CheckFailed("; ".join(doc["errors"]))
+    return 0
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for item in values or [] for v in item.split(",") if v.strip()]
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """The options checked and the backends resolved; every mistake is a one-line error."""
+    from mmad.backends import BACKENDS, parse_forced, select
+
+    models = [n.strip().upper() for n in args.models.split(",") if n.strip()]
+    if not models:
+        raise SpecError("--models", "name at least one of S, M, L, W")
+    for name in models:
+        bench_spec(name)
+    if args.rows is not None and args.rows < 1:
+        raise SpecError("--rows", f"must be at least 1; got {args.rows}")
+    if args.repeats < 1:
+        raise SpecError("--repeats", f"must be at least 1; got {args.repeats}")
+    wanted = _split(args.backend) or [None]
+    for arg in wanted:
+        if arg is not None and arg.partition(":")[0] not in BACKENDS:
+            raise SpecError("--backend", f"unknown backend {arg.partition(':')[0]!r}; valid: {', '.join(BACKENDS)}")
+    for arg in wanted:
+        if arg is not None and args.io == "fp16" and arg.partition(":")[0] in DEVICE_FP32_ONLY:
+            raise SpecError("--io", f"the {arg.partition(':')[0]} backend's device arrays are float32: use --io fp32")
+    if args.peer == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise MMADError(f"--peer torch needs PyTorch ({exc}); install it or pass --peer none") from exc
+    if args.profile and any(arg is not None and arg.partition(":")[0] not in PROFILED for arg in wanted):
+        raise SpecError("--profile", f"per-op GPU times exist for {' and '.join(PROFILED)} only")
+    if args.profile and any(arg is None or arg.startswith("vulkan") for arg in wanted):
+        # mmad.backends.vulkan.PIPELINE_STATS_ENV, read when the device opens
+        os.environ.setdefault("MMAD_VULKAN_PIPELINE_STATS", "1")
+    targets: list[Target] = []
+    try:
+        for arg in wanted:
+            try:
+                backend, row = select(arg)
+            except SpecError as exc:  # select() names MMAD_BACKEND, the usual source of a choice
+                raise SpecError("--backend", str(exc).removeprefix(f"{exc.field}: ")) from exc
+            if arg is None:  # MMAD_BACKEND's variant, else the best row's
+                forced = parse_forced()
+                variant = forced[1] if forced else row.variant
+            else:
+                variant = arg.partition(":")[2] or None
+            if args.profile and row.backend not in PROFILED:
+                raise SpecError("--profile", f"per-op GPU times exist for {' and '.join(PROFILED)} only; "
+                                             f"the default backend here is {row.backend}")
+            targets.append(Target(arg or f"{row.backend}:{row.variant}", backend, row, variant))
+        io: dict[str, str] = {}
+        for t in targets:
+            name = t.row.backend
+            if name in DEVICE_FP32_ONLY:
+                if args.io == "fp16":
+                    raise SpecError("--io", f"the {name} backend's device arrays are float32: use --io fp32")
+                io[name] = "fp32"
+            else:
+                io[name] = args.io or "fp16"
+    except BaseException:
+        for t in targets:
+            t.backend.close()
+        raise
+    rows = args.rows or (ROWS_GPU if any(t.kind == "gpu" for t in targets) else ROWS_CPU)
+    return Options(targets, models, rows, io, MODES[args.mode], args.peer, args.repeats,
+                   Path(args.json) if args.json else None, Path(args.markdown) if args.markdown else None,
+                   args.profile)
+
+
+def run_checks(args: argparse.Namespace) -> int:
+    """``--daemon-check``, ``--sass``, ``--nvmath-check``, ``--run-forward``: lines printed as they come."""
+    status = 0
+    try:
+        if args.run_forward:
+            from mmad.bench import cuda_tools
+
+            name, _, variant = args.run_forward.partition(":")
+            bench_spec(name.upper())
+            print(cuda_tools.run_forward(name.upper(), variant or "mma", args.rows or ROWS_GPU), flush=True)
+            return 0
+        if args.nvmath_check:
+            from mmad.bench import cuda_tools
+
+            print("\n".join(cuda_tools.nvmath_check()), flush=True)
+        if args.sass:
+            from mmad.bench import cuda_tools
+
+            for arg in _split(args.backend) or ["cuda:mma"]:
+                name, _, variant = arg.partition(":")
+                if name != "cuda" or variant not in ("", "mma", "wgmma"):
+                    raise SpecError("--backend", f"--sass inspects cuda:mma or cuda:wgmma; got {arg!r}")
+                print("\n".join(cuda_tools.sass_report(Path(args.sass), variant or "mma")), flush=True)
+        if args.daemon_check:
+            from mmad.bench.daemon_check import daemon_check
+
+            backends = _split(args.backend)
+            if len(backends) > 1:
+                raise SpecError("--backend", "--daemon-check runs one daemon: name one backend")
+            ok, lines = daemon_check(backends[0] if backends else "cuda")
+            print("\n".join(lines), flush=True)
+            status = 0 if ok else 1
+    except ImportError as exc:
+        raise MMADError(f"this check needs the cuda backend's stack (CuPy; nvmath-python for --nvmath-check): {exc}") from exc
+    except FileNotFoundError as exc:
+        raise MMADError(f"this check needs the CUDA toolkit's programs (cuobjdump, ptxas): {exc}") from exc
+    return status
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def run(opts: Options) -> dict[str, Any]:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the GPU host's image may lack it: no progress bar, the same results
+        tqdm = _NoBar
+    kinds = sorted({t.kind for t in opts.targets})
+    ceilings = {kind: timing.measure_ceilings(on_gpu=kind == "gpu" and _cuda_reachable()) for kind in kinds}
+    peers: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    profiles: dict[str, list[str]] = {}
+    steps = len(opts.models) * len(opts.modes) * (len(opts.targets) + (len(kinds) if opts.peer == "torch" else 0))
+    with tqdm(total=steps, desc="mmad bench", unit="figure", file=sys.stderr) as bar:
+        for name in opts.models:
+            spec = bench_spec(name)
+            # the peer and mmad are timed model by model, back to back, so that a change in the
+            # machine's load during the run shifts both sides of each ratio alike
+            peer_by_kind = {}
+            for kind in kinds:
+                if opts.peer == "torch":
+                    peer_by_kind[kind] = time_torch_peer(name, opts, kind)
+                    peers += peer_by_kind[kind]
+                    bar.update(len(opts.modes))
+            for t in opts.targets:
+                try:
+                    results = measure(t, spec, name, opts)
+                except MMADError as exc:  # a failed check, compile or launch: reported, never timed
+                    opts.errors.append(f"{name} on {t.arg}: {exc}")
+                    tqdm.write(f"{name} on {t.arg}: {exc}")
+                    bar.update(len(opts.modes))
+                    continue
+                finally:
+                    _release_device_memory(t)
+                for r in results:
+                    floor = ceilings[t.kind]
+                    r["floor_seconds"] = timing.floor_seconds(spec, opts.rows, floor, r["mode"] == "train",
+                                                              2 if r["io"] == "fp16" else 4)
+                    r["pct_floor"] = 100 * r["floor_seconds"] / r["seconds"]
+                    peer = next((p for p in peer_by_kind.get(t.kind, []) if p["mode"] == r["mode"]), None)
+                    r["peer"] = peer["peer"] if peer else None
+                    r["peer_seconds"] = peer["seconds"] if peer else None
+                    r["x_peer"] = peer["seconds"] / r["seconds"] if peer else None
+                    rows.append(r)
+                    bar.update(1)
+                if opts.profile and t.row.backend == "cuda":
+                    from mmad.bench import cuda_tools
+
+                    variant = results[0]["backend"].partition(":")[2]
+                    lines = cuda_tools.profile_ops(name, variant, opts.rows)
+                    profiles[f"{name}:{variant}"] = lines
+                    tqdm.write("\n".join(lines))
+    return {"host": socket.gethostname().split(".")[0], "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "rows": opts.rows, "repeats": opts.repeats, "floor": ceilings, "peer": peers,
+            "results": rows, "profile": profiles, "errors": opts.errors,
+            "python": platform.python_version()}
+
+
+def _release_device_memory(t: Target) -> None:
+    """Hand the model's freed device blocks back to the driver: CuPy's pool would keep them from
+    the PyTorch peer of the next model."""
+    if t.row.backend == "cuda":
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+
+
+class _NoBar:
+    def __init__(self, **kw: Any) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    @staticmethod
+    def write(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _cuda_reachable() -> bool:
+    """Whether the GPU ceilings can be measured through CUDA (PyTorch or CuPy); otherwise the
+    GPU backend runs somewhere the CPU's ceilings describe better than nothing (lavapipe, a CPU
+    adapter)."""
+    try:
         import torch
 
-        a = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-        b = torch.empty_like(a)
-        copy_s = median_seconds(lambda: b.copy_(a), torch.cuda.synchronize, 10)
-        n = 8192
-        x = torch.randn(n, n, dtype=torch.float16, device="cuda")
-        y = torch.randn(n, n, dtype=torch.float16, device="cuda")
-        gemm_s = median_seconds(lambda: x @ y, torch.cuda.synchronize, 10)
-        return {"copy_bytes_per_s": 2 * a.numel() / copy_s, "gemm_flops_per_s": 2 * n**3 / gemm_s,
-                "gemm_type": "fp16 (torch, cuBLAS)", "device": torch.cuda.get_device_name()}
-    a = np.random.default_rng(0).random(1 << 25, dtype=np.float32)  # 128 MiB: past every cache
-    b = np.empty_like(a)
-    copy_s = median_seconds(lambda: np.copyto(b, a), lambda: None, 5)
-    n = 2048
-    x = np.random.default_rng(1).random((n, n), dtype=np.float32)
-    gemm_s = median_seconds(lambda: x @ x, lambda: None, 5)
-    return {"copy_bytes_per_s": 2 * a.nbytes / copy_s, "gemm_flops_per_s": 2 * n**3 / gemm_s,
-            "gemm_type": "fp32 (NumPy BLAS)", "device": platform.processor() or platform.machine()}
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver: not reachable
+        return False
 
 
-def floor_seconds(spec: MLPSpec, batch: int, floor: dict[str, Any], training: bool, io_bytes: int) -> float:
-    per_sample_bytes = io_bytes * (spec.n_input_dims + spec.n_output_dims * (2 if training else 1))
-    flops = spec.flops_per_sample() * (3 if training else 1) * batch
-    return max(per_sample_bytes * batch / floor["copy_bytes_per_s"], flops / floor["gemm_flops_per_s"])
-
-
-# -- measurements --------------------------------------------------------------------------
-def check_against_oracle(model: Any, spec: MLPSpec, x: np.ndarray) -> float:
+def oracle_check(model: Any, spec: MLPSpec, x_in: np.ndarray, dev_in: Any, out_dtype: Any,
+                 rng: np.random.Generator) -> float:
+    """Relative L2 error of ``forward(dev_in, out_dtype)`` against the float64 cpu oracle with the
+    same parameters, on up to CHECK_ROWS random rows of ``x_in`` (the host copy of ``dev_in``)."""
     from mmad.backends.cpu import CpuBackend
 
     oracle = CpuBackend("float64").compile(spec)
     oracle.set_params(model.get_params())
-    ref = oracle.forward(x[:CHECK_ROWS]).astype(np.float64)
-    out = np.asarray(model.forward(x[:CHECK_ROWS]), dtype=np.float64)
+    check = np.sort(rng.choice(x_in.shape[0], min(CHECK_ROWS, x_in.shape[0]), replace=False))
+    out = np.asarray(model.download(model.forward(dev_in, out_dtype=out_dtype)), dtype=np.float64)[check]
     if not np.isfinite(out).all():
         return float("inf")
+    ref = oracle.forward(x_in[check].astype(np.float64))
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def bench_mmad(backend_arg: str, names: list[str], batch: int, repeats: int, training: bool,
-               bar: tqdm) -> list[dict[str, Any]]:
-    from mmad.backends import select
-
-    backend, row = select(backend_arg)
-    results = []
+def measure(t: Target, spec: MLPSpec, spec_label: str, opts: Options) -> list[dict[str, Any]]:
+    """Check, then time, one model on one backend: a row per mode."""
+    backend_name = t.row.backend
     rng = np.random.default_rng(2026)
-    for name in names:
-        spec = bench_spec(name)
-        model = backend.compile(spec, variant=row.variant)
-        x = rng.standard_normal((batch, spec.n_input_dims), dtype=np.float32)
-        y = rng.standard_normal((batch, spec.n_output_dims), dtype=np.float32)
-        rel_err = check_against_oracle(model, spec, x)
-        entry: dict[str, Any] = {"model": name, "backend": f"{row.backend}:{row.variant}",
-                                 "device": row.device, "rel_err_vs_float64": rel_err}
+    rows = opts.rows
+    started = time.perf_counter()
+    model = t.backend.compile(spec, variant=t.variant)
+    compile_s = time.perf_counter() - started
+    label = f"{backend_name}:{model.variant}"
+    try:
+        x = rng.standard_normal((rows, spec.n_input_dims), dtype=np.float32)
+        y = rng.standard_normal((rows, spec.n_output_dims), dtype=np.float32)
+        io = opts.io[backend_name]
+        half = io == "fp16"
+        out_dtype = np.float16 if half else np.float32
+        x_in = x.astype(np.float16) if half else x
+        dev_in = _device_input(model, x_in)
+        rel_err = oracle_check(model, spec, x_in.astype(np.float32), dev_in, out_dtype, rng)
         if not rel_err <= FP16_TOLERANCE:
-            entry["error"] = f"output differs from the oracle by {rel_err:.2e} (> {FP16_TOLERANCE}); not timed"
-            results.append(entry)
-            bar.update(2 if training else 1)
-            continue
-        dx, dy = model.upload(x), model.upload(y)
-        entry["forward_s"] = median_seconds(lambda: model.forward(dx), model.synchronize, repeats)
-        bar.update(1)
-        if training:
-            entry["train_s"] = median_seconds(lambda: model.train_step(dx, dy), model.synchronize, repeats)
-            bar.update(1)
+            raise CheckFailed(f"the {io} forward of {label} differs from the float64 oracle by {rel_err:.2e} "
+                              f"(> {FP16_TOLERANCE}); not timed")
+        base = {"backend": label, "device": t.row.device, "rows": rows, "repeats": opts.repeats,
+                "rel_err_vs_float64": rel_err, "checked_io": io, "compile_s": compile_s}
+        out: list[dict[str, Any]] = []
+        measure_mode = {"cuda": _measure_cuda, "vulkan": _measure_vulkan}.get(backend_name, _measure_host)
+        for mode in opts.modes:
+            extra = measure_mode(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts)
+            row = {"model": spec_label, **base, "mode": mode, "io": io if mode == "forward" else "fp32", **extra}
+            row["samples_per_s"] = rows / row["seconds"]
+            out.append(row)
+        return out
+    finally:
         model.close()
-        results.append(entry)
-    backend.close()
-    return results
 
 
-def bench_torch(names: list[str], batch: int, repeats: int, training: bool, bar: tqdm) -> list[dict[str, Any]]:
+def _device_input(model: Any, x_in: np.ndarray) -> Any:
+    """``x_in`` on the model's device in its own dtype (fp16 stays fp16 on cuda: the cast runs
+    on the device, as the fp16 pipeline's producer would leave it)."""
+    if x_in.dtype == np.float16 and model.backend == "cuda":
+        return model.upload(x_in.astype(np.float32)).astype(np.float16)
+    return model.upload(x_in)
+
+
+def _input_sets(model: Any, x_in: np.ndarray, dev_in: Any, rng: np.random.Generator) -> list[Any]:
+    """Several input sets, so that repeated calls do not time an input resident in a cache."""
+    extra = [_device_input(model, rng.standard_normal(x_in.shape, dtype=np.float32).astype(x_in.dtype))
+             for _ in range(INPUT_SETS - 1)]
+    return [dev_in, *extra]
+
+
+def _train_losses_finite(model: Any, dx: Any, dy: Any, **kw: Any) -> None:
+    losses = np.asarray(model.train_step(dx, dy, **kw))
+    if not np.isfinite(losses).all():
+        raise CheckFailed(f"training {model.backend}:{model.variant} produced non-finite losses {losses}; not timed")
+
+
+def _measure_cuda(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
+    if mode == "forward":
+        xs = _input_sets(model, x_in, dev_in, rng)
+        it = count()
+        seconds = timing.median_seconds(lambda: model.forward(xs[next(it) % len(xs)], out_dtype=out_dtype),
+                                        opts.repeats, clock="cupy")
+        return {"seconds": seconds, "clock": "cuda events"}
+    dx, dy = model.upload(x), model.upload(y)
+    _train_losses_finite(model, dx, dy)
+    return {"seconds": timing.median_seconds(lambda: model.train_step(dx, dy), opts.repeats, clock="cupy"),
+            "clock": "cuda events"}
+
+
+def _measure_host(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
+    """cpu and wgpu: the host clock around ``calls`` calls and a synchronize."""
+    calls = CALLS_PER_SAMPLE.get(model.backend, 1)
+    info: dict[str, Any] = {}
+    if model.backend == "wgpu":  # the kernels' plan, which decides most of their speed
+        info["plan"] = {"rows_per_workgroup": model.plan.rows, "chunk_rows": model.plan.chunk_rows,
+                        "fwd_stages": [(st.k, st.n, st.kc) for st in model.plan.fwd], "storage": model.storage}
+    if mode == "forward":
+        xs = _input_sets(model, x_in, dev_in, rng)
+        it = count()
+
+        def forward() -> None:
+            for _ in range(calls):
+                model.forward(xs[next(it) % len(xs)], out_dtype=out_dtype)
+
+        seconds = timing.median_seconds(forward, opts.repeats, sync=model.synchronize, calls=calls)
+        return {"seconds": seconds, "clock": "host", "calls_per_sample": calls, **info}
+    dx, dy = model.upload(x), model.upload(y)
+    _train_losses_finite(model, dx, dy, steps=min(2, calls))
+    repeats = opts.repeats if calls == 1 else max(3, opts.repeats // 4)
+    def fn() -> None:  # with calls > 1: one submission and one read-back of the losses
+        model.train_step(dx, dy, steps=calls)
+    seconds = timing.median_seconds(fn, repeats, sync=model.synchronize, calls=calls, warmup=1 if calls > 1 else 3)
+    return {"seconds": seconds, "clock": "host", "calls_per_sample": calls, **info}
+
+
+def _measure_vulkan(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
+    """The recorded program re-submitted (``run`` waits for its fence: no synchronize needed);
+    with ``--profile``, GPU timestamps in programs recorded again afterwards (timestamps may
+    serialise dispatches, so the wall-clock figure is taken without them)."""
+    reps = CALLS_PER_SAMPLE["vulkan"]
+    result: dict[str, Any] = {"clock": "host", "calls_per_sample": reps,
+                              "geometry": {"rows_per_tile": model.geo.rows_per_tile, "threads": model.geo.threads,
+                                           "shape": model.geo.coopmat}}
+    if opts.profile:
+        stats = model.pipeline_statistics()
+        if any(stats.values()):
+            result["pipeline_stats"] = stats
+    if mode == "forward":
+        out = model.forward(dev_in)
+        program = model.forward_into(dev_in, out, run=False)
+        result["seconds"] = timing.median_seconds(lambda: program.run(times=reps), opts.repeats, warmup=1, calls=reps)
+        if opts.profile:
+            model.set_gpu_timestamps(True)
+            try:
+                stamped = model.forward_into(dev_in, out, run=False)
+                result["gpu_seconds"] = timing.median_seconds(
+                    stamped.run, opts.repeats, clock="gpu", warmup=1,
+                    gpu_seconds=lambda: sum(s for _, s in model.gpu_times("forward")))
+            finally:
+                model.set_gpu_timestamps(False)
+        return result
+    train_rows = opts.rows
+    while True:
+        try:
+            tx = dev_in if train_rows == opts.rows and x_in.dtype == np.float32 else model.upload(x[:train_rows])
+            dy = model.upload_target(y[:train_rows])
+            _train_losses_finite(model, tx, dy, steps=1)
+            seconds = timing.median_seconds(lambda tx=tx, dy=dy: model.train_step(tx, dy, steps=reps),
+                                            max(3, opts.repeats // 4), warmup=1, calls=reps)
+            break
+        except InvalidInput as exc:  # a buffer over maxStorageBufferRange: halve the batch
+            result["train_note"] = str(exc)
+            train_rows //= 2
+            if train_rows < 65536:
+                raise
+    scale = opts.rows / train_rows  # per-sample time scaled to the full batch: the table compares rates
+    result.update(seconds=seconds * scale, train_rows=train_rows)
+    if opts.profile:
+        model.set_gpu_timestamps(True)
+        try:
+            result["gpu_seconds"] = scale * timing.median_seconds(
+                lambda: model.train_step(tx, dy, steps=1), max(3, opts.repeats // 4), clock="gpu", warmup=1,
+                gpu_seconds=lambda: sum(s for _, s in model.gpu_times("train")))
+            split: dict[str, float] = {}
+            for kernel, s in model.gpu_times("train"):  # the last step's dispatches
+                split[kernel] = split.get(kernel, 0.0) + s * scale
+            result["gpu_split_s"] = split
+        finally:
+            model.set_gpu_timestamps(False)
+    return result
+
+
+def time_torch_peer(name: str, opts: Options, kind: str) -> list[dict[str, Any]]:
+    """The PyTorch peer of one model: a row per mode (seconds per call)."""
     import torch
 
-    on_gpu = torch.cuda.is_available()
+    from mmad.bench.torch_peer import forward_fn, torch_mlp, train_step_fn
+
+    spec = bench_spec(name)
+    on_gpu = kind == "gpu" and torch.cuda.is_available()
+    if kind == "gpu" and not on_gpu:
+        print("mmad bench: PyTorch sees no CUDA device; the peer of the GPU backends runs on the CPU (float32)",
+              file=sys.stderr)
     device = "cuda" if on_gpu else "cpu"
-    dtype = torch.float16 if on_gpu else torch.float32
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    results = []
-    for name in names:
-        spec = bench_spec(name)
-        net = torch_mlp(spec, device)
-        gen = torch.Generator(device=device).manual_seed(7)
-        x = torch.randn(batch, spec.n_input_dims, device=device, generator=gen)
-        y = torch.randn(batch, spec.n_output_dims, device=device, generator=gen)
-        entry: dict[str, Any] = {"model": name, "backend": f"torch-{torch.__version__}-{device}",
-                                 "dtype": str(dtype).replace("torch.", "")}
-        entry["forward_s"] = median_seconds(forward_fn(net, x), sync, repeats)
-        bar.update(1)
-        if training:
-            entry["train_s"] = median_seconds(train_step_fn(net, x, y), sync, repeats)
-            bar.update(1)
-        results.append(entry)
-    return results
+    clock = "torch" if on_gpu else "host"
+    net = torch_mlp(spec, device)
+    gen = torch.Generator(device=device).manual_seed(7)
+    x = torch.randn(opts.rows, spec.n_input_dims, device=device, generator=gen)
+    y = torch.randn(opts.rows, spec.n_output_dims, device=device, generator=gen)
+    label = f"torch-{torch.__version__}-{device} ({'fp16' if on_gpu else 'float32'})"
+    out = []
+    for mode in opts.modes:
+        fn = forward_fn(net, x) if mode == "forward" else train_step_fn(net, x, y)
+        seconds = timing.median_seconds(fn, opts.repeats, clock=clock)
+        out.append({"model": name, "peer": label, "mode": mode, "rows": opts.rows, "seconds": seconds,
+                    "samples_per_s": opts.rows / seconds})
+    del net, x, y
+    if on_gpu:
+        torch.cuda.empty_cache()
+    return out
 
 
-# -- reporting -----------------------------------------------------------------------------
-def summarise(mmad_rows: list[dict[str, Any]], peer_rows: list[dict[str, Any]], batch: int,
-              floor: dict[str, Any], io_bytes: int) -> list[dict[str, Any]]:
-    peers = {r["model"]: r for r in peer_rows}
-    for row in mmad_rows:
-        spec = bench_spec(row["model"])
-        peer = peers.get(row["model"], {})
-        for kind, training in (("forward", False), ("train", True)):
-            seconds = row.get(f"{kind}_s")
-            if seconds is None:
-                continue
-            row[f"{kind}_msamples_per_s"] = batch / seconds / 1e6
-            row[f"{kind}_pct_floor"] = 100 * floor_seconds(spec, batch, floor, training, io_bytes) / seconds
-            if peer.get(f"{kind}_s"):
-                row[f"{kind}_vs_peer"] = peer[f"{kind}_s"] / seconds
-                peer[f"{kind}_msamples_per_s"] = batch / peer[f"{kind}_s"] / 1e6
-    return mmad_rows
-
-
-def markdown_table(rows: list[dict[str, Any]], peer_name: str) -> str:
-    lines = ["| model | backend | forward M samples/s | vs peer | % floor | training M samples/s | vs peer | % floor | rel. err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-
+# -- reporting ----------------------------------------------------------------------------------
+def markdown_table(doc: dict[str, Any]) -> str:
     def fmt(value: Any, pattern: str) -> str:
         return pattern.format(value) if isinstance(value, (int, float)) else "–"
 
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['backend']} | {r['error']} | | | | | | |")
-            continue
-        lines.append(
-            f"| {r['model']} | {r['backend']} | {fmt(r.get('forward_msamples_per_s'), '{:.2f}')} | "
-            f"{fmt(r.get('forward_vs_peer'), '{:.2f}×')} | {fmt(r.get('forward_pct_floor'), '{:.1f}%')} | "
-            f"{fmt(r.get('train_msamples_per_s'), '{:.2f}')} | {fmt(r.get('train_vs_peer'), '{:.2f}×')} | "
-            f"{fmt(r.get('train_pct_floor'), '{:.1f}%')} | {r['rel_err_vs_float64']:.1e} |")
-    lines.append(f"\nPeer: {peer_name}.")
+    gpu = any("gpu_seconds" in r for r in doc["results"])
+    head = "| model | backend | mode | io | rows | M samples/s | × peer | % floor | rel. err |" + (" GPU ms |" if gpu else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in doc["results"]:
+        line = (f"| {r['model']} | {r['backend']} | {r['mode']} | {r['io']} | {r['rows']} | "
+                f"{r['samples_per_s'] / 1e6:.2f} | {fmt(r['x_peer'], '{:.2f}×')} | {r['pct_floor']:.1f}% | "
+                f"{r['rel_err_vs_float64']:.1e} |")
+        if gpu:
+            line += f" {fmt(r.get('gpu_seconds', None) and 1e3 * r['gpu_seconds'], '{:.3f}')} |"
+        lines.append(line)
+    for e in doc["errors"]:
+        lines.append(f"\nNot timed: {e}")
+    peers = sorted({p["peer"] for p in doc["peer"]})
+    lines.append(f"\nPeer: {', '.join(peers) if peers else 'none'}; median of {doc['repeats']}.")
+    for kind, f in doc["floor"].items():
+        lines.append(f"Floor ({kind}): copy {f['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul "
+                     f"{f['gemm_flops_per_s'] / 1e12:.2f} TFLOP/s ({f['gemm_type']}, {f['device']}), measured in the same run.")
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    names = [n.strip().upper() for n in args.models.split(",") if n.strip()]
-    for n in names:
-        bench_spec(n)  # validates the names
-    training = not args.no_training
-    backends = args.backend or [""]
-    try:
-        import torch  # noqa: F401
-
-        have_torch = not args.no_peer
-    except ImportError:
-        have_torch = False
-    on_gpu = have_torch and __import__("torch").cuda.is_available()
-    steps = len(names) * (2 if training else 1) * (len(backends) + (1 if have_torch else 0))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    host = socket.gethostname().split(".")[0]
-    with tqdm(total=steps, desc="mmad bench", unit="figure") as bar:
-        floor = measure_floor(on_gpu)
-        # peer and mmad are timed model by model, back to back, so that a change in the
-        # machine's load during the run shifts both sides of each ratio alike
-        peer_rows: list[dict[str, Any]] = []
-        by_backend: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
-        for name in names:
-            if have_torch:
-                peer_rows += bench_torch([name], args.batch, args.repeats, training, bar)
-            for backend_arg in backends:
-                by_backend[backend_arg] += bench_mmad(backend_arg, [name], args.batch, args.repeats, training, bar)
-        peer_name = peer_rows[0]["backend"] + f" ({peer_rows[0]['dtype']})" if peer_rows else "none (PyTorch not importable)"
-        for backend_arg in backends:
-            rows = by_backend[backend_arg]
-            io_bytes = 2  # fp16 activations in and out (docs/benchmarks.md)
-            summarise(rows, peer_rows, args.batch, floor, io_bytes)
-            label = rows[0]["backend"].replace(":", "-") if rows else backend_arg or "auto"
-            doc = {"host": host, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "batch": args.batch, "repeats": args.repeats, "floor": floor,
-                   "peer": peer_rows, "results": rows}
-            (out_dir / f"{host}-{label}.json").write_text(json.dumps(doc, indent=2))
-            table = markdown_table(rows, peer_name)
-            (out_dir / f"{host}-{label}.md").write_text(
-                f"# {host}: {label}, batch {args.batch}, median of {args.repeats}\n\n{table}\n\n"
-                f"Floor: copy {floor['copy_bytes_per_s'] / 1e9:.1f} GB/s, GEMM {floor['gemm_flops_per_s'] / 1e12:.2f} TFLOP/s "
-                f"({floor['gemm_type']}), measured in the same run.\n")
-            tqdm.write(table)
-    return 0
+def write_outputs(opts: Options, doc: dict[str, Any]) -> None:
+    table = markdown_table(doc)
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(doc, indent=2, default=str))
+    if opts.markdown:
+        opts.markdown.parent.mkdir(parents=True, exist_ok=True)
+        opts.markdown.write_text(f"# {doc['host']}, {doc['when']}\n\n{table}\n")
+    print(table, flush=True)

@@ -21,7 +21,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import orjson
 
 from mmad.backends import select
 from mmad.backends.cpu import CpuBackend
+from mmad.bench.timing import median_seconds
 from mmad.spec import bench_spec
 
 
@@ -86,15 +86,6 @@ def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
-def timed(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=65536)
@@ -129,18 +120,18 @@ def main(argv: list[str] | None = None) -> int:
                 assert err <= 1e-6, f"server and in-process outputs differ ({err})"
                 oracle_err = rel_err(served, reference64)
                 assert oracle_err <= tolerance, f"served output is {oracle_err} from the float64 oracle"
-                server_times = timed(lambda: decode(client.post("/v2/models/M/infer", content=body,
-                                                                headers=headers), shape, args.datatype),
-                                     args.reps)
-                local.forward(x)
-                local_times = timed(lambda: local.forward(x), args.reps)
+                # the requests above warmed the server; the in-process forward gets one warm-up call
+                server_s = median_seconds(lambda: decode(client.post("/v2/models/M/infer", content=body,
+                                                                     headers=headers), shape, args.datatype),
+                                          args.reps, warmup=0)
+                local_s = median_seconds(lambda: local.forward(x), args.reps, warmup=1)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
             local.close()
             backend.close()
-    server_sps = args.rows / statistics.median(server_times)
-    local_sps = args.rows / statistics.median(local_times)
+    server_sps = args.rows / server_s
+    local_sps = args.rows / local_s
     record = {
         "what": f"binary {args.datatype} infer, model M, loopback, one client, sequential requests",
         "backend": f"{row.backend}:{row.variant}", "device": row.device, "datatype": args.datatype,
@@ -148,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_samples_per_s": server_sps, "in_process_samples_per_s": local_sps,
         "server_over_in_process": server_sps / local_sps,
         "server_MB_per_s": (len(body) + args.rows * spec.n_output_dims * np.dtype(WIRE[args.datatype]).itemsize)
-        / statistics.median(server_times) / 1e6,
+        / server_s / 1e6,
         "server_vs_in_process_rel_err": err, "server_vs_float64_oracle_rel_err": oracle_err, "machine": f"{platform.machine()} {os.cpu_count()} threads",
         "python": platform.python_version(), "numpy": np.__version__,
     }

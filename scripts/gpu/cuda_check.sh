@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests sass nvmath serve bench cublaslt profile sweep ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests sass nvmath serve bench cublaslt profile ncu
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python and the
 # daemon's dependencies, py3.12 wheels: docs/gpu-notes-cuda.md);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
-# is printed last.
+# is printed last. Every measurement and check runs through `python3 -m mmad.bench` (= `mmad bench`,
+# docs/benchmarks.md): the benchmark rows, --profile, --sass, --nvmath-check, --daemon-check, --run-forward.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -33,8 +34,7 @@ for phase in $PHASES; do
       { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv;
         python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'torch', torch.__version__)";
         python3 -m pip show cuda-bindings cuda-core cuda-pathfinder 2>/dev/null | grep -E '^(Name|Version)';
-        python3 -c "from mmad.backends.cuda import CudaBackend
-for r in CudaBackend().probe(): print(r.variant, r.available, r.device, r.api_version, '|', r.reason, r.details)"; } \
+        python3 -m mmad.cli probe --backend cuda; } \
         2>&1 | tee "$OUT/env.log" | tee -a "$SUMMARY" ;;
     tests)
       start=$(date +%s)
@@ -46,13 +46,9 @@ for r in CudaBackend().probe(): print(r.variant, r.available, r.device, r.api_ve
       grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40 | tee -a "$SUMMARY"
       grep -cE " PASSED" "$OUT/pytest.log" | sed 's/^/passed: /' | tee -a "$SUMMARY" ;;
     sass)
-      mkdir -p "$OUT/sass"; python3 -m mmad.bench.cuda_bench --out "$OUT/sass" --sass --no-bench > "$OUT/sass/sass.log" 2>&1
-      python3 - "$OUT/sass/cuda_bench.json" <<'PY' | tee -a "$SUMMARY"
-import json, sys
-mix = json.load(open(sys.argv[1]))["sass"]
-for model, counts in mix.items():
-    print(model, " ".join(f"{k}={v}" for k, v in sorted(counts.items()) if not k.startswith("mlp_optimize")))
-PY
+      # one line per model (S, M, L): the mma kernels' instruction mix; cubins and SASS text in sass.tgz
+      mkdir -p "$OUT/sass"; python3 -m mmad.bench --sass "$OUT/sass" > "$OUT/sass/sass.log" 2>&1
+      tail -n 3 "$OUT/sass/sass.log" | tee -a "$SUMMARY"
       rm -f "$OUT"/sass/*.sass.txt.gz; tar czf "$OUT/sass.tgz" -C "$OUT" sass && rm -rf "$OUT/sass" ;;
     wgmma)
       # logs build up outside $OUT and are re-tarred into $OUT/wgmma.tgz after every step, so a
@@ -61,41 +57,11 @@ PY
       W=/tmp/wgmma-check; rm -rf "$W"; mkdir -p "$W"
       pack() { tar czf "$OUT/wgmma.tgz" -C /tmp --exclude='*.cubin' wgmma-check; }
       ( export MMAD_CUDA_WGMMA=1
-        CUOBJDUMP=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
         SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
         echo "--- wgmma probe (nvcc: $(command -v nvcc || echo /usr/local/cuda/bin/nvcc))"
-        python3 -c "from mmad.backends.cuda import CudaBackend
-for r in CudaBackend().probe(): print(r.variant, r.available, '|', r.reason, r.details)" 2>&1 | tee "$W/probe.log"
+        python3 -m mmad.cli probe --backend cuda 2>&1 | tee "$W/probe.log"
         echo "--- wgmma SASS (per model: wgmma_forward's HGMMA, local memory LDL/STL, warpgroup syncs)"
-        timeout 180 python3 - "$W" "$CUOBJDUMP" <<'PY' 2>&1 | tee "$W/sass.log"
-import collections, re, subprocess, sys
-from pathlib import Path
-from mmad.backends import cuda
-from mmad.spec import bench_spec
-out, cuobjdump = Path(sys.argv[1]), sys.argv[2]
-for name in "SMLW":
-    plan = cuda.WgmmaPlan(bench_spec(name))
-    cubin = out / f"wgmma_{name}.cubin"
-    cubin.write_bytes(cuda.nvcc_compile(plan.source, cuda.WGMMA_NVCC_OPTIONS, name))
-    dump = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True)
-    (out / f"wgmma_{name}.sass.txt").write_text(dump.stdout + dump.stderr)
-    ops, fn = collections.Counter(), "?"
-    for line in dump.stdout.splitlines():
-        m = re.search(r"Function : (\w+)", line)
-        if m:
-            fn = m.group(1)
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m and fn == "wgmma_forward":
-            op = m.group(1)
-            ops[op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
-    keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
-    # one HGMMA per wgmma in the source: layer 0, the (not unrolled) hidden loop, the output layer
-    expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
-    print(name, f"resident={plan.w_resident} warpgroups={plan.warpgroups} staged={plan.input_staged} "
-          f"smem={plan.smem_bytes} HGMMA expected={expected}",
-          " ".join(f"{k}={ops[k]}" for k in keys), f"total={sum(ops.values())}",
-          "" if dump.stdout else f"cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}")
-PY
+        timeout 180 python3 -m mmad.bench --sass "$W" --backend cuda:wgmma 2>&1 | tee "$W/sass.log"
         pack
         echo "--- wgmma tests, quick slice (S/M/L/W ReLU at 1000 rows, odd shapes, training, gate, warpgroups)"
         timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
@@ -104,28 +70,25 @@ PY
         grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
         pack
         echo "--- bench at 2^20: wgmma forward (its training is the mma kernels'), then mma, same call"
+        # the forward only, fp32 in and out: the wgmma kernel reads fp32 (fp16 I/O would time a cast)
         for v in wgmma mma; do
-          timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench.cuda_bench --out "$W/bench_$v" --variant $v --repeats 30 > "$W/bench_$v.log" 2>&1
-          echo "bench $v rc=$?"; tail -n 7 "$W/bench_$v.log"
+          timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench --backend cuda:$v --mode forward --io fp32 --repeats 30 \
+            --json "$W/bench_$v.json" > "$W/bench_$v.log" 2>&1
+          echo "bench $v rc=$?"; tail -n 8 "$W/bench_$v.log"
           pack
         done
         # L: two warpgroups without input prefetch (the default) against one with it
-        MMAD_CUDA_WGMMA_WARPGROUPS=1 timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench.cuda_bench --out "$W/bench_L1" \
-          --models L --variant wgmma --repeats 30 > "$W/bench_L1.log" 2>&1
-        echo "bench wgmma L, 1 warpgroup, rc=$?"; tail -n 1 "$W/bench_L1.log"
+        MMAD_CUDA_WGMMA_WARPGROUPS=1 timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench --backend cuda:wgmma \
+          --models L --mode forward --io fp32 --repeats 30 > "$W/bench_L1.log" 2>&1
+        echo "bench wgmma L, 1 warpgroup, rc=$?"; grep -E "^\| L " "$W/bench_L1.log"
         pack
         echo "--- compute-sanitizer (memcheck, racecheck) on S (resident, 2 warpgroups) and W (streamed), 1000 rows"
         for tool in memcheck racecheck; do
-          timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool $tool --error-exitcode 3 python3 -c "
-import numpy as np
-from mmad.backends.cuda import CudaBackend
-from mmad.spec import bench_spec
-b = CudaBackend()
-for name in 'SW':
-    m = b.compile(bench_spec(name), variant='wgmma')
-    out = m.forward(np.random.default_rng(0).standard_normal((1000, m.spec.n_input_dims), dtype=np.float32))
-    print(name, 'finite' if np.isfinite(out).all() else 'NOT FINITE')" > "$W/sanitizer_$tool.log" 2>&1
-          echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|finite' "$W/sanitizer_$tool.log" | tr '\n' ' ')"
+          for m in S W; do
+            timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool $tool --error-exitcode 3 \
+              python3 -m mmad.bench --run-forward $m:wgmma --rows 1000 > "$W/sanitizer_${tool}_$m.log" 2>&1
+            echo "$tool $m rc=$? $(grep -iE 'ERROR SUMMARY|finite' "$W/sanitizer_${tool}_$m.log" | tr '\n' ' ')"
+          done
           pack
         done
         echo "--- wgmma tests, the whole file"
@@ -148,29 +111,26 @@ for name in 'SW':
         for setting in ${WGMMA_SETTINGS:-wgmma/2/- wgmma/1/- mma/-/-}; do
           IFS=/ read -r v st mb <<< "$setting"
           MMAD_CUDA_WGMMA_STAGES=${st#-} MMAD_CUDA_WGMMA_MIN_BLOCKS=${mb#-} timeout ${BENCH_TIMEOUT:-150} \
-            python3 -m mmad.bench.cuda_bench --out "$W/bench_${v}_${st}_${mb}" --variant $v --models ${WGMMA_MODELS:-S,M,L} \
+            python3 -m mmad.bench --backend cuda:$v --models ${WGMMA_MODELS:-S,M,L} --mode forward --io fp32 \
             --repeats 30 > "$W/bench_${v}_${st}_${mb}.log" 2>&1
           echo "bench $v stages=$st min_blocks=$mb rc=$?"; grep -E "^\| [SMLW] " "$W/bench_${v}_${st}_${mb}.log"
         done
         SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-        timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool racecheck --error-exitcode 3 python3 -c "
-import numpy as np
-from mmad.backends.cuda import CudaBackend
-from mmad.spec import bench_spec
-m = CudaBackend().compile(bench_spec('S'), variant='wgmma')
-out = m.forward(np.random.default_rng(0).standard_normal((5000, 32), dtype=np.float32))
-print('S stages', m.wg.x_stages, 'finite' if np.isfinite(out).all() else 'NOT FINITE')" > "$W/racecheck.log" 2>&1
-        echo "racecheck rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/racecheck.log" | tr '\n' ' ')"
+        timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool racecheck --error-exitcode 3 \
+          python3 -m mmad.bench --run-forward S:wgmma --rows 5000 > "$W/racecheck.log" 2>&1
+        echo "racecheck rc=$? $(grep -iE 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/racecheck.log" | tr '\n' ' ')"
       ) 2>&1 | tee -a "$SUMMARY"
       tar czf "$OUT/wgmma-stages.tgz" -C /tmp wgmma-stages ;;
-    sweep)
-      # mma kernel geometry: SWEEP="4/1,8/1,..." (warps per block / 16-row tiles per warp in training)
-      timeout ${SWEEP_TIMEOUT:-240} python3 -m mmad.bench.cuda_bench --out /tmp/sweep --models ${SWEEP_MODELS:-S,M,L} \
-        --sweep-mma ${SWEEP:-4/1,8/1,16/1,4/2,8/2} --repeats 10 --no-bench 2>&1 | tee "$OUT/sweep.log" | tail -n 40 | tee -a "$SUMMARY" ;;
     profile)
-      # where the time goes, op by op (CUDA events): PROFILE="M:mma W:cublaslt ..." (run 7: W cublaslt)
-      args=""; for item in ${PROFILE:-M:mma W:cublaslt}; do args="$args --profile $item"; done
-      timeout 200 python3 -m mmad.bench.cuda_bench --out /tmp/prof $args --no-bench 2>&1 | tee "$OUT/profile.log" | tail -n 80 | tee -a "$SUMMARY" ;;
+      # where the time goes, op by op (CUDA events per kernel): PROFILE="MODEL:VARIANT ..."; each item's
+      # rows are timed too (no peer, 5 samples), its per-op lines printed after them
+      : > "$OUT/profile.log"
+      for item in ${PROFILE:-M:mma W:cublaslt}; do
+        timeout 200 python3 -m mmad.bench --backend cuda:${item#*:} --models ${item%%:*} --profile --peer none \
+          --repeats 5 >> "$OUT/profile.log" 2>&1
+        echo "profile $item rc=$?" >> "$OUT/profile.log"
+      done
+      tail -n 80 "$OUT/profile.log" | tee -a "$SUMMARY" ;;
     ncu)
       # Nsight Compute on one forward launch per NCU="MODEL:VARIANT ..." (what limits each kernel:
       # speed of light, memory, warp stalls, occupancy); one text report per item, tarred into $OUT/ncu.tgz
@@ -182,7 +142,7 @@ print('S stages', m.wg.x_stages, 'finite' if np.isfinite(out).all() else 'NOT FI
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section Occupancy --section SchedulerStats --section LaunchStats \
           --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-          python3 -m mmad.bench.cuda_bench --out /tmp/ncu --run-forward "$item" > "/tmp/ncu/${item/:/_}.txt" 2>&1
+          python3 -m mmad.bench --run-forward "$item" > "/tmp/ncu/${item/:/_}.txt" 2>&1
         echo "ncu $item rc=$?" | tee -a "$SUMMARY"
         grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp Per|No Eligible|Theoretical Occupancy" \
           "/tmp/ncu/${item/:/_}.txt" | sed 's/^ */  /' | tee -a "$SUMMARY"
@@ -192,17 +152,19 @@ print('S stages', m.wg.x_stages, 'finite' if np.isfinite(out).all() else 'NOT FI
       done
       tar czf "$OUT/ncu.tgz" -C /tmp ncu ;;
     nvmath)
-      python3 -m mmad.bench.cuda_bench --out /tmp/nvm --nvmath-check --no-bench 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
+      python3 -m mmad.bench --nvmath-check 2>&1 | tail -n 12 | tee -a "$SUMMARY" ;;
     serve)
-      timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve --serve-check --no-bench 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
+      timeout 240 python3 -m mmad.bench --daemon-check --backend cuda 2>&1 | tee "$OUT/serve.log" | tail -n 6 | tee -a "$SUMMARY" ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out "$OUT" --models ${BENCH_MODELS:-S,M,L,W} --repeats 30 > "$OUT/bench.log" 2>&1
-      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+      # the backend's own variant per model, fp16 in and out (BENCH_IO=fp32 for the float32 forward)
+      timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench --backend cuda --models ${BENCH_MODELS:-S,M,L,W} \
+        --io ${BENCH_IO:-fp16} --repeats 30 --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      echo "bench rc=$?" | tee -a "$SUMMARY"; tail -n 14 "$OUT/bench.log" | tee -a "$SUMMARY" ;;
     cublaslt)
       # the cuBLASLt variant on the wide model and on M, same rules (its own peers and ceilings)
-      mkdir -p /tmp/lt; timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench.cuda_bench --out /tmp/lt --models W,M \
-        --variant cublaslt --repeats 20 > "$OUT/bench_cublaslt.log" 2>&1
-      echo "bench cublaslt rc=$?" | tee -a "$SUMMARY"; tail -n 5 "$OUT/bench_cublaslt.log" | tee -a "$SUMMARY" ;;
+      timeout ${BENCH_TIMEOUT:-300} python3 -m mmad.bench --backend cuda:cublaslt --models W,M --io ${BENCH_IO:-fp16} \
+        --repeats 20 > "$OUT/bench_cublaslt.log" 2>&1
+      echo "bench cublaslt rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/bench_cublaslt.log" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "================ summary"; cat "$SUMMARY"

@@ -4,7 +4,8 @@
 # tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
 # benchmark vs PyTorch fp16, then (SERVE=1, the default) the daemon on the vulkan backend end to
 # end (client -> HTTP -> coopmat kernels). Logs and JSON go to $OUT (default ./vulkan-check-out).
-# TEST_SELECT: a pytest -k expression; BENCH_ARGS: vulkan_bench.py's options; SERVE=0 skips the daemon.
+# TEST_SELECT: a pytest -k expression; BENCH_ARGS: more `mmad bench` options (e.g. '--models M');
+# SERVE=0 skips the daemon. The benchmark and the daemon check run through `python3 -m mmad.bench`.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/vulkan-check-out}
@@ -23,11 +24,14 @@ python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulk
     ${TEST_SELECT:+-k "$TEST_SELECT"} --durations=10 >"$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >>"$OUT/pytest.log"
 tail -n 40 "$OUT/pytest.log"
-python3 scripts/gpu/vulkan_bench.py --json "$OUT/vulkan_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 14
+python3 -P -m mmad.cli probe --backend vulkan 2>&1 | tee "$OUT/probe.log"
+# both variants against PyTorch fp16 in the same run; --profile: GPU timestamps per dispatch and the
+# driver's pipeline statistics (registers, spills) as well
+python3 -P -m mmad.bench --backend vulkan:simt,vulkan:coopmat --profile --json "$OUT/vulkan_bench.json" \
+    ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 24
 if [ "${SERVE:-1}" = 1 ]; then
   echo "--- daemon on MMAD_BACKEND=vulkan, end to end"
   # the daemon runs with `python -m` from the repo root, where ./mmad comes first: link the packages in
   for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
-  timeout 240 python3 -m mmad.bench.cuda_bench --out /tmp/serve-vk --serve-check --serve-backend vulkan --no-bench 2>&1 \
-    | tee "$OUT/serve.log" | tail -n 6
+  timeout 240 python3 -m mmad.bench --daemon-check --backend vulkan 2>&1 | tee "$OUT/serve.log" | tail -n 6
 fi
