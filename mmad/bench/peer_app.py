@@ -46,8 +46,8 @@ def mlp_forward(spec: MLPSpec, params: dict[str, np.ndarray], x: np.ndarray) -> 
 
 
 def create_app(spec: MLPSpec, params: dict[str, np.ndarray]) -> FastAPI:
-    if spec.encoding.otype != "Identity":
-        raise SpecError("encoding.otype", f"the peer implements only Identity; got {spec.encoding.otype!r}")
+    if not spec.encoding.passthrough:
+        raise SpecError("encoding", "the peer implements no encoding (Identity with scale 1 and offset 0 only)")
     for where, act in (("network.activation", spec.activation),
                        ("network.output_activation", spec.output_activation)):
         if act not in ACTIVATIONS:
