@@ -15,10 +15,7 @@ mkdir -p "$OUT"
 PHASES=${*:-"env wgmma sass serve bench cublaslt tests"}
 export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
 
-# the repo is not installed there: map the namespaced import names (mmad.backends -> backends/)
-# (python puts the current directory first on sys.path, so ./mmad must carry the links itself;
-# this edits the device's copy of the tree only)
-for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
+# the repo is not installed there: python runs from the repository root, where ./mmad is the package
 # nvmath-python, and the daemon's own dependencies (pydantic, FastAPI, uvicorn, ...) that the image lacks
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -14,9 +14,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-rm -rf .devsrc && mkdir -p .devsrc/mmad && cp -r mmad/* .devsrc/mmad/
-for d in backends server shaders bench; do [ -e "$d" ] && ln -s "$PWD/$d" ".devsrc/mmad/$d"; done
-export PYTHONPATH=/tmp/site:$PWD/.devsrc
+export PYTHONPATH=/tmp/site:$PWD  # the package is ./mmad (not installed there)
 export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
 export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-1}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -31,7 +29,5 @@ python3 -P -m mmad.bench --backend vulkan:simt,vulkan:coopmat --profile --json "
     ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 24
 if [ "${SERVE:-1}" = 1 ]; then
   echo "--- daemon on MMAD_BACKEND=vulkan, end to end"
-  # the daemon runs with `python -m` from the repo root, where ./mmad comes first: link the packages in
-  for d in backends server shaders bench; do [ -e "mmad/$d" ] || ln -s "$PWD/$d" "mmad/$d"; done
   timeout 240 python3 -m mmad.bench --daemon-check --backend vulkan 2>&1 | tee "$OUT/serve.log" | tail -n 6
 fi

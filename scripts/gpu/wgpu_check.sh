@@ -13,10 +13,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# the import names are namespaced (mmad.backends -> backends/): map them without installing
-rm -rf .devsrc && mkdir -p .devsrc/mmad && cp -r mmad/* .devsrc/mmad/
-for d in backends server shaders bench; do [ -d "$d" ] && ln -s "$PWD/$d" ".devsrc/mmad/$d"; done
-export PYTHONPATH=/tmp/site:$PWD/.devsrc PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1  # the package is ./mmad (not installed there)
 
 python3 -P -m mmad.cli probe --backend wgpu --json 2>&1 | tee "$OUT/probe.log"
 
