@@ -175,8 +175,7 @@ class ModelEntry:
                 at = int(bad[0]) + 1 if bad.size else steps
                 raise Diverged(
                     f"training of model {self.name!r} diverged at step {done + at} of {total or steps} "
-                    f"({'loss ' + str(float(losses[at - 1])) if bad.size else 'non-finite weights'}); the "
-                    f"weights of before those steps were kept (step {self.live.step_count}); lower the "
+                    f"({'loss ' + str(float(losses[at - 1])) if bad.size else 'non-finite weights'}); lower the "
                     "learning rate or scale the targets")
             return losses, self.live.step_count
 
@@ -343,7 +342,7 @@ class Registry:
                 entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with one model, the others serve
                 self.unreadable[name] = f"the model's description (model.json) is unreadable: {_reason(exc)}"
-                log.error("model %s in the store is unreadable and stays unloaded: %s", name, exc)
+                log.error("model %s in the store stays unloaded: %s", name, self.unreadable[name])
                 continue
             self.models[name] = entry
             try:
@@ -442,6 +441,23 @@ class Registry:
             version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
             self._versions_changed(entry)
             return version
+
+    def snapshot_blocking(self, entry: ModelEntry) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        """(params, optimizer state, step count) of the live model, for ``restore_blocking``."""
+        with entry.lock:
+            if entry.live is None:
+                raise ModelNotReady(entry.name)
+            return entry.live.get_params(), entry.live.get_optimizer_state(), entry.live.step_count
+
+    def restore_blocking(self, entry: ModelEntry, snapshot, at_step: int) -> bool:
+        """Put ``snapshot`` back into the live model if its step count is still ``at_step`` (no other
+        training came in between, whose steps this would undo); True when it did."""
+        with entry.lock:
+            if entry.live is None or entry.live.step_count != at_step:
+                return False
+            entry.live.set_params(snapshot[0])
+            entry.live.set_optimizer_state(snapshot[1])
+            return True
 
     def restore_last_finite_blocking(self, entry: ModelEntry) -> str | None:
         """Put the newest stored version with finite weights back into the live model (after a

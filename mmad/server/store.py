@@ -257,7 +257,8 @@ class Store:
 
     # -- versions -------------------------------------------------------------------------
     def versions(self, name: str) -> list[dict[str, Any]]:
-        """The acknowledged listing, checked entry by entry (a damaged one raises MMADError)."""
+        """The acknowledged listing, its shape checked (a damaged one raises MMADError); an entry's
+        sha256 is checked with its file (``weights_bytes``), so one bad entry spoils only its version."""
         path = self.model_dir(name) / "versions.json"
         try:
             data = path.read_bytes()
@@ -276,9 +277,6 @@ class Store:
             if (not isinstance(v, dict) or not isinstance(v.get("version"), str)
                     or not VERSION_RE.match(v["version"]) or int(v["version"]) <= previous):
                 raise MMADError(f"the version listing of model {name!r} is damaged: bad entry {v!r:.80}")
-            if not isinstance(v.get("sha256"), str) or not SHA256_RE.match(v["sha256"]):
-                raise MMADError(f"the version listing of model {name!r} is damaged: version {v['version']} "
-                                "has no valid sha256")
             if isinstance(v.get("step"), bool) or not isinstance(v.get("step"), int):
                 raise MMADError(f"the version listing of model {name!r} is damaged: version {v['version']} "
                                 "has no step count")
@@ -333,7 +331,10 @@ class Store:
         except OSError as exc:
             raise MMADError(f"stored weights of {name!r} version {version} cannot be read "
                             f"({exc.strerror or type(exc).__name__})") from exc
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        expected = entry.get("sha256")
+        if not isinstance(expected, str) or not SHA256_RE.match(expected):  # this version only: others serve
+            raise MMADError(f"the listing of {name!r} version {version} has no valid sha256")
+        if hashlib.sha256(data).hexdigest() != expected:
             raise MMADError(f"stored weights of {name!r} version {version} do not match their sha256")
         return data
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 
-from mmad.errors import InvalidInput, MMADError
+from mmad.errors import Diverged, InvalidInput, MMADError
 from mmad.server.bodies import json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
@@ -33,14 +33,27 @@ log = logging.getLogger("mmad.server.training")
 
 async def train_in_slices(rt: Runtime, request: Request, entry, x: np.ndarray, y: np.ndarray,
                           steps: int) -> tuple[list[np.ndarray], int, bool]:
-    """(losses per slice, the model's step count, whether the client disconnected first)."""
+    """(losses per slice, the model's step count, whether the client disconnected first).
+
+    A diverged slice is undone by ``train_live``; the request's earlier slices are undone too
+    unless other training interleaved (undoing those would lose someone else's steps).
+    """
     losses: list[np.ndarray] = []
     done, step, per_step_s = 0, 0, None
+    snapshot = await rt.registry.run_training(rt.registry.snapshot_blocking, entry) if steps > 1 else None
     while done < steps:
         n = 1 if per_step_s is None else int(SLICE_S / max(per_step_s, 1e-7))
         n = max(1, min(n, steps - done))
         started = time.perf_counter()
-        out, step = await rt.registry.run_training(entry.train_live, x, y, n, done, steps)
+        try:
+            out, step = await rt.registry.run_training(entry.train_live, x, y, n, done, steps)
+        except Diverged as exc:
+            if done == 0:
+                raise Diverged(f"{exc}; the weights of before this request are kept") from None
+            if await rt.registry.run_training(rt.registry.restore_blocking, entry, snapshot, snapshot[2] + done):
+                raise Diverged(f"{exc}; the weights of before this request are kept") from None
+            raise Diverged(f"{exc}; the weights of before step {done + 1} are kept (other training "
+                           "interleaved with this request)") from None
         per_step_s = (time.perf_counter() - started) / n
         losses.append(out)
         done += n
