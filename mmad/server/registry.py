@@ -146,6 +146,7 @@ class ModelEntry:
         self.versions: list[dict[str, Any]] = []  # the store's acknowledged listing, replaced whole
         self.incarnation: str | None = None  # the store directory this entry's versions go to
         self.damaged: dict[str, str] = {}  # version -> why it could not be loaded
+        self.loaded_version: str | None = None  # the version the last load restored
         self.reason = ""
 
     @property
@@ -278,6 +279,7 @@ class Registry:
                 damaged[v["version"]] = str(exc)
         entry.versions = versions
         entry.damaged = damaged
+        entry.loaded_version = loaded[0] if loaded else None
         if loaded is None:
             raise MMADError(f"no intact version of model {entry.name!r}: " + "; ".join(damaged.values()))
         compiled = self._compile(entry.spec)
@@ -293,8 +295,9 @@ class Registry:
         damaged = entry.damaged
         if not damaged:
             return ""
-        return (f"serving an older intact version; damaged versions {', '.join(sorted(damaged, key=int))}: "
-                + "; ".join(damaged[v] for v in sorted(damaged, key=int)))
+        order = sorted(damaged, key=int)
+        return (f"serving version {entry.loaded_version}, the newest intact one; damaged versions "
+                f"{', '.join(order)}: " + "; ".join(damaged[v] for v in order))
 
     def _activate(self, entry: ModelEntry, compiled: CompiledModel) -> None:
         entry.live = compiled
@@ -370,8 +373,9 @@ class Registry:
             try:
                 if old is not None:
                     await self._deactivate(old)
-                first = await self.run(lambda: self.store.create_model(name, doc, compiled.get_params(),
-                                                                       compiled.get_optimizer_state()))
+                first, incarnation = await self.run(lambda: (
+                    self.store.create_model(name, doc, compiled.get_params(), compiled.get_optimizer_state()),
+                    self.store.incarnation(name)))
             except BaseException:
                 compiled.close()
                 if old is not None:  # the store still holds the old model: serve it again
@@ -382,7 +386,7 @@ class Registry:
                 raise
             entry = ModelEntry(name, spec, config)
             entry.versions = [first]
-            entry.incarnation = self.store.incarnation(name)
+            entry.incarnation = incarnation
             self.unreadable.pop(name, None)
             self.models[name] = entry
             self._activate(entry, compiled)
@@ -437,7 +441,7 @@ class Registry:
                 step = entry.live.step_count
             if not params_finite(params):
                 raise Diverged(f"the live weights of model {entry.name!r} hold NaN or Inf; they were not saved "
-                               "(restore a version: PUT /v2/models/{model}/weights)")
+                               f"(put a version back: PUT /v2/models/{entry.name}/weights)")
             version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
             self._versions_changed(entry)
             return version
