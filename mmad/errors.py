@@ -25,8 +25,8 @@
     └── Forbidden                  the API key sent is wrong
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503, 507 for a store that cannot be written; compile, launch and cache failures 500); anything not in this tree that escapes
-a handler is a bug and becomes a 500.
+409, 413, 503, 507 for a store that cannot be written; compile, launch and cache failures 500);
+anything not in this tree that escapes a handler is a bug and becomes a 500.
 """
 
 from __future__ import annotations
