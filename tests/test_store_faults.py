@@ -257,3 +257,55 @@ def test_other_store_oserrors_name_no_path(tmp_path, monkeypatch):
         r = c.post("/v2/models/m/versions")
         assert r.status_code == 500 and "Input/output error" in r.json()["error"]
         assert str(tmp_path) not in r.text
+
+
+def _read_response(sock) -> tuple[int, dict[str, str], bytes]:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", "0")):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_a_full_store_keeps_the_keepalive_connection(tmp_path, monkeypatch):
+    """The 507 is an answer, not a crash: the same connection serves the next request."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    app = create_app(Settings(store_dir=tmp_path / "store", backend="cpu", probe="cpu", demo=False,
+                              forward_threads=1))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http="h11", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            body = json.dumps({"spec": SPEC}).encode()
+            sock.sendall(b"PUT /v2/models/m HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert _read_response(sock)[0] == 201
+
+            def full(path, data):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+            monkeypatch.setattr(store_module, "atomic_write", full)
+            sock.sendall(b"POST /v2/models/m/versions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+            status, headers, text = _read_response(sock)
+            assert status == 507 and headers.get("connection", "").lower() != "close", (status, headers)
+            assert str(tmp_path).encode() not in text
+            sock.sendall(b"GET /v2/models/m/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(sock)[0] == 200  # the same connection
+    finally:
+        server.should_exit = True
+        thread.join(30)
