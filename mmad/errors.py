@@ -12,17 +12,21 @@
     ├── CacheError                 the kernel cache directory cannot be used
     ├── ModelNotFound              no model (or version) of that name
     ├── ConflictError              the request conflicts with current state (e.g. model exists)
+    │   └── Diverged               training produced NaN/Inf loss or weights; nothing was published
     ├── InvalidInput               a tensor or request field is malformed (shape, dtype, NaN ...)
     ├── PayloadTooLarge            a body or tensor exceeds a configured limit
     ├── Overloaded                 a queue is full; try again later
     ├── NotReady                   the daemon cannot serve yet (starting or stopping)
     │   └── ModelNotReady          the model exists but is not loaded
+    ├── StoreUnwritable            the model store refused a write (read-only, no permission);
+    │   │                          nothing served changed
+    │   └── StorageFull            the store's disk or quota is full; nothing served changed
     ├── Unauthorized               no API key was sent to a daemon that requires one
     └── Forbidden                  the API key sent is wrong
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503; compile, launch and cache failures 500); anything not in this tree that escapes
-a handler is a bug and becomes a 500.
+409, 413, 503, 507 for a store that cannot be written; compile, launch and cache failures 500);
+anything not in this tree that escapes a handler is a bug and becomes a 500.
 """
 
 from __future__ import annotations
@@ -89,6 +93,14 @@ class ConflictError(MMADError):
     """The request conflicts with the current state."""
 
 
+class Diverged(ConflictError):
+    """A training step produced a non-finite loss or non-finite weights (HTTP 409).
+
+    The step's result is never published: the live weights are put back to the last finite
+    state and no version of non-finite weights is written.
+    """
+
+
 class InvalidInput(MMADError, ValueError):
     """A request's tensors or fields are malformed."""
 
@@ -114,6 +126,17 @@ class ModelNotReady(NotReady):
 
     def __init__(self, name: str):
         super().__init__(f"model {name!r} is not loaded; POST /v2/repository/models/{name}/load")
+
+
+class StoreUnwritable(MMADError):
+    """The model store refused a write: read-only or no permission (HTTP 507).
+
+    The message is in the user's terms and names no filesystem path; nothing served changed.
+    """
+
+
+class StorageFull(StoreUnwritable):
+    """The model store's disk or quota is full (ENOSPC, EDQUOT) (HTTP 507); nothing served changed."""
 
 
 class Unauthorized(MMADError):

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmad.errors import (
     BackendUnavailable, CacheError, CompileError, ConflictError, Forbidden, InvalidInput, LaunchError, MMADError,
-    ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, Unauthorized,
+    ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
 )
 
 log = logging.getLogger("mmad.server")
@@ -23,7 +23,8 @@ log = logging.getLogger("mmad.server")
 STATUS_TABLE: list[tuple[type, int]] = [
     (Unauthorized, 401), (Forbidden, 403), (ModelNotFound, 404), (ConflictError, 409),
     (PayloadTooLarge, 413), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
-    (NotReady, 503), (BackendUnavailable, 503), (CompileError, 500), (LaunchError, 500), (CacheError, 500),
+    (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (CompileError, 500), (LaunchError, 500),
+    (CacheError, 500),
 ]
 
 
@@ -39,6 +40,7 @@ ERROR_STATUSES = {
     400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
     404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
     413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
+    507: "the model store is full or read-only; nothing was saved and nothing served changed",
 }
 # Documented on every route (routers pass it to APIRouter): any route can meet the body cap,
 # a daemon that is not ready yet, or bad input; OpenAPI clients and fuzzers rely on the list.
@@ -88,4 +90,6 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
         log.exception("%s %s raised", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        # an OSError's str() carries the file name: a path of the daemon's machine, not the client's business
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        return error_response(500, f"internal error: {type(exc).__name__}: {detail}")

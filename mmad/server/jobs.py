@@ -5,7 +5,9 @@ inference interleaves with training between steps) on mini-batches drawn epoch b
 a shuffled dataset. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
 writes a version; a version is announced (``checkpoint`` event, ``versions`` list) only once the
 store has acknowledged it. Progress goes to Server-Sent Events subscribers, throttled to a few
-reports per second.
+reports per second. A step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with
+the reason, and the live model goes back to the newest finite stored version: a diverged state
+is never checkpointed nor left serving.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound
+from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
 from mmad.server.registry import Registry
 
 log = logging.getLogger("mmad.server.jobs")
@@ -191,7 +193,7 @@ class JobManager:
                     order, cursor = rng.permutation(x.shape[0]), 0
                 idx = np.sort(order[cursor:cursor + batch])
                 cursor += batch
-                losses, _ = await self.registry.run(entry.train_live, x[idx], y[idx], 1)
+                losses, _ = await self.registry.run_training(entry.train_live, x[idx], y[idx], 1)
                 job.step += 1
                 job.loss = float(losses[-1])
                 metrics.training_steps.labels(*labels).inc()
@@ -209,6 +211,17 @@ class JobManager:
                 await self._checkpoint(job, entry)
             job.state = "done" if job.cancel_reason is None else "cancelled"
             job.error = job.cancel_reason
+        except Diverged as exc:
+            try:
+                restored = await self.registry.run(self.registry.restore_last_finite_blocking, entry)
+            except MMADError as restore_exc:
+                restored, why = None, f" ({restore_exc})"
+            else:
+                why = ""
+            job.state = "failed"
+            job.error = (f"{exc}; the live weights are those of version {restored}" if restored
+                         else f"{exc}; no finite stored version could be restored{why}")
+            log.warning("training job %s: %s", job.id, job.error)
         except MMADError as exc:
             job.state, job.error = "failed", str(exc)
         except Exception as exc:  # a bug: report it on the job instead of losing it in the task

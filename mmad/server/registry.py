@@ -6,6 +6,11 @@ the weights before or after a whole optimizer step, never in between. A version 
 immutable snapshot in the store; infer pinned to a version runs a separate compiled copy loaded
 from the store (kept in a small cache), so a new version becomes visible in one step (the
 store's listing is replaced atomically) and old versions never change.
+
+Nothing non-finite is published: a train step whose loss or weights are NaN/Inf puts the live
+weights back (``Diverged``), and no version of non-finite weights is written. Weight uploads are
+written to the store first and swapped into the live model only once acknowledged. Training
+runs on its own bounded executor so that it never takes every compute thread from inference.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmad.backends.contract import Backend, CompiledModel, ProbeRow, check_params
-from mmad.errors import ConflictError, InvalidInput, MMADError, ModelNotFound, ModelNotReady
+from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.metrics import Metrics
 from mmad.server.settings import Settings
@@ -139,6 +144,9 @@ class ModelEntry:
         self.stats = InferStats()
         self.busy_job: str | None = None  # a running training job owns the model's lifecycle
         self.versions: list[dict[str, Any]] = []  # the store's acknowledged listing, replaced whole
+        self.incarnation: str | None = None  # the store directory this entry's versions go to
+        self.damaged: dict[str, str] = {}  # version -> why it could not be loaded
+        self.loaded_version: str | None = None  # the version the last load restored
         self.reason = ""
 
     @property
@@ -152,12 +160,29 @@ class ModelEntry:
                 raise ModelNotReady(self.name)
             self.live.forward_to_host(x, out, pool)
 
-    def train_live(self, x: np.ndarray, y: np.ndarray, steps: int) -> tuple[np.ndarray, int]:
+    def train_live(self, x: np.ndarray, y: np.ndarray, steps: int, done: int = 0,
+                   total: int | None = None) -> tuple[np.ndarray, int]:
+        """``steps`` optimizer steps; a non-finite loss or weights puts back the weights (and optimizer
+        state) of before the call and raises Diverged, so no forward ever sees them."""
         with self.lock:
             if self.live is None:
                 raise ModelNotReady(self.name)
+            before = (self.live.get_params(), self.live.get_optimizer_state())
             losses = self.live.train_step(x, y, steps)
+            bad = np.flatnonzero(~np.isfinite(losses))
+            if bad.size or not params_finite(self.live.get_params()):
+                self.live.set_params(before[0])
+                self.live.set_optimizer_state(before[1])
+                at = int(bad[0]) + 1 if bad.size else steps
+                raise Diverged(
+                    f"training of model {self.name!r} diverged at step {done + at} of {total or steps} "
+                    f"({'loss ' + str(float(losses[at - 1])) if bad.size else 'non-finite weights'}); lower the "
+                    "learning rate or scale the targets")
             return losses, self.live.step_count
+
+
+def params_finite(params: dict[str, np.ndarray]) -> bool:
+    return all(np.isfinite(a).all() for a in params.values())
 
 
 class Registry:
@@ -173,7 +198,12 @@ class Registry:
         self.forward_pool = forward_pool
         self.metrics = metrics
         self.models: dict[str, ModelEntry] = {}
+        self.unreadable: dict[str, str] = {}  # models whose model.json cannot be read: the reason
         self._admin = asyncio.Lock()  # create / replace / delete / load / unload, one at a time
+        # training's own threads: long train requests and jobs never hold every compute thread,
+        # so inference (on ``executor``) keeps its share
+        self.train_executor = ThreadPoolExecutor(max(1, settings.compute_threads // 2),
+                                                 thread_name_prefix="mmad-train")
 
     @property
     def backend_label(self) -> str:
@@ -182,6 +212,10 @@ class Registry:
     async def run(self, fn: Callable, *args: Any) -> Any:
         """Run blocking (device or disk) work on the compute threads."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run_training(self, fn: Callable, *args: Any) -> Any:
+        """Run one slice of training on the training threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.train_executor, fn, *args)
 
     def get(self, name: str) -> ModelEntry:
         check_model_name(name)
@@ -200,11 +234,15 @@ class Registry:
         """The acknowledged versions (cached from the store; every write replaces the list)."""
         entry = self.get(name)
         if not entry.versions:  # a model whose load failed: read the listing as it is
-            entry.versions = self.store.versions(name)
+            try:
+                entry.versions = self.store.versions(name)
+            except MMADError:  # a damaged listing: the model stays UNAVAILABLE, its reason says why
+                return []
         return entry.versions
 
     def latest_version(self, name: str) -> str:
-        return self.versions(name)[-1]["version"]
+        versions = self.versions(name)
+        return versions[-1]["version"] if versions else ""
 
     def check_version(self, name: str, version: str) -> str:
         check_version(version)
@@ -217,25 +255,53 @@ class Registry:
         return self.backend.compile(spec, variant=self.row.variant)
 
     def _load_blocking(self, entry: ModelEntry) -> CompiledModel:
-        """Compile and restore the latest acknowledged version (weights + optimizer state)."""
+        """Compile and restore the newest intact, finite version (weights + optimizer state).
+
+        A damaged version (missing or altered file, non-finite weights) is reported in
+        ``entry.damaged`` and never hides an intact newer or older one; with none intact the
+        load fails with every version's reason.
+        """
+        entry.incarnation = self.store.incarnation(entry.name)
         self.store.remove_unlisted_files(entry.name)
         versions = self.store.versions(entry.name)
-        for v in versions:  # every acknowledged version must be intact
-            self.store.weights_bytes(entry.name, v["version"])
-        params, optimizer_state = self.store.load_version(entry.name, versions[-1]["version"])
+        damaged: dict[str, str] = {}
+        loaded = None
+        for v in reversed(versions):
+            try:
+                if loaded is None:
+                    params, optimizer_state = self.store.load_version(entry.name, v["version"])
+                    if not params_finite(params):
+                        raise MMADError(f"stored weights of {entry.name!r} version {v['version']} hold NaN or Inf")
+                    loaded = v["version"], params, optimizer_state
+                else:
+                    self.store.weights_bytes(entry.name, v["version"])
+            except MMADError as exc:
+                damaged[v["version"]] = str(exc)
         entry.versions = versions
+        entry.damaged = damaged
+        entry.loaded_version = loaded[0] if loaded else None
+        if loaded is None:
+            raise MMADError(f"no intact version of model {entry.name!r}: " + "; ".join(damaged.values()))
         compiled = self._compile(entry.spec)
         try:
-            compiled.set_params(params)
-            compiled.set_optimizer_state(optimizer_state)
+            compiled.set_params(loaded[1])
+            compiled.set_optimizer_state(loaded[2])
         except BaseException:
             compiled.close()
             raise
         return compiled
 
+    def _damage_note(self, entry: ModelEntry) -> str:
+        damaged = entry.damaged
+        if not damaged:
+            return ""
+        order = sorted(damaged, key=int)
+        return (f"serving version {entry.loaded_version}, the newest intact one; damaged versions "
+                f"{', '.join(order)}: " + "; ".join(damaged[v] for v in order))
+
     def _activate(self, entry: ModelEntry, compiled: CompiledModel) -> None:
         entry.live = compiled
-        entry.reason = ""
+        entry.reason = self._damage_note(entry)
         entry.batcher = Batcher(entry.name, lambda x, out: entry.forward_live(x, out, self.forward_pool),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns))
@@ -269,21 +335,26 @@ class Registry:
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
 
     async def load_all(self) -> None:
+        """Load every model of the store; one that cannot be loaded stays UNAVAILABLE with its
+        reason (index, metadata, log) and never stops the others."""
         for name in self.store.list_models():
             if name in self.models:  # created by this process already (the demo model)
                 continue
             try:
                 doc = self.store.read_model_doc(name)
                 entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
-            except (MMADError, OSError, KeyError, ValueError) as exc:
-                log.error("model %s in the store is unreadable and stays unloaded: %s", name, exc)
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong with one model, the others serve
+                self.unreadable[name] = f"the model's description (model.json) is unreadable: {_reason(exc)}"
+                log.error("model %s in the store stays unloaded: %s", name, self.unreadable[name])
                 continue
             self.models[name] = entry
             try:
                 self._activate(entry, await self.run(self._load_blocking, entry))
+                if entry.reason:
+                    log.warning("model %s: %s", name, entry.reason)
                 log.info("loaded model %s (version %s)", name, self.latest_version(name))
-            except MMADError as exc:
-                entry.reason = str(exc)
+            except Exception as exc:  # noqa: BLE001
+                entry.reason = _reason(exc)
                 log.error("model %s could not be loaded: %s", name, exc)
 
     async def create(self, name: str, spec: MLPSpec, config: ModelConfig) -> bool:
@@ -302,8 +373,9 @@ class Registry:
             try:
                 if old is not None:
                     await self._deactivate(old)
-                first = await self.run(lambda: self.store.create_model(name, doc, compiled.get_params(),
-                                                                       compiled.get_optimizer_state()))
+                first, incarnation = await self.run(lambda: (
+                    self.store.create_model(name, doc, compiled.get_params(), compiled.get_optimizer_state()),
+                    self.store.incarnation(name)))
             except BaseException:
                 compiled.close()
                 if old is not None:  # the store still holds the old model: serve it again
@@ -314,6 +386,8 @@ class Registry:
                 raise
             entry = ModelEntry(name, spec, config)
             entry.versions = [first]
+            entry.incarnation = incarnation
+            self.unreadable.pop(name, None)
             self.models[name] = entry
             self._activate(entry, compiled)
             return old is None
@@ -326,6 +400,7 @@ class Registry:
             await self._deactivate(entry)
             del self.models[name]
             await self.run(self.store.delete_model, name)
+            self.unreadable.pop(name, None)
 
     async def load(self, name: str) -> None:
         check_model_name(name)
@@ -352,6 +427,7 @@ class Registry:
     async def close(self) -> None:
         for entry in list(self.models.values()):
             await self._deactivate(entry)
+        self.train_executor.shutdown(wait=True)
 
     # -- weights and versions -------------------------------------------------------------
     def checkpoint_blocking(self, entry: ModelEntry) -> dict[str, Any]:
@@ -363,9 +439,47 @@ class Registry:
                 params = entry.live.get_params()
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
-            version = self.store.add_version(entry.name, params, optimizer_state, step)
+            if not params_finite(params):
+                raise Diverged(f"the live weights of model {entry.name!r} hold NaN or Inf; they were not saved "
+                               f"(put a version back: PUT /v2/models/{entry.name}/weights)")
+            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
             self._versions_changed(entry)
             return version
+
+    def snapshot_blocking(self, entry: ModelEntry) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        """(params, optimizer state, step count) of the live model, for ``restore_blocking``."""
+        with entry.lock:
+            if entry.live is None:
+                raise ModelNotReady(entry.name)
+            return entry.live.get_params(), entry.live.get_optimizer_state(), entry.live.step_count
+
+    def restore_blocking(self, entry: ModelEntry, snapshot, at_step: int) -> bool:
+        """Put ``snapshot`` back into the live model if its step count is still ``at_step`` (no other
+        training came in between, whose steps this would undo); True when it did."""
+        with entry.lock:
+            if entry.live is None or entry.live.step_count != at_step:
+                return False
+            entry.live.set_params(snapshot[0])
+            entry.live.set_optimizer_state(snapshot[1])
+            return True
+
+    def restore_last_finite_blocking(self, entry: ModelEntry) -> str | None:
+        """Put the newest stored version with finite weights back into the live model (after a
+        diverged job); its version, or None when none could be restored."""
+        for v in reversed(self.store.versions(entry.name)):
+            try:
+                params, optimizer_state = self.store.load_version(entry.name, v["version"])
+            except MMADError:
+                continue
+            if not params_finite(params):
+                continue
+            with entry.lock:
+                if entry.live is None:
+                    return None
+                entry.live.set_params(params)
+                entry.live.set_optimizer_state(optimizer_state)
+            return v["version"]
+        return None
 
     def _versions_changed(self, entry: ModelEntry) -> None:
         """Re-read the listing after a new version (the store may have dropped the oldest, see
@@ -377,15 +491,19 @@ class Registry:
                 entry.pinned.pop(version).close()
 
     def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
-        params = check_params(entry.spec, params)
+        params = check_params(entry.spec, params)  # refuses NaN/Inf too
         with entry.checkpoint_lock:
             with entry.lock:
                 if entry.live is None:
                     raise ModelNotReady(entry.name)
-                entry.live.set_params(params)
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
-            version = self.store.add_version(entry.name, params, optimizer_state, step)
+            # the store first: a refused write (full disk, replaced model) changes nothing served
+            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
+            with entry.lock:
+                if entry.live is None:
+                    raise ModelNotReady(entry.name)
+                entry.live.set_params(params)
             self._versions_changed(entry)
             return version
 
@@ -405,3 +523,12 @@ class Registry:
             entry.pinned.move_to_end(version)
             compiled.forward_to_host(x, out, self.forward_pool)  # under the lock: eviction closes copies
         return out
+
+
+def _reason(exc: BaseException) -> str:
+    """A load failure in the user's terms: mmad's own message, else the error's kind without paths."""
+    if isinstance(exc, MMADError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {exc.strerror or 'cannot be read'}"
+    return f"{type(exc).__name__}: {exc}"

@@ -12,10 +12,18 @@ A version exists once ``versions.json`` lists it: its weight and optimizer files
 (and fsynced) first, the listing last, so a crash at any point leaves either the old listing or
 the new one, never a listed version without its files. Files no listing names are leftovers of
 an interrupted write and are removed at startup. No pickle: JSON and safetensors only.
+
+Every writer of a model's directory (create, replace, delete, new versions and their pruning,
+datasets) holds that model's lock, and a version writer names the *incarnation* of the model it
+read its weights from: a model replaced or deleted meanwhile fails the write (409/404) instead of
+receiving versions of another model or bringing a deleted directory back. An OSError of a write
+leaves as ``StorageFull`` / ``StoreUnwritable`` / ``MMADError`` in the user's terms, without paths.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,11 +40,33 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load as st_load, save as st_save
 
-from mmad.errors import InvalidInput, ModelNotFound, MMADError
+from mmad.errors import (
+    ConflictError, InvalidInput, ModelNotFound, MMADError, StorageFull, StoreUnwritable,
+)
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 VERSION_RE = re.compile(r"^[1-9][0-9]{0,17}$")
 DATASET_RE = re.compile(r"^[0-9a-f]{32}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+@contextlib.contextmanager
+def store_write(what: str):
+    """Turn an OSError of a store write into mmad's tree: 507 for a full or read-only store, else a
+    plain error; the messages say what was not saved, never the path (it is the daemon's business)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in _FULL:
+            raise StorageFull(f"the model store is full (no space left on its disk or quota); {what} was "
+                              "not saved and nothing served changed") from exc
+        if exc.errno in _UNWRITABLE:
+            raise StoreUnwritable(f"the model store is read-only or not writable by the daemon; {what} was "
+                                  "not saved and nothing served changed") from exc
+        raise MMADError(f"the model store could not save {what}: "
+                        f"{exc.strerror or type(exc).__name__}") from exc
 
 
 def check_model_name(name: str) -> str:
@@ -121,6 +151,7 @@ class Store:
             raise MMADError(f"the model store {self.root} is in use by another mmad daemon") from exc
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._incarnations: dict[str, str] = {}  # name -> id of the directory now in place
         self.sweep_leftovers()
 
     def close(self) -> None:
@@ -140,8 +171,23 @@ class Store:
         return removed
 
     def lock(self, name: str) -> threading.Lock:
+        """The lock every writer of the model's directory holds (see the module docstring)."""
         with self._locks_guard:
             return self._locks.setdefault(name, threading.Lock())
+
+    def incarnation(self, name: str) -> str:
+        """An id of the model directory now in place; a replace or delete changes it."""
+        with self.lock(name):
+            if not self.exists(name):
+                raise ModelNotFound(f"unknown model {name!r}")
+            return self._incarnations.setdefault(name, uuid.uuid4().hex)
+
+    def _check_incarnation(self, name: str, incarnation: str | None, what: str) -> None:
+        """Under the model's lock: the directory is still the one the writer read its model from."""
+        if not self.exists(name):
+            raise ModelNotFound(f"model {name!r} was deleted; {what} was not saved")
+        if incarnation is not None and self._incarnations.get(name) != incarnation:
+            raise ConflictError(f"model {name!r} was replaced while {what} was being saved; it was not saved")
 
     def model_dir(self, name: str) -> Path:
         return self.models_dir / check_model_name(name)
@@ -166,49 +212,76 @@ class Store:
         """
         final = self.model_dir(name)
         staging = self.models_dir / f".new-{name}-{uuid.uuid4().hex}"
-        staging.mkdir()
         try:
-            entry = self._write_version_files(staging, "1", params, optimizer_state, step=0)
-            atomic_write(staging / "model.json", _dump_json(model_doc))
-            atomic_write(staging / "versions.json", _dump_json({"versions": [entry]}))
-            if final.exists():
-                trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
-                os.replace(final, trash)
-                os.replace(staging, final)
-                _fsync_dir(self.models_dir)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(staging, final)
-                _fsync_dir(self.models_dir)
+            with store_write(f"model {name!r}"):
+                staging.mkdir()
+                entry = self._write_version_files(staging, "1", params, optimizer_state, step=0)
+                atomic_write(staging / "model.json", _dump_json(model_doc))
+                atomic_write(staging / "versions.json", _dump_json({"versions": [entry]}))
+                with self.lock(name):  # the swap: no version writer is inside the old directory
+                    if final.exists() or final.is_symlink():
+                        trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
+                        os.replace(final, trash)
+                        os.replace(staging, final)
+                        _fsync_dir(self.models_dir)
+                        shutil.rmtree(trash, ignore_errors=True)
+                    else:
+                        os.replace(staging, final)
+                        _fsync_dir(self.models_dir)
+                    self._incarnations[name] = uuid.uuid4().hex
+                    shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
         return entry
 
     def delete_model(self, name: str) -> None:
         path = self.model_dir(name)
-        if not path.exists():
-            raise ModelNotFound(f"unknown model {name!r}")
-        trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
-        os.replace(path, trash)
-        _fsync_dir(self.models_dir)
-        shutil.rmtree(trash, ignore_errors=True)
-        shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
+        with self.lock(name), store_write(f"the deletion of model {name!r}"):
+            if not path.exists():
+                raise ModelNotFound(f"unknown model {name!r}")
+            trash = self.models_dir / f".old-{name}-{uuid.uuid4().hex}"
+            os.replace(path, trash)
+            _fsync_dir(self.models_dir)
+            self._incarnations.pop(name, None)
+            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
 
     def read_model_doc(self, name: str) -> dict[str, Any]:
         return json.loads((self.model_dir(name) / "model.json").read_bytes())
 
-    def write_model_doc(self, name: str, doc: dict[str, Any]) -> None:
-        atomic_write(self.model_dir(name) / "model.json", _dump_json(doc))
+    def write_model_doc(self, name: str, doc: dict[str, Any], incarnation: str | None = None) -> None:
+        with self.lock(name), store_write(f"the description of model {name!r}"):
+            self._check_incarnation(name, incarnation, "its description")
+            atomic_write(self.model_dir(name) / "model.json", _dump_json(doc))
 
     # -- versions -------------------------------------------------------------------------
     def versions(self, name: str) -> list[dict[str, Any]]:
+        """The acknowledged listing, its shape checked (a damaged one raises MMADError); an entry's
+        sha256 is checked with its file (``weights_bytes``), so one bad entry spoils only its version."""
         path = self.model_dir(name) / "versions.json"
         try:
-            return json.loads(path.read_bytes())["versions"]
+            data = path.read_bytes()
         except FileNotFoundError as exc:
             raise ModelNotFound(f"unknown model {name!r}") from exc
+        except OSError as exc:
+            raise MMADError(f"the version listing of model {name!r} cannot be read: {exc.strerror}") from exc
+        try:
+            listing = json.loads(data)["versions"]
+        except (ValueError, KeyError, TypeError) as exc:  # empty, truncated, flipped bytes, wrong shape
+            raise MMADError(f"the version listing of model {name!r} is damaged (not the expected JSON)") from exc
+        if not isinstance(listing, list) or not listing:
+            raise MMADError(f"the version listing of model {name!r} is damaged: it lists no version")
+        previous = 0
+        for v in listing:
+            if (not isinstance(v, dict) or not isinstance(v.get("version"), str)
+                    or not VERSION_RE.match(v["version"]) or int(v["version"]) <= previous):
+                raise MMADError(f"the version listing of model {name!r} is damaged: bad entry {v!r:.80}")
+            if isinstance(v.get("step"), bool) or not isinstance(v.get("step"), int):
+                raise MMADError(f"the version listing of model {name!r} is damaged: version {v['version']} "
+                                "has no step count")
+            previous = int(v["version"])
+        return listing
 
     def _write_version_files(self, model_dir: Path, version: str, params: dict[str, np.ndarray],
                              optimizer_state: dict[str, np.ndarray], step: int) -> dict[str, Any]:
@@ -219,15 +292,20 @@ class Store:
                 "sha256": hashlib.sha256(weights).hexdigest()}
 
     def add_version(self, name: str, params: dict[str, np.ndarray],
-                    optimizer_state: dict[str, np.ndarray], step: int) -> dict[str, Any]:
+                    optimizer_state: dict[str, np.ndarray], step: int,
+                    incarnation: str | None = None) -> dict[str, Any]:
         """Persist a new version; when this returns, it survives a crash (it is acknowledged).
+
+        ``incarnation`` (from :meth:`incarnation`) is the model the weights belong to: a model
+        replaced since raises ConflictError, a deleted one ModelNotFound, and nothing is written.
 
         With ``keep_versions`` set, the same listing write drops the oldest versions beyond it;
         their files go after it (a crash in between leaves files no listing names, which
         ``remove_unlisted_files`` clears when the model loads).
         """
         model_dir = self.model_dir(name)
-        with self.lock(name):
+        with self.lock(name), store_write(f"a new version of model {name!r}"):
+            self._check_incarnation(name, incarnation, "a new version")
             listing = self.versions(name)
             version = str(max((int(v["version"]) for v in listing), default=0) + 1)
             entry = self._write_version_files(model_dir, version, params, optimizer_state, step)
@@ -248,8 +326,15 @@ class Store:
 
     def weights_bytes(self, name: str, version: str) -> bytes:
         entry = self.version_entry(name, version)
-        data = (self.model_dir(name) / "weights" / f"{version}.safetensors").read_bytes()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        try:
+            data = (self.model_dir(name) / "weights" / f"{version}.safetensors").read_bytes()
+        except OSError as exc:
+            raise MMADError(f"stored weights of {name!r} version {version} cannot be read "
+                            f"({exc.strerror or type(exc).__name__})") from exc
+        expected = entry.get("sha256")
+        if not isinstance(expected, str) or not SHA256_RE.match(expected):  # this version only: others serve
+            raise MMADError(f"the listing of {name!r} version {version} has no valid sha256")
+        if hashlib.sha256(data).hexdigest() != expected:
             raise MMADError(f"stored weights of {name!r} version {version} do not match their sha256")
         return data
 
@@ -257,26 +342,36 @@ class Store:
         """(params, optimizer state) of one acknowledged version, sha256-checked."""
         params = tensors_from_bytes(self.weights_bytes(name, version), f"weights of {name} v{version}")
         opt_path = self.model_dir(name) / "optimizer" / f"{version}.safetensors"
-        optimizer_state = tensors_from_bytes(opt_path.read_bytes(), f"optimizer state of {name} v{version}")
+        try:
+            data = opt_path.read_bytes()
+        except OSError as exc:
+            raise MMADError(f"stored optimizer state of {name!r} version {version} cannot be read "
+                            f"({exc.strerror or type(exc).__name__})") from exc
+        optimizer_state = tensors_from_bytes(data, f"optimizer state of {name} v{version}")
         return params, optimizer_state
 
     def remove_unlisted_files(self, name: str) -> int:
         """Delete weight/optimizer files of versions that were never acknowledged."""
-        listed = {v["version"] for v in self.versions(name)}
         removed = 0
-        for sub in ("weights", "optimizer"):
-            for path in (self.model_dir(name) / sub).glob("*"):
-                if path.name.startswith(".") or path.name.removesuffix(".safetensors") not in listed:
-                    path.unlink(missing_ok=True)
-                    removed += 1
+        with self.lock(name):
+            listed = {v["version"] for v in self.versions(name)}
+            for sub in ("weights", "optimizer"):
+                folder = self.model_dir(name) / sub
+                if not folder.is_dir():  # missing or not a directory: the load reports the damage
+                    continue
+                for path in folder.glob("*"):
+                    if path.name.startswith(".") or path.name.removesuffix(".safetensors") not in listed:
+                        path.unlink(missing_ok=True)
+                        removed += 1
         return removed
 
     # -- datasets -------------------------------------------------------------------------
     def add_dataset(self, name: str, data: bytes) -> str:
-        if not self.exists(name):
-            raise ModelNotFound(f"unknown model {name!r}")
         dataset_id = uuid.uuid4().hex
-        atomic_write(self.datasets_dir / check_model_name(name) / f"{dataset_id}.safetensors", data)
+        with self.lock(check_model_name(name)), store_write(f"a dataset of model {name!r}"):
+            if not self.exists(name):  # a deleted model's datasets directory is not brought back
+                raise ModelNotFound(f"unknown model {name!r}")
+            atomic_write(self.datasets_dir / name / f"{dataset_id}.safetensors", data)
         return dataset_id
 
     def load_dataset(self, name: str, dataset_id: str) -> dict[str, np.ndarray]:
@@ -290,5 +385,5 @@ class Store:
         return tensors_from_bytes(data, "dataset")
 
 
-__all__ = ["Store", "atomic_write", "check_model_name", "check_version", "tensors_to_bytes",
+__all__ = ["Store", "atomic_write", "check_model_name", "check_version", "store_write", "tensors_to_bytes",
            "tensors_from_bytes", "MODEL_NAME_RE"]

@@ -35,8 +35,8 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
         "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, entry.spec.n_input_dims]}],
         "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, entry.spec.n_output_dims]}],
         "state": "READY" if entry.ready else "UNAVAILABLE", "reason": entry.reason,
-        "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"],
-        "step": entry.live.step_count if entry.live is not None else versions[-1]["step"],
+        "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"] if versions else "",
+        "step": entry.live.step_count if entry.live is not None else (versions[-1]["step"] if versions else 0),
         "queued_requests": entry.batcher.queued if entry.batcher is not None else 0,
         "spec": entry.spec.to_json(),
         "config": {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
@@ -126,7 +126,7 @@ async def delete_model(model: str, rt: Runtime = Depends(runtime)):
 @router.get("/v2/models/{model}/versions")
 async def list_versions(model: str, rt: Runtime = Depends(runtime)):
     versions = rt.registry.versions(model)
-    return json_response({"versions": versions, "latest": versions[-1]["version"]})
+    return json_response({"versions": versions, "latest": versions[-1]["version"] if versions else None})
 
 
 @router.post("/v2/models/{model}/versions", dependencies=[Depends(require_key)])

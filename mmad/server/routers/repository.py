@@ -25,9 +25,10 @@ async def index(request: Request, rt: Runtime = Depends(runtime)):
         ready = entry is not None and entry.ready
         if only_ready and not ready:
             continue
+        # a READY model's reason is empty unless some of its versions are damaged
+        reason = entry.reason if entry else rt.registry.unreadable.get(name, "not loaded")
         rows.append({"name": name, "version": rt.registry.latest_version(name) if entry else "",
-                     "state": "READY" if ready else "UNAVAILABLE",
-                     "reason": "" if ready else (entry.reason if entry else "not loaded")})
+                     "state": "READY" if ready else "UNAVAILABLE", "reason": reason})
     return json_response(rows)
 
 
