@@ -250,11 +250,6 @@ class Store:
     def read_model_doc(self, name: str) -> dict[str, Any]:
         return json.loads((self.model_dir(name) / "model.json").read_bytes())
 
-    def write_model_doc(self, name: str, doc: dict[str, Any], incarnation: str | None = None) -> None:
-        with self.lock(name), store_write(f"the description of model {name!r}"):
-            self._check_incarnation(name, incarnation, "its description")
-            atomic_write(self.model_dir(name) / "model.json", _dump_json(doc))
-
     # -- versions -------------------------------------------------------------------------
     def versions(self, name: str) -> list[dict[str, Any]]:
         """The acknowledged listing, its shape checked (a damaged one raises MMADError); an entry's
