@@ -22,9 +22,24 @@ ACTIVATIONS = (
     "Exponential", "Sine",
 )
 LOSSES = ("L2", "L1", "RelativeL2", "RelativeL1", "RelativeL2Luminance", "MAPE", "SMAPE", "Huber")
-# the integer each activation and loss has inside the kernels (CUDA, GLSL, WGSL): its index above
+# the integer each activation and loss has inside the kernels: its index above; CUDA and GLSL
+# sources name them by these macros (prepended by ``kernel_code_defines``, never written by hand)
 ACTIVATION_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 LOSS_CODES = {name: i for i, name in enumerate(LOSSES)}
+_ACTIVATION_MACROS = {"None": "ACT_NONE", "ReLU": "ACT_RELU", "LeakyReLU": "ACT_LEAKY", "Sigmoid": "ACT_SIGMOID",
+                      "Tanh": "ACT_TANH", "SiLU": "ACT_SILU", "Softplus": "ACT_SOFTPLUS",
+                      "Squareplus": "ACT_SQUAREPLUS", "Exponential": "ACT_EXP", "Sine": "ACT_SINE"}
+_LOSS_MACROS = {"L2": "LOSS_L2", "L1": "LOSS_L1", "RelativeL2": "LOSS_REL_L2", "RelativeL1": "LOSS_REL_L1",
+                "RelativeL2Luminance": "LOSS_REL_L2_LUM", "MAPE": "LOSS_MAPE", "SMAPE": "LOSS_SMAPE",
+                "Huber": "LOSS_HUBER"}
+
+
+def kernel_code_defines() -> str:
+    """``#define ACT_RELU 1`` ... and ``#define LOSS_L2 0`` ...: the activation and loss codes as
+    the CUDA and GLSL kernels name them, from ``ACTIVATION_CODES`` / ``LOSS_CODES``."""
+    lines = [f"#define {_ACTIVATION_MACROS[n]} {c}" for n, c in ACTIVATION_CODES.items()]
+    lines += [f"#define {_LOSS_MACROS[n]} {c}" for n, c in LOSS_CODES.items()]
+    return "\n".join(lines) + "\n"
 OPTIMIZERS = ("Adam", "SGD")
 ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -428,5 +443,5 @@ def bench_spec(name: str, **overrides: Any) -> MLPSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES",
+__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES", "kernel_code_defines",
            "OPTIMIZERS", "ENCODINGS", "PRECISIONS", "MLP_OTYPES"]

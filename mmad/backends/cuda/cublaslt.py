@@ -19,7 +19,7 @@ from mmad.backends.cuda.toolchain import (
 )
 from mmad.errors import InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 log = logging.getLogger("mmad.backends.cuda")
 
@@ -107,7 +107,7 @@ class CublasLtModel(CudaModel):
             "OUT_ACT": ACTIVATION_CODES[s.output_activation], "LOSS": LOSS_CODES[s.loss],
             "HUBER_DELTA": f32_literal(s.huber_delta), "STORE_DACT": int(self.store_dact), **optimizer_defines(s),
         }
-        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_elementwise.cu")
 
     # -- plumbing ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from mmad.backends.cuda.toolchain import (
 )
 from mmad.errors import InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 MMA_MAX_WIDTH = 256  # wider than 256 would not fit the fused kernels' registers
 WARPS_PER_BLOCK = 4  # warps per block of the mma kernels (2-16 measured within 12%: docs/gpu-notes-cuda.md)
@@ -150,7 +150,7 @@ class MmaPlan:
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
             **optimizer_defines(s),
         }
-        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_mma.cu")
 
 

@@ -29,7 +29,7 @@ from mmad.backends.cuda.toolchain import (
 )
 from mmad.errors import CompileError, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 WGMMA_OFF = ("wgmma is off by default: on the H100/H200 it ran correctly but slower than mma.sync on "
              "small models (docs/cuda.md); set MMAD_CUDA_WGMMA=1 to enable")
@@ -265,7 +265,7 @@ class WgmmaPlan:
             "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes, "X_STAGES": self.x_stages,
             "MIN_BLOCKS": 1,
         }
-        head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
                 + self._wrappers() + read_source("cuda/mlp_wgmma.cu"))
 

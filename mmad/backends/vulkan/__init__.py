@@ -43,7 +43,7 @@ from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 log = logging.getLogger("mmad.vulkan")
 
@@ -228,7 +228,8 @@ class Geometry:
         out of the others lets models of one padded geometry share their pipelines.
         """
         off = self.offsets()
-        lines = [f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}", f"#define HIST_CAP {HIST_CAP}",
+        lines = [kernel_code_defines().rstrip("\n"), f"#define HIST_CAP {HIST_CAP}",
+                 f"#define THREADS {self.threads}", f"#define R {self.rows_per_tile}",
                  f"#define KMAX {self.kmax}", f"#define N_LAYERS {self.n_layers}",
                  f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}",
                  f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]

@@ -1,30 +1,11 @@
 // Helpers shared by mlp_mma.cu and mlp_elementwise.cu: fp16 packing, mma.sync, activations
 // (value and derivative, numerics.py's definitions) and the per-element loss.
-// Needs ACT (hidden activation) and LOSS / HUBER_DELTA defined before it.
+// Needs ACT (hidden activation) and LOSS / HUBER_DELTA defined before it, and the ACT_* / LOSS_*
+// codes (mmad.spec.kernel_code_defines, prepended with them).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
-
-#define ACT_NONE 0
-#define ACT_RELU 1
-#define ACT_LEAKY 2
-#define ACT_SIGMOID 3
-#define ACT_TANH 4
-#define ACT_SILU 5
-#define ACT_SOFTPLUS 6
-#define ACT_SQUAREPLUS 7
-#define ACT_EXP 8
-#define ACT_SINE 9
-
-#define LOSS_L2 0
-#define LOSS_L1 1
-#define LOSS_REL_L2 2
-#define LOSS_REL_L1 3
-#define LOSS_REL_L2_LUM 4
-#define LOSS_MAPE 5
-#define LOSS_SMAPE 6
-#define LOSS_HUBER 7
 
 // ---- small helpers -------------------------------------------------------------------------
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {

@@ -16,17 +16,7 @@ layout(constant_id = 2) const int LOSS_ID_SPEC = -1;
 layout(constant_id = 3) const float LOSS_SCALE = 128.0;
 layout(constant_id = 5) const int ROUND_FP16 = 1;
 
-// activation ids: the order of mmad.spec.ACTIVATIONS
-#define ACT_NONE 0
-#define ACT_RELU 1
-#define ACT_LEAKY 2
-#define ACT_SIGMOID 3
-#define ACT_TANH 4
-#define ACT_SILU 5
-#define ACT_SOFTPLUS 6
-#define ACT_SQUAREPLUS 7
-#define ACT_EXP 8
-#define ACT_SINE 9
+// ACT_* and LOSS_* codes: mmad.spec.kernel_code_defines, in the header placed before this file
 
 // Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage
 // (ROUND_FP16 = 0: no rounding, precision fp32). Integer arithmetic, the same on every
@@ -113,14 +103,6 @@ vec4 activation_grad4(int id, vec4 z) {
 }
 
 // loss ids: the order of mmad.spec.LOSSES
-#define LOSS_L2 0
-#define LOSS_L1 1
-#define LOSS_REL_L2 2
-#define LOSS_REL_L1 3
-#define LOSS_REL_L2_LUM 4
-#define LOSS_MAPE 5
-#define LOSS_SMAPE 6
-#define LOSS_HUBER 7
 #define LOSS_EPSILON 0.01
 
 // Per-element loss value (x) and d value / d pred (y), tiny-cuda-nn's definitions
