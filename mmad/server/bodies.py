@@ -76,7 +76,7 @@ def _tensor_offset(header_length: str, size: int) -> int:
 async def read_tensor_body(request: Request) -> bytes | memoryview:
     """The body of a tensor request in one buffer of its Content-Length, tensors aligned (no joins).
 
-    Large infer bodies arrive already read in place by :mod:`mmad.server.http` (one message,
+    Large infer bodies arrive already read in place by :mod:`mmad.server.protocol` (one message,
     a :func:`tensor_buffer`); anything else is streamed into a :func:`tensor_buffer`. The
     middleware has already refused a Content-Length over the cap and counts what streams in.
     """
