@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -40,10 +41,10 @@ def _case_map(allowed: tuple[str, ...]) -> dict[str, str]:
 def _pick(where: str, value: Any, allowed: tuple[str, ...]) -> str:
     """Match ``value`` against ``allowed`` case-insensitively (tiny-cuda-nn does too)."""
     if not isinstance(value, str):
-        raise SpecError(where, f"must be a string, one of {', '.join(allowed)}; got {value!r}")
+        raise SpecError(where, f"must be a string, one of {', '.join(allowed)}; got {_short(value)}")
     found = _case_map(allowed).get(value.lower())
     if found is None:
-        raise SpecError(where, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
+        raise SpecError(where, f"unknown value {_short(value)}; allowed: {', '.join(allowed)}")
     return found
 
 
@@ -52,7 +53,7 @@ def _int(where: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise SpecError(where, f"must be an integer from {lo} to {hi}; got {value!r}")
+            raise SpecError(where, f"must be an integer from {lo} to {hi}; got {_short(value)}")
     if not lo <= value <= hi:
         raise SpecError(where, f"must be from {lo} to {hi}; got {value}")
     return value
@@ -60,7 +61,7 @@ def _int(where: str, value: Any, lo: int, hi: int) -> int:
 
 def _float(where: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(where, f"must be a number; got {value!r}")
+        raise SpecError(where, f"must be a number; got {_short(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise SpecError(where, f"must be finite; got {value}")
@@ -85,8 +86,14 @@ def _mapping(where: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+# reprlib stops at a depth and a length: repr() of a value nested ~1,000 deep raised
+# RecursionError (a 500 instead of this error), and of a large one cost its whole size
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother = 3, 4, 6, 40, 40
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -140,7 +147,7 @@ class EncodingSpec:
         _check_keys(where, doc, {"otype", "nested"})
         parts_doc = doc.get("nested")
         if not isinstance(parts_doc, list) or not parts_doc:
-            raise SpecError(f"{where}.nested", f"must be a non-empty list of encodings; got {parts_doc!r}")
+            raise SpecError(f"{where}.nested", f"must be a non-empty list of encodings; got {_short(parts_doc)}")
         parts, left = [], n_input_dims
         for i, part_doc in enumerate(parts_doc):
             part = EncodingSpec.parse(f"{where}.nested[{i}]", part_doc, n_input_dims, nested=True)
@@ -297,7 +304,7 @@ class MLPSpec:
         delta = 1.0
         if "delta" in loss_doc:
             if loss != "Huber":
-                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss} (got {loss_doc['delta']!r})")
+                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss} (got {_short(loss_doc['delta'])})")
             delta = _float("loss.delta", loss_doc["delta"], 0.0, 1e6, lo_open=True)
 
         optimizer = OptimizerSpec.parse("optimizer", doc.get("optimizer", {"otype": "Adam"}))
