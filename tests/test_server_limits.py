@@ -344,6 +344,17 @@ def test_infer_response_compressed_when_accepted(daemon, http, encoding, unpack)
     assert rel_err(out16, oracle(http, "demo", x.astype(np.float16).astype(np.float32))) <= 1e-5
 
 
+@pytest.mark.parametrize("accept, chosen", [
+    ("gzip", "gzip"), ("deflate", "deflate"), ("gzip, deflate, br, zstd", "gzip"), ("deflate, gzip", "deflate"),
+    ("gzip;q=0.5, deflate;q=0.8", "deflate"), ("gzip;q=0, deflate", "deflate"), ("identity, gzip", None),
+    ("br", None), ("*", None), ("", None),
+])
+def test_accept_encoding_chosen_as_triton_does(accept, chosen):
+    from mmad.server.tensors import accepted_encoding
+
+    assert accepted_encoding(accept) == chosen
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_tritonclient_response_compression(daemon, http, algorithm):
     th = pytest.importorskip("tritonclient.http")

@@ -101,21 +101,24 @@ async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
 
 
 def accepted_encoding(accept: str | None) -> str | None:
-    """``gzip`` or ``deflate`` if the client's Accept-Encoding takes one (gzip first), else None."""
+    """``gzip`` or ``deflate`` as Triton picks from Accept-Encoding: the highest q among identity,
+    deflate and gzip (q defaults to 1), the first listed on a tie; None for identity."""
     if not accept:
         return None
-    taken = set()
+    best, weight = None, 0.0
     for part in accept.lower().split(","):
         coding, _, params = part.partition(";")
-        q = params.strip()
-        if q.startswith("q="):
+        q = 1.0
+        params = params.strip()
+        if params.startswith("q="):
             try:
-                if float(q[2:]) <= 0:
-                    continue
+                q = float(params[2:])
             except ValueError:
                 continue
-        taken.add(coding.strip())
-    return next((c for c in ("gzip", "deflate") if c in taken), None)
+        coding = coding.strip()
+        if coding in ("identity", "deflate", "gzip") and q > weight:
+            best, weight = coding, q
+    return None if best == "identity" else best
 
 
 # float tensors shrink little however hard zlib works; level 1 costs a fraction of the default's time
