@@ -130,12 +130,15 @@ class DirectBodyProtocol(asyncio.BufferedProtocol):
             return
         if http.direct is None:
             if http.in_head:
-                http.head_started(nbytes)
+                http.head_bytes += nbytes
             http.data_received(bytes(scratch_buffer()[:nbytes]))
-            # counted per read, so a head may run past the cap by at most one read (256 KiB)
-            if http.in_head and http.head_bytes > self.limits.max_header_bytes:
-                http.refuse(431, "Request Header Fields Too Large",
-                            f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
+            if http.in_head and http.head_bytes:  # a head began in this read or before and is not complete
+                # counted per read, so a head may run past the cap by at most one read (256 KiB)
+                if http.head_bytes > self.limits.max_header_bytes:
+                    http.refuse(431, "Request Header Fields Too Large",
+                                f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
+                else:
+                    http.start_head_timer()
             return
         http.filled += nbytes
         if http.filled == len(http.direct):
@@ -170,11 +173,11 @@ class _HttpToolsDirect(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # -- the request head: its time and its size ------------------------------------------
-    def head_started(self, nbytes: int) -> None:
-        self.head_bytes += nbytes
-        if self.head_timer is None:
-            # from the head's first byte: uvicorn's keep-alive timer stops at that byte, so one byte
-            # a second held a connection for ever
+    def start_head_timer(self) -> None:
+        """From the first read of an incomplete head (a head that arrives whole in one read needs
+        none): uvicorn's keep-alive timer stops at the first byte, so one byte a second held a
+        connection for ever."""
+        if self.head_timer is None and not self.transport.is_closing():
             self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
 
     def _head_timed_out(self) -> None:
