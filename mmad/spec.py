@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -55,10 +56,10 @@ def _case_map(allowed: tuple[str, ...]) -> dict[str, str]:
 def _pick(where: str, value: Any, allowed: tuple[str, ...]) -> str:
     """Match ``value`` against ``allowed`` case-insensitively (tiny-cuda-nn does too)."""
     if not isinstance(value, str):
-        raise SpecError(where, f"must be a string, one of {', '.join(allowed)}; got {value!r}")
+        raise SpecError(where, f"must be a string, one of {', '.join(allowed)}; got {_short(value)}")
     found = _case_map(allowed).get(value.lower())
     if found is None:
-        raise SpecError(where, f"unknown value {value!r}; allowed: {', '.join(allowed)}")
+        raise SpecError(where, f"unknown value {_short(value)}; allowed: {', '.join(allowed)}")
     return found
 
 
@@ -67,7 +68,7 @@ def _int(where: str, value: Any, lo: int, hi: int) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise SpecError(where, f"must be an integer from {lo} to {hi}; got {value!r}")
+            raise SpecError(where, f"must be an integer from {lo} to {hi}; got {_short(value)}")
     if not lo <= value <= hi:
         raise SpecError(where, f"must be from {lo} to {hi}; got {value}")
     return value
@@ -75,7 +76,7 @@ def _int(where: str, value: Any, lo: int, hi: int) -> int:
 
 def _float(where: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(where, f"must be a number; got {value!r}")
+        raise SpecError(where, f"must be a number; got {_short(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise SpecError(where, f"must be finite; got {value}")
@@ -100,8 +101,14 @@ def _mapping(where: str, value: Any) -> Mapping[str, Any]:
     return value
 
 
+# reprlib stops at a depth and a length: repr() of a value nested ~1,000 deep raised
+# RecursionError (a 500 instead of this error), and of a large one cost its whole size
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxstring, _SHORT.maxother = 3, 4, 6, 40, 40
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -376,7 +383,7 @@ class MLPSpec:
         delta = 1.0
         if "delta" in loss_doc:
             if loss != "Huber":
-                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss} (got {loss_doc['delta']!r})")
+                raise SpecError("loss.delta", f"only applies to the Huber loss, not {loss} (got {_short(loss_doc['delta'])})")
             delta = _float("loss.delta", loss_doc["delta"], 0.0, 1e6, lo_open=True)
 
         optimizer = OptimizerSpec.parse("optimizer", doc.get("optimizer", {"otype": "Adam"}))

@@ -56,3 +56,27 @@ def test_dockerfile_copies_every_package_and_serves_from_the_volume():
     assert 'ENTRYPOINT ["mmad", "serve"]' in text
     assert "MMAD_STORE_DIR=/data/" in text and 'VOLUME ["/data"]' in text
     assert "/v2/health/ready" in text
+
+
+def test_compose_publishes_on_loopback_and_takes_the_key_from_a_secret():
+    doc = yaml.safe_load(COMPOSE.read_text())
+    for name in ("mmad", "mmad-cpu"):
+        service = doc["services"][name]
+        for port in service["ports"]:
+            # "${ADDR:-127.0.0.1}:${PORT:-8000}:8000": the default address is the loopback one
+            address = re.match(r"\$\{MMAD_PUBLISH_ADDR:-([^}]*)\}:", port)
+            assert address and address.group(1) == "127.0.0.1", port
+        env = service["environment"]
+        # the key itself in the environment would show in `docker inspect`
+        assert "MMAD_API_KEY" not in env, name
+        assert env["MMAD_API_KEY_FILE"] == "/run/secrets/mmad_api_key"
+        assert service["secrets"] == ["mmad_api_key"]
+    assert "file" in doc["secrets"]["mmad_api_key"]
+    assert "/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_docs_pass_the_key_by_file_not_on_the_command_line():
+    service_md = (ROOT / "docs" / "service.md").read_text()
+    commands = [line for line in service_md.splitlines() if line.lstrip().startswith(("mmad serve", "python -m mmad"))]
+    assert commands and not any("--api-key " in line or "--api-key=" in line for line in commands)
+    assert "--api-key-file" in service_md and "MMAD_API_KEY_FILE" in service_md

@@ -54,8 +54,7 @@ class InferRequest:
 
     @property
     def id(self) -> str | None:
-        value = self.header.get("id")
-        return value if isinstance(value, str) else None
+        return self.header.get("id")  # a string: parse_infer_request refuses anything else
 
 
 def parse_header_length(value: str | None, body_len: int) -> int | None:
@@ -82,6 +81,22 @@ def _shape(where: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _bool_parameter(where: str, params: dict[str, Any], name: str) -> None:
+    """Triton refuses parameters of the wrong type (the string "false" is no boolean: read as
+    truthy, it asked for the opposite)."""
+    if name in params and not isinstance(params[name], bool):
+        raise InvalidInput(f"{where}.{name} must be a boolean (true or false); got {_json_word(params[name])}")
+
+
+def _has_bool(data: Any) -> bool:
+    """Whether nested JSON arrays hold a boolean: NumPy reads ``[true, 0.5]`` as ``[1.0, 0.5]``."""
+    if isinstance(data, list):
+        if data and isinstance(data[0], list):
+            return any(_has_bool(row) for row in data)
+        return bool in map(type, data)
+    return type(data) is bool
+
+
 def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
     """Nested or flat JSON numbers → float32 of ``shape``; errors in the request's own terms."""
     try:
@@ -89,7 +104,9 @@ def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
     except (ValueError, TypeError) as exc:  # ragged nesting, or numbers beside lists
         raise InvalidInput(f"{where}.data must be numbers, nested like the shape or flat; its rows have "
                            "different lengths (or mix numbers and lists)") from exc
-    if array.dtype.kind not in "fiu":  # text, true/false, null, or integers too large for 64 bits
+    if _has_bool(data):  # NumPy would read true as 1.0 (Triton refuses it)
+        raise InvalidInput(f"{where}.data must hold only numbers; got true or false")
+    if array.dtype.kind not in "fiu":  # text, null, or integers too large for 64 bits
         for v in array.flat:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise InvalidInput(f"{where}.data must hold only numbers; got {_json_word(v)}")
@@ -115,6 +132,10 @@ def _json_word(value: Any) -> str:
         return "the text " + orjson.dumps(text if len(text) <= 20 else text[:17] + "...").decode()
     if isinstance(value, dict):
         return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
     return f"a {type(value).__name__}"
 
 
@@ -131,9 +152,12 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
         raise InvalidInput(f"{what} is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise InvalidInput("the request must be a JSON object")
+    if "id" in header and not isinstance(header["id"], str):  # Triton: 400 "Unable to parse 'id'"
+        raise InvalidInput(f"id must be a string; got {_json_word(header['id'])}")
     parameters = header.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput("parameters must be a JSON object")
+    _bool_parameter("parameters", parameters, "binary_data_output")
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("inputs must be a non-empty list of tensors")
@@ -199,7 +223,8 @@ class OutputChoice:
 
 def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list[OutputChoice]:
     """Which outputs to return, in which encoding (``binary_data``) and datatype."""
-    default_binary = bool(request.parameters.get("binary_data_output", False))
+    _bool_parameter("parameters", request.parameters, "binary_data_output")
+    default_binary = request.parameters.get("binary_data_output", False)
     default_dtype = request.parameters.get("output_datatype", "FP32")
     asked = request.header.get("outputs")
     if asked is None or asked == []:
@@ -215,7 +240,8 @@ def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list
         params = out.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(f"outputs[{i}].parameters must be a JSON object")
-        binary = bool(params.get("binary_data", default_binary))
+        _bool_parameter(f"outputs[{i}].parameters", params, "binary_data")
+        binary = params.get("binary_data", default_binary)
         datatype = params.get("output_datatype", default_dtype)
         if datatype not in WIRE_DTYPES:
             raise InvalidInput(f"output_datatype must be one of {', '.join(WIRE_DTYPES)}; got {datatype!r}")
@@ -226,6 +252,35 @@ def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list
             raise InvalidInput("the classification extension is not supported")
         choices.append(OutputChoice(out["name"], binary, datatype))
     return choices
+
+
+# the most bytes one FP32 value takes in a JSON response ("-1.2345678e-38" and a comma): the
+# bound is checked before the forward, when only the count of values is known
+JSON_VALUE_BYTES = 16
+
+
+def check_response_size(outputs: list[OutputChoice], shape: tuple[int, ...], limit: int) -> None:
+    """Refuse, before any work, a response larger than ``limit`` bytes (JSON outputs at their
+    largest): a 61 MiB FP16 request could otherwise ask for a 520 MiB JSON response."""
+    values = math.prod(shape)
+    size = sum(values * (WIRE_DTYPES[o.datatype].itemsize if o.binary else JSON_VALUE_BYTES) for o in outputs)
+    if size <= limit:
+        return
+    mib = 1024 * 1024
+    if all(o.binary for o in outputs):
+        hint = "send fewer rows per request, or ask for FP16 outputs (parameters.output_datatype)"
+        what = f"{size / mib:.1f} MiB of binary data"
+    else:
+        binary = values * 4
+        hint = (f"ask for binary output (parameters.binary_data_output: true, {binary / mib:.1f} MiB as FP32) "
+                "or send fewer rows per request")
+        what = f"up to {size / mib:.1f} MiB ({values} values as JSON)"
+    raise ResponseTooLarge(f"the response would be {what} for output shape {list(shape)}; the limit is "
+                           f"{limit / mib:.1f} MiB (max_response_bytes); {hint}")
+
+
+class ResponseTooLarge(InvalidInput):
+    """A request valid in itself whose response would pass ``max_response_bytes`` (400)."""
 
 
 def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoice, np.ndarray]]

@@ -10,23 +10,33 @@ import numpy as np
 from fastapi import Request, Response
 
 from mmad.errors import MMADError, ModelNotReady, NotReady
-from mmad.server.binary import binary_response_buffer, encode_infer_response, requested_outputs
+from mmad.server.binary import (
+    binary_response_buffer, check_response_size, encode_infer_response, requested_outputs,
+)
 from mmad.server.deps import Runtime
 from mmad.server.errors import mmad_error_response, status_for
+from mmad.server.metrics import UNKNOWN_MODEL
 from mmad.server.registry import INPUT, OUTPUT
 from mmad.server.store import check_model_name
 from mmad.server.tensors import (
-    INLINE_TENSOR_VALUES, check_finite_input, model_tensors, parse_tensors, tensor_response,
+    INLINE_TENSOR_VALUES, accepted_encoding, check_finite_input, compress, model_tensors, parse_tensors,
+    tensor_response,
 )
+
+INLINE_COMPRESS_BYTES = 64 * 1024
 
 
 async def infer_request(request: Request, rt: Runtime, model: str, version: str | None) -> Response:
     registry, stats = rt.registry, None
-    labels = (check_model_name(model), registry.backend_label)
-    rt.metrics.requests.labels(*labels, "infer").inc()
+    check_model_name(model)
+    # series only for models that exist: labelled before the lookup, any name a client made up
+    # added series for good (45k names: RSS +73 MiB, a 3 s scrape)
+    labels = (UNKNOWN_MODEL, registry.backend_label)
     t0 = time.perf_counter_ns()
     try:
         entry = registry.get(model)
+        labels = (model, registry.backend_label)
+        rt.metrics.requests.labels(*labels, "infer").inc()
         stats = entry.stats  # failures of a known model count in its statistics, not-ready included
         entry = registry.get_ready(model)
         if version is not None:
@@ -48,6 +58,7 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
             if parsed.id is not None:
                 header["id"] = parsed.id
             out_shape = (x.shape[0], entry.spec.n_output_dims)
+            check_response_size(outputs, out_shape, rt.settings.max_response_bytes)
             body, out = None, None
             if len(outputs) == 1 and outputs[0].binary:  # the forward writes (and casts) into the response
                 body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
@@ -77,6 +88,8 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         if stats is not None:
             with stats.lock:
                 stats.fail.add(time.perf_counter_ns() - t0)
+        if labels[0] is UNKNOWN_MODEL:
+            rt.metrics.requests.labels(*labels, "infer").inc()
         rt.metrics.failures.labels(*labels, "infer", str(status_for(exc))).inc()
         raise
     t3 = time.perf_counter_ns()
@@ -89,7 +102,13 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         stats.compute_infer.add(compute_ns)
         stats.compute_output.add(t3 - t2)
     rt.metrics.queue_seconds.labels(*labels).observe(queue_ns / 1e9)
-    return tensor_response(body, header_length)
+    encoding = accepted_encoding(request.headers.get("accept-encoding"))
+    if encoding is not None:  # as Triton: the whole body, Inference-Header-Content-Length uncompressed
+        if len(body) <= INLINE_COMPRESS_BYTES:
+            body = compress(body, encoding)
+        else:
+            body = await registry.run(compress, body, encoding)
+    return tensor_response(body, header_length, encoding)
 
 
 class InferFastPath:

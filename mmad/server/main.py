@@ -27,8 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", dest="store_dir", help="model store directory (MMAD_STORE_DIR)")
     p.add_argument("--backend", help="cuda|vulkan|wgpu|cpu[:variant] (MMAD_BACKEND, default: best available)")
     p.add_argument("--probe", help="backends listed in /v2/devices: 'all' or a comma list (MMAD_PROBE)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on mutating endpoints (MMAD_API_KEY)")
+    p.add_argument("--api-key-file", help="file holding the key that mutating endpoints require as "
+                                          "'Authorization: Bearer KEY' (MMAD_API_KEY_FILE)")
+    p.add_argument("--api-key", help="the key itself; visible to every user of the host in the process list, "
+                                     "prefer --api-key-file or MMAD_API_KEY (MMAD_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (MMAD_MAX_BODY_BYTES, default 64 MiB)")
+    p.add_argument("--max-response-bytes", type=int,
+                   help="infer response cap, JSON outputs estimated (MMAD_MAX_RESPONSE_BYTES, default 256 MiB)")
+    p.add_argument("--max-connections", type=int, help="open connections before 503 (MMAD_MAX_CONNECTIONS, default 2048)")
+    p.add_argument("--idle-timeout", dest="idle_timeout_s", type=float,
+                   help="seconds a connection may wait between requests (MMAD_IDLE_TIMEOUT_S, default 5)")
+    p.add_argument("--head-timeout", dest="head_timeout_s", type=float,
+                   help="seconds for a request line and headers to arrive (MMAD_HEAD_TIMEOUT_S, default 10)")
+    p.add_argument("--max-header-bytes", type=int,
+                   help="request line + headers cap, 431 beyond (MMAD_MAX_HEADER_BYTES, default 64 KiB)")
     p.add_argument("--max-batch-rows", type=int, help="dynamic batching: rows per launch (MMAD_MAX_BATCH_ROWS)")
     p.add_argument("--max-queue-delay-us", type=int, help="dynamic batching: longest wait (MMAD_MAX_QUEUE_DELAY_US)")
     p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
@@ -80,16 +92,46 @@ def limit_blas_threads(threads: int) -> None:
 
 def http_protocol(settings: Settings):
     """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.protocol`'s
-    protocol, which reads large infer bodies in place; h11 as uvicorn has it."""
+    protocol, which reads large infer bodies in place and bounds connections; h11 as uvicorn has it."""
     if settings.http == "h11":
+        log.warning("--http h11: the connection cap, the request head timeout and the header size cap "
+                    "apply only with httptools (docs/reliability.md)")
         return "h11"
     try:
         import httptools  # noqa: F401
     except ImportError:  # as uvicorn does: auto falls back to h11, an explicit httptools fails at start-up
         return settings.http
-    from mmad.server.protocol import protocol_class
+    from mmad.server.protocol import ConnectionLimits, protocol_class
 
-    return protocol_class(settings.max_body_bytes)
+    return protocol_class(settings.max_body_bytes, ConnectionLimits(
+        max_connections=connection_cap(settings.max_connections), head_timeout_s=settings.head_timeout_s,
+        max_header_bytes=settings.max_header_bytes))
+
+
+FD_RESERVE = 256  # descriptors kept for the store, devices, logs and the listening socket
+
+
+def connection_cap(wanted: int) -> int:
+    """``wanted`` connections, or fewer if the descriptor limit (raised to its hard limit) cannot
+    hold them: past it accept() fails and even health probes go unanswered."""
+    try:
+        import resource
+    except ImportError:
+        return wanted
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = max(1, soft - FD_RESERVE)
+        log.warning("max_connections %d lowered to %d: the open-file limit is %d", wanted, cap, soft)
+        return cap
+    return wanted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmad serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_key is not None:
+        log.warning("--api-key puts the key in the process list, where every user of this host can read it "
+                    "(/proc/PID/cmdline); use --api-key-file or MMAD_API_KEY")
 
     limit_blas_threads(settings.blas_threads)
     import uvicorn
@@ -126,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             loop=settings.loop, http=http_protocol(settings),
+                            timeout_keep_alive=settings.idle_timeout_s,
                             timeout_graceful_shutdown=settings.graceful_timeout_s, lifespan="on",
                             access_log=settings.log_level == "debug")
     server = GracefulServer(config)

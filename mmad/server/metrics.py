@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LABELS = ("model", "backend")
+# the ``model`` label of requests naming no model the daemon has (not a valid model name, so
+# it cannot collide with one): one series for all of them, however many names clients invent
+UNKNOWN_MODEL = "(unknown)"
 SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 ROW_BUCKETS = tuple(float(2 ** i) for i in range(0, 21, 2))
 

@@ -14,14 +14,26 @@ receives the body as one message (a memoryview of that buffer). Request lines, h
 every other body still go through uvicorn's parser and its own handling. (A wrapper, not a
 subclass: uvloop reads into a buffered protocol's buffers only when it is no
 ``asyncio.Protocol``, which uvicorn's is.)
+
+It also bounds what a connection may cost (:class:`ConnectionLimits`, docs/reliability.md):
+connections past ``max_connections`` are answered 503 and closed before anything is read; a
+connection that sends nothing is closed after uvicorn's keep-alive timeout; a request line and
+headers must arrive within ``head_timeout_s`` of their first byte (408, slowloris) and within
+``max_header_bytes`` (431: httptools itself accumulates a header of any size); and reads outside
+a direct body go into one scratch buffer per thread, not one per connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import httptools
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from mmad.server.bodies import tensor_buffer
@@ -29,25 +41,75 @@ from mmad.server.bodies import tensor_buffer
 DIRECT_BODY_MIN = 256 * 1024
 SCRATCH_BYTES = 256 * 1024  # reads outside a direct body (uvloop's own read size)
 
+log = logging.getLogger("mmad.server")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_connections: int = 2048
+    head_timeout_s: float = 10.0
+    max_header_bytes: int = 64 * 1024
+
+
+_scratch = threading.local()
+
+
+def scratch_buffer() -> memoryview:
+    """The event loop thread's read buffer, shared by its connections: each read is copied out
+    (into the parser) in the ``buffer_updated`` call that follows it, before any other connection
+    reads. One per connection held 256 KiB each: 2,000 idle sockets cost 523 MiB."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = memoryview(bytearray(SCRATCH_BYTES))
+    return buffer
+
+
+def raw_response(status: int, reason: str, message: str, extra: str = "") -> bytes:
+    """A complete ``Connection: close`` response written by the protocol itself (no request cycle)."""
+    body = orjson.dumps({"error": message})
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}connection: close\r\n\r\n").encode("latin-1") + body
+
+
+WARN_EVERY_S = 10.0
+
 
 class DirectBodyProtocol(asyncio.BufferedProtocol):
     """See the module docstring; ``max_body_bytes`` is set by :func:`protocol_class`."""
 
     max_body_bytes = 0
+    limits = ConnectionLimits()
+    _warned: ClassVar[list[float]] = [0.0]  # when a refusal was last logged (per server class)
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self.http = _HttpToolsDirect(self.max_body_bytes, *args, **kwargs)
-        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self.http = _HttpToolsDirect(self.max_body_bytes, self.limits, *args, **kwargs)
+        self.refused = False
 
     # -- the transport's calls, for uvicorn's protocol --------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        open_now = len(self.http.connections)
+        if open_now >= self.limits.max_connections:
+            # refused before uvicorn sees it: no parser state, no timers, the descriptor freed at once
+            self.refused = True
+            now = time.monotonic()
+            if now - self._warned[0] >= WARN_EVERY_S:
+                self._warned[0] = now
+                log.warning("connection refused: %d connections are open (max_connections %d)",
+                            open_now, self.limits.max_connections)
+            transport.write(raw_response(  # type: ignore[attr-defined]
+                503, "Service Unavailable",
+                f"too many connections: {open_now} are open, the limit is {self.limits.max_connections}",
+                "retry-after: 1\r\n"))
+            transport.close()
+            return
         self.http.connection_made(transport)  # type: ignore[arg-type]
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.http.connection_lost(exc)
+        if not self.refused:
+            self.http.connection_lost(exc)
 
     def eof_received(self) -> bool | None:
-        return self.http.eof_received()
+        return None if self.refused else self.http.eof_received()
 
     def pause_writing(self) -> None:
         self.http.pause_writing()
@@ -60,12 +122,23 @@ class DirectBodyProtocol(asyncio.BufferedProtocol):
         http = self.http
         if http.direct is not None:  # never past the body: the next request goes to the parser
             return http.direct[http.filled:]
-        return self._scratch
+        return scratch_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         http = self.http
+        if self.refused or http.parser is None:
+            return
         if http.direct is None:
-            http.data_received(bytes(self._scratch[:nbytes]))
+            if http.in_head:
+                http.head_bytes += nbytes
+            http.data_received(bytes(scratch_buffer()[:nbytes]))
+            if http.in_head and http.head_bytes:  # a head began in this read or before and is not complete
+                # counted per read, so a head may run past the cap by at most one read (256 KiB)
+                if http.head_bytes > self.limits.max_header_bytes:
+                    http.refuse(431, "Request Header Fields Too Large",
+                                f"the request line and headers exceed {self.limits.max_header_bytes} bytes")
+                else:
+                    http.start_head_timer()
             return
         http.filled += nbytes
         if http.filled == len(http.direct):
@@ -78,13 +151,67 @@ class DirectBodyProtocol(asyncio.BufferedProtocol):
 class _HttpToolsDirect(HttpToolsProtocol):
     """uvicorn's protocol, deciding at each request's headers whether its body is read in place."""
 
-    def __init__(self, max_body_bytes: int, *args: Any, **kwargs: Any):
+    def __init__(self, max_body_bytes: int, limits: ConnectionLimits, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.direct: memoryview | None = None  # the body being read in place
         self.filled = 0
+        self.in_head = True  # waiting for (the rest of) a request line and headers
+        self.head_bytes = 0
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn arms its keep-alive timer only after a response: a connection that never sent a
+        # request was never closed
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    # -- the request head: its time and its size ------------------------------------------
+    def start_head_timer(self) -> None:
+        """From the first read of an incomplete head (a head that arrives whole in one read needs
+        none): uvicorn's keep-alive timer stops at the first byte, so one byte a second held a
+        connection for ever."""
+        if self.head_timer is None and not self.transport.is_closing():
+            self.head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.in_head:
+            self.refuse(408, "Request Timeout",
+                        f"the request line and headers did not arrive within {self.limits.head_timeout_s:g} s")
+
+    def _stop_head_timer(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _next_head(self) -> None:
+        self.in_head, self.head_bytes = True, 0
+
+    def refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer ``status`` and close, unless a response is still being sent on this connection
+        (pipelining): then the connection closes after it, and nothing more is read."""
+        self._stop_head_timer()
+        self.in_head = False
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
+        log.info("%s %d: %s", "{}:{}".format(*self.client) if self.client else "client", status, message)
+        self.transport.write(raw_response(status, reason, message))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        self._stop_head_timer()
         super().on_headers_complete()
         size = self._direct_size()
         if size is None:
@@ -103,6 +230,7 @@ class _HttpToolsDirect(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         if self.direct is None:
+            self._next_head()
             super().on_message_complete()
             return
         self.finish_direct()  # the whole body came with the headers
@@ -121,6 +249,7 @@ class _HttpToolsDirect(HttpToolsProtocol):
         return size if DIRECT_BODY_MIN <= size <= self.max_body_bytes else None
 
     def finish_direct(self) -> None:
+        self._next_head()
         body, self.direct = self.direct, None
         cycle = self.cycle
         cycle.receive.body = body  # the _DirectReceive set with the headers
@@ -147,6 +276,7 @@ class _DirectReceive:
         return {"type": "http.request", "body": body, "more_body": False}
 
 
-def protocol_class(max_body_bytes: int) -> type[DirectBodyProtocol]:
+def protocol_class(max_body_bytes: int, limits: ConnectionLimits | None = None) -> type[DirectBodyProtocol]:
     """The protocol for uvicorn's ``http=`` setting, reading direct bodies up to the body cap."""
-    return type("DirectBodyProtocol", (DirectBodyProtocol,), {"max_body_bytes": max_body_bytes})
+    return type("DirectBodyProtocol", (DirectBodyProtocol,),
+                {"max_body_bytes": max_body_bytes, "limits": limits or ConnectionLimits(), "_warned": [0.0]})

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,7 +30,20 @@ class Settings(BaseSettings):
     backend: str | None = Field(None, description="cuda|vulkan|wgpu|cpu[:variant]; unset = best available")
     probe: str = Field("all", description="backends listed in /v2/devices: 'all' or a comma list")
     api_key: SecretStr | None = None
+    # a file holding the key: unlike --api-key, not readable by other users in /proc/PID/cmdline
+    api_key_file: Path | None = None
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # an infer response's size, the JSON of FP32 outputs counted at JSON_VALUE_BYTES a value: a
+    # 61 MiB FP16 request otherwise asked for a 520 MiB JSON response
+    max_response_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    # connections (docs/reliability.md, "Connections"): each one costs memory and a descriptor
+    # for as long as the client holds it, so idle ones, slow request heads and oversized heads
+    # are cut off, and the count is capped below the descriptor limit
+    max_connections: int = Field(2048, ge=1, description="open connections; more are answered 503 and closed")
+    idle_timeout_s: float = Field(5.0, gt=0, description="a connection with no request in progress is "
+                                                         "closed after this (uvicorn's keep-alive timeout)")
+    head_timeout_s: float = Field(10.0, gt=0, description="a request line and headers must arrive within this")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line + headers; more is answered 431")
     # dynamic batching defaults; a model's config overrides them
     max_batch_rows: int = Field(65536, ge=1)
     max_queue_delay_us: int = Field(500, ge=0)
@@ -48,10 +61,26 @@ class Settings(BaseSettings):
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
     http: Literal["auto", "h11", "httptools"] = Field("auto", description="uvicorn HTTP parser")
 
-    @field_validator("backend", "api_key", mode="before")
+    @field_validator("backend", "api_key", "api_key_file", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _key_from_file(self):
+        if self.api_key_file is None:
+            return self
+        if self.api_key is not None:
+            raise ValueError("give the API key one way: api_key (MMAD_API_KEY / --api-key) or "
+                             "api_key_file (MMAD_API_KEY_FILE / --api-key-file), not both")
+        try:
+            key = self.api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"api_key_file {str(self.api_key_file)!r} cannot be read: {exc.strerror}") from exc
+        if not key:
+            raise ValueError(f"api_key_file {str(self.api_key_file)!r} is empty")
+        self.api_key = SecretStr(key)
+        return self
 
     @property
     def api_key_value(self) -> str | None:

@@ -100,8 +100,43 @@ async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
     return await rt.registry.run(parse_infer_request, body, header_length)
 
 
-def tensor_response(body: bytes, header_length: int | None) -> Response:
+def accepted_encoding(accept: str | None) -> str | None:
+    """``gzip`` or ``deflate`` as Triton picks from Accept-Encoding: the highest q among identity,
+    deflate and gzip (q defaults to 1), the first listed on a tie; None for identity."""
+    if not accept:
+        return None
+    best, weight = None, 0.0
+    for part in accept.lower().split(","):
+        coding, _, params = part.partition(";")
+        q = 1.0
+        params = params.strip()
+        if params.startswith("q="):
+            try:
+                q = float(params[2:])
+            except ValueError:
+                continue
+        coding = coding.strip()
+        if coding in ("identity", "deflate", "gzip") and q > weight:
+            best, weight = coding, q
+    return None if best == "identity" else best
+
+
+# float tensors shrink little however hard zlib works; level 1 costs a fraction of the default's time
+COMPRESS_LEVEL = 1
+
+
+def compress(body: bytes | memoryview, encoding: str) -> bytes:
+    """``body`` as gzip or as deflate (the zlib format, which is what HTTP's deflate means)."""
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    packer = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, wbits)
+    return packer.compress(body) + packer.flush()
+
+
+def tensor_response(body: bytes, header_length: int | None, encoding: str | None = None) -> Response:
+    headers = {}
+    if encoding is not None:
+        headers.update({"Content-Encoding": encoding, "Vary": "Accept-Encoding"})
     if header_length is None:
-        return Response(body, media_type="application/json")
-    return Response(body, media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(header_length)})
+        return Response(body, media_type="application/json", headers=headers)
+    headers["Inference-Header-Content-Length"] = str(header_length)
+    return Response(body, media_type="application/octet-stream", headers=headers)

@@ -17,11 +17,12 @@ from mmad.errors import Diverged, InvalidInput, MMADError
 from mmad.server.bodies import json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
-from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC
 from mmad.server.jobs import JobManager
+from mmad.server.metrics import UNKNOWN_MODEL
+from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC
 from mmad.server.registry import INPUT, TARGET
-from mmad.server.tensors import model_tensors, parse_tensors
 from mmad.server.store import check_model_name, tensors_from_bytes
+from mmad.server.tensors import model_tensors, parse_tensors
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)
 
@@ -66,9 +67,12 @@ async def train_in_slices(rt: Runtime, request: Request, entry, x: np.ndarray, y
 @router.post("/v2/models/{model}/train", dependencies=[Depends(require_key)], openapi_extra=TENSOR_REQUEST_DOC)
 async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
     """``parameters.steps`` optimizer steps on INPUT/TARGET (JSON or binary tensors); returns the losses."""
-    labels = (check_model_name(model), rt.registry.backend_label)
-    rt.metrics.requests.labels(*labels, "train").inc()
+    check_model_name(model)
+    labels = (UNKNOWN_MODEL, rt.registry.backend_label)  # series only for models that exist (inference.py)
     try:
+        rt.registry.get(model)
+        labels = (model, rt.registry.backend_label)
+        rt.metrics.requests.labels(*labels, "train").inc()
         entry = rt.registry.get_ready(model)
         parsed = await parse_tensors(rt, request)
         steps = parsed.parameters.get("steps", 1)
@@ -77,6 +81,8 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
         tensors = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims, TARGET: entry.spec.n_output_dims})
         slices, step, _gone = await train_in_slices(rt, request, entry, tensors[INPUT], tensors[TARGET], steps)
     except MMADError as exc:
+        if labels[0] is UNKNOWN_MODEL:
+            rt.metrics.requests.labels(*labels, "train").inc()
         rt.metrics.failures.labels(*labels, "train", str(status_for(exc))).inc()
         raise
     losses = np.concatenate(slices)
