@@ -214,6 +214,8 @@ def test_infer_binary_fp32_round_trips_tensor_bytes(client, fake):
     assert out.dtype == np.float32 and out.shape == (17, N_OUT)
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-6
     assert not out.flags.writeable  # a view of the response body: no copy was made
+    # the daemon compresses when asked and httpx asks by default: the SDK asks for none
+    assert request.headers["accept-encoding"] == "identity"
 
 
 def test_infer_fp16_input_and_output(client, fake):

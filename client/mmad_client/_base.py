@@ -178,7 +178,10 @@ class BaseClient:
                  headers: Mapping[str, str] | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
-        self._headers = {"User-Agent": f"mmad-client/{__version__}", **(headers or {})}
+        # identity: the daemon compresses responses when asked (as Triton does), and httpx asks by
+        # default; tensors barely compress, so that would cost the daemon CPU per request for nothing
+        self._headers = {"User-Agent": f"mmad-client/{__version__}", "Accept-Encoding": "identity",
+                         **(headers or {})}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
 

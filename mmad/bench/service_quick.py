@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_daemon(Path(tmp) / "store", args.backend)
         try:
-            with httpx.Client(base_url=url, timeout=120) as client:
+            # identity: the timings are of inference, not of gzip (httpx asks for it by default)
+            with httpx.Client(base_url=url, timeout=120, headers={"Accept-Encoding": "identity"}) as client:
                 r = client.put("/v2/models/M", json={"spec": spec.to_json()})
                 r.raise_for_status()
                 shape = (args.rows, spec.n_output_dims)
