@@ -329,7 +329,6 @@ class CublasLtModel(CudaModel):
 
     def close(self) -> None:
         self._free_plans()
-        self._staging.clear()
         for name in ("w", "b", "w16", "b16", "slot_w", "slot_b", "zero_cols"):
             if hasattr(self, name):
                 delattr(self, name)

@@ -448,7 +448,6 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     def close(self) -> None:
         self._workspace.clear()
-        self._staging.clear()
         for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy"):
             if hasattr(self, name):
                 delattr(self, name)
