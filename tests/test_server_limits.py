@@ -26,6 +26,8 @@ IDLE_S, HEAD_S, HEADER_CAP, MAX_CONN, RESPONSE_CAP = 1.0, 1.5, 8192, 40, 1 << 20
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # idle connections held for the memory test (more with MMAD_TEST_IDLE_CONNECTIONS)
 IDLE_CONNECTIONS = int(os.environ.get("MMAD_TEST_IDLE_CONNECTIONS", "1000"))
+# requests to made-up model names in the metrics test (more with MMAD_TEST_UNKNOWN_NAMES)
+UNKNOWN_NAMES = int(os.environ.get("MMAD_TEST_UNKNOWN_NAMES", "1000"))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +213,7 @@ def test_unknown_model_names_add_no_metric_series(http):
     assert http.post("/v2/models/never-0/infer", json=body).status_code == 404  # the one shared series
     assert http.post("/v2/models/never-0/train", json=body).status_code == 404
     before = series(http)
-    for i in range(1000):
+    for i in range(UNKNOWN_NAMES):
         assert http.post(f"/v2/models/never-{i}/infer", json=body).status_code == 404
     for i in range(50):
         assert http.post(f"/v2/models/never-{i}/train", json=body).status_code == 404
