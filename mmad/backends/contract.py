@@ -250,6 +250,18 @@ def output_dtype(out_dtype: Any) -> np.dtype:
     return dt
 
 
+def check_rows_shape(x: Any, cols: int, name: str) -> Any:
+    """``x`` (a host or a device array) as rows × cols of float16/32/64; clear errors otherwise."""
+    if x.ndim == 1 and cols == 1:
+        x = x.reshape(-1, 1)
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
+    if x.dtype not in (np.float32, np.float16, np.float64):
+        raise InvalidInput(f"{name} must be floating-point numbers (float32 or float16); "
+                           f"got {_elements(np.dtype(x.dtype))}")
+    return x
+
+
 def check_rows(x: Any, cols: int, name: str, keep_half: bool = False) -> np.ndarray:
     """A C-contiguous (rows × cols) float32 view or copy of ``x`` (float16 kept as it is with
     ``keep_half``); clear errors otherwise."""
@@ -257,12 +269,7 @@ def check_rows(x: Any, cols: int, name: str, keep_half: bool = False) -> np.ndar
         x = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged nested lists
         raise InvalidInput(f"{name} must be rows of {cols} numbers; its rows have different lengths") from exc
-    if x.ndim == 1 and cols == 1:
-        x = x.reshape(-1, 1)
-    if x.ndim != 2 or x.shape[1] != cols:
-        raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
-    if x.dtype not in (np.float32, np.float16, np.float64):
-        raise InvalidInput(f"{name} must be floating-point numbers (float32 or float16); got {_elements(x.dtype)}")
+    x = check_rows_shape(x, cols, name)
     if keep_half and x.dtype == np.float16:
         return np.ascontiguousarray(x)
     return np.ascontiguousarray(x, dtype=np.float32)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from mmad.backends.contract import CompiledModel, check_host_output, check_rows, output_dtype
+from mmad.backends.contract import CompiledModel, check_host_output, check_rows, check_rows_shape, output_dtype
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError
 from mmad.spec import MLPSpec
 
@@ -197,12 +197,7 @@ class CudaModel(CompiledModel):
                 except device_errors(self.cp) as exc:
                     raise LaunchError(f"copying {host.shape} to the device failed: {exc}") from exc
             return self.upload(host), True
-        if x.ndim == 1 and cols == 1:
-            x = x.reshape(-1, 1)
-        if x.ndim != 2 or x.shape[1] != cols:
-            raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(x.shape)}")
-        if x.dtype not in (cp.float32, cp.float16, cp.float64):
-            raise InvalidInput(f"{name} must be float32 or float16; got {x.dtype}")
+        x = check_rows_shape(x, cols, name)
         if keep_half and x.dtype == cp.float16 and not encoded:
             x = cp.ascontiguousarray(x)
             # the kernels read 4-byte pairs and cuBLASLt plans assume aligned operands
