@@ -105,7 +105,7 @@ def _json_data(where: str, data: Any, shape: tuple[int, ...]) -> np.ndarray:
         raise InvalidInput(f"{where}.data must be numbers, nested like the shape or flat; its rows have "
                            "different lengths (or mix numbers and lists)") from exc
     if _has_bool(data):  # NumPy would read true as 1.0 (Triton refuses it)
-        raise InvalidInput(f"{where}.data must hold only numbers; got true or false")
+        raise InvalidInput(f"{where}.data must hold only numbers; got true or false (booleans)")
     if array.dtype.kind not in "fiu":  # text, null, or integers too large for 64 bits
         for v in array.flat:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
