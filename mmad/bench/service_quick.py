@@ -10,7 +10,7 @@ loopback port, creates bench model M (docs/benchmarks.md), and in the same run t
 after checking that both give the same outputs and that they match the float64 cpu oracle.
 Prints samples/s (median of the timed repetitions) and writes a JSON record with ``--out``.
 
-    python bench/service_quick.py [--backend cpu] [--datatype FP32] [--rows 65536] [--reps 10] [--out FILE]
+    python -m mmad.bench.service_quick [--backend cpu] [--datatype FP32] [--rows 65536] [--reps 10] [--out FILE]
 """
 
 from __future__ import annotations
