@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -51,15 +52,22 @@ def test_editable_install_finds_every_shader():
 
 
 def test_built_wheel_imports_and_finds_every_shader(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    # built from a copy of what git tracks: setuptools reuses an in-tree build/ folder, whose stale
+    # files would otherwise land in the wheel and hide (or fake) a difference
+    source = tmp_path / "source"
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, tracked.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, source / rel)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist")], check=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("mmad-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "mmad/backends/cpu.py" in names and "mmad/server/__init__.py" in names
     assert not any(n.startswith(("backends/", "server/", "tests/")) for n in names), "bare top-level packages leaked"
     # the wheel's package files mirror the repository's mmad/ folder
-    in_repo = {str(p.relative_to(ROOT)) for p in (ROOT / "mmad").rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts}
+    in_repo = {rel for rel in tracked.decode().split("\0") if rel.startswith("mmad/")}
     in_wheel = {n for n in names if n.startswith("mmad/")}
     assert in_wheel == in_repo, (sorted(in_repo - in_wheel), sorted(in_wheel - in_repo))
     target = tmp_path / "site"
