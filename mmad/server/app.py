@@ -26,6 +26,7 @@ from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.routers import ALL as ROUTERS
 from mmad.server.inference import InferFastPath
 from mmad.server.settings import Settings
+from mmad.server.shm import SharedMemoryRegistry
 from mmad.server.store import Store
 from mmad.spec import MLPSpec
 
@@ -67,6 +68,7 @@ async def stop_runtime(rt: Runtime) -> None:
         rt.backend.close()
     if rt.store is not None:
         rt.store.close()
+    rt.shm.close()
     rt.executor.shutdown(wait=True)
     rt.forward_pool.shutdown(wait=True)
 
@@ -76,7 +78,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     rt = Runtime(settings=settings, metrics=Metrics(),
                  executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                  forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
-                                                 thread_name_prefix="mmad-forward"))
+                                                 thread_name_prefix="mmad-forward"),
+                 shm=SharedMemoryRegistry())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -51,6 +51,8 @@ class InferRequest:
     tensors: dict[str, np.ndarray]
     binary_inputs: bool = False
     parameters: dict[str, Any] = field(default_factory=dict)
+    shm: Any = None  # the SharedMemoryRegistry, for outputs that name a region
+    uses_shm: bool = False  # some input or output names a shared-memory region
 
     @property
     def id(self) -> str | None:
@@ -139,8 +141,12 @@ def _json_word(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
-    """Split and validate a request body; tensors come back as float32/float16 arrays."""
+def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> InferRequest:
+    """Split and validate a request body; tensors come back as float32/float16 arrays.
+
+    ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` that inputs naming a
+    ``shared_memory_region`` are read from (views of the mapping).
+    """
     json_part = body if header_length is None else memoryview(body)[:header_length]
     if not json_part:
         raise InvalidInput("the request body is empty; a JSON object is expected")
@@ -164,7 +170,7 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
 
     offset = header_length if header_length is not None else len(body)
     tensors: dict[str, np.ndarray] = {}
-    binary_inputs = False
+    binary_inputs = uses_shm = False
     for i, tensor in enumerate(inputs):
         where = f"inputs[{i}]"
         if not isinstance(tensor, dict):
@@ -183,7 +189,15 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
         if not isinstance(params, dict):
             raise InvalidInput(f"{where}.parameters must be a JSON object")
         size = params.get("binary_data_size")
-        if size is not None:
+        if "shared_memory_region" in params:
+            if size is not None or "data" in tensor:
+                raise InvalidInput(f"{where} names a shared_memory_region and also carries "
+                                   f"{'binary_data_size' if size is not None else 'data'}; give one source")
+            if shm is None:
+                raise InvalidInput(f"{where}: shared memory is not available on this endpoint")
+            tensors[name] = shm.tensor(where, params, WIRE_DTYPES[datatype], shape, datatype)
+            uses_shm = True
+        elif size is not None:
             if header_length is None:
                 raise InvalidInput(f"{where} has binary_data_size but the request has no "
                                    "Inference-Header-Content-Length header")
@@ -211,7 +225,7 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
             tensors[name] = _json_data(where, tensor["data"], shape)
     if header_length is not None and offset != len(body):
         raise InvalidInput(f"the body has {len(body) - offset} bytes after the last binary tensor")
-    return InferRequest(header, tensors, binary_inputs, parameters)
+    return InferRequest(header, tensors, binary_inputs, parameters, shm, uses_shm)
 
 
 @dataclass
@@ -219,6 +233,7 @@ class OutputChoice:
     name: str
     binary: bool
     datatype: str
+    shm: dict[str, Any] | None = None  # the output's shared_memory_* parameters, when it names a region
 
 
 def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list[OutputChoice]:
@@ -245,12 +260,21 @@ def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list
         datatype = params.get("output_datatype", default_dtype)
         if datatype not in WIRE_DTYPES:
             raise InvalidInput(f"output_datatype must be one of {', '.join(WIRE_DTYPES)}; got {datatype!r}")
-        if datatype != "FP32" and not binary:
+        shm = None
+        if "shared_memory_region" in params:  # written into the region, not the body (binary is moot)
+            where = f"output {out['name']!r}"
+            if request.shm is None:
+                raise InvalidInput(f"{where}: shared memory is not available on this endpoint")
+            request.shm.reference(where, params)  # the region exists and holds the byte range
+            shm = {k: params[k] for k in ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+                   if k in params}
+            request.uses_shm, binary = True, False
+        elif datatype != "FP32" and not binary:
             raise InvalidInput(f"output {out['name']!r}: {datatype} is only returned as binary data; "
                                "set parameters.binary_data")
         if params.get("classification"):
             raise InvalidInput("the classification extension is not supported")
-        choices.append(OutputChoice(out["name"], binary, datatype))
+        choices.append(OutputChoice(out["name"], binary, datatype, shm))
     return choices
 
 
@@ -263,7 +287,8 @@ def check_response_size(outputs: list[OutputChoice], shape: tuple[int, ...], lim
     """Refuse, before any work, a response larger than ``limit`` bytes (JSON outputs at their
     largest): a 61 MiB FP16 request could otherwise ask for a 520 MiB JSON response."""
     values = math.prod(shape)
-    size = sum(values * (WIRE_DTYPES[o.datatype].itemsize if o.binary else JSON_VALUE_BYTES) for o in outputs)
+    size = sum(values * (WIRE_DTYPES[o.datatype].itemsize if o.binary else JSON_VALUE_BYTES) for o in outputs
+               if o.shm is None)
     if size <= limit:
         return
     mib = 1024 * 1024
@@ -294,7 +319,9 @@ def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoi
     for choice, array in outputs:
         dtype = WIRE_DTYPES[choice.datatype]
         entry: dict[str, Any] = {"name": choice.name, "datatype": choice.datatype, "shape": list(array.shape)}
-        if choice.binary:
+        if choice.shm is not None:  # already written into its region: the entry says where
+            entry["parameters"] = choice.shm
+        elif choice.binary:
             entry["parameters"] = {"binary_data_size": array.size * dtype.itemsize}
             binaries.append((array, dtype))
         else:

@@ -29,6 +29,7 @@ class Runtime:
     store: Any = None
     registry: Any = None
     jobs: Any = None
+    shm: Any = None  # SharedMemoryRegistry: the system shared-memory regions
     ready: bool = False
     shutting_down: bool = False
 

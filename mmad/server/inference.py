@@ -11,7 +11,7 @@ from fastapi import Request, Response
 
 from mmad.errors import MMADError, ModelNotReady, NotReady
 from mmad.server.binary import (
-    binary_response_buffer, check_response_size, encode_infer_response, requested_outputs,
+    WIRE_DTYPES, binary_response_buffer, check_response_size, encode_infer_response, requested_outputs,
 )
 from mmad.server.deps import Runtime
 from mmad.server.errors import mmad_error_response, status_for
@@ -59,9 +59,13 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                 header["id"] = parsed.id
             out_shape = (x.shape[0], entry.spec.n_output_dims)
             check_response_size(outputs, out_shape, rt.settings.max_response_bytes)
-            body, out = None, None
+            body, out, targets = None, None, None
             if len(outputs) == 1 and outputs[0].binary:  # the forward writes (and casts) into the response
                 body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
+            if parsed.uses_shm:
+                targets = shm_outputs(parsed, outputs, out_shape)
+                if len(outputs) == 1 and targets:  # the forward writes (and casts) into the region
+                    out = targets[0][1]
             t1 = time.perf_counter_ns()
             if version is None:
                 batcher = entry.batcher  # None once an unload that began while the body was read finished
@@ -74,6 +78,10 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                                          np.empty(out_shape, dtype=np.float32) if out is None else out)
                 queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
                 registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            if targets:
+                for _, target in targets:
+                    if target is not out:
+                        np.copyto(target, out, casting="same_kind")
             t2 = time.perf_counter_ns()
             if body is None:
                 outs = [(o, out) for o in outputs]
@@ -109,6 +117,14 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         else:
             body = await registry.run(compress, body, encoding)
     return tensor_response(body, header_length, encoding)
+
+
+def shm_outputs(parsed, outputs, shape: tuple[int, ...]) -> list[tuple[object, np.ndarray]]:
+    """(output, view of its region) for each output that names a shared-memory region; the
+    region must hold at least the output's bytes in its datatype."""
+    return [(o, parsed.shm.tensor(f"output {o.name!r}", o.shm, WIRE_DTYPES[o.datatype], shape, o.datatype,
+                                  at_least=True))
+            for o in outputs if o.shm is not None]
 
 
 class InferFastPath:

@@ -96,8 +96,8 @@ async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
         body = await rt.registry.run(decompress, body, encoding, rt.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get("inference-header-content-length"), len(body))
     if (len(body) if header_length is None else header_length) <= INLINE_JSON_BYTES:
-        return parse_infer_request(body, header_length)
-    return await rt.registry.run(parse_infer_request, body, header_length)
+        return parse_infer_request(body, header_length, rt.shm)
+    return await rt.registry.run(parse_infer_request, body, header_length, rt.shm)
 
 
 def accepted_encoding(accept: str | None) -> str | None:

@@ -12,7 +12,7 @@ from mmad.server.errors import ERROR_RESPONSES
 router = APIRouter(tags=["health"], responses=ERROR_RESPONSES)
 
 EXTENSIONS = [
-    "binary_tensor_data", "model_repository", "statistics", "model_configuration",
+    "binary_tensor_data", "system_shared_memory", "model_repository", "statistics", "model_configuration",
     "mmad_model_management", "mmad_weights", "mmad_versions", "mmad_training", "mmad_training_jobs",
     "mmad_devices", "mmad_metrics",
 ]
