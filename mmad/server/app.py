@@ -26,7 +26,6 @@ from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.routers import ALL as ROUTERS
 from mmad.server.inference import InferFastPath
 from mmad.server.settings import Settings
-from mmad.server.shm import SharedMemoryRegistry
 from mmad.server.store import Store
 from mmad.spec import MLPSpec
 
@@ -78,8 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     rt = Runtime(settings=settings, metrics=Metrics(),
                  executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                  forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
-                                                 thread_name_prefix="mmad-forward"),
-                 shm=SharedMemoryRegistry())
+                                                 thread_name_prefix="mmad-forward"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -13,6 +13,7 @@ from mmad.backends.contract import Backend, ProbeRow
 from mmad.errors import Forbidden, NotReady, Unauthorized
 from mmad.server.metrics import Metrics
 from mmad.server.settings import Settings
+from mmad.server.shm import SharedMemoryRegistry
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Runtime:
     store: Any = None
     registry: Any = None
     jobs: Any = None
-    shm: Any = None  # SharedMemoryRegistry: the system shared-memory regions
+    shm: SharedMemoryRegistry = field(default_factory=SharedMemoryRegistry)  # Triton's system shared-memory regions
     ready: bool = False
     shutting_down: bool = False
 
