@@ -26,11 +26,11 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import numpy as np
 
-from mmad.backends.numerics import encode as encode_inputs, step_learning_rate
+from mmad.backends.numerics import batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate
 from mmad.errors import InvalidInput
 from mmad.spec import MLPSpec
 
@@ -91,6 +91,36 @@ class ProbeRow:
         }
 
 
+@dataclass
+class Dataset:
+    """A training set held for one model by its backend: ``x`` as the training step reads it
+    (encoded already where the backend encodes ahead) and ``y``, each float16 or float32 as sent,
+    on the device where the backend trains from device memory (``on_device``)."""
+
+    x: Any
+    y: Any
+    rows: int
+    nbytes: int
+    on_device: bool
+
+
+@dataclass
+class EpochPosition:
+    """Where a run over a dataset stands: the order's seed, the epoch, and the position of the
+    next batch in that epoch's order (``numerics.epoch_rows``). A batch never straddles two
+    epochs: the rows left over at an epoch's end wait for a later epoch."""
+
+    seed: int
+    epoch: int = 0
+    cursor: int = 0
+
+    def advance(self, rows: int, batch: int, steps: int = 1) -> None:
+        per_epoch = batches_per_epoch(rows, batch)
+        done = self.cursor // batch + steps
+        self.epoch += done // per_epoch
+        self.cursor = (done % per_epoch) * batch
+
+
 class CompiledModel(abc.ABC):
     """A model compiled for one backend variant; owns device buffers until ``close()``.
 
@@ -145,6 +175,47 @@ class CompiledModel(abc.ABC):
         if self.spec.encoding.passthrough:
             return np.ascontiguousarray(x, dtype=np.float32)
         return np.ascontiguousarray(encode_inputs(self.spec.encoding, x), dtype=np.float32)
+
+    # -- training from a held dataset --------------------------------------------------------
+    def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
+        """Bytes ``put_dataset`` will hold for ``rows`` rows of these dtypes."""
+        return rows * (self.spec.n_input_dims * np.dtype(x_dtype).itemsize
+                       + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
+
+    def free_device_bytes(self) -> int | None:
+        """Memory free now where ``put_dataset`` allocates (None: this backend cannot tell)."""
+        return None
+
+    def put_dataset(self, chunks: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
+                    x_dtype: Any, y_dtype: Any) -> Dataset:
+        """Hold a dataset arriving as (x, y) chunks of ``rows`` rows in all (host arrays, the
+        given dtypes): allocated once, filled chunk by chunk. This default keeps host arrays."""
+        x = np.empty((rows, self.spec.n_input_dims), dtype=x_dtype)
+        y = np.empty((rows, self.spec.n_output_dims), dtype=y_dtype)
+        at = 0
+        for cx, cy in chunks:
+            n = cx.shape[0]
+            x[at:at + n], y[at:at + n] = cx, cy
+            at += n
+        if at != rows:
+            raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+        return Dataset(x, y, rows, x.nbytes + y.nbytes, on_device=False)
+
+    def take_rows(self, a: Any, rows: np.ndarray) -> Any:
+        """The rows ``rows`` of a dataset array (host or device, as ``put_dataset`` keeps it)."""
+        return a[rows]
+
+    def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        """``steps`` optimizer steps on consecutive batches of ``data`` in the order of
+        ``position`` (advanced past them); returns each step's loss. Backends that draw the
+        batches on the device override this; this one gathers each batch and calls ``train_step``."""
+        check_epoch_run(data, batch, steps)
+        losses = np.empty(steps, dtype=np.float32)
+        for s in range(steps):
+            rows = epoch_rows(position.seed, position.epoch, data.rows, position.cursor, batch)
+            losses[s] = self.train_step(self.take_rows(data.x, rows), self.take_rows(data.y, rows), 1)[0]
+            position.advance(data.rows, batch)
+        return losses
 
     # -- parameters -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -287,6 +358,13 @@ def _elements(dtype: np.dtype) -> str:
     if kind in "iu":
         return f"integers ({dtype.name})"
     return f"{dtype.name} values"
+
+
+def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:
+    if steps < 1:
+        raise InvalidInput(f"steps must be at least 1; got {steps}")
+    if not 1 <= batch <= data.rows:
+        raise InvalidInput(f"batch_size {batch} must be from 1 to the dataset's {data.rows} rows")
 
 
 def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:

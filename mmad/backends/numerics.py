@@ -225,3 +225,65 @@ def round_to(dtype_name: str, a: np.ndarray) -> np.ndarray:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
         return rounded.view(np.float32).astype(a.dtype)
     return a
+
+
+# -- the order of a dataset's rows in each epoch ---------------------------------------------
+# A training job visits every row once per epoch in a pseudo-random order drawn on the device:
+# position p of epoch e is row ``epoch_row(seed, e, rows, p)``, a keyed bijection of [0, rows)
+# (a four-round Feistel network on the next power of four, cycle-walked into range). Nothing is
+# stored or sorted, so a new epoch costs nothing and every backend (CUDA, GLSL, WGSL, NumPy)
+# computes the same rows from 32-bit integer arithmetic alone. The kernels copy this definition.
+FEISTEL_ROUNDS = 4
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash with full avalanche (lowbias32), on uint64 arrays holding uint32s."""
+    x = np.asarray(x, dtype=np.uint64) & _M32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & _M32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & _M32
+    x ^= x >> np.uint64(16)
+    return x
+
+
+def epoch_half_bits(rows: int) -> int:
+    """Bits of each Feistel half: the smallest h with 4**h >= rows (at least 1)."""
+    h = 1
+    while (1 << (2 * h)) < rows:
+        h += 1
+    return h
+
+
+def epoch_keys(seed: int, epoch: int) -> list[int]:
+    """The round keys of one epoch's permutation."""
+    return [int(mix32(np.uint64((seed ^ int(mix32(np.uint64((epoch * FEISTEL_ROUNDS + r + 1) & 0xFFFFFFFF))))
+                                & 0xFFFFFFFF))) for r in range(FEISTEL_ROUNDS)]
+
+
+def epoch_rows(seed: int, epoch: int, rows: int, start: int, count: int) -> np.ndarray:
+    """Rows at positions [start, start + count) of epoch ``epoch``'s order (int64)."""
+    if not 0 < rows < 2**31 or not 0 <= start <= start + count <= rows:
+        raise ValueError(f"positions {start}..{start + count} of {rows} rows")
+    h = np.uint64(epoch_half_bits(rows))
+    mask = np.uint64((1 << int(h)) - 1)
+    keys = [np.uint64(k) for k in epoch_keys(seed & 0xFFFFFFFF, epoch)]
+
+    def permute(i: np.ndarray) -> np.ndarray:
+        left, right = i >> h, i & mask
+        for k in keys:
+            left, right = right, left ^ (mix32(right ^ k) & mask)
+        return (left << h) | right
+
+    out = permute(np.arange(start, start + count, dtype=np.uint64))
+    while True:  # cycle walking: a value outside [0, rows) is permuted again until it lands inside
+        outside = out >= np.uint64(rows)
+        if not outside.any():
+            return out.astype(np.int64)
+        out[outside] = permute(out[outside])
+
+
+def batches_per_epoch(rows: int, batch: int) -> int:
+    """Full batches in one epoch (the remainder rows wait for a later epoch's order)."""
+    return rows // batch
