@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Kernel throughput of the S/M/L/W models against PyTorch and the hardware floor "
                                    "(docs/benchmarks.md). `mmad bench --service [options]` runs the HTTP load "
                                    "benchmark against the daemon instead (docs/service-performance.md); "
-                                   "`mmad bench --service --help` lists its options.")
+                                   "`mmad bench --service --help` lists its options. `mmad bench --jobs [options]` "
+                                   "times training jobs through the daemon against in-process training and "
+                                   "PyTorch (docs/benchmarks.md); `mmad bench --jobs --help` lists its options.")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
@@ -202,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
             from mmad.bench.load import main as service_bench
 
             return service_bench([a for a in argv[1:] if a != "--service"])
+        if argv[:1] == ["bench"] and "--jobs" in argv[1:]:
+            from mmad.bench.jobs import main as jobs_bench
+
+            return jobs_bench([a for a in argv[1:] if a != "--jobs"])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except MMADError as exc:

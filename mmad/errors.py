@@ -21,11 +21,13 @@
     ├── StoreUnwritable            the model store refused a write (read-only, no permission);
     │   │                          nothing served changed
     │   └── StorageFull            the store's disk or quota is full; nothing served changed
+    ├── DeviceMemoryFull           the device has not the free memory a dataset needs; nothing
+    │                              was allocated
     ├── Unauthorized               no API key was sent to a daemon that requires one
     └── Forbidden                  the API key sent is wrong
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503, 507 for a store that cannot be written; compile, launch and cache failures 500);
+409, 413, 503, 507 for a store that cannot be written or a device without the memory; compile, launch and cache failures 500);
 anything not in this tree that escapes a handler is a bug and becomes a 500.
 """
 
@@ -137,6 +139,10 @@ class StoreUnwritable(MMADError):
 
 class StorageFull(StoreUnwritable):
     """The model store's disk or quota is full (ENOSPC, EDQUOT) (HTTP 507); nothing served changed."""
+
+
+class DeviceMemoryFull(MMADError):
+    """The backend's device has not the free memory asked for (HTTP 507); nothing was allocated."""
 
 
 class Unauthorized(MMADError):

@@ -1,8 +1,12 @@
 """Training jobs: optimizer steps over an uploaded dataset, with progress, cancel and checkpoints.
 
-A job is an asyncio task that takes one optimizer step at a time on the compute threads (so
-inference interleaves with training between steps) on mini-batches drawn epoch by epoch from
-a shuffled dataset. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
+A job is an asyncio task that trains from the dataset's copy held by the model's backend (on
+the device where the backend trains there: ``DatasetCache.on_device``). Mini-batches follow
+each epoch's order (``numerics.epoch_rows``: every row once per epoch, drawn on the device),
+and the job runs in chunks of about ``CHUNK_S`` seconds of steps on the training threads: a
+chunk's steps are submitted without a host round trip between them, and its losses come back
+once at its end. Between chunks inference gets the model's lock, cancel is seen, and progress
+is published. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
 writes a version; a version is announced (``checkpoint`` event, ``versions`` list) only once the
 store has acknowledged it. Progress goes to Server-Sent Events subscribers, throttled to a few
 reports per second. A step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -23,12 +28,14 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mmad.backends.contract import Dataset, EpochPosition
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
 from mmad.server.registry import Registry
 
 log = logging.getLogger("mmad.server.jobs")
 
 PROGRESS_INTERVAL_S = 0.2
+CHUNK_S = 0.1  # training between two looks from the host (losses, progress, cancel)
 SSE_KEEPALIVE_S = 15.0
 FINISHED = ("done", "cancelled", "failed")
 KEEP_FINISHED_JOBS = 256  # statuses of finished jobs stay queryable until this many newer ones finish
@@ -41,6 +48,7 @@ class JobRequest(BaseModel):
     steps: int = Field(ge=1, le=1_000_000_000)
     batch_size: int = Field(ge=1, le=1 << 24)
     checkpoint_every: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**32, description="the epochs' order (random when not given)")
 
     @classmethod
     def parse(cls, doc: Any) -> "JobRequest":
@@ -57,11 +65,13 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 class Job:
-    def __init__(self, model: str, request: JobRequest, checkpoint_every: int):
+    def __init__(self, model: str, request: JobRequest, checkpoint_every: int, rows: int):
         self.id = uuid.uuid4().hex
         self.model = model
         self.request = request
         self.checkpoint_every = checkpoint_every
+        self.rows = rows
+        self.position = EpochPosition(request.seed if request.seed is not None else secrets.randbits(32))
         self.state = "queued"
         self.step = 0
         self.loss: float | None = None
@@ -77,12 +87,13 @@ class Job:
         loss = self.loss if self.loss is None or math.isfinite(self.loss) else None
         return {"job": self.id, "model_name": self.model, "state": self.state, "step": self.step,
                 "steps": self.request.steps, "batch_size": self.request.batch_size,
-                "checkpoint_every": self.checkpoint_every, "loss": loss,
+                "checkpoint_every": self.checkpoint_every, "dataset": self.request.dataset, "rows": self.rows,
+                "seed": self.position.seed, "epoch": self.position.epoch, "loss": loss,
                 "samples_per_s": self.samples_per_s, "versions": list(self.versions), "error": self.error}
 
     def progress(self) -> dict[str, Any]:
         status = self.status()
-        return {k: status[k] for k in ("step", "steps", "loss", "samples_per_s")}
+        return {k: status[k] for k in ("step", "steps", "epoch", "loss", "samples_per_s")}
 
     def publish(self, event: bytes | None) -> None:
         for queue in self._subscribers:
@@ -125,16 +136,18 @@ class JobManager:
         entry = self.registry.get_ready(model)
         if entry.busy_job:
             raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
-        data = await self.registry.run(self.registry.store.load_dataset, model, request.dataset)
-        x, y = self.check_dataset(entry.spec, data, request.batch_size)
-        entry = self.registry.get_ready(model)  # the model may have changed while the dataset loaded
+        data = await self.registry.datasets.on_device(entry, request.dataset)
+        if request.batch_size > data.rows:
+            raise InvalidInput(f"batch_size {request.batch_size} is larger than the dataset ({data.rows} rows)")
+        if self.registry.get_ready(model) is not entry:  # replaced while the dataset loaded
+            raise ConflictError(f"model {model!r} changed while its dataset was being loaded; start the job again")
         if entry.busy_job:
             raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
-        job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every)
+        job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every, data.rows)
         entry.busy_job = job.id
         self._forget_old_jobs()
         self.jobs[job.id] = job
-        job.task = asyncio.get_running_loop().create_task(self._run(job, x, y), name=f"job:{job.id}")
+        job.task = asyncio.get_running_loop().create_task(self._run(job, data), name=f"job:{job.id}")
         return job
 
     def _forget_old_jobs(self) -> None:
@@ -177,34 +190,34 @@ class JobManager:
         job.versions.append(version)
         job.publish(sse("checkpoint", {"version": version, "step": job.step}))
 
-    async def _run(self, job: Job, x: np.ndarray, y: np.ndarray) -> None:
+    async def _run(self, job: Job, data: Dataset) -> None:
         entry = self.registry.get(job.model)
         labels = (job.model, self.registry.backend_label)
         metrics = self.registry.metrics
-        rng = np.random.default_rng()
-        order, cursor = rng.permutation(x.shape[0]), 0
-        batch = job.request.batch_size
+        batch, total = job.request.batch_size, job.request.steps
         last_checkpoint_step = 0
+        per_step_s: float | None = None
         job.state = "running"
         started = last_report = time.perf_counter()
         try:
-            while job.step < job.request.steps and job.cancel_reason is None:
-                if cursor + batch > order.size:
-                    order, cursor = rng.permutation(x.shape[0]), 0
-                idx = np.sort(order[cursor:cursor + batch])
-                cursor += batch
-                losses, _ = await self.registry.run_training(entry.train_live, x[idx], y[idx], 1)
-                job.step += 1
-                job.loss = float(losses[-1])
-                metrics.training_steps.labels(*labels).inc()
-                metrics.training_samples.labels(*labels).inc(batch)
+            while job.step < total and job.cancel_reason is None:
+                n = 1 if per_step_s is None else max(1, int(CHUNK_S / max(per_step_s, 1e-7)))
+                n = min(n, total - job.step, job.checkpoint_every - job.step % job.checkpoint_every)
+                chunk_started = time.perf_counter()
+                losses, _ = await self.registry.run_training(entry.train_live_epochs, data, batch, n, job.position,
+                                                             job.step, total)
                 now = time.perf_counter()
+                per_step_s = (now - chunk_started) / n
+                job.step += n
+                job.loss = float(losses[-1])
+                metrics.training_steps.labels(*labels).inc(n)
+                metrics.training_samples.labels(*labels).inc(n * batch)
                 job.samples_per_s = job.step * batch / max(now - started, 1e-9)
-                if now - last_report >= PROGRESS_INTERVAL_S or job.step == job.request.steps:
+                if now - last_report >= PROGRESS_INTERVAL_S or job.step == total:
                     last_report = now
                     metrics.training_samples_per_s.labels(*labels).set(job.samples_per_s)
                     job.publish(sse("progress", job.progress()))
-                if job.step % job.checkpoint_every == 0 or job.step == job.request.steps:
+                if job.step % job.checkpoint_every == 0 or job.step == total:
                     await self._checkpoint(job, entry)
                     last_checkpoint_step = job.step
             if job.step > last_checkpoint_step:  # cancelled between checkpoints: keep the work

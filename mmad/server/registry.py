@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mmad.backends.contract import Backend, CompiledModel, ProbeRow, check_params
+from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.metrics import Metrics
@@ -162,13 +162,25 @@ class ModelEntry:
 
     def train_live(self, x: np.ndarray, y: np.ndarray, steps: int, done: int = 0,
                    total: int | None = None) -> tuple[np.ndarray, int]:
-        """``steps`` optimizer steps; a non-finite loss or weights puts back the weights (and optimizer
-        state) of before the call and raises Diverged, so no forward ever sees them."""
+        """``steps`` optimizer steps on one batch; see ``_train_guarded``."""
+        return self._train_guarded(lambda model: model.train_step(x, y, steps), steps, done, total)
+
+    def train_live_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition,
+                          done: int = 0, total: int | None = None) -> tuple[np.ndarray, int]:
+        """``steps`` optimizer steps on batches of a held dataset drawn on the device in the order
+        of ``position`` (advanced); see ``_train_guarded``."""
+        return self._train_guarded(lambda model: model.train_epochs(data, batch, steps, position), steps, done, total)
+
+    def _train_guarded(self, train: Callable[[CompiledModel], np.ndarray], steps: int, done: int,
+                       total: int | None) -> tuple[np.ndarray, int]:
+        """(losses, step count) of ``train(live model)``; a non-finite loss or weights puts back the
+        weights (and optimizer state) of before the call and raises Diverged, so no forward ever
+        sees them."""
         with self.lock:
             if self.live is None:
                 raise ModelNotReady(self.name)
             before = (self.live.get_params(), self.live.get_optimizer_state())
-            losses = self.live.train_step(x, y, steps)
+            losses = train(self.live)
             bad = np.flatnonzero(~np.isfinite(losses))
             if bad.size or not params_finite(self.live.get_params()):
                 self.live.set_params(before[0])

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests sass nvmath serve bench cublaslt profile ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests epochs jobs sass nvmath serve bench cublaslt profile ncu
+#   (`epochs`: training on the device (graph replay, device gather) against launching each step and
+#   host batches, plus test_cuda's training tests; `jobs`: `mmad bench --jobs`, training jobs through
+#   the daemon against in-process and PyTorch, JOBS_MODELS / JOBS_EXTRA, the JSON to $OUT/jobs.json)
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
 #   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
 #   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
@@ -21,7 +24,7 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
 fi
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site:$PWD/client
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
@@ -42,6 +45,17 @@ for phase in $PHASES; do
       # -v prints every result as it lands, so even a run cut off by the timeout says what failed
       grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40 | tee -a "$SUMMARY"
       grep -cE " PASSED" "$OUT/pytest.log" | sed 's/^/passed: /' | tee -a "$SUMMARY" ;;
+    epochs)
+      start=$(date +%s)
+      timeout ${EPOCHS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
+        tests/test_cuda_epochs.py tests/test_cuda.py -k "${EPOCHS_SELECT:-epochs or graph or 200_steps or deterministic or round_trip or gradients_match}" \
+        --timeout 200 -v --tb=short -rfEs > "$OUT/pytest_epochs.log" 2>&1
+      echo "epochs pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest_epochs.log")" | tee -a "$SUMMARY"
+      grep -E "(FAILED|ERROR) " "$OUT/pytest_epochs.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY" ;;
+    jobs)
+      timeout ${JOBS_TIMEOUT:-360} python3 -m mmad.bench --jobs --backend cuda:mma --models ${JOBS_MODELS:-M} \
+        --repeats ${JOBS_REPEATS:-2} --seconds ${JOBS_SECONDS:-0.6} ${JOBS_EXTRA:-} --json "$OUT/jobs.json" > "$OUT/jobs.log" 2>&1
+      echo "jobs bench rc=$?" | tee -a "$SUMMARY"; tail -n 16 "$OUT/jobs.log" | tee -a "$SUMMARY" ;;
     sass)
       # one line per model (S, M, L): the mma kernels' instruction mix; cubins and SASS text in sass.tgz
       mkdir -p "$OUT/sass"; python3 -m mmad.bench --sass "$OUT/sass" > "$OUT/sass/sass.log" 2>&1

@@ -4,6 +4,7 @@
 |---|---|---|---|
 | ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: slower than mma.sync on S/M, docs/cuda.md) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
+| ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
 | ``MMAD_CUDA_WGMMA_WARPGROUPS`` | 1, 2 | plan | warpgroups per wgmma forward block (unset: the shared-memory plan decides) |
 | ``MMAD_CUDA_WGMMA_STAGES`` | 0, 1, 2 | plan | input tiles each wgmma warpgroup prefetches (unset: the plan decides) |
 
@@ -19,6 +20,7 @@ from mmad.errors import SpecError
 
 WGMMA_ENV = "MMAD_CUDA_WGMMA"
 FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"
+CUDA_GRAPHS_ENV = "MMAD_CUDA_GRAPHS"
 WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"
 WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"
 
@@ -37,6 +39,7 @@ def env_choice(name: str, allowed: tuple[int, ...]) -> int | None:
 class CudaKnobs:
     wgmma: bool = False
     fused_wgrad: bool = True
+    cuda_graphs: bool = True
     wgmma_warpgroups: int | None = None
     wgmma_stages: int | None = None
 
@@ -45,6 +48,7 @@ class CudaKnobs:
         return cls(
             wgmma=env_choice(WGMMA_ENV, (0, 1)) == 1,
             fused_wgrad=env_choice(FUSED_WGRAD_ENV, (0, 1)) != 0,
+            cuda_graphs=env_choice(CUDA_GRAPHS_ENV, (0, 1)) != 0,
             wgmma_warpgroups=env_choice(WGMMA_WARPGROUPS_ENV, (1, 2)),
             wgmma_stages=env_choice(WGMMA_STAGES_ENV, (0, 1, 2)),
         )

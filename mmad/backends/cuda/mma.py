@@ -10,6 +10,12 @@ kernel per layer runs mma over fixed row chunks (deterministic). A reduction + o
 per layer sums the partials in a fixed order, updates the fp32 masters and refreshes the packed
 fp16 weight images the kernels read.
 
+Training steps take no host round trip: the learning rate of each step comes from a device
+table and the step count that indexes it, the loss goes to a device array, and a step's
+launches (with ``train_epochs``, the gather of the next batch of the epoch's order first) are
+the same every step, so they are captured once as a CUDA graph and replayed. The host reads
+the losses once per call.
+
 Kernels are specialised per model (widths, depth, activations, loss, optimizer constants as
 ``#define``s), compiled by NVRTC and kept in the kernel cache.
 """
@@ -22,7 +28,10 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.cache import KernelCache
-from mmad.backends.contract import check_params, init_params, optimizer_slots
+from mmad.backends.contract import (
+    Dataset, EpochPosition, check_epoch_run, check_params, init_params, optimizer_slots,
+)
+from mmad.backends.numerics import epoch_half_bits, step_learning_rate
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.toolchain import (
     CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
@@ -40,7 +49,13 @@ SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fi
 FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
 NVRTC_OPTIONS = ("-std=c++17",)
 
-MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize")
+MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize",
+               "mlp_gather_batch", "mlp_finish_step")
+CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
+GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
+FINISH_THREADS = 256  # mlp_finish_step's block
+GRAPH_MIN_STEPS = 3  # fewer steps than this launch directly (capturing costs about what it saves)
+KEPT_GRAPHS = 8  # captured steps kept per model (keyed by the buffers they read)
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
 DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
 
@@ -122,6 +137,7 @@ class MmaPlan:
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
         self.warps = WARPS_PER_BLOCK
         self.fused_wgrad, self.smem_fused = self._fused_plan(knobs.fused_wgrad)
+        self.cuda_graphs = knobs.cuda_graphs
         self.source = self._source()
 
     def _fused_plan(self, wanted: bool) -> tuple[bool, int]:
@@ -219,6 +235,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self.slot_b = [cp.zeros(total_b, dtype=cp.float32) for _ in range(n_slots)]
             self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
             self.dummy = cp.zeros(4, dtype=cp.float32)
+            self.ctl = cp.zeros(4, dtype=cp.int32)
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating the model's device buffers failed: {exc}") from exc
         self.w_off, self.b_off = master_offsets(self.layers)
@@ -227,12 +244,15 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self.wf_off = list(self.w_off)
         self.wb_off = [-1] + [self.wf_total + off - self.w_off[1] for off in self.w_off[1:]]
         self._workspace: dict[int, dict[str, Any]] = {}
+        self._run: dict[str, Any] = {}  # per-run device tables: learning rates, losses, batch buffers
+        self._graphs: dict[tuple, Any] = {}  # one captured step per key (CUDA graphs)
 
     def _workspace_for(self, rows_pad: int) -> dict[str, Any]:
         ws = self._workspace.get(rows_pad)
         if ws is not None:
             return ws
         self._workspace.clear()  # one batch size at a time: large buffers are not hoarded
+        self._graphs.clear()  # captured steps read the workspace being freed
         cp = self.cp
         w, nh = self.width, self.n_hidden
         sm = self.info["sm_count"]
@@ -294,9 +314,10 @@ class CudaMmaModel(MmaPlan, CudaModel):
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
         return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
 
-    def _forward_backward(self, dx, dy, rows: int, step_slot) -> dict[str, Any]:
+    def _forward_backward(self, dx, dy, rows: int) -> tuple[dict[str, Any], Any]:
         """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
-        in each layer's chunked kernel afterwards (``_layer_grads``)."""
+        in each layer's chunked kernel afterwards (``_layer_grads``). Returns the workspace and
+        the kernel's per-warp loss sums."""
         rows_pad = self._rows_padded(rows)
         ws = self._workspace_for(rows_pad)
         grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
@@ -313,9 +334,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
                           ws["h"], ws["d"], ws["dact"], loss_slots),
                          self.smem_train if self.w_smem_train else 0)
-        step_slot[...] = loss_slots.sum()
         ws["rows_pad"] = rows_pad
-        return ws
+        return ws, loss_slots
 
     def _layer_grads(self, ws: dict[str, Any], i: int) -> tuple[int, Any, Any]:
         """Layer i's partial weight / bias sums: (chunks, partial W sums, partial b sums), from
@@ -338,8 +358,9 @@ class CudaMmaModel(MmaPlan, CudaModel):
                      (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb))
         return n_chunks, pw, pb
 
-    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, lr_t: float,
-                        grad_w=None, grad_b=None) -> None:
+    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, grad_w=None, grad_b=None) -> None:
+        """mode 0: reduce + optimizer step at the rate ``_run["lr"][ctl[step]]``; 1: reduce into
+        grad_w / grad_b; 2: refresh the fp16 images only."""
         fan_in, fan_out, k, n = self.layers[i]
         w = self.w_all[self.w_off[i]:self.w_off[i] + n * k]
         b = self.b_all[self.b_off[i]:self.b_off[i] + n]
@@ -353,39 +374,151 @@ class CudaMmaModel(MmaPlan, CudaModel):
                      (np.int32(mode), w, b, s1w, s1b, s2w, s2b, d if pw is None else pw,
                       d if pb is None else pb, np.int32(n_chunks), np.int32(n), np.int32(k),
                       np.int32(fan_out), np.int32(fan_in), self.wimage, np.int32(self.wf_off[i]),
-                      np.int32(self.wb_off[i]), np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale),
+                      np.int32(self.wb_off[i]), self._run.get("lr", d) if mode == 0 else d, self.ctl,
+                      np.float32(1.0 / self.spec.loss_scale),
                       d if grad_w is None else grad_w, d if grad_b is None else grad_b))
 
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         if steps < 1:
             raise InvalidInput(f"steps must be at least 1; got {steps}")
         dx, dy, rows = self._prepare_batch(x, y)
-        losses = self.cp.zeros(steps, dtype=self.cp.float64)
-        for s in range(steps):
-            ws = self._forward_backward(dx, dy, rows, losses[s])
-            lr_t = self.next_step_rate()
-            for i in reversed(range(self.n_layers)):
-                n_chunks, pw, pb = self._layer_grads(ws, i)
-                self._optimize_layer(i, 0, n_chunks, pw, pb, lr_t)
-            self.step_count += 1
-        total = self.download(losses) / (rows * self.spec.n_output_dims)
-        return total.astype(np.float32)
+        self._start_run(steps, EpochPosition(0))
+        key = ("batch", rows, dx.data.ptr, dy.data.ptr)
+        self._replay(key, steps, lambda: self._enqueue_step(dx, dy, rows, 0))
+        return self._finish_run(steps, rows)
+
+    def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        """See ``CompiledModel.train_epochs``: each step gathers its batch of the epoch's order on
+        the device (``mlp_gather_batch``) into fixed batch buffers, so every step is the same
+        replayed graph; the order's position lives in the device control block and is checked
+        against ``position`` when the losses come back."""
+        check_epoch_run(data, batch, steps)
+        if not data.on_device:
+            raise InvalidInput("this dataset is not on the cuda device (put_dataset keeps it there)")
+        bx, by = self._batch_buffers(batch)
+        self._start_run(steps, position)
+        half_bits = epoch_half_bits(data.rows)
+        x_half, y_half = int(data.x.dtype == self.cp.float16), int(data.y.dtype == self.cp.float16)
+
+        def enqueue() -> None:
+            warps = min(batch, self.info["sm_count"] * 16 * GATHER_WARPS)
+            self._launch("mlp_gather_batch", (math.ceil(warps / GATHER_WARPS),), (GATHER_WARPS * 32,),
+                         (data.x, np.int32(x_half), data.y, np.int32(y_half), np.int64(data.rows),
+                          np.int32(half_bits), self.ctl, np.int32(batch), bx, by))
+            self._enqueue_step(bx, by, batch, data.rows)
+
+        key = ("epochs", batch, data.rows, data.x.data.ptr, x_half, data.y.data.ptr, y_half)
+        self._replay(key, steps, enqueue)
+        expected = EpochPosition(position.seed, position.epoch, position.cursor)
+        expected.advance(data.rows, batch, steps)
+        losses = self._finish_run(steps, batch, expected)
+        position.epoch, position.cursor = expected.epoch, expected.cursor
+        return losses
+
+    def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int) -> None:
+        """One optimizer step's launches; identical every step (the control block says which)."""
+        ws, loss_slots = self._forward_backward(dx, dy, rows)
+        for i in reversed(range(self.n_layers)):
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            self._optimize_layer(i, 0, n_chunks, pw, pb)
+        self._launch("mlp_finish_step", (1,), (FINISH_THREADS,),
+                     (loss_slots, np.int32(loss_slots.size), self._run["losses"], self.ctl, np.int32(rows),
+                      np.int64(dataset_rows)))
+
+    def _start_run(self, steps: int, position: EpochPosition) -> None:
+        """The device tables of a run of ``steps`` steps: each step's learning rate, room for
+        the losses, and the control block at step 0 of ``position``."""
+        cp = self.cp
+        run = self._run
+        if run.get("capacity", 0) < steps:
+            capacity = 1 << max(6, (steps - 1).bit_length())
+            try:
+                run["lr"] = cp.zeros(capacity, dtype=cp.float32)
+                run["losses"] = cp.zeros(capacity, dtype=cp.float64)
+            except device_errors(cp) as exc:
+                raise LaunchError(f"allocating the tables of {steps} training steps failed: {exc}") from exc
+            run["capacity"] = capacity
+            self._graphs.clear()  # captured steps read the tables being replaced
+        rates = np.array([step_learning_rate(self.spec.optimizer, self.step_count + 1 + s) for s in range(steps)],
+                         dtype=np.float32)
+        ctl = np.array([0, position.cursor, position.epoch, 0], dtype=np.int32)
+        ctl[CTL_SEED] = np.uint32(position.seed & 0xFFFFFFFF).view(np.int32)
+        try:
+            run["lr"][:steps].set(rates)
+            self.ctl.set(ctl)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc
+
+    def _batch_buffers(self, batch: int) -> tuple[Any, Any]:
+        """The fp32 buffers a gathered batch lands in (one batch size kept at a time)."""
+        cp = self.cp
+        held = self._run.get("batch")
+        if held is None or held[0].shape[0] != batch:
+            self._run["batch"] = None
+            self._graphs.clear()
+            try:
+                held = (cp.empty((batch, self.spec.n_encoded_dims), dtype=cp.float32),
+                        cp.empty((batch, self.spec.n_output_dims), dtype=cp.float32))
+            except device_errors(cp) as exc:
+                raise LaunchError(f"allocating a {batch}-row training batch failed: {exc}") from exc
+            self._run["batch"] = held
+        return held
+
+    def _replay(self, key: tuple, steps: int, enqueue) -> None:
+        """``steps`` times the launches ``enqueue`` makes: directly for a few steps, else one
+        captured CUDA graph (on a private stream, relaxed mode: other threads keep launching)
+        replayed on the current stream, so the steps stay ordered with everything else."""
+        cp = self.cp
+        if steps < GRAPH_MIN_STEPS or not self.cuda_graphs:
+            for _ in range(steps):
+                enqueue()
+            return
+        graph = self._graphs.get(key)
+        try:
+            if graph is None:
+                self._workspace_for(self._rows_padded(key[1]))  # allocated before, not during, capture
+                capture = cp.cuda.Stream(non_blocking=True)
+                with capture:
+                    capture.begin_capture()
+                    try:
+                        enqueue()
+                    finally:
+                        graph = capture.end_capture()
+                if len(self._graphs) >= KEPT_GRAPHS:
+                    self._graphs.pop(next(iter(self._graphs)))
+                self._graphs[key] = graph
+            stream = cp.cuda.get_current_stream()
+            for _ in range(steps):
+                graph.launch(stream=stream)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"running the captured training step failed: {exc}") from exc
+
+    def _finish_run(self, steps: int, rows: int, expected: EpochPosition | None = None) -> np.ndarray:
+        """The run's losses (one copy back, the run's only wait), mean per output element; the
+        control block read with them must show every step done and the order where expected."""
+        ctl = self.download(self.ctl)
+        losses = self.download(self._run["losses"][:steps])
+        self.step_count += steps
+        if ctl[CTL_STEP] != steps or (expected is not None and (ctl[CTL_CURSOR], ctl[CTL_EPOCH])
+                                     != (expected.cursor, expected.epoch)):
+            raise LaunchError(f"the device's step record ({ctl.tolist()}) does not match the {steps} steps "
+                              f"launched{'' if expected is None else f' ending at {expected}'}")
+        return (losses / (rows * self.spec.n_output_dims)).astype(np.float32)
 
     def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
         cp = self.cp
         dx, dy, rows = self._prepare_batch(x, y)
-        loss = cp.zeros((), dtype=cp.float64)
-        ws = self._forward_backward(dx, dy, rows, loss)
+        ws, loss_slots = self._forward_backward(dx, dy, rows)
         grads: dict[str, np.ndarray] = {}
         for i in reversed(range(self.n_layers)):
             fan_in, fan_out, k, n = self.layers[i]
             n_chunks, pw, pb = self._layer_grads(ws, i)
             gw = cp.zeros(n * k, dtype=cp.float32)
             gb = cp.zeros(n, dtype=cp.float32)
-            self._optimize_layer(i, 1, n_chunks, pw, pb, 0.0, gw, gb)
+            self._optimize_layer(i, 1, n_chunks, pw, pb, gw, gb)
             grads[f"W{i}"] = self.download(gw).reshape(n, k)[:fan_out, :fan_in].copy()
             grads[f"b{i}"] = self.download(gb)[:fan_out].copy()
-        value = float(self.download(loss)) / (rows * self.spec.n_output_dims)
+        value = float(self.download(loss_slots.sum())) / (rows * self.spec.n_output_dims)
         return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
 
     # -- parameters -------------------------------------------------------------------------------
@@ -422,7 +555,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         except device_errors(self.cp) as exc:
             raise LaunchError(f"uploading parameters failed: {exc}") from exc
         for i in range(self.n_layers):  # refresh the fp16 images the kernels read
-            self._optimize_layer(i, 2, 0, None, None, 0.0)
+            self._optimize_layer(i, 2, 0, None, None)
 
     def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         out = {}
@@ -441,14 +574,17 @@ class CudaMmaModel(MmaPlan, CudaModel):
             raise LaunchError(f"uploading the optimizer state failed: {exc}") from exc
 
     def device_bytes(self) -> int:
-        arrays = [self.w_all, self.b_all, self.wimage, *self.slot_w, *self.slot_b]
+        arrays = [self.w_all, self.b_all, self.wimage, self.ctl, *self.slot_w, *self.slot_b]
+        arrays += [a for k, a in self._run.items() if k in ("lr", "losses")] + list(self._run.get("batch") or ())
         for ws in self._workspace.values():
             arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
         return int(sum(a.nbytes for a in arrays))
 
     def close(self) -> None:
         self._workspace.clear()
-        for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy"):
+        self._graphs.clear()
+        self._run.clear()
+        for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy", "ctl"):
             if hasattr(self, name):
                 delattr(self, name)
 

@@ -18,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from mmad.backends.contract import CompiledModel, check_host_output, check_rows, check_rows_shape, output_dtype
-from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError
+from mmad.backends.contract import (
+    CompiledModel, Dataset, check_host_output, check_rows, check_rows_shape, output_dtype,
+)
+from mmad.errors import BackendUnavailable, CompileError, DeviceMemoryFull, InvalidInput, LaunchError
 from mmad.spec import MLPSpec
 
 ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
@@ -234,6 +236,50 @@ class CudaModel(CompiledModel):
             result.get(out=out)
         except device_errors(self.cp) as exc:
             raise LaunchError(f"copying the output from the device failed: {exc}") from exc
+
+    # -- datasets on the device ------------------------------------------------------------------
+    def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
+        x_item = np.dtype(x_dtype).itemsize if self.spec.encoding.passthrough else 4  # encoded: fp32
+        return rows * (self.spec.n_encoded_dims * x_item + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
+
+    def free_device_bytes(self) -> int | None:
+        cp = self.cp
+        free, _total = cp.cuda.runtime.memGetInfo()
+        return int(free) + int(cp.get_default_memory_pool().free_bytes())  # the pool's cached blocks are free too
+
+    def put_dataset(self, chunks, rows: int, x_dtype: Any, y_dtype: Any) -> Dataset:
+        """The dataset in device memory, allocated once and filled chunk by chunk (inputs
+        encoded on the host first where the model has an encoding; fp16 kept as fp16)."""
+        cp = self.cp
+        if not 0 < rows < 2**31:
+            raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
+        encoded = not self.spec.encoding.passthrough
+        xd = np.dtype(np.float32 if encoded else x_dtype)
+        yd = np.dtype(y_dtype)
+        try:
+            x = cp.empty((rows, self.spec.n_encoded_dims), dtype=xd)
+            y = cp.empty((rows, self.spec.n_output_dims), dtype=yd)
+        except cp.cuda.memory.OutOfMemoryError as exc:
+            raise DeviceMemoryFull(f"the dataset ({self.dataset_bytes(rows, x_dtype, y_dtype) / 2**30:.2f} GiB) "
+                                   "does not fit in the cuda device's free memory") from exc
+        at = 0
+        try:
+            for cx, cy in chunks:
+                n = cx.shape[0]
+                if at + n > rows:
+                    raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
+                hx = self.encode(np.asarray(cx, dtype=np.float32)) if encoded else np.ascontiguousarray(cx, dtype=xd)
+                x[at:at + n].set(hx)
+                y[at:at + n].set(np.ascontiguousarray(cy, dtype=yd))
+                at += n
+        except device_errors(cp) as exc:
+            raise LaunchError(f"copying the dataset to the device failed: {exc}") from exc
+        if at != rows:
+            raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+        return Dataset(x, y, rows, int(x.nbytes + y.nbytes), on_device=True)
+
+    def take_rows(self, a: Any, rows: np.ndarray) -> Any:
+        return a[self.cp.asarray(rows)]
 
     def _launch_from(self, module: "LoadedModule", name: str, grid, block, args, smem: int = 0) -> None:
         try:

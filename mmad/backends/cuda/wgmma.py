@@ -22,6 +22,7 @@ import numpy as np
 
 from mmad.backends import layouts as L
 from mmad.backends.cache import KernelCache
+from mmad.backends.contract import Dataset, EpochPosition
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import CudaMmaModel, describe, f32_literal
 from mmad.backends.cuda.toolchain import (
@@ -361,6 +362,10 @@ class CudaWgmmaModel(CudaMmaModel):
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         self._wg_stale = True  # set first: a step that fails half way may have changed weights
         return super().train_step(x, y, steps)
+
+    def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        self._wg_stale = True
+        return super().train_epochs(data, batch, steps, position)
 
     def device_bytes(self) -> int:
         return super().device_bytes() + int(sum(a.nbytes for a in (self.wg_wmap, self.wg_bmap, self.wg_wimage,

@@ -680,13 +680,22 @@ __device__ __forceinline__ int b_image_index(int Kdim, int k, int n) {
     return (((n >> 3) * (Kdim >> 4) + kc) * 32 + lane) * 4 + hi * 2 + (rr & 1);
 }
 
+// ctl (int32[4]) lives on the device so that a step's launches are the same every step (one CUDA
+// graph replayed): the run's step (indexes the learning-rate table and the losses), the position
+// of the next batch in the epoch's order, the epoch, and the order's seed.
+#define CTL_STEP 0
+#define CTL_CURSOR 1
+#define CTL_EPOCH 2
+#define CTL_SEED 3
+
 // mode 0: reduce + optimizer step + repack; 1: reduce into grad_w/grad_b only; 2: repack only
 extern "C" __global__ void mlp_optimize(
     int mode, float* __restrict__ w, float* __restrict__ b, float* __restrict__ s1w,
     float* __restrict__ s1b, float* __restrict__ s2w, float* __restrict__ s2b,
     const float* __restrict__ pw, const float* __restrict__ pb, int n_chunks, int N, int K,
     int fan_out, int fan_in, u16* __restrict__ wimage, int wf_offset, int wb_offset,
-    float lr_t, float inv_scale, float* __restrict__ grad_w, float* __restrict__ grad_b) {
+    const float* __restrict__ lr_table, const int* __restrict__ ctl, float inv_scale,
+    float* __restrict__ grad_w, float* __restrict__ grad_b) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int n_w = N * K;
     if (i >= n_w + N) return;
@@ -704,6 +713,7 @@ extern "C" __global__ void mlp_optimize(
             return;
         }
         float p = *param;
+        const float lr_t = lr_table[ctl[CTL_STEP]];  // the run's step: a replayed graph reads it here
         if (L2REG != 0.f) grad += L2REG * p;
 #if OPT_ADAM
         float* m = is_w ? s1w + i : s1b + o;
@@ -724,5 +734,82 @@ extern "C" __global__ void mlp_optimize(
         const u16 hb = to_half_bits(*param);
         wimage[wf_offset + b_image_index(K, c, o)] = hb;
         if (wb_offset >= 0) wimage[wb_offset + b_image_index(N, o, c)] = hb;
+    }
+}
+
+// ---- training from a held dataset: the epoch's order, the batch gather, the step's bookkeeping --
+
+__device__ __forceinline__ u32 mix32(u32 x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+
+// numerics.epoch_rows, element by element: a keyed four-round Feistel network on 2*half_bits
+// bits, cycle-walked into [0, rows); every row once per epoch, nothing stored
+__device__ __forceinline__ i64 epoch_row(u32 seed, u32 epoch, i64 rows, int half_bits, i64 position) {
+    u32 keys[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) keys[r] = mix32(seed ^ mix32(epoch * 4u + (u32)r + 1u));
+    const u32 mask = (1u << half_bits) - 1u;
+    u32 v = (u32)position;
+    do {
+        u32 left = v >> half_bits, right = v & mask;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const u32 next = left ^ (mix32(right ^ keys[r]) & mask);
+            left = right;
+            right = next;
+        }
+        v = (left << half_bits) | right;
+    } while ((i64)v >= rows);
+    return (i64)v;
+}
+
+// the next batch of the epoch's order into the fp32 batch buffers the training kernel reads;
+// a warp per row (every lane walks the same order, then the columns are copied coalesced)
+extern "C" __global__ void mlp_gather_batch(
+    const void* __restrict__ xs, int x_half, const void* __restrict__ ys, int y_half, i64 rows,
+    int half_bits, const int* __restrict__ ctl, int batch, float* __restrict__ bx, float* __restrict__ by) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const u32 seed = (u32)ctl[CTL_SEED], epoch = (u32)ctl[CTL_EPOCH];
+    const i64 cursor = ctl[CTL_CURSOR];
+    for (i64 r = (i64)blockIdx.x * warps + (threadIdx.x >> 5); r < batch; r += (i64)gridDim.x * warps) {
+        const i64 src = epoch_row(seed, epoch, rows, half_bits, cursor + r);
+        for (int c = lane; c < NIN; c += 32)
+            bx[r * NIN + c] = x_half ? half_bits_to_float(static_cast<const u16*>(xs)[src * NIN + c])
+                                     : static_cast<const float*>(xs)[src * NIN + c];
+        for (int c = lane; c < NOUT; c += 32)
+            by[r * NOUT + c] = y_half ? half_bits_to_float(static_cast<const u16*>(ys)[src * NOUT + c])
+                                      : static_cast<const float*>(ys)[src * NOUT + c];
+    }
+}
+
+// the end of a step: the loss (the training kernel's per-warp sums, added in a fixed order) to
+// losses[step], then the step and, over a dataset (rows > 0), the order's position move on
+#define FINISH_THREADS 256
+extern "C" __global__ void __launch_bounds__(FINISH_THREADS) mlp_finish_step(
+    const double* __restrict__ loss_slots, int n_slots, double* __restrict__ losses, int* __restrict__ ctl,
+    int batch, i64 rows) {
+    __shared__ double sums[FINISH_THREADS];
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < n_slots; i += FINISH_THREADS) sum += loss_slots[i];
+    sums[threadIdx.x] = sum;
+    __syncthreads();
+    for (int half = FINISH_THREADS / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        losses[ctl[CTL_STEP]] = sums[0];
+        ctl[CTL_STEP] += 1;
+        if (rows > 0) {
+            const i64 next = (i64)ctl[CTL_CURSOR] + batch;
+            if (next + batch > rows) {
+                ctl[CTL_CURSOR] = 0;
+                ctl[CTL_EPOCH] += 1;
+            } else {
+                ctl[CTL_CURSOR] = (int)next;
+            }
+        }
     }
 }
