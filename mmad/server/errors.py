@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmad.errors import (
-    BackendUnavailable, CacheError, CompileError, ConflictError, Forbidden, InvalidInput, LaunchError, MMADError,
-    ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
+    BackendUnavailable, CacheError, CompileError, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput, LaunchError,
+    MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
 )
 
 log = logging.getLogger("mmad.server")
@@ -23,8 +23,8 @@ log = logging.getLogger("mmad.server")
 STATUS_TABLE: list[tuple[type, int]] = [
     (Unauthorized, 401), (Forbidden, 403), (ModelNotFound, 404), (ConflictError, 409),
     (PayloadTooLarge, 413), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
-    (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (CompileError, 500), (LaunchError, 500),
-    (CacheError, 500),
+    (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (DeviceMemoryFull, 507),
+    (CompileError, 500), (LaunchError, 500), (CacheError, 500),
 ]
 
 
@@ -40,7 +40,8 @@ ERROR_STATUSES = {
     400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
     404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
     413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
-    507: "the model store is full or read-only; nothing was saved and nothing served changed",
+    507: "the model store is full or read-only, or the device lacks the memory asked for; nothing was saved "
+         "and nothing served changed",
 }
 # Documented on every route (routers pass it to APIRouter): any route can meet the body cap,
 # a daemon that is not ready yet, or bad input; OpenAPI clients and fuzzers rely on the list.
