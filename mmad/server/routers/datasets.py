@@ -45,7 +45,7 @@ async def receive_chunk(rt: Runtime, request: Request, entry: ModelEntry, stored
 
 
 def described(rt: Runtime, info: DatasetInfo) -> dict:
-    return info.to_json()
+    return {**info.to_json(), "on_device": info.dataset in rt.registry.datasets.resident(info.model)}
 
 
 @router.post("/v2/models/{model}/datasets", dependencies=[Depends(require_key)], openapi_extra=BINARY_REQUEST_DOC)
@@ -75,6 +75,7 @@ async def append_chunk(model: str, dataset: str, request: Request, rt: Runtime =
                                      rt.settings.max_dataset_bytes, entry.incarnation)
     finally:
         path.unlink(missing_ok=True)
+    rt.registry.datasets.invalidate(model, dataset)  # a held copy lacks the new rows
     return json_response({"dataset": dataset, "rows": info.rows, "bytes": info.bytes, "chunks": len(info.chunks)})
 
 
@@ -97,8 +98,10 @@ async def get_dataset(model: str, dataset: str, rt: Runtime = Depends(runtime)):
 
 @router.delete("/v2/models/{model}/datasets/{dataset}", dependencies=[Depends(require_key)])
 async def delete_dataset(model: str, dataset: str, rt: Runtime = Depends(runtime)):
-    """Delete the dataset."""
+    """Delete the dataset and drop the copy its model's backend holds. A running job that trains
+    from it keeps the copy it holds until it ends (its memory is freed then)."""
     rt.registry.get(model)
     check_dataset_id(dataset)
     await rt.registry.run(rt.store.delete_dataset, model, dataset)
+    rt.registry.datasets.invalidate(model, dataset)
     return json_response({"model_name": model, "dataset": dataset, "deleted": True})
