@@ -21,14 +21,15 @@
     ├── StoreUnwritable            the model store refused a write (read-only, no permission);
     │   │                          nothing served changed
     │   └── StorageFull            the store's disk or quota is full; nothing served changed
-    ├── DeviceMemoryFull           the device has not the free memory a dataset needs; nothing
-    │                              was allocated
+    ├── DeviceMemoryFull           what was asked for does not fit in the device's free memory
+    │                              (checked before allocating); nothing was allocated
     ├── Unauthorized               no API key was sent to a daemon that requires one
     └── Forbidden                  the API key sent is wrong
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503, 507 for a store that cannot be written or a device without the memory; compile, launch and cache failures 500);
-anything not in this tree that escapes a handler is a bug and becomes a 500.
+409, 413, 503, 507 for a store that cannot be written or a device without the memory asked
+for; compile, launch and cache failures 500); anything not in this tree that escapes a handler
+is a bug and becomes a 500.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class StorageFull(StoreUnwritable):
 
 
 class DeviceMemoryFull(MMADError):
-    """The backend's device has not the free memory asked for (HTTP 507); nothing was allocated."""
+    """The device lacks the free memory something needs, e.g. a dataset held for training (HTTP
+    507, Insufficient Storage); the check comes before any allocation, so nothing changed."""
 
 
 class Unauthorized(MMADError):

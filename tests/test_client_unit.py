@@ -63,6 +63,9 @@ class FakeDaemon:
                         "b0": rng.standard_normal(N_OUT).astype(np.float32)}
         self.requests: list[httpx.Request] = []
         self.datasets: dict[str, dict[str, np.ndarray]] = {}
+        self.chunks: list[dict[str, np.ndarray]] = []  # every chunk received, in order
+        self.max_chunk_bytes = 64 << 20
+        self.fail_at_chunk = 0  # answer 500 to this chunk (1-based; 0: never)
         self.job_steps = 0
         self.job_final = "done"
         self.send_final_event = True
@@ -121,9 +124,25 @@ class FakeDaemon:
             return httpx.Response(200, json={"version": "2"})
         if tail == "stats":
             return httpx.Response(200, json={"model_stats": [{"name": parts[2], "inference_count": 7}]})
-        if tail == "datasets":
-            self.datasets["d1"] = read_safetensors(request.content)
-            return httpx.Response(200, json={"dataset": "d1", "rows": len(self.datasets["d1"]["x"])})
+        if tail == "datasets" and request.method == "GET":
+            return httpx.Response(200, json={"datasets": [{"dataset": d, "rows": len(c["x"])}
+                                                          for d, c in self.datasets.items()],
+                                             "max_chunk_bytes": self.max_chunk_bytes, "max_dataset_bytes": 1 << 30})
+        if tail == "datasets" or (rest[:1] == ["datasets"] and rest[2:] == ["chunks"]):
+            if len(request.content) > self.max_chunk_bytes:
+                return httpx.Response(413, json={"error": "the body is too large"})
+            chunk = read_safetensors(request.content)
+            self.chunks.append(chunk)
+            if len(self.chunks) == self.fail_at_chunk:
+                return httpx.Response(500, json={"error": "internal error: injected"})
+            dataset = f"d{len(self.datasets) + 1}" if tail == "datasets" else rest[1]
+            held = self.datasets.get(dataset)
+            self.datasets[dataset] = chunk if held is None else {
+                k: np.concatenate([held[k], chunk[k]]) for k in ("x", "y")}
+            return httpx.Response(200, json={"dataset": dataset, "rows": len(self.datasets[dataset]["x"])})
+        if rest[:1] == ["datasets"] and request.method == "DELETE":
+            self.datasets.pop(rest[1], None)
+            return httpx.Response(200, json={"deleted": True})
         if tail == "jobs":
             self.job_steps = json.loads(request.content)["steps"]
             return httpx.Response(202, json={"job": "j1"})
@@ -408,13 +427,19 @@ def test_every_method_calls_its_documented_endpoint(client, fake):
         (lambda: client.metrics(), "GET", "/metrics"),
         (lambda: client.job_status("m", "j1"), "GET", "/v2/models/m/jobs/j1"),
         (lambda: client.cancel_job("m", "j1"), "DELETE", "/v2/models/m/jobs/j1"),
-        (lambda: client.upload_dataset("m", x, y), "POST", "/v2/models/m/datasets"),
         (lambda: client.start_job("m", "d1", 5, 2), "POST", "/v2/models/m/jobs"),
+        (lambda: client.list_datasets("m"), "GET", "/v2/models/m/datasets"),
+        (lambda: client.delete_dataset("m", "d1"), "DELETE", "/v2/models/m/datasets/d1"),
     ]
     for call, method, path in calls:
         before = len(fake.requests)
         call()
         assert [(r.method, r.url.path) for r in fake.requests[before:]] == [(method, path)]
+    # an upload asks for the server's limits first, then sends its chunks
+    before = len(fake.requests)
+    client.upload_dataset("m", x, y)
+    assert [(r.method, r.url.path) for r in fake.requests[before:]] == [("GET", "/v2/models/m/datasets"),
+                                                                        ("POST", "/v2/models/m/datasets")]
     assert fake.requests[11].url.params["version"] == "1"
     assert json.loads(fake.requests[7].content) == {"spec": {"n_input_dims": N_IN}, "config": {"max_batch_rows": 64}}
     assert client.versions("m")["latest"] == "1"
@@ -504,6 +529,60 @@ def test_train_uploads_dataset_follows_events_and_returns_final_status(client, f
     assert events.extensions["timeout"]["read"] is None  # slow steps must not time the stream out
     assert seen == [("progress", s) for s in range(1, 7)] + [("checkpoint", None), ("done", 6)]
     assert status["state"] == "done" and status["step"] == 6
+
+
+def test_upload_dataset_splits_rows_into_chunks_within_both_limits(client, fake):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1000, N_IN)).astype(np.float16)  # 10 + 12 bytes a row
+    y = rng.standard_normal((1000, N_OUT))  # float64: sent as float32
+    fake.max_chunk_bytes = 6000  # the server's limit, below the chunk_bytes asked for
+    dataset = client.upload_dataset("m", x, y, chunk_bytes=8000, progress=False)
+    bodies = [r for r in fake.requests if r.method == "POST"]
+    per_chunk = len(fake.chunks[0]["x"])
+    assert len(bodies) == len(fake.chunks) == -(-1000 // per_chunk) > 1
+    assert all(len(r.content) <= 6000 for r in bodies)
+    # as many rows as fit: one more would pass the server's limit
+    assert len(encode_safetensors({"x": x[:per_chunk + 1], "y": y[:per_chunk + 1].astype(np.float32)})) > 6000
+    assert [r.url.path for r in bodies] == ["/v2/models/m/datasets"] + [f"/v2/models/m/datasets/{dataset}/chunks"] * (
+        len(bodies) - 1)
+    assert all(c["x"].dtype == np.float16 and c["y"].dtype == np.float32 for c in fake.chunks)
+    np.testing.assert_array_equal(fake.datasets[dataset]["x"], x)  # float16 bit for bit
+    np.testing.assert_array_equal(fake.datasets[dataset]["y"], y.astype(np.float32))
+    fake.requests.clear()
+    client.upload_dataset("m", x, y, chunk_bytes=1 << 20)  # one chunk would do for the client, not the server
+    assert max(len(r.content) for r in fake.requests if r.method == "POST") <= 6000
+    with pytest.raises(ValueError, match="cannot hold one row"):
+        client.upload_dataset("m", x, y, chunk_bytes=100)
+
+
+def test_upload_dataset_failing_midway_deletes_the_partial_dataset(client, fake):
+    rng = np.random.default_rng(12)
+    x, y = rng.standard_normal((300, N_IN)).astype(np.float32), rng.standard_normal((300, N_OUT)).astype(np.float32)
+    fake.fail_at_chunk = 3
+    with pytest.raises(E.ServerError, match="injected"):
+        client.upload_dataset("m", x, y, chunk_bytes=2048)
+    assert fake.requests[-1].method == "DELETE" and fake.requests[-1].url.path == "/v2/models/m/datasets/d1"
+    assert fake.datasets == {}
+
+
+def test_upload_progress_true_without_tqdm_is_a_clear_error(client, fake, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes "import tqdm" fail
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    x, y = random_x(), np.zeros((17, N_OUT), np.float32)
+    with pytest.raises(ImportError, match=r"pip install 'mmad-client\[progress\]'"):
+        client.upload_dataset("m", x, y, progress=True)
+    assert fake.requests == []  # refused before anything was sent
+    client.upload_dataset("m", x, y)  # None: no bar without tqdm, no error
+
+
+def test_upload_progress_bar_counts_the_bytes_sent(client, fake, capsys):
+    pytest.importorskip("tqdm", reason="tqdm is not installed")
+    rng = np.random.default_rng(13)
+    x, y = rng.standard_normal((400, N_IN)).astype(np.float32), rng.standard_normal((400, N_OUT)).astype(np.float32)
+    client.upload_dataset("m", x, y, chunk_bytes=4096, progress=True)
+    err = capsys.readouterr().err
+    sent = sum(len(r.content) for r in fake.requests if r.method == "POST")
+    assert "upload m" in err and "100%|" in err and f"{sent / 1024:.1f}k/{sent / 1024:.1f}k" in err, err
 
 
 def test_train_progress_bar_without_tqdm(client, fake, monkeypatch, capsys):

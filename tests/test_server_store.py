@@ -6,9 +6,10 @@ import hashlib
 
 import numpy as np
 import pytest
+from safetensors.numpy import save as st_save
 
 from mmad.errors import InvalidInput, MMADError, ModelNotFound
-from mmad.server.store import Store, check_model_name
+from mmad.server.store import Store, check_model_name, read_chunk_header
 
 
 def params(seed: int) -> dict[str, np.ndarray]:
@@ -97,14 +98,63 @@ def test_model_names_cannot_escape_the_store(name):
         check_model_name(name)
 
 
+def incoming_chunk(store: Store, x: np.ndarray, y: np.ndarray):
+    """A chunk file as the upload route leaves it: written into the store's incoming directory."""
+    path = store.incoming_path()
+    path.write_bytes(st_save({"x": x, "y": y}))
+    return path, read_chunk_header(path)
+
+
 def test_datasets_and_delete(tmp_path):
     store = Store(tmp_path)
     store.create_model("m", {"spec": {}}, params(1), OPT)
-    dataset = store.add_dataset("m", b"bytes")
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((6, 3)).astype(np.float32), rng.standard_normal((6, 2)).astype(np.float16)
+    info = store.add_dataset("m", *incoming_chunk(store, x[:4], y[:4]))
+    dataset = info.dataset
+    assert (info.rows, len(info.chunks)) == (4, 1)
+    info = store.append_dataset_chunk("m", dataset, *incoming_chunk(store, x[4:], y[4:]))
+    assert (info.rows, len(info.chunks)) == (6, 2)
+    assert sorted(p.name for p in (tmp_path / "datasets" / "m" / dataset).iterdir()) == [
+        "00000000.safetensors", "00000001.safetensors"]
+    assert not list((tmp_path / "datasets" / ".incoming").iterdir())  # moved, not copied
+    loaded = store.load_dataset("m", dataset)  # chunks concatenated, types as sent
+    assert loaded["y"].dtype == np.float16
+    np.testing.assert_array_equal(loaded["x"], x)
+    np.testing.assert_array_equal(loaded["y"], y)
+    assert [i.to_json() for i in store.list_datasets("m")] == [
+        {"dataset": dataset, "rows": 6, "bytes": info.bytes, "x_dtype": "float32", "y_dtype": "float16", "chunks": 2}]
     with pytest.raises(InvalidInput):
         store.load_dataset("m", "../../etc/passwd")
+    with pytest.raises(InvalidInput, match="y is float32 in this chunk but float16 in the dataset's first chunk"):
+        store.append_dataset_chunk("m", dataset, *incoming_chunk(store, x, y.astype(np.float32)))
+    assert len(store.dataset_info("m", dataset).chunks) == 2
     store.delete_model("m")
     assert store.list_models() == [] and not (tmp_path / "datasets" / "m").exists()
     with pytest.raises(ModelNotFound):
         store.load_dataset("m", dataset)
+    with pytest.raises(ModelNotFound):  # a deleted model's datasets directory is not brought back
+        store.add_dataset("m", *incoming_chunk(store, x, y))
+    assert not (tmp_path / "datasets" / "m").exists()
+    store.close()
+
+
+def test_legacy_one_file_dataset_is_read_and_grows_into_chunks(tmp_path):
+    """A store written by an earlier mmad keeps <id>.safetensors: one chunk, appendable."""
+    store = Store(tmp_path)
+    store.create_model("m", {"spec": {}}, params(1), OPT)
+    rng = np.random.default_rng(6)
+    x, y = rng.standard_normal((10, 3)).astype(np.float32), rng.standard_normal((10, 2)).astype(np.float32)
+    dataset = "ab" * 16
+    (tmp_path / "datasets" / "m").mkdir(parents=True)
+    (tmp_path / "datasets" / "m" / f"{dataset}.safetensors").write_bytes(st_save({"x": x[:7], "y": y[:7]}))
+    info = store.dataset_info("m", dataset)
+    assert (info.rows, len(info.chunks)) == (7, 1)
+    np.testing.assert_array_equal(store.load_dataset("m", dataset)["x"], x[:7])
+    info = store.append_dataset_chunk("m", dataset, *incoming_chunk(store, x[7:], y[7:]))
+    assert (info.rows, len(info.chunks)) == (10, 2)
+    assert not (tmp_path / "datasets" / "m" / f"{dataset}.safetensors").exists()
+    np.testing.assert_array_equal(store.load_dataset("m", dataset)["y"], y)
+    store.delete_dataset("m", dataset)
+    assert store.list_datasets("m") == []
     store.close()

@@ -70,7 +70,15 @@ def _set(doc: dict, path: str, value) -> dict:
     return doc
 
 
-_DELETE = object()
+class _Deleted:
+    """The marker of a field to remove; a fixed repr keeps the test ids the same in every process
+    (pytest-xdist workers must collect identical ids; ``object()``'s repr holds its address)."""
+
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETE = _Deleted()
 
 # (json path to change, new value, field the error must name, words it must contain)
 INVALID = [

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
@@ -153,6 +153,15 @@ def _weights(response: httpx.Response) -> dict[str, np.ndarray]:
     return _binary.decode_safetensors(response.content, copy=True)
 
 
+def _dataset_answer(response: httpx.Response) -> tuple[str, int]:
+    """(dataset id, rows it holds now) from a chunk upload's answer."""
+    dataset, rows = _field(response, "dataset"), _field(response, "rows")
+    if not isinstance(dataset, str) or isinstance(rows, bool) or not isinstance(rows, int):
+        raise ProtocolError(f"POST {response.request.url.path}: the answer's dataset and rows are "
+                            f"{dataset!r} and {rows!r}")
+    return dataset, rows
+
+
 def _is_ok(response: httpx.Response) -> bool:
     return response.status_code == 200
 
@@ -286,14 +295,28 @@ class BaseClient:
     def _metrics(self) -> Call:
         return Call("GET", "/metrics", lambda r: r.text)
 
+    # -- datasets -------------------------------------------------------------------------
+    def _list_datasets(self, name: str) -> Call:
+        return Call("GET", f"{model_path(name)}/datasets", lambda r: list(_field(r, "datasets")))
+
+    def _dataset_limits(self, name: str) -> Call:
+        """(bytes of one chunk, bytes of one dataset) the server takes, from its dataset listing."""
+        def parse(response: httpx.Response) -> tuple[int | None, int | None]:
+            doc = _json(response)
+            if not isinstance(doc, dict):
+                raise ProtocolError(f"GET {response.request.url.path}: the answer is not a JSON object")
+            return doc.get("max_chunk_bytes"), doc.get("max_dataset_bytes")
+        return Call("GET", f"{model_path(name)}/datasets", parse)
+
+    def _add_dataset_chunk(self, name: str, dataset: str | None, body: bytes) -> Call:
+        """The first chunk creates the dataset (``dataset`` None), the others are appended to it."""
+        path = f"{model_path(name)}/datasets" + ("" if dataset is None else f"/{_segment(dataset)}/chunks")
+        return Call("POST", path, _dataset_answer, body, {"Content-Type": "application/octet-stream"})
+
+    def _delete_dataset(self, name: str, dataset: str) -> Call:
+        return Call("DELETE", f"{model_path(name)}/datasets/{_segment(dataset)}", _nothing)
+
     # -- training jobs --------------------------------------------------------------------
-    def _upload_dataset(self, name: str, x: Any, y: Any) -> Call:
-        xs = np.asarray(as_tensor(x, "x"), dtype=np.float32, order="C")
-        ys = np.asarray(as_tensor(y, "y"), dtype=np.float32, order="C")
-        if xs.shape[0] != ys.shape[0]:
-            raise ValueError(f"x has {xs.shape[0]} rows but y has {ys.shape[0]}")
-        return Call("POST", f"{model_path(name)}/datasets", lambda r: str(_field(r, "dataset")),
-                    _binary.encode_safetensors({"x": xs, "y": ys}), {"Content-Type": "application/octet-stream"})
 
     def _start_job(self, name: str, dataset: str, steps: int, batch_size: int, checkpoint_every: int | None) -> Call:
         doc: dict[str, Any] = {"dataset": dataset, "steps": int(steps), "batch_size": int(batch_size)}
@@ -312,6 +335,122 @@ class BaseClient:
         # events arrive as steps finish; a slow step must not look like a dead connection
         timeout = httpx.Timeout(self.timeout.connect, connect=self.timeout.connect, read=None)
         return (f"{model_path(name)}/jobs/{_segment(job)}/events", {"Accept": "text/event-stream"}, timeout)
+
+
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+PROGRESS_EXTRA = "pip install 'mmad-client[progress]'"
+
+
+def _sizes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _tqdm() -> Any:
+    """tqdm's class, or None when it is not installed (an optional extra: ``progress``)."""
+    try:
+        from tqdm.auto import tqdm  # optional: never a dependency
+    except ImportError:
+        return None
+    return tqdm
+
+
+class DatasetUpload:
+    """One dataset upload in chunks, shared by both clients: the arrays' types and the split into
+    row ranges whose safetensors encodings stay within ``chunk_bytes`` and the server's body
+    limit, the bodies one at a time (never more than one chunk's copy), and the progress bar.
+
+    ``x`` and ``y`` keep float16 as float16 and float32 as float32; anything else numeric
+    (float64, integers) goes as float32. ``progress``: True draws a tqdm bar of the bytes sent
+    (an ImportError naming the ``progress`` extra when tqdm is missing), False none, None one
+    when the upload takes more than one chunk, stderr is a terminal and tqdm is installed.
+    """
+
+    def __init__(self, name: str, x: Any, y: Any, chunk_bytes: int, progress: bool | None) -> None:
+        self.name = name
+        self.x = self._array(x, "x")
+        self.y = self._array(y, "y")
+        if self.x.shape[0] != self.y.shape[0]:
+            raise ValueError(f"x has {self.x.shape[0]} rows but y has {self.y.shape[0]}")
+        if self.x.shape[0] == 0:
+            raise ValueError("a dataset needs at least one row; x and y have none")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be a positive integer; got {chunk_bytes!r}")
+        if progress not in (True, False, None):
+            raise TypeError(f"progress must be True, False or None; got {progress!r}")
+        self.chunk_bytes = chunk_bytes
+        self.progress = progress
+        self._tqdm = _tqdm() if progress is not False else None
+        if progress is True and self._tqdm is None:
+            raise ImportError(f"progress=True draws the upload's progress with tqdm, which is not installed: "
+                              f"{PROGRESS_EXTRA} (or pass progress=False)")
+        self.ranges: list[tuple[int, int]] = []
+        self.total = 0
+        self._bar: Any = None
+
+    @staticmethod
+    def _array(a: Any, what: str) -> np.ndarray:
+        array = as_tensor(a, what)  # 2-D; float16 and float32 as they are, other numbers as float32
+        return array if array.dtype in (np.float16, np.float32) else array.astype(np.float32)
+
+    def plan(self, limits: tuple[int | None, int | None]) -> None:
+        """Split the rows for the server's ``(max chunk bytes, max dataset bytes)`` (None: unknown)."""
+        max_chunk, max_dataset = limits
+        limit = min(self.chunk_bytes, max_chunk) if isinstance(max_chunk, int) and max_chunk > 0 else self.chunk_bytes
+        rows = self.x.shape[0]
+        # the header of the whole arrays is the longest any chunk's can be (its numbers are the largest)
+        fixed = _binary.safetensors_size({"x": self.x, "y": self.y}) - self.x.nbytes - self.y.nbytes
+        row_bytes = self.x.nbytes // rows + self.y.nbytes // rows
+        per_chunk = (limit - fixed) // row_bytes
+        if per_chunk < 1:
+            which = "chunk_bytes" if limit == self.chunk_bytes else "the server's body limit"
+            raise ValueError(f"{which} ({limit} bytes) cannot hold one row: a row is {row_bytes} bytes and a "
+                             f"chunk's header up to {fixed}")
+        self.ranges = [(a, min(a + per_chunk, rows)) for a in range(0, rows, per_chunk)]
+        self.total = sum(self._size(a, b) for a, b in self.ranges)
+        if isinstance(max_dataset, int) and self.total > max_dataset:
+            would, limit = _sizes(self.total), _sizes(max_dataset)
+            if would == limit:
+                would, limit = f"{would} ({self.total} bytes)", f"{limit} ({max_dataset} bytes)"
+            raise ValueError(f"the dataset would hold {would} on the server; its limit (--max-dataset-bytes) "
+                             f"is {limit}")
+
+    def _size(self, a: int, b: int) -> int:
+        return _binary.safetensors_size({"x": self.x[a:b], "y": self.y[a:b]})
+
+    def bodies(self) -> Iterator[bytes]:
+        """Each chunk's safetensors body, made when it is about to be sent."""
+        for a, b in self.ranges:
+            yield _binary.encode_safetensors({"x": self.x[a:b], "y": self.y[a:b]})
+
+    def start(self) -> None:
+        show = self.progress is True or (self.progress is None and len(self.ranges) > 1 and self._tqdm is not None
+                                          and sys.stderr.isatty())
+        if show:
+            self._bar = self._tqdm(total=self.total, desc=f"upload {self.name}", unit="B", unit_scale=True,
+                                   unit_divisor=1024, file=sys.stderr)
+
+    def sent(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def check_rows(self, dataset: str, rows: int) -> None:
+        if rows != self.x.shape[0]:
+            raise ProtocolError(f"dataset {dataset}: the server holds {rows} rows after the last chunk; "
+                                f"{self.x.shape[0]} were sent")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def train_upload_progress(progress: bool | ProgressCallback) -> bool | None:
+    """The upload's ``progress`` in :meth:`train`: its own bar where the job's shows (when tqdm is
+    installed and stderr is a terminal, for more than one chunk), none otherwise."""
+    return None if progress is True else False
 
 
 @dataclass
@@ -383,11 +522,8 @@ class _TqdmBar:
 
 
 def _progress_bar(total: int, desc: str) -> _StderrBar | _TqdmBar:
-    try:
-        from tqdm.auto import tqdm  # optional: never a dependency
-    except ImportError:
-        return _StderrBar(total, desc)
-    return _TqdmBar(tqdm, total, desc)
+    tqdm = _tqdm()
+    return _StderrBar(total, desc) if tqdm is None else _TqdmBar(tqdm, total, desc)
 
 
 class JobFollower:

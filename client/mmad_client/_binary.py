@@ -130,21 +130,32 @@ def decode_infer_response(body: bytes, header_length: int | None) -> tuple[dict[
     return header, outputs
 
 
-def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
-    """safetensors bytes of ``tensors`` (written in the given order, little-endian)."""
-    arrays = {name: little_endian(np.asarray(a)) for name, a in tensors.items()}
+def _safetensors_head(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None) -> bytes:
+    """The JSON header of ``arrays`` (little-endian already), padded with spaces to a multiple of 8."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, array in arrays.items():
-        dtype = _SAFETENSORS_NAMES.get(array.dtype)
+        dtype = _SAFETENSORS_NAMES.get(array.dtype.newbyteorder("<"))
         if dtype is None:
             raise TypeError(f"tensor {name!r}: dtype {array.dtype} cannot be stored in safetensors")
         header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
     head = _json_bytes(header)
-    head += b" " * (-len(head) % 8)
+    return head + b" " * (-len(head) % 8)
+
+
+def safetensors_size(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> int:
+    """How many bytes :func:`encode_safetensors` makes of ``tensors``, without encoding them."""
+    arrays = {name: np.asarray(a) for name, a in tensors.items()}
+    return 8 + len(_safetensors_head(arrays, metadata)) + sum(a.nbytes for a in arrays.values())
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> bytes:
+    """safetensors bytes of ``tensors`` (written in the given order, little-endian)."""
+    arrays = {name: little_endian(np.asarray(a)) for name, a in tensors.items()}
+    head = _safetensors_head(arrays, metadata)
     return b"".join([struct.pack("<Q", len(head)), head, *map(_raw_bytes, arrays.values())])
 
 

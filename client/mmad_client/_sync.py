@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 
 from ._base import (
-    DEFAULT_BASE_URL, DEFAULT_TIMEOUT, EVENT_STREAM_RECONNECTS, BaseClient, Call, JobFollower,
-    ProgressCallback,
+    DEFAULT_BASE_URL, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, EVENT_STREAM_RECONNECTS, BaseClient, Call,
+    DatasetUpload, JobFollower, ProgressCallback, train_upload_progress,
 )
 from .errors import MMADClientError, status_error, transport_error
 
@@ -104,16 +104,61 @@ class Client(BaseClient):
         final status (``state`` done or cancelled, ``step``, ``loss``, ``versions``, ...).
 
         ``progress``: True shows a bar (tqdm if installed, else a stderr line), False shows
-        nothing, a callable ``progress(event, data)`` gets every Server-Sent Event.
+        nothing, a callable ``progress(event, data)`` gets every Server-Sent Event. With True,
+        an upload of more than one chunk also shows its bytes (:meth:`upload_dataset`'s
+        ``progress=None``); otherwise the upload shows nothing.
         Raises :class:`JobFailed` when the job fails. Ctrl-C cancels the job on the server.
         """
-        dataset = self.upload_dataset(name, x, y)
+        dataset = self.upload_dataset(name, x, y, progress=train_upload_progress(progress))
         job = self.start_job(name, dataset, steps, batch_size, checkpoint_every)
         return self.follow_job(name, job, progress, cancel_on_interrupt=True)
 
-    def upload_dataset(self, name: str, x: Any, y: Any) -> str:
-        """Upload a training set (fp32 safetensors ``x``, ``y``); returns the dataset id."""
-        return self._send(self._upload_dataset(name, x, y))
+    def upload_dataset(self, name: str, x: Any, y: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                       progress: bool | None = None) -> str:
+        """Upload a training set ``x`` [rows, n_input_dims], ``y`` [rows, n_output_dims]; returns the
+        dataset id.
+
+        The rows go in chunks of at most ``chunk_bytes`` (and the server's body limit) as
+        safetensors: the first creates the dataset, the others are appended
+        (``POST .../datasets/{id}/chunks``); one chunk's copy is made at a time. float16 arrays
+        go as float16, float32 as float32, other numbers as float32. ``progress``: True draws a
+        tqdm bar of the bytes (ImportError without tqdm: ``pip install 'mmad-client[progress]'``),
+        False nothing, None a bar when there is more than one chunk, stderr is a terminal and tqdm
+        is installed. A failure after the first chunk deletes the partial dataset (best effort)
+        and raises.
+        """
+        upload = DatasetUpload(name, x, y, chunk_bytes, progress)
+        upload.plan(self._send(self._dataset_limits(name)))
+        dataset: str | None = None
+        try:
+            upload.start()
+            rows = 0
+            for body in upload.bodies():
+                dataset, rows = self._send(self._add_dataset_chunk(name, dataset, body))
+                upload.sent(len(body))
+            upload.check_rows(dataset, rows)
+        except BaseException:
+            if dataset is not None:
+                self._delete_dataset_quietly(name, dataset)
+            raise
+        finally:
+            upload.close()
+        return dataset
+
+    def _delete_dataset_quietly(self, name: str, dataset: str) -> None:
+        try:
+            self.delete_dataset(name, dataset)
+        except MMADClientError:
+            pass  # the upload's own error is what the caller must see
+
+    def list_datasets(self, name: str) -> list[dict]:
+        """The model's datasets: ``[{"dataset", "rows", "bytes", "x_dtype", "y_dtype", "chunks",
+        "on_device"}, ...]``."""
+        return self._send(self._list_datasets(name))
+
+    def delete_dataset(self, name: str, dataset: str) -> None:
+        """Delete a dataset (a job training from it keeps going with the copy it holds)."""
+        self._send(self._delete_dataset(name, dataset))
 
     def start_job(self, name: str, dataset: str, steps: int, batch_size: int,
                   checkpoint_every: int | None = None) -> str:

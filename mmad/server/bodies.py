@@ -1,8 +1,11 @@
-"""Request bodies: the size cap, tensor bodies read into aligned buffers, JSON in and out."""
+"""Request bodies: the size cap, tensor bodies read into aligned buffers, bodies streamed into
+files (dataset chunks), JSON in and out."""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -11,6 +14,13 @@ from fastapi.responses import Response
 
 from mmad.errors import InvalidInput, PayloadTooLarge
 from mmad.server.errors import error_response
+
+
+def body_too_large(max_bytes: int, declared: int | None = None) -> PayloadTooLarge:
+    """The body cap's refusal (413): from the Content-Length, or once the streamed count passes it."""
+    if declared is not None:
+        return PayloadTooLarge(f"the body is {declared} bytes; the limit is {max_bytes}")
+    return PayloadTooLarge(f"the body exceeds the limit of {max_bytes} bytes")
 
 
 class BodyLimitMiddleware:
@@ -30,7 +40,7 @@ class BodyLimitMiddleware:
             except ValueError:
                 return await error_response(400, "Content-Length is not an integer")(scope, receive, send)
             if declared > self.max_bytes:
-                message = f"the body is {declared} bytes; the limit is {self.max_bytes}"
+                message = str(body_too_large(self.max_bytes, declared))
                 return await error_response(413, message, {"Connection": "close"})(scope, receive, send)
         seen = 0
 
@@ -40,7 +50,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"the body exceeds the limit of {self.max_bytes} bytes")
+                    raise body_too_large(self.max_bytes)
             return message
 
         return await self.app(scope, counted_receive, send)
@@ -99,6 +109,48 @@ async def read_tensor_body(request: Request) -> bytes | memoryview:
     if filled != size:
         raise InvalidInput(f"the body has {filled} bytes but Content-Length says {size}")
     return body if body is not None else b""
+
+
+FILE_WRITE_BYTES = 1 << 20  # what a streamed body gathers before one write on a worker thread
+
+
+async def stream_to_file(request: Request, path: Path, max_bytes: int, run: Callable[..., Awaitable[Any]],
+                         check: Callable[[int], None] | None = None) -> int:
+    """Write the request body into a new file ``path`` (flushed and fsynced), returns its size.
+
+    The body never sits whole in memory: the pieces received are gathered up to
+    ``FILE_WRITE_BYTES`` and written by ``run`` (a worker thread; disk writes stay off the event
+    loop). Past ``max_bytes`` it stops with the body cap's own 413 (:func:`body_too_large`; the
+    middleware counts too); ``check(bytes so far)`` may refuse earlier (another limit). The
+    caller removes the file when anything fails.
+    """
+    f = await run(open, path, "xb")
+    total, pending, held = 0, [], 0
+    try:
+        async for piece in request.stream():
+            if not piece:
+                continue
+            total += len(piece)
+            if total > max_bytes:
+                raise body_too_large(max_bytes)
+            if check is not None:
+                check(total)
+            pending.append(piece)
+            held += len(piece)
+            if held >= FILE_WRITE_BYTES:
+                await run(f.writelines, pending)
+                pending, held = [], 0
+        if pending:
+            await run(f.writelines, pending)
+        await run(_flush_and_sync, f)
+    finally:
+        f.close()
+    return total
+
+
+def _flush_and_sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def json_body(data: bytes, what: str = "the request body") -> Any:

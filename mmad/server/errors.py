@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmad.errors import (
-    BackendUnavailable, CacheError, CompileError, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput,
-    LaunchError, MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
+    BackendUnavailable, CacheError, CompileError, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput, LaunchError,
+    MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
 )
 
 log = logging.getLogger("mmad.server")
@@ -40,8 +40,8 @@ ERROR_STATUSES = {
     400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
     404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
     413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
-    507: "the model store is full or read-only, or the device has not the memory a dataset needs; "
-         "nothing was saved or allocated and nothing served changed",
+    507: "the model store is full or read-only, or the device lacks the memory asked for; nothing was saved "
+         "and nothing served changed",
 }
 # Documented on every route (routers pass it to APIRouter): any route can meet the body cap,
 # a daemon that is not ready yet, or bad input; OpenAPI clients and fuzzers rely on the list.

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="the key itself; visible to every user of the host in the process list, "
                                      "prefer --api-key-file or MMAD_API_KEY (MMAD_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (MMAD_MAX_BODY_BYTES, default 64 MiB)")
+    p.add_argument("--max-dataset-bytes", type=int,
+                   help="one dataset's size as stored, all its chunks (MMAD_MAX_DATASET_BYTES, default 16 GiB)")
     p.add_argument("--max-response-bytes", type=int,
                    help="infer response cap, JSON outputs estimated (MMAD_MAX_RESPONSE_BYTES, default 256 MiB)")
     p.add_argument("--max-connections", type=int, help="open connections before 503 (MMAD_MAX_CONNECTIONS, default 2048)")

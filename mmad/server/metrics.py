@@ -42,6 +42,9 @@ class Metrics:
                                             "throughput of the latest training progress report", LABELS,
                                             registry=r)
         self.models_loaded = Gauge("mmad_models_loaded", "models loaded and ready", registry=r)
+        self.dataset_bytes = Gauge("mmad_dataset_resident_bytes",
+                                   "bytes of datasets the model's backend holds for training (device memory "
+                                   "where it trains from the device)", LABELS, registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

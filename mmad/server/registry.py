@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady
 from mmad.server.batcher import Batcher, BatchLimits
+from mmad.server.datasets import DatasetCache
 from mmad.server.metrics import Metrics
 from mmad.server.settings import Settings
 from mmad.server.store import Store, check_model_name, check_version
@@ -216,6 +217,7 @@ class Registry:
         # so inference (on ``executor``) keeps its share
         self.train_executor = ThreadPoolExecutor(max(1, settings.compute_threads // 2),
                                                  thread_name_prefix="mmad-train")
+        self.datasets = DatasetCache(self)  # datasets held by the models' backends for training
 
     @property
     def backend_label(self) -> str:
@@ -329,6 +331,7 @@ class Registry:
         self.metrics.inference_samples.labels(*labels).inc(rows)
 
     async def _deactivate(self, entry: ModelEntry) -> None:
+        self.datasets.forget_model(entry.name)  # copies made for the compiled model closed below
         if entry.batcher is not None:
             await entry.batcher.stop()
             entry.batcher = None
@@ -439,6 +442,7 @@ class Registry:
     async def close(self) -> None:
         for entry in list(self.models.values()):
             await self._deactivate(entry)
+        self.datasets.clear()
         self.train_executor.shutdown(wait=True)
 
     # -- weights and versions -------------------------------------------------------------

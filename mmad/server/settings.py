@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     # a file holding the key: unlike --api-key, not readable by other users in /proc/PID/cmdline
     api_key_file: Path | None = None
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # one dataset's total size as stored (its chunks, each one request body of at most max_body_bytes)
+    max_dataset_bytes: int = Field(16 * 1024 ** 3, ge=1024, description="one dataset's size in the store; "
+                                                                       "a chunk past it is answered 413")
     # an infer response's size, the JSON of FP32 outputs counted at JSON_VALUE_BYTES a value: a
     # 61 MiB FP16 request otherwise asked for a 520 MiB JSON response
     max_response_bytes: int = Field(256 * 1024 * 1024, ge=1024)

@@ -6,7 +6,10 @@ Layout::
     <store>/models/<name>/versions.json        the acknowledged versions (the commit record)
     <store>/models/<name>/weights/<v>.safetensors     fp32 W{i}, b{i}
     <store>/models/<name>/optimizer/<v>.safetensors   optimizer slots + step
-    <store>/datasets/<name>/<id>.safetensors    x, y of an uploaded training set
+    <store>/datasets/<name>/<id>/00000000.safetensors   x, y of an uploaded training set, chunk 0
+    <store>/datasets/<name>/<id>/00000001.safetensors   ... chunk 1 (appended), and so on
+    <store>/datasets/<name>/<id>.safetensors    a dataset as an earlier mmad wrote it (one chunk)
+    <store>/datasets/.incoming/                 uploads being received (swept at startup)
 
 A version exists once ``versions.json`` lists it: its weight and optimizer files are written
 (and fsynced) first, the listing last, so a crash at any point leaves either the old listing or
@@ -30,18 +33,20 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from safetensors.numpy import load as st_load, save as st_save
 
 from mmad.errors import (
-    ConflictError, InvalidInput, ModelNotFound, MMADError, StorageFull, StoreUnwritable,
+    ConflictError, InvalidInput, ModelNotFound, MMADError, PayloadTooLarge, StorageFull, StoreUnwritable,
 )
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -361,24 +366,319 @@ class Store:
         return removed
 
     # -- datasets -------------------------------------------------------------------------
-    def add_dataset(self, name: str, data: bytes) -> str:
+    # A dataset is a directory of chunk files ``00000000.safetensors``, ``00000001.safetensors``,
+    # ... (x, y each), added one at a time, each complete when it appears (renamed into place after
+    # an fsync); rows, dtypes and sizes come from the chunk headers, nothing else is kept. A store
+    # written by an earlier mmad holds datasets as one file ``<id>.safetensors``: read as a
+    # dataset of one chunk (and turned into a directory when a chunk is appended to it).
+    def incoming_path(self) -> Path:
+        """Where a received upload is written before it is checked and moved into place: a dot
+        directory of the store (on its filesystem, so the move is a rename; swept at startup)."""
+        folder = self.datasets_dir / ".incoming"
+        with store_write("the upload"):
+            folder.mkdir(exist_ok=True)
+        return folder / f"{uuid.uuid4().hex}.tmp"
+
+    def _dataset_dir(self, name: str) -> Path:
+        return self.datasets_dir / check_model_name(name)
+
+    def _chunk_paths(self, name: str, dataset_id: str) -> list[Path]:
+        """The dataset's chunk files in order; ModelNotFound when it has none."""
+        check_dataset_id(dataset_id)
+        folder = self._dataset_dir(name) / dataset_id
+        try:
+            paths = sorted(p for p in folder.iterdir() if CHUNK_RE.match(p.name))
+        except (FileNotFoundError, NotADirectoryError):
+            paths = []
+        if not paths:
+            legacy = folder.with_name(f"{dataset_id}.safetensors")  # written by an earlier mmad
+            if legacy.is_file():
+                return [legacy]
+            raise ModelNotFound(f"model {name!r} has no dataset {dataset_id!r}")
+        return paths
+
+    def dataset_info(self, name: str, dataset_id: str) -> DatasetInfo:
+        """Rows, dtypes, sizes and chunks of one dataset, from the chunk headers only."""
+        chunks = []
+        for i, path in enumerate(self._chunk_paths(name, dataset_id)):
+            try:
+                chunks.append((path, read_chunk_header(path)))
+            except FileNotFoundError as exc:
+                raise ModelNotFound(f"model {name!r} has no dataset {dataset_id!r} (it was deleted)") from exc
+            except InvalidInput as exc:  # changed behind the daemon's back: not the request's fault
+                raise MMADError(f"chunk {i} of dataset {dataset_id!r} of model {name!r} is damaged: {exc}") from exc
+        return DatasetInfo.of(name, dataset_id, chunks)
+
+    def list_datasets(self, name: str) -> list[DatasetInfo]:
+        folder = self._dataset_dir(name)
+        ids = set()
+        if folder.is_dir():
+            for p in folder.iterdir():
+                stem = p.name.removesuffix(".safetensors")
+                if DATASET_RE.match(stem) and (p.is_dir() or p.name.endswith(".safetensors")):
+                    ids.add(stem)
+        out = []
+        for dataset_id in sorted(ids):
+            try:
+                out.append(self.dataset_info(name, dataset_id))
+            except ModelNotFound:  # deleted meanwhile, or an empty directory
+                continue
+        return out
+
+    def add_dataset(self, name: str, chunk: Path, header: ChunkHeader, max_bytes: int | None = None,
+                    incarnation: str | None = None) -> DatasetInfo:
+        """A new dataset of one chunk: ``chunk`` (a checked, fsynced file from :meth:`incoming_path`)
+        is moved into a staging directory that is then renamed into place."""
         dataset_id = uuid.uuid4().hex
-        with self.lock(check_model_name(name)), store_write(f"a dataset of model {name!r}"):
-            if not self.exists(name):  # a deleted model's datasets directory is not brought back
-                raise ModelNotFound(f"unknown model {name!r}")
-            atomic_write(self.datasets_dir / name / f"{dataset_id}.safetensors", data)
-        return dataset_id
+        check_dataset_size(chunk.stat().st_size, max_bytes)
+        folder = self._dataset_dir(name)
+        with self.lock(name), store_write(f"a dataset of model {name!r}"):
+            self._check_incarnation(name, incarnation, "the dataset")  # a deleted model's datasets stay gone
+            if not folder.is_dir():
+                folder.mkdir(parents=True)
+                _fsync_dir(folder.parent)
+            staging = folder / f".new-{dataset_id}"
+            staging.mkdir()
+            try:
+                os.replace(chunk, staging / chunk_name(0))
+                _fsync_dir(staging)
+                os.replace(staging, folder / dataset_id)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            _fsync_dir(folder)
+        return DatasetInfo.of(name, dataset_id, [(folder / dataset_id / chunk_name(0), header)])
+
+    def append_dataset_chunk(self, name: str, dataset_id: str, chunk: Path, header: ChunkHeader,
+                             max_bytes: int | None = None, incarnation: str | None = None) -> DatasetInfo:
+        """Add ``chunk`` (a checked, fsynced file) as the dataset's next chunk; its dtypes and column
+        counts must be the first chunk's, and the dataset must stay within ``max_bytes``."""
+        with self.lock(name), store_write(f"a chunk of dataset {dataset_id!r}"):
+            self._check_incarnation(name, incarnation, "the chunk")
+            info = self.dataset_info(name, dataset_id)
+            check_same_layout(info.chunks[0][1], header)
+            check_dataset_size(info.bytes + chunk.stat().st_size, max_bytes)
+            folder = self._dataset_dir(name) / dataset_id
+            if len(info.chunks) == 1 and info.chunks[0][0].parent != folder:
+                self._legacy_to_directory(info.chunks[0][0], folder)
+            target = folder / chunk_name(len(info.chunks))
+            os.replace(chunk, target)
+            _fsync_dir(folder)
+            return DatasetInfo.of(name, dataset_id, [*((folder / chunk_name(i), h) for i, (_, h) in
+                                                       enumerate(info.chunks)), (target, header)])
+
+    @staticmethod
+    def _legacy_to_directory(legacy: Path, folder: Path) -> None:
+        """An earlier mmad's one-file dataset becomes a directory holding it as chunk 0: linked (or
+        copied) into a staging directory renamed into place, and only then the file removed, so
+        a crash leaves the file, the directory, or both (the directory is read first)."""
+        staging = folder.with_name(f".new-{folder.name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            try:
+                os.link(legacy, staging / chunk_name(0))
+            except OSError:
+                shutil.copyfile(legacy, staging / chunk_name(0))
+                with open(staging / chunk_name(0), "rb") as f:
+                    os.fsync(f.fileno())
+            _fsync_dir(staging)
+            os.replace(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _fsync_dir(folder.parent)
+        legacy.unlink()
+        _fsync_dir(folder.parent)
+
+    def delete_dataset(self, name: str, dataset_id: str) -> None:
+        check_dataset_id(dataset_id)
+        folder = self._dataset_dir(name)
+        with self.lock(name), store_write(f"the deletion of dataset {dataset_id!r}"):
+            self._chunk_paths(name, dataset_id)  # ModelNotFound when there is no such dataset
+            if (folder / dataset_id).exists():
+                trash = folder / f".old-{dataset_id}-{uuid.uuid4().hex}"
+                os.replace(folder / dataset_id, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            (folder / f"{dataset_id}.safetensors").unlink(missing_ok=True)
+            _fsync_dir(folder)
+
+    def dataset_chunks(self, info: DatasetInfo) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(x, y) of each chunk in order, memory-mapped one chunk at a time (read-only views of the
+        files: the whole dataset is never in host memory at once)."""
+        for path, header in info.chunks:
+            try:
+                yield chunk_arrays(path, header)
+            except FileNotFoundError as exc:
+                raise ModelNotFound(f"dataset {info.dataset!r} of model {info.model!r} was deleted while "
+                                    "it was being read") from exc
 
     def load_dataset(self, name: str, dataset_id: str) -> dict[str, np.ndarray]:
-        if not DATASET_RE.match(dataset_id):
-            raise InvalidInput(f"invalid dataset id {dataset_id!r}")
-        path = self.datasets_dir / check_model_name(name) / f"{dataset_id}.safetensors"
+        """The whole dataset in host memory ({"x", "y"}, the chunks concatenated): for callers that
+        need it at once; training jobs read the chunks (:meth:`dataset_chunks`) instead."""
+        info = self.dataset_info(name, dataset_id)
+        chunks = list(self.dataset_chunks(info))
+        return {"x": np.concatenate([c[0] for c in chunks]), "y": np.concatenate([c[1] for c in chunks])}
+
+
+# -- dataset chunks: safetensors files read by their header ----------------------------------
+CHUNK_RE = re.compile(r"^[0-9]{8}\.safetensors$")
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+_CHUNK_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2")}
+_TYPE_WORDS = {"F64": "float64 values", "BF16": "bfloat16 values", "F8_E4M3": "float8 values",
+               "F8_E5M2": "float8 values", "BOOL": "true/false values",
+               "I8": "integers (int8)", "I16": "integers (int16)", "I32": "integers (int32)",
+               "I64": "integers (int64)", "U8": "integers (uint8)", "U16": "integers (uint16)",
+               "U32": "integers (uint32)", "U64": "integers (uint64)"}
+
+
+def chunk_name(index: int) -> str:
+    return f"{index:08d}.safetensors"
+
+
+def check_dataset_id(dataset_id: str) -> str:
+    if not DATASET_RE.match(dataset_id):
+        raise InvalidInput(f"invalid dataset id {dataset_id!r}: 32 hexadecimal digits, as uploading it answered")
+    return dataset_id
+
+
+def dtype_words(dtype: Any) -> str:
+    """float32 / float16, never NumPy's type codes."""
+    return np.dtype(dtype).name
+
+
+def size_words(n: int) -> str:
+    """Bytes in the largest unit that keeps a number of at least 1: 17.2 GiB, 3.0 MiB, 512 bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_dataset_size(total: int, max_bytes: int | None) -> None:
+    """PayloadTooLarge (413) when a dataset of ``total`` bytes exceeds the daemon's limit."""
+    if max_bytes is not None and total > max_bytes:
+        would, limit = size_words(total), size_words(max_bytes)
+        if would == limit:  # "1.0 MiB; the limit is 1.0 MiB" would say nothing
+            would, limit = f"{would} ({total} bytes)", f"{limit} ({max_bytes} bytes)"
+        raise PayloadTooLarge(f"the dataset would hold {would}; this daemon's limit (--max-dataset-bytes) is {limit}")
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """What a chunk's safetensors header says: rows, each tensor's dtype, columns and byte offset."""
+
+    rows: int
+    x_dtype: np.dtype
+    y_dtype: np.dtype
+    x_cols: int
+    y_cols: int
+    x_offset: int  # from the start of the file
+    y_offset: int
+    nbytes: int  # the file's size
+
+
+def read_chunk_header(path: Path, what: str = "the dataset chunk") -> ChunkHeader:
+    """Parse a chunk's header (8-byte little-endian length + JSON) without reading its data, and
+    check it as the reference reader does (the tensors tile the data exactly) plus mmad's rules:
+    exactly ``x`` and ``y``, 2-D, float32 or float16, the same rows (at least one)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise InvalidInput(f"{what} is not a safetensors file: it has {size} bytes; the header length "
+                               "alone needs 8")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise InvalidInput(f"{what} is not a safetensors file: its header length {length} does not fit "
+                               f"its {size} bytes")
+        raw = f.read(length)
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"{what} is not a safetensors file: its header is not JSON") from exc
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"{what} is not a safetensors file: its header is not a JSON object")
+    doc.pop("__metadata__", None)
+    if set(doc) != {"x", "y"}:
+        raise InvalidInput(f"a dataset chunk holds exactly the tensors x and y; {what} holds "
+                           f"{', '.join(sorted(map(str, doc))) or 'none'}")
+    start, payload = 8 + length, size - 8 - length
+    spans, parsed = [], {}
+    for name in ("x", "y"):
+        entry = doc[name]
         try:
-            data = path.read_bytes()
-        except FileNotFoundError as exc:
-            raise ModelNotFound(f"model {name!r} has no dataset {dataset_id!r}") from exc
-        return tensors_from_bytes(data, "dataset")
+            kind, shape = entry["dtype"], [int(d) for d in entry["shape"]]
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"{what} is not a safetensors file: the entry of {name} is malformed") from exc
+        if kind not in _CHUNK_DTYPES:
+            raise InvalidInput(f"dataset {name} must be float32 or float16 numbers; {what} holds "
+                               f"{_TYPE_WORDS.get(kind, str(kind))}")
+        if len(shape) != 2 or min(shape) < 0:
+            raise InvalidInput(f"dataset {name} must have shape [rows, columns]; {what} has {shape}")
+        dtype = _CHUNK_DTYPES[kind]
+        if not 0 <= begin <= end <= payload or end - begin != shape[0] * shape[1] * dtype.itemsize:
+            raise InvalidInput(f"{what} is not a safetensors file: the bytes {begin}..{end} of {name} do not hold "
+                               f"{shape[0]} x {shape[1]} {dtype_words(dtype)} values within its {payload} bytes")
+        spans.append((begin, end, name))
+        parsed[name] = (dtype, shape, start + begin)
+    cursor = 0
+    for begin, end, name in sorted(spans):
+        if begin != cursor:
+            raise InvalidInput(f"{what} is not a safetensors file: {name} starts at byte {begin}, not {cursor}")
+        cursor = end
+    if cursor != payload:
+        raise InvalidInput(f"{what} is not a safetensors file: {payload - cursor} bytes follow its tensors")
+    (x_dtype, x_shape, x_offset), (y_dtype, y_shape, y_offset) = parsed["x"], parsed["y"]
+    if x_shape[0] != y_shape[0] or x_shape[0] == 0:
+        raise InvalidInput(f"dataset x has {x_shape[0]} rows and y {y_shape[0]} in {what}; they must match and "
+                           "be > 0")
+    return ChunkHeader(x_shape[0], x_dtype, y_dtype, x_shape[1], y_shape[1], x_offset, y_offset, size)
+
+
+def chunk_arrays(path: Path, header: ChunkHeader) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's (x, y) as read-only memory maps of its file."""
+    x = np.memmap(path, dtype=header.x_dtype, mode="r", offset=header.x_offset, shape=(header.rows, header.x_cols))
+    y = np.memmap(path, dtype=header.y_dtype, mode="r", offset=header.y_offset, shape=(header.rows, header.y_cols))
+    return x, y
+
+
+def check_same_layout(first: ChunkHeader, chunk: ChunkHeader) -> None:
+    """A chunk appended to a dataset has the first chunk's dtypes and columns (400 naming what differs)."""
+    for name in ("x", "y"):
+        ours, theirs = getattr(chunk, f"{name}_dtype"), getattr(first, f"{name}_dtype")
+        if ours != theirs:
+            raise InvalidInput(f"{name} is {dtype_words(ours)} in this chunk but {dtype_words(theirs)} in the "
+                               "dataset's first chunk; every chunk of a dataset has the same types")
+        ours, theirs = getattr(chunk, f"{name}_cols"), getattr(first, f"{name}_cols")
+        if ours != theirs:
+            raise InvalidInput(f"{name} has {ours} columns in this chunk but {theirs} in the dataset's first chunk")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One stored dataset: its chunks (path, header) in order and what they add up to."""
+
+    model: str
+    dataset: str
+    chunks: list[tuple[Path, ChunkHeader]]
+    rows: int
+    bytes: int
+    x_dtype: np.dtype
+    y_dtype: np.dtype
+
+    @classmethod
+    def of(cls, model: str, dataset: str, chunks: list[tuple[Path, ChunkHeader]]) -> "DatasetInfo":
+        first = chunks[0][1]
+        return cls(model, dataset, chunks, sum(h.rows for _, h in chunks), sum(h.nbytes for _, h in chunks),
+                   first.x_dtype, first.y_dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "rows": self.rows, "bytes": self.bytes,
+                "x_dtype": dtype_words(self.x_dtype), "y_dtype": dtype_words(self.y_dtype), "chunks": len(self.chunks)}
 
 
 __all__ = ["Store", "atomic_write", "check_model_name", "check_version", "store_write", "tensors_to_bytes",
-           "tensors_from_bytes", "MODEL_NAME_RE"]
+           "tensors_from_bytes", "MODEL_NAME_RE", "ChunkHeader", "DatasetInfo", "read_chunk_header", "chunk_arrays",
+           "check_dataset_id", "check_dataset_size", "size_words"]

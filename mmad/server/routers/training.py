@@ -1,4 +1,4 @@
-"""Training over HTTP: optimizer steps on the batch sent, and dataset upload for jobs.
+"""Training over HTTP: optimizer steps on the batch sent (datasets for jobs: ``routers/datasets.py``).
 
 A ``/train`` request runs in slices of about ``SLICE_S`` seconds on the training threads: between
 slices other work gets the threads and the model's lock, and a client that has gone away stops
@@ -17,11 +17,10 @@ from mmad.errors import Diverged, InvalidInput, MMADError
 from mmad.server.bodies import json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
-from mmad.server.jobs import JobManager
 from mmad.server.metrics import UNKNOWN_MODEL
-from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC
+from mmad.server.openapi import TENSOR_REQUEST_DOC
 from mmad.server.registry import INPUT, TARGET
-from mmad.server.store import check_model_name, tensors_from_bytes
+from mmad.server.store import check_model_name
 from mmad.server.tensors import model_tensors, parse_tensors
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)
@@ -91,17 +90,3 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
     rt.metrics.training_samples.labels(*labels).inc(rows * losses.size)
     losses = [float(v) if np.isfinite(v) else None for v in losses]
     return json_response({"losses": losses, "step": step, "model_name": model})
-
-
-@router.post("/v2/models/{model}/datasets", dependencies=[Depends(require_key)], openapi_extra=BINARY_REQUEST_DOC)
-async def upload_dataset(model: str, request: Request, rt: Runtime = Depends(runtime)):
-    """A safetensors file with ``x`` [rows, n_input_dims] and ``y`` [rows, n_output_dims]."""
-    entry = rt.registry.get(model)
-    body = await request.body()
-    data = tensors_from_bytes(body, "the dataset")
-    JobManager.check_dataset(entry.spec, data, batch_size=1)
-    for name, array in data.items():
-        if not np.isfinite(array).all():
-            raise InvalidInput(f"dataset {name} holds NaN or Inf")
-    dataset_id = await rt.registry.run(rt.store.add_dataset, model, body)
-    return json_response({"dataset": dataset_id, "rows": int(data["x"].shape[0])})

@@ -1,0 +1,167 @@
+"""Training sets: uploaded chunks checked against the model, and the copies held by its backend.
+
+A dataset lives in the store as chunk files (:mod:`mmad.server.store`); an uploaded chunk is
+checked here (:func:`check_chunk`: its header, the model's column counts, finite values, one
+memory-mapped block at a time) before the store moves it into place.
+
+:class:`DatasetCache` (``registry.datasets``) holds the datasets that training reads from the
+backend's memory: ``await registry.datasets.on_device(entry, dataset_id)`` returns the
+:class:`~mmad.backends.contract.Dataset` of the model's compiled model, copied in on first use
+chunk by chunk (``CompiledModel.put_dataset``) after checking that it fits in the device's free
+memory (507 otherwise, before allocating anything). One copy per (model, incarnation, dataset);
+the copy of a model replaced, deleted or unloaded is dropped with it (``forget_model``), that of
+a dataset appended to or deleted at once (``invalidate``). Dropping a copy drops the cache's
+reference only: a training job that holds the Dataset keeps it (and its memory) until it ends,
+so deleting a dataset a job trains from is safe, the job goes on with the copy it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from mmad.backends.contract import CompiledModel, Dataset
+from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady
+from mmad.server.store import ChunkHeader, chunk_arrays, read_chunk_header, size_words
+from mmad.spec import MLPSpec
+
+if TYPE_CHECKING:  # the registry creates the cache: no import cycle at run time
+    from mmad.server.registry import ModelEntry, Registry
+
+log = logging.getLogger("mmad.server.datasets")
+
+FINITE_BLOCK_VALUES = 1 << 22  # values checked at once (16 MiB of float32): the page cache does the rest
+
+
+def _all_finite(block: np.ndarray) -> bool:
+    if block.dtype == np.float16:  # the exponent test: NumPy's float16 isfinite is ~10x slower
+        return (block.view(np.uint16) & np.uint16(0x7C00)).max(initial=0) != 0x7C00
+    return bool(np.isfinite(block).all())
+
+
+def check_chunk(spec: MLPSpec, path: Path) -> ChunkHeader:
+    """A received chunk's header, checked against the model: x [rows, n_input_dims] and y [rows,
+    n_output_dims], float32 or float16, every value finite (400 in the user's words otherwise)."""
+    header = read_chunk_header(path)
+    for name, cols, want, dims in (("x", header.x_cols, spec.n_input_dims, "n_input_dims"),
+                                   ("y", header.y_cols, spec.n_output_dims, "n_output_dims")):
+        if cols != want:
+            raise InvalidInput(f"dataset {name} must have {want} columns (the model's {dims}); this chunk's "
+                               f"{name} has {cols}")
+    x, y = chunk_arrays(path, header)
+    for name, array in (("x", x), ("y", y)):
+        step = max(1, FINITE_BLOCK_VALUES // max(1, array.shape[1]))
+        for start in range(0, array.shape[0], step):
+            block = array[start:start + step]
+            if not _all_finite(block):
+                row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+                raise InvalidInput(f"dataset {name} holds NaN or Inf (row {row} of this chunk)")
+    return header
+
+
+@dataclass
+class _Held:
+    compiled: CompiledModel  # the model the copy was made for: another one (reloaded) makes its own
+    data: Dataset
+
+
+class DatasetCache:
+    """The datasets held by the backends of the registry's models; see the module docstring."""
+
+    def __init__(self, registry: "Registry"):
+        self.registry = registry
+        self._held: dict[tuple[str, str | None, str], _Held] = {}
+        self._building: dict[tuple[str, str | None, str], asyncio.Lock] = {}
+        # bumped by every invalidation: a copy built across one is handed out but not kept
+        self._generation: dict[tuple[str, str], int] = {}
+
+    async def on_device(self, entry: "ModelEntry", dataset_id: str) -> Dataset:
+        """The dataset held by ``entry``'s live compiled model, copied in on first use.
+
+        Concurrent first uses build it once. Before allocating: ``dataset_bytes`` of its rows and
+        dtypes (read from the chunk headers) against ``free_device_bytes`` (skipped when the
+        backend cannot tell); too little is a 507 naming both. ``put_dataset`` then reads the
+        chunks one at a time (memory maps) on a compute thread; it does not hold the model's lock,
+        so inference goes on meanwhile (it allocates new buffers and never touches the weights).
+        """
+        compiled = entry.live
+        if compiled is None:
+            raise ModelNotReady(entry.name)
+        key = (entry.name, entry.incarnation, dataset_id)
+        held = self._held.get(key)
+        if held is not None and held.compiled is compiled:
+            return held.data
+        lock = self._building.setdefault(key, asyncio.Lock())
+        async with lock:
+            held = self._held.get(key)
+            if held is not None and held.compiled is compiled:
+                return held.data
+            generation = self._generation.get((entry.name, dataset_id), 0)
+            run = self.registry.run
+            info = await run(self.registry.store.dataset_info, entry.name, dataset_id)
+            need = compiled.dataset_bytes(info.rows, info.x_dtype, info.y_dtype)
+            free = await run(compiled.free_device_bytes)
+            if free is not None and need > free:
+                raise DeviceMemoryFull(
+                    f"the dataset needs {size_words(need)} on {self.registry.backend_label}'s device; "
+                    f"{size_words(free)} is free (dataset {dataset_id!r} of model {entry.name!r}, {info.rows} rows); "
+                    "free memory (unload models, or finish other jobs) or train from a smaller dataset")
+            changed = ConflictError(f"model {entry.name!r} was unloaded or replaced while dataset {dataset_id!r} "
+                                    "was being copied to its device; try again")
+            try:
+                data = await run(compiled.put_dataset, self.registry.store.dataset_chunks(info), info.rows,
+                                 info.x_dtype, info.y_dtype)
+            except Exception:
+                if entry.live is not compiled:  # closed under the copy: that is what went wrong
+                    raise changed from None
+                raise
+            if entry.live is not compiled or self.registry.models.get(entry.name) is not entry:
+                raise changed
+            if self._generation.get((entry.name, dataset_id), 0) == generation:
+                self._held[key] = _Held(compiled, data)
+                self._update_metric(entry.name)
+            # else: appended to or deleted meanwhile; the caller gets the dataset as it was read
+            log.info("dataset %s of model %s held for training: %d rows, %s (%s)", dataset_id, entry.name,
+                     info.rows, size_words(data.nbytes), "on the device" if data.on_device else "in host memory")
+            return data
+
+    def resident(self, model: str) -> list[str]:
+        """Ids of the model's datasets held now."""
+        return sorted(key[2] for key in self._held if key[0] == model)
+
+    def resident_bytes(self, model: str) -> int:
+        return sum(h.data.nbytes for key, h in self._held.items() if key[0] == model)
+
+    def invalidate(self, model: str, dataset_id: str) -> None:
+        """Drop the copy of a dataset that changed (a chunk appended) or went (deleted)."""
+        gen_key = (model, dataset_id)
+        self._generation[gen_key] = self._generation.get(gen_key, 0) + 1
+        for key in [k for k in self._held if k[0] == model and k[2] == dataset_id]:
+            del self._held[key]
+        for key in [k for k, lock in self._building.items() if k[0] == model and k[2] == dataset_id
+                    and not lock.locked()]:
+            del self._building[key]
+        self._update_metric(model)
+
+    def forget_model(self, model: str) -> None:
+        """Drop every copy of a model's datasets (it is being closed: deleted, replaced, unloaded;
+        a copy being built meanwhile is not kept: ``on_device`` sees the live model change)."""
+        for key in [k for k in self._held if k[0] == model]:
+            del self._held[key]
+        for key in [k for k, lock in self._building.items() if k[0] == model and not lock.locked()]:
+            del self._building[key]
+        self._update_metric(model)
+
+    def clear(self) -> None:
+        """Drop every copy (the registry is closing)."""
+        for model in {k[0] for k in self._held}:
+            self.forget_model(model)
+        self._held.clear()
+
+    def _update_metric(self, model: str) -> None:
+        self.registry.metrics.dataset_bytes.labels(model, self.registry.backend_label).set(self.resident_bytes(model))
