@@ -24,7 +24,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -154,21 +153,6 @@ class JobManager:
         finished = [j for j in self.jobs.values() if j.state in FINISHED]
         for job in finished[:max(0, len(finished) - KEEP_FINISHED_JOBS)]:
             del self.jobs[job.id]
-
-    @staticmethod
-    def check_dataset(spec, data: dict[str, np.ndarray], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-        if set(data) != {"x", "y"}:
-            raise InvalidInput(f"a dataset holds exactly the tensors x and y; got {sorted(data)}")
-        x, y = data["x"], data["y"]
-        for name, a, cols in (("x", x, spec.n_input_dims), ("y", y, spec.n_output_dims)):
-            if a.ndim != 2 or a.shape[1] != cols or a.dtype not in (np.float32, np.float16):
-                raise InvalidInput(f"dataset {name} must be float32/float16 of shape [rows, {cols}]; "
-                                   f"got {a.dtype} {list(a.shape)}")
-        if x.shape[0] != y.shape[0] or x.shape[0] == 0:
-            raise InvalidInput(f"dataset x has {x.shape[0]} rows and y {y.shape[0]}; they must match and be > 0")
-        if batch_size > x.shape[0]:
-            raise InvalidInput(f"batch_size {batch_size} is larger than the dataset ({x.shape[0]} rows)")
-        return x.astype(np.float32), y.astype(np.float32)
 
     def cancel(self, model: str, job_id: str, reason: str = "cancelled by request") -> Job:
         job = self.get(model, job_id)
