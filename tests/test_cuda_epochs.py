@@ -65,7 +65,8 @@ def test_graph_replay_equals_launching_each_step(backend, monkeypatch, name, row
 
 @pytest.mark.parametrize(("name", "dtype", "rows", "batch", "steps"), [
     ("S", np.float32, 1000, 300, 10),       # 3 batches an epoch: the run crosses epoch ends
-    ("M", np.float16, 70_001, 1 << 14, 9),
+    ("L", np.float32, 20_000, 4096, 7),     # the unfused training kernel reading the dataset in place
+    ("M", np.float16, 70_001, 1 << 14, 9),  # fp16: gathered into fp32 batch buffers
     ("M", np.float32, 4097, 4097, 3),       # the batch is the whole dataset
 ])
 def test_train_epochs_equals_train_step_on_the_same_batches(backend, monkeypatch, name, dtype, rows, batch,

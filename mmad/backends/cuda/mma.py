@@ -50,12 +50,13 @@ FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused
 NVRTC_OPTIONS = ("-std=c++17",)
 
 MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize",
-               "mlp_gather_batch", "mlp_finish_step")
+               "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
 CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
 GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
 FINISH_THREADS = 256  # mlp_finish_step's block
 GRAPH_MIN_STEPS = 3  # fewer steps than this launch directly (capturing costs about what it saves)
 KEPT_GRAPHS = 8  # captured steps kept per model (keyed by the buffers they read)
+NO_ROW_MAP = np.uint64(0)  # a null row_map: the training kernel reads its x and target rows in order
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
 DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
 
@@ -314,10 +315,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
         return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
 
-    def _forward_backward(self, dx, dy, rows: int) -> tuple[dict[str, Any], Any]:
+    def _forward_backward(self, dx, dy, rows: int, row_map: Any = NO_ROW_MAP) -> tuple[dict[str, Any], Any]:
         """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
         in each layer's chunked kernel afterwards (``_layer_grads``). Returns the workspace and
-        the kernel's per-warp loss sums."""
+        the kernel's per-warp loss sums. With ``row_map``, batch row r is row ``row_map[r]`` of
+        ``dx`` and ``dy`` (a dataset read in place)."""
         rows_pad = self._rows_padded(rows)
         ws = self._workspace_for(rows_pad)
         grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
@@ -326,13 +328,13 @@ class CudaMmaModel(MmaPlan, CudaModel):
             loss_slots = ws["loss"][: grid * FUSED_WARPS]
             self._launch("mlp_train_fused", (grid,), (FUSED_WARPS * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["partial"], loss_slots), self.smem_fused)
+                          ws["partial"], loss_slots, row_map), self.smem_fused)
         else:
             grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / self.warps)))
             loss_slots = ws["loss"][: grid * self.warps]
             self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["h"], ws["d"], ws["dact"], loss_slots),
+                          ws["h"], ws["d"], ws["dact"], loss_slots, row_map),
                          self.smem_train if self.w_smem_train else 0)
         ws["rows_pad"] = rows_pad
         return ws, loss_slots
@@ -388,19 +390,27 @@ class CudaMmaModel(MmaPlan, CudaModel):
         return self._finish_run(steps, rows)
 
     def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
-        """See ``CompiledModel.train_epochs``: each step gathers its batch of the epoch's order on
-        the device (``mlp_gather_batch``) into fixed batch buffers, so every step is the same
-        replayed graph; the order's position lives in the device control block and is checked
-        against ``position`` when the losses come back."""
+        """See ``CompiledModel.train_epochs``: each step draws its batch of the epoch's order on
+        the device, so every step is the same replayed graph; the order's position lives in the
+        device control block and is checked against ``position`` when the losses come back.
+        An fp32 dataset is read in place: ``mlp_batch_rows`` writes the batch's row numbers and
+        the training kernel reads the dataset through them. An fp16 one is gathered into fp32
+        batch buffers first (``mlp_gather_batch``: the training kernels read fp32)."""
         check_epoch_run(data, batch, steps)
         if not data.on_device:
             raise InvalidInput("this dataset is not on the cuda device (put_dataset keeps it there)")
-        bx, by = self._batch_buffers(batch)
-        self._start_run(steps, position)
         half_bits = epoch_half_bits(data.rows)
         x_half, y_half = int(data.x.dtype == self.cp.float16), int(data.y.dtype == self.cp.float16)
+        in_place = not (x_half or y_half)
+        bx, by = self._batch_buffers(batch, in_place)
+        self._start_run(steps, position)
 
-        def enqueue() -> None:
+        def read_in_place() -> None:
+            self._launch("mlp_batch_rows", (min(math.ceil(batch / 256), self.info["sm_count"] * 8),), (256,),
+                         (np.int64(data.rows), np.int32(half_bits), self.ctl, np.int32(batch), bx))
+            self._enqueue_step(data.x, data.y, batch, data.rows, bx)
+
+        def gather() -> None:
             warps = min(batch, self.info["sm_count"] * 16 * GATHER_WARPS)
             self._launch("mlp_gather_batch", (math.ceil(warps / GATHER_WARPS),), (GATHER_WARPS * 32,),
                          (data.x, np.int32(x_half), data.y, np.int32(y_half), np.int64(data.rows),
@@ -408,16 +418,16 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self._enqueue_step(bx, by, batch, data.rows)
 
         key = ("epochs", batch, data.rows, data.x.data.ptr, x_half, data.y.data.ptr, y_half)
-        self._replay(key, steps, enqueue)
+        self._replay(key, steps, read_in_place if in_place else gather)
         expected = EpochPosition(position.seed, position.epoch, position.cursor)
         expected.advance(data.rows, batch, steps)
         losses = self._finish_run(steps, batch, expected)
         position.epoch, position.cursor = expected.epoch, expected.cursor
         return losses
 
-    def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int) -> None:
+    def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int, row_map: Any = NO_ROW_MAP) -> None:
         """One optimizer step's launches; identical every step (the control block says which)."""
-        ws, loss_slots = self._forward_backward(dx, dy, rows)
+        ws, loss_slots = self._forward_backward(dx, dy, rows, row_map)
         for i in reversed(range(self.n_layers)):
             n_chunks, pw, pb = self._layer_grads(ws, i)
             self._optimize_layer(i, 0, n_chunks, pw, pb)
@@ -449,16 +459,19 @@ class CudaMmaModel(MmaPlan, CudaModel):
         except device_errors(cp) as exc:
             raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc
 
-    def _batch_buffers(self, batch: int) -> tuple[Any, Any]:
-        """The fp32 buffers a gathered batch lands in (one batch size kept at a time)."""
+    def _batch_buffers(self, batch: int, row_numbers: bool) -> tuple[Any, Any]:
+        """The buffers of a drawn batch (one kind and size kept at a time): its row numbers
+        (``row_numbers``; the second is unused), or the fp32 rows gathered."""
         cp = self.cp
         held = self._run.get("batch")
-        if held is None or held[0].shape[0] != batch:
+        want = ((batch,), cp.int32) if row_numbers else ((batch, self.spec.n_encoded_dims), cp.float32)
+        if held is None or (held[0].shape, held[0].dtype) != want:
             self._run["batch"] = None
             self._graphs.clear()
             try:
-                held = (cp.empty((batch, self.spec.n_encoded_dims), dtype=cp.float32),
-                        cp.empty((batch, self.spec.n_output_dims), dtype=cp.float32))
+                held = ((cp.empty(batch, dtype=cp.int32), self.dummy) if row_numbers else
+                        (cp.empty((batch, self.spec.n_encoded_dims), dtype=cp.float32),
+                         cp.empty((batch, self.spec.n_output_dims), dtype=cp.float32)))
             except device_errors(cp) as exc:
                 raise LaunchError(f"allocating a {batch}-row training batch failed: {exc}") from exc
             self._run["batch"] = held
@@ -575,7 +588,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     def device_bytes(self) -> int:
         arrays = [self.w_all, self.b_all, self.wimage, self.ctl, *self.slot_w, *self.slot_b]
-        arrays += [a for k, a in self._run.items() if k in ("lr", "losses")] + list(self._run.get("batch") or ())
+        arrays += [a for k, a in self._run.items() if k in ("lr", "losses")] + [a for a in self._run.get("batch") or () if a is not self.dummy]
         for ws in self._workspace.values():
             arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
         return int(sum(a.nbytes for a in arrays))

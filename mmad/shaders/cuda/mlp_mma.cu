@@ -78,10 +78,16 @@ __device__ __forceinline__ uint2 load_b(const uint2* w, int off_halves, int nt, 
     return w[off_halves / 4 + (nt * kcn + kc) * 32 + lane];
 }
 
-__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, i64 rows) {
+// row_map (training from a held dataset): batch row r is row row_map[r] of x; nullptr: x's rows
+__device__ __forceinline__ i64 source_row(const int* __restrict__ row_map, i64 row) {
+    return row_map ? (i64)__ldg(row_map + row) : row;
+}
+
+__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, i64 rows,
+                                       const int* __restrict__ row_map) {
     float a = 0.f, b = 0.f;
     if (row < rows) {
-        const float* p = x + row * NIN + col;
+        const float* p = x + source_row(row_map, row) * NIN + col;
 #if NIN % 2 == 0
         if (col < NIN) { float2 v = __ldg(reinterpret_cast<const float2*>(p)); a = v.x; b = v.y; }
 #else
@@ -93,10 +99,11 @@ __device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int
 }
 
 // fp16 input (u16 bits, as the caller's float16 array holds them): the pair is already packed
-__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, i64 rows) {
+__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, i64 rows,
+                                       const int* __restrict__ row_map) {
     u32 v = 0u;
     if (row < rows) {
-        const u16* p = x + row * NIN + col;
+        const u16* p = x + source_row(row_map, row) * NIN + col;
 #if NIN % 2 == 0
         if (col < NIN) v = __ldg(reinterpret_cast<const u32*>(p));
 #else
@@ -215,7 +222,7 @@ __device__ __forceinline__ void mlp_tile_loop(
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
     const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
     u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial,
-    float* __restrict__ partial = nullptr) {
+    float* __restrict__ partial = nullptr, const int* __restrict__ row_map = nullptr) {
     static_assert(!FUSED || (MT == 1 && NWARPS == FW && W_SMEM_TRAIN && !STORE_DACT), "fused training geometry");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -265,10 +272,10 @@ __device__ __forceinline__ void mlp_tile_loop(
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     const i64 r = row0 + mt * 16 + g;
-                    a[mt][0] = load_x2(x, r, kc * 16 + 2 * t, rows);
-                    a[mt][1] = load_x2(x, r + 8, kc * 16 + 2 * t, rows);
-                    a[mt][2] = load_x2(x, r, kc * 16 + 8 + 2 * t, rows);
-                    a[mt][3] = load_x2(x, r + 8, kc * 16 + 8 + 2 * t, rows);
+                    a[mt][0] = load_x2(x, r, kc * 16 + 2 * t, rows, row_map);
+                    a[mt][1] = load_x2(x, r + 8, kc * 16 + 2 * t, rows, row_map);
+                    a[mt][2] = load_x2(x, r, kc * 16 + 8 + 2 * t, rows, row_map);
+                    a[mt][3] = load_x2(x, r + 8, kc * 16 + 8 + 2 * t, rows, row_map);
                     if (FUSED) {
                         u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
                         const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
@@ -444,7 +451,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                         float y0 = 0.f, y1 = 0.f;
                         const bool rok = r < rows;
                         if (rok) {
-                            const float* yp = target + r * NOUT + col;
+                            const float* yp = target + source_row(row_map, r) * NOUT + col;
 #if NOUT % 2 == 0
                             if (col < NOUT) { float2 v = __ldg(reinterpret_cast<const float2*>(yp)); y0 = v.x; y1 = v.y; }
 #else
@@ -568,9 +575,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
-    double* __restrict__ loss_partial) {
+    double* __restrict__ loss_partial, const int* __restrict__ row_map) {
     mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial);
+                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial, nullptr, row_map);
 }
 
 #if FUSED_WGRAD
@@ -579,9 +586,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
 extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
-    float* __restrict__ partial, double* __restrict__ loss_partial) {
+    float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map) {
     mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial);
+                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial, row_map);
 }
 #endif
 
@@ -782,6 +789,16 @@ extern "C" __global__ void mlp_gather_batch(
             by[r * NOUT + c] = y_half ? half_bits_to_float(static_cast<const u16*>(ys)[src * NOUT + c])
                                       : static_cast<const float*>(ys)[src * NOUT + c];
     }
+}
+
+// the rows of the next batch of the epoch's order, for a training kernel that reads the dataset
+// through them (row_map): 4 bytes a row move instead of the rows themselves
+extern "C" __global__ void mlp_batch_rows(i64 rows, int half_bits, const int* __restrict__ ctl, int batch,
+                                          int* __restrict__ row_map) {
+    const u32 seed = (u32)ctl[CTL_SEED], epoch = (u32)ctl[CTL_EPOCH];
+    const i64 cursor = ctl[CTL_CURSOR];
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < batch; r += (i64)gridDim.x * blockDim.x)
+        row_map[r] = (int)epoch_row(seed, epoch, rows, half_bits, cursor + r);
 }
 
 // the end of a step: the loss (the training kernel's per-warp sums, added in a fixed order) to
