@@ -49,14 +49,14 @@ SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fi
 FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
 NVRTC_OPTIONS = ("-std=c++17",)
 
-MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_wgrad", "mlp_optimize",
-               "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
+MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
+               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
+FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
 CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
 GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
 FINISH_THREADS = 256  # mlp_finish_step's block
 GRAPH_MIN_STEPS = 3  # fewer steps than this launch directly (capturing costs about what it saves)
 KEPT_GRAPHS = 8  # captured steps kept per model (keyed by the buffers they read)
-NO_ROW_MAP = np.uint64(0)  # a null row_map: the training kernel reads its x and target rows in order
 # activations whose derivative follows from the stored fp16 output (no extra buffer)
 DERIVATIVE_FROM_OUTPUT = ("None", "ReLU", "LeakyReLU")
 
@@ -194,15 +194,17 @@ class CudaMmaModel(MmaPlan, CudaModel):
         cubin = cached_cubin(cache, build, backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
                              options=NVRTC_OPTIONS, source=self.source)
         try:
-            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (("mlp_train_fused",) if self.fused_wgrad else ()))
+            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ()))
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
                 module.kernel("mlp_forward_half").max_dynamic_shared_size_bytes = self.smem_fwd
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 train.max_dynamic_shared_size_bytes = self.smem_train
+                module.kernel("mlp_train_fwd_bwd_rows").max_dynamic_shared_size_bytes = self.smem_train
             if self.fused_wgrad and self.smem_fused > 48 * 1024:
-                module.kernel("mlp_train_fused").max_dynamic_shared_size_bytes = self.smem_fused
+                for name in FUSED_KERNELS:
+                    module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fused
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
         self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
@@ -315,7 +317,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
         return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
 
-    def _forward_backward(self, dx, dy, rows: int, row_map: Any = NO_ROW_MAP) -> tuple[dict[str, Any], Any]:
+    def _forward_backward(self, dx, dy, rows: int, row_map: Any = None) -> tuple[dict[str, Any], Any]:
         """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
         in each layer's chunked kernel afterwards (``_layer_grads``). Returns the workspace and
         the kernel's per-warp loss sums. With ``row_map``, batch row r is row ``row_map[r]`` of
@@ -326,15 +328,16 @@ class CudaMmaModel(MmaPlan, CudaModel):
         if self.fused_wgrad:
             grid = self.fused_blocks(rows_pad)
             loss_slots = ws["loss"][: grid * FUSED_WARPS]
-            self._launch("mlp_train_fused", (grid,), (FUSED_WARPS * 32,),
+            self._launch("mlp_train_fused" if row_map is None else "mlp_train_fused_rows", (grid,), (FUSED_WARPS * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["partial"], loss_slots, row_map), self.smem_fused)
+                          ws["partial"], loss_slots) + (() if row_map is None else (row_map,)), self.smem_fused)
         else:
             grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / self.warps)))
             loss_slots = ws["loss"][: grid * self.warps]
-            self._launch("mlp_train_fwd_bwd", (grid,), (self.warps * 32,),
+            self._launch("mlp_train_fwd_bwd" if row_map is None else "mlp_train_fwd_bwd_rows", (grid,),
+                         (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["h"], ws["d"], ws["dact"], loss_slots, row_map),
+                          ws["h"], ws["d"], ws["dact"], loss_slots) + (() if row_map is None else (row_map,)),
                          self.smem_train if self.w_smem_train else 0)
         ws["rows_pad"] = rows_pad
         return ws, loss_slots
@@ -425,7 +428,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         position.epoch, position.cursor = expected.epoch, expected.cursor
         return losses
 
-    def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int, row_map: Any = NO_ROW_MAP) -> None:
+    def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int, row_map: Any = None) -> None:
         """One optimizer step's launches; identical every step (the control block says which)."""
         ws, loss_slots = self._forward_backward(dx, dy, rows, row_map)
         for i in reversed(range(self.n_layers)):

@@ -78,16 +78,18 @@ __device__ __forceinline__ uint2 load_b(const uint2* w, int off_halves, int nt, 
     return w[off_halves / 4 + (nt * kcn + kc) * 32 + lane];
 }
 
-// row_map (training from a held dataset): batch row r is row row_map[r] of x; nullptr: x's rows
+// MAPPED (training from a held dataset, the *_rows kernels): batch row r is row row_map[r] of x
+// and target; otherwise row r. A compile-time choice: the plain kernels stay as they were.
+template <bool MAPPED>
 __device__ __forceinline__ i64 source_row(const int* __restrict__ row_map, i64 row) {
-    return row_map ? (i64)__ldg(row_map + row) : row;
+    return MAPPED ? (i64)__ldg(row_map + row) : row;
 }
 
-__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, i64 rows,
-                                       const int* __restrict__ row_map) {
+// x's columns col, col + 1 of row `row` (zeros where !ok: the padding rows of the last tile)
+__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, bool ok) {
     float a = 0.f, b = 0.f;
-    if (row < rows) {
-        const float* p = x + source_row(row_map, row) * NIN + col;
+    if (ok) {
+        const float* p = x + row * NIN + col;
 #if NIN % 2 == 0
         if (col < NIN) { float2 v = __ldg(reinterpret_cast<const float2*>(p)); a = v.x; b = v.y; }
 #else
@@ -99,11 +101,10 @@ __device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int
 }
 
 // fp16 input (u16 bits, as the caller's float16 array holds them): the pair is already packed
-__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, i64 rows,
-                                       const int* __restrict__ row_map) {
+__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, bool ok) {
     u32 v = 0u;
-    if (row < rows) {
-        const u16* p = x + source_row(row_map, row) * NIN + col;
+    if (ok) {
+        const u16* p = x + row * NIN + col;
 #if NIN % 2 == 0
         if (col < NIN) v = __ldg(reinterpret_cast<const u32*>(p));
 #else
@@ -216,7 +217,8 @@ __device__ __forceinline__ void fused_store_partials(float* __restrict__ partial
 
 // ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----
 // XT / OT: float, or u16 for fp16 inputs / outputs (the forward's half I/O; training reads fp32)
-template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS, typename XT = float, typename OT = float>
+template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS, typename XT = float, typename OT = float,
+          bool MAPPED = false>
 __device__ __forceinline__ void mlp_tile_loop(
     const XT* __restrict__ x, i64 rows, i64 rows_pad, OT* __restrict__ out,
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
@@ -266,16 +268,28 @@ __device__ __forceinline__ void mlp_tile_loop(
                 for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
                     for (int q = 0; q < 4; ++q) C[mt][nt][q] = 0.f;
+            // MAPPED: the dataset rows this lane reads, looked up once before the column loop
+            i64 src[MAPPED ? MT : 1][2];
+            if constexpr (MAPPED) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 r = row0 + mt * 16 + g + h * 8;
+                        src[mt][h] = r < rows ? source_row<MAPPED>(row_map, r) : 0;
+                    }
+            }
 #pragma unroll 2
             for (int kc = 0; kc < KC0; ++kc) {
                 u32 a[MT][4];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     const i64 r = row0 + mt * 16 + g;
-                    a[mt][0] = load_x2(x, r, kc * 16 + 2 * t, rows, row_map);
-                    a[mt][1] = load_x2(x, r + 8, kc * 16 + 2 * t, rows, row_map);
-                    a[mt][2] = load_x2(x, r, kc * 16 + 8 + 2 * t, rows, row_map);
-                    a[mt][3] = load_x2(x, r + 8, kc * 16 + 8 + 2 * t, rows, row_map);
+                    const i64 s0 = MAPPED ? src[MAPPED ? mt : 0][0] : r, s1 = MAPPED ? src[MAPPED ? mt : 0][1] : r + 8;
+                    a[mt][0] = load_x2(x, s0, kc * 16 + 2 * t, r < rows);
+                    a[mt][1] = load_x2(x, s1, kc * 16 + 2 * t, r + 8 < rows);
+                    a[mt][2] = load_x2(x, s0, kc * 16 + 8 + 2 * t, r < rows);
+                    a[mt][3] = load_x2(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows);
                     if (FUSED) {
                         u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
                         const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
@@ -451,7 +465,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                         float y0 = 0.f, y1 = 0.f;
                         const bool rok = r < rows;
                         if (rok) {
-                            const float* yp = target + source_row(row_map, r) * NOUT + col;
+                            const float* yp = target + source_row<MAPPED>(row_map, r) * NOUT + col;
 #if NOUT % 2 == 0
                             if (col < NOUT) { float2 v = __ldg(reinterpret_cast<const float2*>(yp)); y0 = v.x; y1 = v.y; }
 #else
@@ -575,9 +589,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
-    double* __restrict__ loss_partial, const int* __restrict__ row_map) {
+    double* __restrict__ loss_partial) {
     mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial, nullptr, row_map);
+                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial);
+}
+
+// the same over a held dataset: batch row r is row row_map[r] of x and target
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd_rows(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
+    u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
+    double* __restrict__ loss_partial, const int* __restrict__ row_map) {
+    mlp_tile_loop<true, MT_TRAIN, false, WARPS, float, float, true>(
+        x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target, grad_scale, hbuf, dbuf, dactbuf,
+        loss_partial, nullptr, row_map);
 }
 
 #if FUSED_WGRAD
@@ -586,9 +611,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
 extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
-    float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map) {
+    float* __restrict__ partial, double* __restrict__ loss_partial) {
     mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial, row_map);
+                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial);
+}
+
+extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused_rows(
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
+    float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map) {
+    mlp_tile_loop<true, 1, true, FW, float, float, true>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack,
+                                                         bias, target, grad_scale, nullptr, nullptr, nullptr,
+                                                         loss_partial, partial, row_map);
 }
 #endif
 
