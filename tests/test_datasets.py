@@ -403,3 +403,34 @@ def test_on_device_refuses_with_507_before_allocating(app_client):
     entry.live.free_device_bytes = lambda: None
     del entry.live.put_dataset
     assert client.portal.call(rt.registry.datasets.on_device, entry, dataset).rows == 4096
+
+
+# -- a job trains as in-process training on the same batches ----------------------------------------
+def test_a_job_with_a_seed_trains_exactly_as_train_epochs_in_process(daemon):
+    """The job's batches are the epochs' order of its seed (every row once an epoch): the same
+    steps in process on the cpu backend give the same weights and the same final loss."""
+    from mmad.backends.contract import EpochPosition
+    from mmad.backends.cpu import CpuBackend
+    from mmad.spec import MLPSpec
+
+    rng = np.random.default_rng()
+    seed = int(rng.integers(0, 2**32))
+    x, y = data(700, int(rng.integers(0, 2**31)))
+    steps, batch = 23, 64  # 10 batches an epoch: the job crosses two epoch ends
+    with Client(daemon.url, timeout=60) as client:
+        client.create_model("job_vs_local", SPEC)
+        dataset = client.upload_dataset("job_vs_local", x, y, chunk_bytes=8 * 1024, progress=False)
+        job = client.start_job("job_vs_local", dataset, steps, batch, checkpoint_every=5, seed=seed)
+        final = client.follow_job("job_vs_local", job, progress=False)
+        weights = client.get_weights("job_vs_local")
+    assert final["state"] == "done" and final["seed"] == seed and final["step"] == steps
+    assert final["epoch"] == steps // (700 // batch) and final["rows"] == 700
+
+    model = CpuBackend().compile(MLPSpec.from_json(SPEC))
+    held = model.put_dataset([(x, y)], 700, x.dtype, y.dtype)
+    position = EpochPosition(seed)
+    losses = np.concatenate([model.train_epochs(held, batch, n, position) for n in (5, 5, 5, 5, 3)])
+    assert position.epoch == final["epoch"]
+    assert final["loss"] == pytest.approx(float(losses[-1]), rel=1e-6)
+    for name, value in model.get_params().items():
+        np.testing.assert_allclose(weights[name], value, rtol=1e-6, atol=1e-7, err_msg=name)

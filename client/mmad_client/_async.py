@@ -160,9 +160,10 @@ class AsyncClient(BaseClient):
         await self._send(self._delete_dataset(name, dataset))
 
     async def start_job(self, name: str, dataset: str, steps: int, batch_size: int,
-                        checkpoint_every: int | None = None) -> str:
-        """Start a training job over an uploaded dataset; returns the job id."""
-        return await self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
+                        checkpoint_every: int | None = None, seed: int | None = None) -> str:
+        """Start a training job over an uploaded dataset; returns the job id. ``seed`` fixes the
+        epochs' order of the dataset's rows (random when None; the job's status reports it)."""
+        return await self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every, seed))
 
     async def follow_job(self, name: str, job: str, progress: bool | ProgressCallback = True, *,
                          cancel_on_interrupt: bool = False) -> dict:

@@ -318,10 +318,13 @@ class BaseClient:
 
     # -- training jobs --------------------------------------------------------------------
 
-    def _start_job(self, name: str, dataset: str, steps: int, batch_size: int, checkpoint_every: int | None) -> Call:
+    def _start_job(self, name: str, dataset: str, steps: int, batch_size: int, checkpoint_every: int | None,
+                   seed: int | None = None) -> Call:
         doc: dict[str, Any] = {"dataset": dataset, "steps": int(steps), "batch_size": int(batch_size)}
         if checkpoint_every is not None:
             doc["checkpoint_every"] = int(checkpoint_every)
+        if seed is not None:
+            doc["seed"] = int(seed)
         body, headers = _json_body(doc)
         return Call("POST", f"{model_path(name)}/jobs", lambda r: str(_field(r, "job")), body, headers)
 

@@ -161,9 +161,10 @@ class Client(BaseClient):
         self._send(self._delete_dataset(name, dataset))
 
     def start_job(self, name: str, dataset: str, steps: int, batch_size: int,
-                  checkpoint_every: int | None = None) -> str:
-        """Start a training job over an uploaded dataset; returns the job id."""
-        return self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every))
+                  checkpoint_every: int | None = None, seed: int | None = None) -> str:
+        """Start a training job over an uploaded dataset; returns the job id. ``seed`` fixes the
+        epochs' order of the dataset's rows (random when None; the job's status reports it)."""
+        return self._send(self._start_job(name, dataset, steps, batch_size, checkpoint_every, seed))
 
     def follow_job(self, name: str, job: str, progress: bool | ProgressCallback = True, *,
                    cancel_on_interrupt: bool = False) -> dict:
