@@ -405,6 +405,26 @@ def test_on_device_refuses_with_507_before_allocating(app_client):
     assert client.portal.call(rt.registry.datasets.on_device, entry, dataset).rows == 4096
 
 
+def test_a_full_disk_while_a_chunk_streams_in_is_507_and_leaves_nothing(app_client, monkeypatch, tmp_path):
+    import errno
+
+    import mmad.server.bodies as bodies
+
+    client, rt = app_client
+    x, y = data(100, seed=int(time.time_ns() % 2**32))
+
+    def full(f):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
+    monkeypatch.setattr(bodies, "_flush_and_sync", full)
+    r = client.post("/v2/models/held/datasets", content=st_save({"x": x, "y": y}))
+    assert r.status_code == 507 and "the model store is full" in r.json()["error"], r.text
+    assert str(tmp_path) not in r.text
+    assert client.get("/v2/models/held/datasets").json()["datasets"] == []
+    assert list((rt.store.datasets_dir / ".incoming").iterdir()) == []
+    monkeypatch.undo()
+    assert client.post("/v2/models/held/datasets", content=st_save({"x": x, "y": y})).status_code == 200
+
+
 # -- a job trains as in-process training on the same batches ----------------------------------------
 def test_a_job_with_a_seed_trains_exactly_as_train_epochs_in_process(daemon):
     """The job's batches are the epochs' order of its seed (every row once an epoch): the same

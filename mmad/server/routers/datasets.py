@@ -21,7 +21,7 @@ from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.openapi import BINARY_REQUEST_DOC
 from mmad.server.registry import ModelEntry
-from mmad.server.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size
+from mmad.server.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size, store_write
 
 router = APIRouter(tags=["datasets"], responses=ERROR_RESPONSES)
 
@@ -35,9 +35,10 @@ async def receive_chunk(rt: Runtime, request: Request, entry: ModelEntry, stored
         check_dataset_size(stored + int(length), limit)
     path = await rt.registry.run(rt.store.incoming_path)
     try:
-        await stream_to_file(request, path, rt.settings.max_body_bytes, rt.registry.run,
-                             check=lambda received: check_dataset_size(stored + received, limit))
-        header = await rt.registry.run(check_chunk, entry.spec, path)
+        with store_write(f"the dataset chunk for model {entry.name!r}"):  # a full disk is a 507, not a 500
+            await stream_to_file(request, path, rt.settings.max_body_bytes, rt.registry.run,
+                                 check=lambda received: check_dataset_size(stored + received, limit))
+            header = await rt.registry.run(check_chunk, entry.spec, path)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
