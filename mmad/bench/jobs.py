@@ -69,9 +69,10 @@ def _steps_for(seconds: float, per_step_s: float, least: int = 3) -> int:
 def in_process(model, x: np.ndarray, y: np.ndarray, batch: int, args) -> dict[str, float]:
     """train_step on one device batch (steps per call as the job's chunks take), and
     train_epochs over the device dataset."""
-    on_device = model.is_device_array(model.upload(x[:1]))
+    on_device = not isinstance(model.upload(x[:1]), np.ndarray)  # the backend keeps arrays on a device
     dx = model.upload(x[:batch]) if on_device else x[:batch]
-    dy = model.upload(y[:batch]) if on_device else y[:batch]
+    upload_target = getattr(model, "upload_target", model.upload)  # vulkan keeps targets in their own layout
+    dy = upload_target(y[:batch]) if on_device else y[:batch]
     start = time.perf_counter()
     model.train_step(dx, dy, 3)
     per_step = (time.perf_counter() - start) / 3
