@@ -800,12 +800,13 @@ class VulkanModel(CompiledModel):
                     raise InvalidInput(f"a chunk's target has {cy.shape[0]} rows but its input has {n}")
                 if at + n > rows:
                     raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
+                if n == 0:
+                    continue
                 hx = self.encode(cx) if encoded else cx.astype(xd, copy=False)
                 with self._lock:
                     self._check_open()
-                    if n:
-                        bx.write(hx, offset=at * x_cols * xd.itemsize)
-                        by.write(cy.astype(yd, copy=False), offset=at * y_cols * yd.itemsize)
+                    bx.write(hx, offset=at * x_cols * xd.itemsize)
+                    by.write(cy.astype(yd, copy=False), offset=at * y_cols * yd.itemsize)
                 at += n
             if at != rows:
                 raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
