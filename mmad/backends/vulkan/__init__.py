@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 
 from mmad.backends import numerics as nm
-from mmad.backends.numerics import step_learning_rate
+from mmad.backends.numerics import batches_per_epoch, epoch_half_bits, step_learning_rate
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Backend, CompiledModel, MMAShape, ProbeRow, check_params, check_rows, init_params,
-    output_dtype, param_shapes,
+    Backend, CompiledModel, Dataset, EpochPosition, MMAShape, ProbeRow, check_epoch_run, check_params,
+    check_rows, init_params, output_dtype, param_shapes,
 )
 from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
@@ -51,7 +51,7 @@ VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes); the coopmat forward and backward also bind
 # the fp16 hidden activations, and coopmat training runs its own forward pipeline
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (9, 20),
-                      "finalize": (2, 16)}
+                      "finalize": (2, 16), "gather": (5, 48)}
 COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
 # coopmat_forward.comp's specialization constant that makes its training pipeline
 TRAINING_CONSTANT = 14
@@ -304,6 +304,48 @@ class VulkanArray:
             self.buffer.free()
 
 
+@dataclass(eq=False)
+class VulkanDatasetArray:
+    """One array of a dataset held by ``put_dataset``: ``rows`` x ``cols`` in a device-local
+    buffer, compact (no padding), float32 or float16 (two to a 32-bit word). The buffer is
+    freed when this array is dropped (``weakref.finalize``), by ``free()``, or with the model."""
+
+    buffer: vr.Buffer
+    rows: int
+    cols: int
+    dtype: np.dtype
+    owner: "VulkanModel"
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, _free_dataset_buffer, weakref.ref(self.owner), self.buffer)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.allocated
+
+    def free(self) -> None:
+        self._finalizer()
+
+
+def _free_dataset_buffer(model_ref: "weakref.ref[VulkanModel]", buffer: vr.Buffer) -> None:
+    model = model_ref()
+    if model is None:
+        buffer.free()
+        return
+    with model._lock:
+        if buffer.handle is not None:  # else the model's close() freed it
+            model._untrack(buffer)  # and the programs recorded with it
+            buffer.free()
+
+
+def _dataset_buffer_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
+    return max(16, _round_up(rows * cols * dtype.itemsize, 4))
+
+
 class VulkanModel(CompiledModel):
     backend = "vulkan"
     # training runs a batch in row chunks whose buffers fit maxStorageBufferRange; a smaller
@@ -501,9 +543,17 @@ class VulkanModel(CompiledModel):
         and the optimizer (or the gradient export) once over every chunk's partial sums."""
         key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad)
         program = self._programs.get(key)
-        if program is not None:
-            self._last_run["train"] = program
-            return program
+        if program is None:
+            program = vr.Program(self.device, self._training_dispatches(x_buf, y_buf, n_rows, rows_pad, update),
+                                 timestamps=self.gpu_timestamps)
+            self._programs[key] = program
+        self._last_run["train"] = program
+        return program
+
+    def _training_dispatches(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
+                             update: bool) -> list[vr.Dispatch]:
+        """The dispatches of one training step (``_training_program``'s, and the tail of the
+        program ``train_epochs`` records after its gather)."""
         geo = self.geo
         b = self._ensure_batch(rows_pad, training=True)
         p = self._pipelines
@@ -550,10 +600,7 @@ class VulkanModel(CompiledModel):
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
                              self._grad, self._ctrl, self._wall16 if self._wall16 is not None else self._unused],
             u32(self.n_params, split_base, geo.grad_floats, int(update), groups), (groups, 1, 1)))
-        program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
-        self._programs[key] = program
-        self._last_run["train"] = program
-        return program
+        return dispatches
 
     def set_gpu_timestamps(self, on: bool) -> None:
         """Record GPU timestamps around every dispatch of the programs run from now on (the
@@ -684,6 +731,166 @@ class VulkanModel(CompiledModel):
             loss = float(np.frombuffer(self._ctrl.read(4, offset=16), np.float32)[0])
             flat = np.frombuffer(self._grad.read(self.n_params * 4), np.float32)
             return loss, self._unflatten(flat)
+
+    # -- training from a dataset held on the device ----------------------------------------------
+    def _dataset_dtypes(self, x_dtype: Any, y_dtype: Any) -> tuple[np.dtype, np.dtype]:
+        """The dtypes ``put_dataset`` stores: as sent (float16 or float32; float64 as float32),
+        except encoded inputs, which are float32 (the encoding's output, as ``train_step`` uses it)."""
+        def stored(dtype: Any, name: str) -> np.dtype:
+            dt = np.dtype(dtype)
+            if dt == np.float64:
+                return np.dtype(np.float32)
+            if dt not in (np.float16, np.float32):
+                raise InvalidInput(f"a dataset's {name} must be float16 or float32; got {dt}")
+            return dt
+        xd = stored(x_dtype, "inputs")
+        return (xd if self.spec.encoding.passthrough else np.dtype(np.float32)), stored(y_dtype, "targets")
+
+    def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
+        """Bytes ``put_dataset`` asks for: encoded inputs (``n_encoded_dims`` float32 columns, or
+        the raw columns as sent without an encoding) and targets, unpadded, each buffer rounded up
+        to 4 bytes (the driver may round each allocation up further to its alignment;
+        ``Dataset.nbytes`` is what was allocated)."""
+        xd, yd = self._dataset_dtypes(x_dtype, y_dtype)
+        return (_dataset_buffer_bytes(rows, self.spec.n_encoded_dims, xd)
+                + _dataset_buffer_bytes(rows, self.spec.n_output_dims, yd))
+
+    def free_device_bytes(self) -> int | None:
+        """Device-local memory still free by VK_EXT_memory_budget (budget minus usage), or None
+        where the device lacks that extension: core Vulkan tells heap sizes, not their use."""
+        with self._lock:
+            self._check_open()
+            return self.device.free_device_local_bytes()
+
+    def put_dataset(self, chunks, rows: int, x_dtype: Any, y_dtype: Any) -> Dataset:
+        """The dataset in two device-local buffers, allocated once and filled chunk by chunk
+        (each chunk encoded on the host first where the model has an encoding). Stored compact,
+        ``rows`` x columns without the batch buffers' padding (the gather shader pads): inputs as
+        sent (float16 or float32; float32 once encoded), targets as sent. Freed when the
+        returned Dataset (its ``x``/``y``) is dropped or the model closes."""
+        if not 0 < rows < 2**31:
+            raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
+        xd, yd = self._dataset_dtypes(x_dtype, y_dtype)
+        x_cols, y_cols = self.spec.n_encoded_dims, self.spec.n_output_dims
+        limit = self.device.info.max_storage_range
+        for cols, dt, what in ((x_cols, xd, "inputs"), (y_cols, yd, "targets")):
+            if rows * cols * dt.itemsize > limit:
+                raise InvalidInput(f"a dataset of {rows} rows needs a {rows * cols * dt.itemsize}-byte buffer for its "
+                                   f"{what}, over this device's maxStorageBufferRange ({limit}); at most "
+                                   f"{limit // (cols * dt.itemsize)} rows fit")
+        with self._lock:
+            self._check_open()
+            bx = self._alloc(_dataset_buffer_bytes(rows, x_cols, xd))
+            try:
+                by = self._alloc(_dataset_buffer_bytes(rows, y_cols, yd))
+            except BaseException:
+                self._untrack(bx)
+                bx.free()
+                raise
+        x = VulkanDatasetArray(bx, rows, x_cols, xd, self)
+        y = VulkanDatasetArray(by, rows, y_cols, yd, self)
+        encoded = not self.spec.encoding.passthrough
+        at = 0
+        try:
+            for cx, cy in chunks:
+                cx = check_rows(cx, self.spec.n_input_dims, "input", keep_half=xd == np.float16)
+                cy = check_rows(cy, y_cols, "target", keep_half=yd == np.float16)
+                n = cx.shape[0]
+                if cy.shape[0] != n:
+                    raise InvalidInput(f"a chunk's target has {cy.shape[0]} rows but its input has {n}")
+                if at + n > rows:
+                    raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
+                if n == 0:
+                    continue
+                hx = self.encode(cx) if encoded else cx.astype(xd, copy=False)
+                with self._lock:
+                    self._check_open()
+                    bx.write(hx, offset=at * x_cols * xd.itemsize)
+                    by.write(cy.astype(yd, copy=False), offset=at * y_cols * yd.itemsize)
+                at += n
+            if at != rows:
+                raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+        except BaseException:
+            x.free()
+            y.free()
+            raise
+        return Dataset(x, y, rows, bx.allocated + by.allocated, on_device=True)
+
+    def take_rows(self, a: Any, rows: np.ndarray) -> Any:
+        """Rows of a held dataset array, copied to the host (the span from the first to the last
+        row asked for is read back) in its stored dtype; host arrays are indexed as they are."""
+        if not isinstance(a, VulkanDatasetArray):
+            return a[rows]
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return np.empty((0, a.cols), a.dtype)
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        if lo < 0 or hi > a.rows:
+            raise InvalidInput(f"rows {lo}..{hi - 1} are outside the dataset's {a.rows} rows")
+        row_bytes = a.cols * a.dtype.itemsize
+        with self._lock:
+            self._check_open()
+            raw = a.buffer.read((hi - lo) * row_bytes, offset=lo * row_bytes)
+        return np.frombuffer(raw, a.dtype).reshape(hi - lo, a.cols)[rows - lo]
+
+    def _epochs_program(self, data: Dataset, batch: int, rows_pad: int, seed: int) -> vr.Program:
+        """The gather of a batch of ``data`` (``gather_batch.comp``) into the batch buffers, then
+        one training step on them: identical every step, the control block says which batch."""
+        x, y = data.x, data.y
+        key = ("epochs", id(x.buffer), id(y.buffer), data.rows, batch, rows_pad, seed)
+        program = self._programs.get(key)
+        if program is None:
+            b = self._ensure_batch(rows_pad, training=True)
+            grid = self._grid(rows_pad)  # a workgroup per batch row
+            push = np.array([data.rows, epoch_half_bits(data.rows), batch, batches_per_epoch(data.rows, batch),
+                             seed & 0xFFFFFFFF, x.cols, int(x.dtype == np.float16), self.geo.in_pad,
+                             y.cols, int(y.dtype == np.float16), self.geo.out_pad, grid[0]], np.uint32).tobytes()
+            gather = vr.Dispatch(self._pipelines["gather"], [x.buffer, y.buffer, b["x"], b["y"], self._ctrl],
+                                 push, grid)
+            dispatches = [gather] + self._training_dispatches(b["x"], b["y"], batch, rows_pad, update=True)
+            program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
+            self._programs[key] = program
+        self._last_run["train"] = program
+        return program
+
+    def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        """See ``CompiledModel.train_epochs``: each step gathers its batch of the epoch's order on
+        the device (``gather_batch.comp``) and trains on it, in one recorded program submitted
+        up to ``HIST_CAP`` times at once. The position is device state: the host writes the
+        submission's first (epoch, cursor) into the control block next to the step counter, and
+        step k of the submission takes the k-th batch from there."""
+        check_epoch_run(data, batch, steps)
+        if not (data.on_device and isinstance(data.x, VulkanDatasetArray) and isinstance(data.y, VulkanDatasetArray)
+                and data.x.owner is self and data.y.owner is self):
+            raise InvalidInput("this dataset is not held on this model's vulkan device (put_dataset of this "
+                               "model keeps it there)")
+        if position.cursor % batch or position.cursor + batch > data.rows:
+            raise InvalidInput(f"the epoch position's cursor {position.cursor} is not the start of a batch of "
+                               f"{batch} of the dataset's {data.rows} rows")
+        with self._lock:
+            self._check_open()
+            if data.x.buffer.handle is None or data.y.buffer.handle is None:
+                raise InvalidInput("this dataset was freed")
+            self._evict_programs()
+            rows_pad = _round_up(batch, ROW_ALIGN)
+            self._ensure_batch(rows_pad, training=True)
+            program = self._epochs_program(data, batch, rows_pad, position.seed)
+            at = EpochPosition(position.seed, position.epoch, position.cursor)
+            losses = []
+            done = 0
+            while done < steps:
+                chunk = min(HIST_CAP, steps - done)
+                self._ctrl.write(np.array([self.step_count, self.step_count, at.epoch & 0xFFFFFFFF,
+                                           at.cursor // batch], np.uint32))
+                self._ctrl.write(self._step_rates(chunk), offset=16 + HIST_CAP * 4)
+                program.run(times=chunk)
+                hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
+                self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
+                losses.append(hist[4:4 + chunk].copy())
+                at.advance(data.rows, batch, chunk)
+                done += chunk
+            position.epoch, position.cursor = at.epoch, at.cursor
+            return np.concatenate(losses)
 
     # -- parameters -----------------------------------------------------------------------
     def _unflatten(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -863,6 +1070,8 @@ class VulkanBackend(Backend):
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
             used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
+            if name == "gather":  # no header, no constants: one pipeline for every model
+                used = {}
             if name == "forward_train":
                 used[TRAINING_CONSTANT] = 1
             key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
@@ -979,5 +1188,7 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str,
         files["backward"] = "glsl/coopmat_backward.comp"
         files["wgrad"] = "glsl/coopmat_wgrad.comp"
         files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
-    return {name: shader_source(path, param_header if name == "optimizer" else header)
-            for name, path in files.items()}
+    sources = {name: shader_source(path, param_header if name == "optimizer" else header)
+               for name, path in files.items()}
+    sources["gather"] = read_source("glsl/gather_batch.comp")  # train_epochs: the batch drawn on the device
+    return sources

@@ -52,7 +52,9 @@ ST = {
     "coopmat_features": 1000506000, "coopmat_props": 1000506001, "query_pool": 11,
     "exec_features": 1000269000, "pipeline_info": 1000269001, "exec_props": 1000269002,
     "exec_info": 1000269003, "exec_stat": 1000269004,
+    "memory_props2": 1000059006, "memory_budget": 1000237000,
 }
+BUDGET_EXT = "VK_EXT_memory_budget"
 STATS_EXT = "VK_KHR_pipeline_executable_properties"
 
 
@@ -328,6 +330,23 @@ class Device:
             if type_bits & (1 << i) and (not host_visible or flags & 0x6 == 0x6):
                 return i
         raise LaunchError(f"{self.info.name} offers no suitable memory type (bits {type_bits:#x})")
+
+    def free_device_local_bytes(self) -> int | None:
+        """Budget minus usage of the device-local heaps (VK_EXT_memory_budget: the driver's
+        view of what this process may still allocate), or None where the device does not
+        offer the extension (core Vulkan reports only heap sizes, not what is in use)."""
+        if BUDGET_EXT not in self.info.extensions:
+            return None
+        budget = ffi.new("VkPhysicalDeviceMemoryBudgetPropertiesEXT*")
+        budget.sType = ST["memory_budget"]
+        props = ffi.new("VkPhysicalDeviceMemoryProperties2*")
+        props.sType = ST["memory_props2"]
+        props.pNext = budget
+        lib.vkGetPhysicalDeviceMemoryProperties2(self.physical, props)
+        mem = props.memoryProperties
+        local = [i for i in range(mem.memoryHeapCount) if mem.memoryHeaps[i].flags & 0x1]  # DEVICE_LOCAL
+        heaps = local or list(range(mem.memoryHeapCount))
+        return int(max(max(0, int(budget.heapBudget[i]) - int(budget.heapUsage[i])) for i in heaps))
 
     def buffer(self, nbytes: int, host_visible: bool = False) -> "Buffer":
         return Buffer(self, nbytes, host_visible)
