@@ -14,23 +14,14 @@ from mmad.backends.contract import EpochPosition, init_params
 from mmad.backends.cuda.knobs import CUDA_GRAPHS_ENV
 from mmad.backends.numerics import epoch_rows
 from mmad.spec import bench_spec
+from test_cuda import _cuda_backend
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def backend():
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        pytest.skip("CuPy is not installed: the cuda backend cannot run here")
-    from mmad.backends.cuda import CudaBackend
-
-    backend = CudaBackend()
-    rows = {r.variant: r for r in backend.probe()}
-    if not rows["mma"].available:
-        pytest.skip(f"the cuda mma variant is unavailable here: {rows['mma'].reason}")
-    return backend
+    return _cuda_backend()
 
 
 def _pair(backend, spec, monkeypatch, graphs=(True, True)):

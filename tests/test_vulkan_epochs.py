@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 
 import numpy as np
 import pytest
@@ -25,33 +24,15 @@ from mmad.spec import bench_spec
 
 vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python package is not installed")
 from mmad.backends.vulkan import runtime as vr  # noqa: E402
+import test_vulkan  # noqa: E402
+
+backend, variant = test_vulkan.backend, test_vulkan.variant  # the vulkan tests' device and variant fixtures
 
 pytestmark = pytest.mark.vulkan
 
 ENCODED = {"otype": "Frequency", "n_frequencies": 4}
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = vulkan.VulkanBackend()
-    rows = {r.variant: r for r in b.probe()}
-    if not rows["simt"].available:
-        pytest.skip(f"no usable Vulkan device: {rows['simt'].reason}")
-    yield b
-    b.close()
-
-
-def _variants() -> list[str]:
-    wanted = os.environ.get("MMAD_TEST_VULKAN_VARIANTS", "simt,coopmat").split(",")
-    return [v.strip() for v in wanted if v.strip()]
-
-
-@pytest.fixture(scope="module", params=_variants())
-def variant(request, backend):
-    row = {r.variant: r for r in backend.probe()}[request.param]
-    if not row.available:
-        pytest.skip(f"vulkan {request.param} unavailable here: {row.reason}")
-    return request.param
 
 
 @pytest.fixture(autouse=True)

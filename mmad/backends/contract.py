@@ -192,13 +192,11 @@ class CompiledModel(abc.ABC):
         given dtypes): allocated once, filled chunk by chunk. This default keeps host arrays."""
         x = np.empty((rows, self.spec.n_input_dims), dtype=x_dtype)
         y = np.empty((rows, self.spec.n_output_dims), dtype=y_dtype)
-        at = 0
-        for cx, cy in chunks:
-            n = cx.shape[0]
-            x[at:at + n], y[at:at + n] = cx, cy
-            at += n
-        if at != rows:
-            raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+
+        def write(at: int, cx: np.ndarray, cy: np.ndarray) -> None:
+            x[at:at + len(cx)], y[at:at + len(cy)] = cx, cy
+
+        fill_dataset(chunks, rows, write)
         return Dataset(x, y, rows, x.nbytes + y.nbytes, on_device=False)
 
     def take_rows(self, a: Any, rows: np.ndarray) -> Any:
@@ -240,6 +238,12 @@ class CompiledModel(abc.ABC):
     def next_step_rate(self) -> float:
         """The learning rate of the next optimizer step (Adam's bias correction included)."""
         return step_learning_rate(self.spec.optimizer, self.step_count + 1)
+
+    def step_rates(self, steps: int) -> np.ndarray:
+        """The learning rates of the next ``steps`` optimizer steps (``next_step_rate`` onwards),
+        float32: the table the device-side training loops index by their step counter."""
+        first = self.step_count + 1
+        return np.array([step_learning_rate(self.spec.optimizer, first + k) for k in range(steps)], np.float32)
 
     def get_optimizer_state(self) -> dict[str, np.ndarray]:
         """Optimizer state as named fp32 arrays (``m.W0``, ``v.W0``, ... or ``velocity.W0``)
@@ -358,6 +362,23 @@ def _elements(dtype: np.dtype) -> str:
     if kind in "iu":
         return f"integers ({dtype.name})"
     return f"{dtype.name} values"
+
+
+def fill_dataset(chunks: Iterable[tuple[Any, Any]], rows: int, write) -> None:
+    """``write(at, x, y)`` for each non-empty (x, y) chunk, ``at`` the row it starts at; the chunks
+    must hold exactly ``rows`` rows, x and y alike (``put_dataset``'s one bookkeeping)."""
+    at = 0
+    for cx, cy in chunks:
+        n = np.shape(cx)[0]
+        if np.shape(cy)[0] != n:
+            raise InvalidInput(f"a chunk's target has {np.shape(cy)[0]} rows but its input has {n}")
+        if at + n > rows:
+            raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
+        if n:
+            write(at, cx, cy)
+        at += n
+    if at != rows:
+        raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
 
 
 def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:

@@ -31,7 +31,7 @@ from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
     Dataset, EpochPosition, check_epoch_run, check_params, init_params, optimizer_slots,
 )
-from mmad.backends.numerics import epoch_half_bits, step_learning_rate
+from mmad.backends.numerics import epoch_half_bits
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.toolchain import (
     CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
@@ -452,12 +452,10 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 raise LaunchError(f"allocating the tables of {steps} training steps failed: {exc}") from exc
             run["capacity"] = capacity
             self._graphs.clear()  # captured steps read the tables being replaced
-        rates = np.array([step_learning_rate(self.spec.optimizer, self.step_count + 1 + s) for s in range(steps)],
-                         dtype=np.float32)
         ctl = np.array([0, position.cursor, position.epoch, 0], dtype=np.int32)
         ctl[CTL_SEED] = np.uint32(position.seed & 0xFFFFFFFF).view(np.int32)
         try:
-            run["lr"][:steps].set(rates)
+            run["lr"][:steps].set(self.step_rates(steps))
             self.ctl.set(ctl)
         except device_errors(cp) as exc:
             raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc

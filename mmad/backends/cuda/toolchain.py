@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.contract import (
-    CompiledModel, Dataset, check_host_output, check_rows, check_rows_shape, output_dtype,
+    CompiledModel, Dataset, check_host_output, fill_dataset, check_rows, check_rows_shape, output_dtype,
 )
 from mmad.errors import BackendUnavailable, CompileError, DeviceMemoryFull, InvalidInput, LaunchError
 from mmad.spec import MLPSpec
@@ -262,20 +262,16 @@ class CudaModel(CompiledModel):
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceMemoryFull(f"the dataset ({self.dataset_bytes(rows, x_dtype, y_dtype) / 2**30:.2f} GiB) "
                                    "does not fit in the cuda device's free memory") from exc
-        at = 0
+
+        def write(at: int, cx: np.ndarray, cy: np.ndarray) -> None:
+            hx = self.encode(np.asarray(cx, dtype=np.float32)) if encoded else np.ascontiguousarray(cx, dtype=xd)
+            x[at:at + len(hx)].set(hx)
+            y[at:at + len(hx)].set(np.ascontiguousarray(cy, dtype=yd))
+
         try:
-            for cx, cy in chunks:
-                n = cx.shape[0]
-                if at + n > rows:
-                    raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
-                hx = self.encode(np.asarray(cx, dtype=np.float32)) if encoded else np.ascontiguousarray(cx, dtype=xd)
-                x[at:at + n].set(hx)
-                y[at:at + n].set(np.ascontiguousarray(cy, dtype=yd))
-                at += n
+            fill_dataset(chunks, rows, write)
         except device_errors(cp) as exc:
             raise LaunchError(f"copying the dataset to the device failed: {exc}") from exc
-        if at != rows:
-            raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
         return Dataset(x, y, rows, int(x.nbytes + y.nbytes), on_device=True)
 
     def take_rows(self, a: Any, rows: np.ndarray) -> Any:

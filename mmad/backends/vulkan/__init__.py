@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from mmad.backends import numerics as nm
-from mmad.backends.numerics import batches_per_epoch, epoch_half_bits, step_learning_rate
+from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Backend, CompiledModel, Dataset, EpochPosition, MMAShape, ProbeRow, check_epoch_run, check_params,
+    Backend, CompiledModel, Dataset, EpochPosition, MMAShape, ProbeRow, check_epoch_run, check_params, fill_dataset,
     check_rows, init_params, output_dtype, param_shapes,
 )
 from mmad.backends.vulkan.glsl import build_spirv
@@ -709,18 +709,13 @@ class VulkanModel(CompiledModel):
             while done < steps:
                 chunk = min(HIST_CAP, steps - done)
                 self._ctrl.write(np.array([self.step_count, self.step_count], np.uint32))
-                self._ctrl.write(self._step_rates(chunk), offset=16 + HIST_CAP * 4)
+                self._ctrl.write(self.step_rates(chunk), offset=16 + HIST_CAP * 4)
                 program.run(times=chunk)
                 hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
                 self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
                 losses.append(hist[4:4 + chunk].copy())
                 done += chunk
             return np.concatenate(losses)
-
-    def _step_rates(self, steps: int) -> np.ndarray:
-        """The learning rates of the next ``steps`` optimizer steps (``next_step_rate`` onwards)."""
-        first = self.step_count + 1
-        return np.array([step_learning_rate(self.spec.optimizer, first + k) for k in range(steps)], np.float32)
 
     def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         with self._lock:
@@ -790,26 +785,18 @@ class VulkanModel(CompiledModel):
         x = VulkanDatasetArray(bx, rows, x_cols, xd, self)
         y = VulkanDatasetArray(by, rows, y_cols, yd, self)
         encoded = not self.spec.encoding.passthrough
-        at = 0
+
+        def write(at: int, cx: Any, cy: Any) -> None:
+            cx = check_rows(cx, self.spec.n_input_dims, "input", keep_half=xd == np.float16)
+            cy = check_rows(cy, y_cols, "target", keep_half=yd == np.float16)
+            hx = self.encode(cx) if encoded else cx.astype(xd, copy=False)
+            with self._lock:
+                self._check_open()
+                bx.write(hx, offset=at * x_cols * xd.itemsize)
+                by.write(cy.astype(yd, copy=False), offset=at * y_cols * yd.itemsize)
+
         try:
-            for cx, cy in chunks:
-                cx = check_rows(cx, self.spec.n_input_dims, "input", keep_half=xd == np.float16)
-                cy = check_rows(cy, y_cols, "target", keep_half=yd == np.float16)
-                n = cx.shape[0]
-                if cy.shape[0] != n:
-                    raise InvalidInput(f"a chunk's target has {cy.shape[0]} rows but its input has {n}")
-                if at + n > rows:
-                    raise InvalidInput(f"the dataset's chunks hold more than the {rows} rows announced")
-                if n == 0:
-                    continue
-                hx = self.encode(cx) if encoded else cx.astype(xd, copy=False)
-                with self._lock:
-                    self._check_open()
-                    bx.write(hx, offset=at * x_cols * xd.itemsize)
-                    by.write(cy.astype(yd, copy=False), offset=at * y_cols * yd.itemsize)
-                at += n
-            if at != rows:
-                raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+            fill_dataset(chunks, rows, write)
         except BaseException:
             x.free()
             y.free()
@@ -882,7 +869,7 @@ class VulkanModel(CompiledModel):
                 chunk = min(HIST_CAP, steps - done)
                 self._ctrl.write(np.array([self.step_count, self.step_count, at.epoch & 0xFFFFFFFF,
                                            at.cursor // batch], np.uint32))
-                self._ctrl.write(self._step_rates(chunk), offset=16 + HIST_CAP * 4)
+                self._ctrl.write(self.step_rates(chunk), offset=16 + HIST_CAP * 4)
                 program.run(times=chunk)
                 hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
                 self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
