@@ -55,6 +55,12 @@ def _probe(args: argparse.Namespace) -> int:
     widths = [max(len(str(row[i])) for row in [header, *table]) for i in range(6)]
     for row in [header, *table]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + str(row[6]))
+    listed = set()
+    for r in rows:  # a backend that sees several devices lists them (models can go on each)
+        devices = r.details.get("devices")
+        if devices and r.backend not in listed:
+            listed.add(r.backend)
+            print(f"{r.backend} devices: " + "; ".join(map(str, devices)))
     print(summary)
     print(f"({elapsed:.2f} s)")
     return 0
@@ -152,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "benchmark against the daemon instead (docs/service-performance.md); "
                                    "`mmad bench --service --help` lists its options. `mmad bench --jobs [options]` "
                                    "times training jobs through the daemon against in-process training and "
-                                   "PyTorch (docs/benchmarks.md); `mmad bench --jobs --help` lists its options.")
+                                   "PyTorch (docs/benchmarks.md); `mmad bench --jobs --help` lists its options. "
+                                   "`mmad bench --multi-gpu [options]` times replicas and data-parallel training "
+                                   "over two devices (docs/multi-gpu.md).")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
@@ -208,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
             from mmad.bench.jobs import main as jobs_bench
 
             return jobs_bench([a for a in argv[1:] if a != "--jobs"])
+        if argv[:1] == ["bench"] and "--multi-gpu" in argv[1:]:
+            from mmad.bench.multi_gpu import main as multi_gpu_bench
+
+            return multi_gpu_bench([a for a in argv[1:] if a != "--multi-gpu"])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except MMADError as exc:

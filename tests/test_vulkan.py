@@ -423,7 +423,7 @@ def test_fp16_conversion_probe(backend, cache):
         toward_zero = (bits & 0xFFFFE000).view(np.float32).astype(np.float16).view(np.uint16)
         ties_away = ((bits + 0x1000) & 0xFFFFE000).view(np.float32).astype(np.float16).view(np.uint16)
     assert not np.array_equal(toward_zero, rne) and not np.array_equal(ties_away, rne)
-    device = backend._open_device(False)
+    device = backend._open_device(0)
     rounds_rne = vulkan.fp16_conversion_is_rne(device, cache)
     if device.info.software or "NVIDIA" in device.info.name:
         assert rounds_rne  # LLVM (lavapipe) and NVIDIA's driver (measured) convert with RNE
@@ -431,7 +431,7 @@ def test_fp16_conversion_probe(backend, cache):
 
 def test_close_frees_and_refuses_further_use(backend, variant, cache):
     spec = bench_spec("S", seed=99)
-    device = backend._open_device(variant == "coopmat")
+    device = backend._open_device(0)
     start = device.bytes_allocated
     model = backend.compile(spec, variant, cache)
     model.forward(data(spec, 10)[0])
@@ -474,7 +474,7 @@ def test_compile_errors_carry_log_and_numbered_source():
 
 
 def test_out_of_device_memory_is_a_launch_error(backend, variant):
-    device = backend._open_device(variant == "coopmat")
+    device = backend._open_device(0)
     before = device.bytes_allocated
     with pytest.raises(LaunchError, match="VK_ERROR_OUT_OF_(DEVICE|HOST)_MEMORY"):
         device.buffer(1 << 46)  # 64 TiB

@@ -5,8 +5,14 @@ A backend module exposes one class derived from :class:`Backend`:
 * ``probe()`` → one :class:`ProbeRow` per variant (``cuda``: wgmma / mma / cublaslt,
   ``vulkan``: coopmat / simt, ``wgpu`` and ``cpu``: one each). It never raises and never
   crashes the process: an unusable stack is a row with ``available=False`` and a ``reason``.
-* ``compile(spec, variant=None, cache=None)`` → a :class:`CompiledModel` specialised for the
-  spec's widths, activations and precision; ``variant=None`` picks the best usable variant.
+* ``compile(spec, variant=None, cache=None, device=0)`` → a :class:`CompiledModel` specialised
+  for the spec's widths, activations and precision, on device ``device`` (an index into
+  ``devices()``); ``variant=None`` picks the best usable variant.
+* ``devices()`` → one :class:`DeviceInfo` per device the backend can place models on (every
+  CUDA device, every Vulkan physical device of the chosen kind; the cpu backend has one, or
+  ``MMAD_CPU_DEVICES`` virtual ones).
+* ``data_parallel(replicas)`` → a :class:`DataParallel` trainer over replicas of one model on
+  different devices (NCCL on cuda; :class:`HostDataParallel`, host arrays, elsewhere).
 
 A :class:`CompiledModel` owns its device buffers (weights, fp32 masters, optimizer moments)
 and keeps them on the device between calls. Parameters cross the host boundary only through
@@ -92,6 +98,21 @@ class ProbeRow:
 
 
 @dataclass
+class DeviceInfo:
+    """One device a backend can place models on: its index (``compile(device=...)``), name and
+    memory (bytes; None where the backend cannot tell)."""
+
+    index: int
+    name: str
+    memory_total: int | None = None
+    memory_free: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "name": self.name, "memory_total": self.memory_total,
+                "memory_free": self.memory_free}
+
+
+@dataclass
 class Dataset:
     """A training set held for one model by its backend: ``x`` as the training step reads it
     (encoded already where the backend encodes ahead) and ``y``, each float16 or float32 as sent,
@@ -134,6 +155,7 @@ class CompiledModel(abc.ABC):
 
     backend: ClassVar[str]
     variant: str
+    device_index: int = 0  # the backend's device (``Backend.devices()``) holding the buffers
 
     def __init__(self, spec: MLPSpec):
         self.spec = spec
@@ -159,6 +181,13 @@ class CompiledModel(abc.ABC):
     @abc.abstractmethod
     def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and unscaled fp32 gradients of every parameter, without an optimizer step."""
+
+    def apply_gradients(self, grads: dict[str, np.ndarray]) -> None:
+        """One optimizer step with the given (unscaled, fp32, named like ``get_params``)
+        gradients: what :class:`~mmad.backends.parallel.HostDataParallel` applies on every
+        replica after summing theirs. Backends that train data-parallel another way need not."""
+        raise InvalidInput(f"the {self.backend} backend's {self.variant} variant cannot apply gradients "
+                           "computed elsewhere, so it cannot train data-parallel over several devices")
 
     def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
         """``forward(x)`` for host arrays, written into the host array ``out`` in its dtype.
@@ -309,8 +338,23 @@ class Backend(abc.ABC):
         """One row per variant; never raises."""
 
     @abc.abstractmethod
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
-        """Compile ``spec`` (best usable variant when ``variant`` is None)."""
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
+                device: int = 0) -> CompiledModel:
+        """Compile ``spec`` (best usable variant when ``variant`` is None) on ``device``."""
+
+    def devices(self) -> list[DeviceInfo]:
+        """The devices models can be placed on, index order; memory read now. This default: one,
+        named by the first usable probe row."""
+        row = next((r for r in self.probe() if r.available), None)
+        return [DeviceInfo(0, row.device if row is not None else self.name)]
+
+    def data_parallel(self, replicas: list[CompiledModel]) -> Any:
+        """A :class:`~mmad.backends.parallel.DataParallel` trainer over ``replicas`` (one model
+        compiled on several devices, identical weights). This default sums the replicas'
+        gradients on the host (``loss_and_grads``, ``apply_gradients``)."""
+        from mmad.backends.parallel import HostDataParallel
+
+        return HostDataParallel(replicas)
 
     def close(self) -> None:
         """Release the device and anything the probe opened."""
@@ -379,6 +423,14 @@ def fill_dataset(chunks: Iterable[tuple[Any, Any]], rows: int, write) -> None:
         at += n
     if at != rows:
         raise InvalidInput(f"the dataset's chunks hold {at} rows, not the {rows} announced")
+
+
+def check_device_index(device: Any, count: int, backend: str) -> int:
+    """``device`` as an index among the backend's ``count`` devices; a clear error otherwise."""
+    if isinstance(device, bool) or not isinstance(device, (int, np.integer)) or not 0 <= device < count:
+        have = "device 0" if count == 1 else f"devices 0 to {count - 1}"
+        raise InvalidInput(f"device {device!r} does not exist: the {backend} backend has {have}")
+    return int(device)
 
 
 def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
-    Backend, CompiledModel, ProbeRow, check_host_output, check_params, init_params, optimizer_slots, output_dtype,
+    Backend, CompiledModel, DeviceInfo, ProbeRow, check_device_index, check_host_output, check_params, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
@@ -284,12 +284,22 @@ class CpuModel(CompiledModel):
         losses = np.empty(steps, dtype=np.float32)
         for s in range(steps):
             losses[s], grads = self._loss_and_grads(x, y)
-            self.step_count += 1
-            for name, w in self._params.items():
-                slots = {slot: values[name] for slot, values in zip(optimizer_slots(self.spec), self._slots)}
-                nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
-            self._refresh_compute_weights()
+            self._step(grads)
         return losses
+
+    def apply_gradients(self, grads: dict[str, np.ndarray]) -> None:
+        missing = sorted(set(self._params) - set(grads))
+        if missing:
+            raise InvalidInput(f"gradients are missing for parameters {missing}")
+        self._step({name: np.asarray(grads[name], dtype=self.dtype) for name in self._params})
+
+    def _step(self, grads: dict[str, np.ndarray]) -> None:
+        """One optimizer step on the masters with ``grads`` (unscaled), then the compute copies."""
+        self.step_count += 1
+        for name, w in self._params.items():
+            slots = {slot: values[name] for slot, values in zip(optimizer_slots(self.spec), self._slots)}
+            nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
+        self._refresh_compute_weights()
 
 
 def _cpu_name() -> str:
@@ -303,21 +313,47 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+DEVICES_ENV = "MMAD_CPU_DEVICES"
+MAX_VIRTUAL_DEVICES = 64
+
+
+def _virtual_devices() -> int:
+    """``MMAD_CPU_DEVICES``: how many devices the cpu backend presents (default 1). Each is the
+    same processor; several let model placement, replicas and data-parallel training run (and be
+    tested) on a machine without GPUs, as JAX's forced host device count does."""
+    value = os.environ.get(DEVICES_ENV, "").strip() or "1"
+    if not value.isdigit() or not 1 <= int(value) <= MAX_VIRTUAL_DEVICES:
+        raise SpecError(DEVICES_ENV, f"must be a whole number from 1 to {MAX_VIRTUAL_DEVICES}; got {value!r}")
+    return int(value)
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, numerics: str | None = None):
+    def __init__(self, numerics: str | None = None, devices: int | None = None):
         self.numerics = numerics or os.environ.get("MMAD_CPU_NUMERICS", "fp32")
         if self.numerics not in NUMERICS_MODES:
             raise SpecError("MMAD_CPU_NUMERICS",
                             f"unknown value {self.numerics!r}; allowed: {', '.join(NUMERICS_MODES)}")
+        self.n_devices = devices if devices is not None else _virtual_devices()
 
     def probe(self) -> list[ProbeRow]:
+        details: dict[str, Any] = {"numerics": self.numerics}
+        if self.n_devices > 1:
+            details["virtual_devices"] = self.n_devices
         return [ProbeRow("cpu", "numpy", True, device=f"{_cpu_name()} ({os.cpu_count()} threads)",
-                         api_version=f"numpy {np.__version__}",
-                         details={"numerics": self.numerics})]
+                         api_version=f"numpy {np.__version__}", details=details)]
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache=None) -> CpuModel:
+    def devices(self) -> list[DeviceInfo]:
+        name = f"{_cpu_name()} ({os.cpu_count()} threads)"
+        if self.n_devices == 1:
+            return [DeviceInfo(0, name)]
+        return [DeviceInfo(i, f"{name}, virtual device {i}") for i in range(self.n_devices)]
+
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache=None, device: int = 0) -> CpuModel:
         if variant not in (None, "numpy"):
             raise SpecError("variant", f"the cpu backend has one variant, 'numpy'; got {variant!r}")
-        return CpuModel(spec, self.numerics)
+        check_device_index(device, self.n_devices, "cpu")
+        model = CpuModel(spec, self.numerics)
+        model.device_index = device
+        return model

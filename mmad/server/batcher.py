@@ -15,7 +15,9 @@ the compute thread.
 Keeping the device busy: requests that arrive while a batch runs queue up; when it finishes,
 the worker launches the next batch (due already: its oldest request waited through the run)
 *before* it hands out the finished batch's results, so the compute thread works on batch n+1
-while the event loop encodes and sends the responses of batch n. Bookkeeping is O(1) per
+while the event loop encodes and sends the responses of batch n. A model with replicas on
+several devices runs up to one batch per replica at once (``concurrency``); the run callable
+sends each to the least busy replica. Bookkeeping is O(1) per
 request: queued rows are counted as they arrive, and one timer per batch replaces a wake-up
 per arrival.
 """
@@ -32,6 +34,8 @@ from typing import Callable
 import numpy as np
 
 from mmad.errors import Overloaded
+
+TIMER_RESOLUTION_S = 1e-3  # event-loop timers round to milliseconds: a batch this close to due is due
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,10 @@ class Batcher:
     """Merges requests for one model; ``run(x, out)`` is the blocking forward of a batch into ``out``."""
 
     def __init__(self, name: str, run: Callable[[np.ndarray, np.ndarray], None], out_cols: int,
-                 executor: Executor, limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None):
+                 executor: Executor, limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None,
+                 concurrency: int = 1):
         self.name = name
+        self._concurrency = concurrency  # batches run at once (one per replica of the model)
         self.limits = limits
         self._run = run
         self._out_cols = out_cols
@@ -185,39 +191,69 @@ class Batcher:
         return out
 
     async def _worker(self) -> None:
-        running = None
-        while True:
-            if running is None:
-                await self._wait_until_due()
-                if not self._pending:  # stopping, and everything queued has run
-                    return
-                batch = self._take_batch()
-                if batch:
-                    running = self._launch(batch)
-                continue
-            batch, x, start_ns, future = running
-            try:
-                out = await future
-            except asyncio.CancelledError:  # the loop is going away: nobody will hand these out
+        running: dict[asyncio.Future, tuple[list[_Pending], np.ndarray, int, asyncio.Future]] = {}
+
+        def launch_due(idle: bool) -> bool:
+            """Start the queued batch if due (``idle``: nothing runs, so it was waited for)."""
+            if len(running) >= self._concurrency or not self._pending:
+                return False
+            if not idle and self._due_in() > TIMER_RESOLUTION_S:
+                return False
+            batch = self._take_batch()
+            if batch:
+                started = self._launch(batch)
+                running[started[3]] = started
+            return bool(batch)
+
+        try:
+            while True:
+                if not running:
+                    await self._wait_until_due()
+                    if not self._pending:  # stopping, and everything queued has run
+                        return
+                    launch_due(idle=True)
+                    continue
+                if launch_due(idle=False):
+                    continue
+                # wait for a batch to finish or, with a replica free, for the queue to fall due
+                waiters: set[asyncio.Future] = set(running)
+                wake, timeout = None, None
+                if len(running) < self._concurrency:
+                    self._wake.clear()
+                    wake = asyncio.ensure_future(self._wake.wait())
+                    waiters.add(wake)
+                    timeout = self._due_in() if self._pending else None
+                try:
+                    done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if wake is not None and not wake.done():
+                        wake.cancel()
+                for future in done:
+                    if future is not wake:
+                        self._hand_out(running.pop(future), launch_due)
+        except asyncio.CancelledError:  # the loop is going away: nobody will hand these out
+            for batch, *_ in running.values():
                 self._fail(batch, Overloaded(f"model {self.name!r} is being unloaded"))
-                raise
-            except Exception as exc:  # every request of the batch gets the error
-                running = None
-                self._fail(batch, exc)
-                continue
-            compute_ns = time.perf_counter_ns() - start_ns
-            running = None
-            if self._pending and self._due_in() <= 0:  # due: start it before handing out
-                following = self._take_batch()
-                if following:
-                    running = self._launch(following)
-            if self._on_batch is not None:
-                self._on_batch(x.shape[0], len(batch), compute_ns)
-            offset = 0
-            for p in batch:
-                rows = p.x.shape[0]
-                if not p.future.done():
-                    output = p.out if p.out is not None else out[offset:offset + rows]
-                    p.future.set_result(BatchResult(output, start_ns - p.enqueued_ns,
-                                                    compute_ns, x.shape[0], len(batch)))
-                offset += rows
+            raise
+
+    def _hand_out(self, finished: tuple[list[_Pending], np.ndarray, int, asyncio.Future],
+                  launch_due: Callable[[bool], bool]) -> None:
+        """Give a finished batch's requests their rows (or its error); the next due batch is
+        launched first, so the device works on it while the event loop sends these responses."""
+        batch, x, start_ns, future = finished
+        try:
+            out = future.result()
+        except Exception as exc:  # every request of the batch gets the error
+            self._fail(batch, exc)
+            return
+        compute_ns = time.perf_counter_ns() - start_ns
+        launch_due(False)
+        if self._on_batch is not None:
+            self._on_batch(x.shape[0], len(batch), compute_ns)
+        offset = 0
+        for p in batch:
+            rows = p.x.shape[0]
+            if not p.future.done():
+                output = p.out if p.out is not None else out[offset:offset + rows]
+                p.future.set_result(BatchResult(output, start_ns - p.enqueued_ns, compute_ns, x.shape[0], len(batch)))
+            offset += rows

@@ -8,7 +8,9 @@ memory-mapped block at a time) before the store moves it into place.
 backend's memory: ``await registry.datasets.on_device(entry, dataset_id)`` returns the
 :class:`~mmad.backends.contract.Dataset` of the model's compiled model, copied in on first use
 chunk by chunk (``CompiledModel.put_dataset``) after checking that it fits in the device's free
-memory (507 otherwise, before allocating anything). One copy per (model, incarnation, dataset);
+memory (507 otherwise, before allocating anything). A data-parallel job asks for ``shards``
+instead: each replica of the model holds a contiguous part of the rows on its own device. One
+copy per (model, incarnation, dataset, number of parts);
 the copy of a model replaced, deleted or unloaded is dropped with it (``forget_model``), that of
 a dataset appended to or deleted at once (``invalidate``). Dropping a copy drops the cache's
 reference only: a training job that holds the Dataset keeps it (and its memory) until it ends,
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mmad.backends.contract import CompiledModel, Dataset
+from mmad.backends.parallel import shard_bounds, shard_chunks
 from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady
 from mmad.server.store import ChunkHeader, chunk_arrays, read_chunk_header, size_words
 from mmad.spec import MLPSpec
@@ -66,8 +69,8 @@ def check_chunk(spec: MLPSpec, path: Path) -> ChunkHeader:
 
 @dataclass
 class _Held:
-    compiled: CompiledModel  # the model the copy was made for: another one (reloaded) makes its own
-    data: Dataset
+    compiled: tuple[CompiledModel, ...]  # the models the copies were made for: others (reloaded) make their own
+    data: list[Dataset]  # one per replica: the whole dataset, or its shards (data-parallel)
 
 
 class DatasetCache:
@@ -75,67 +78,96 @@ class DatasetCache:
 
     def __init__(self, registry: "Registry"):
         self.registry = registry
-        self._held: dict[tuple[str, str | None, str], _Held] = {}
-        self._building: dict[tuple[str, str | None, str], asyncio.Lock] = {}
+        self._held: dict[tuple[str, str | None, str, int], _Held] = {}
+        self._building: dict[tuple[str, str | None, str, int], asyncio.Lock] = {}
         # bumped by every invalidation: a copy built across one is handed out but not kept
         self._generation: dict[tuple[str, str], int] = {}
 
     async def on_device(self, entry: "ModelEntry", dataset_id: str) -> Dataset:
-        """The dataset held by ``entry``'s live compiled model, copied in on first use.
+        """The dataset held by ``entry``'s live (primary) compiled model, copied in on first use."""
+        return (await self._hold(entry, dataset_id, 1))[0]
 
-        Concurrent first uses build it once. Before allocating: ``dataset_bytes`` of its rows and
-        dtypes (read from the chunk headers) against ``free_device_bytes`` (skipped when the
-        backend cannot tell); too little is a 507 naming both. ``put_dataset`` then reads the
-        chunks one at a time (memory maps) on a compute thread; it does not hold the model's lock,
-        so inference goes on meanwhile (it allocates new buffers and never touches the weights).
+    async def shards(self, entry: "ModelEntry", dataset_id: str) -> list[Dataset]:
+        """The dataset split over ``entry``'s replicas for data-parallel training: replica r holds
+        the rows ``shard_bounds(rows, replicas)[r]``, on its device."""
+        return await self._hold(entry, dataset_id, len(entry.replicas))
+
+    async def _hold(self, entry: "ModelEntry", dataset_id: str, parts: int) -> list[Dataset]:
+        """The dataset held by the first ``parts`` replicas of ``entry`` (whole for one, in shards
+        for several), copied in on first use.
+
+        Concurrent first uses build it once. Before allocating: ``dataset_bytes`` of each part's
+        rows and dtypes (read from the chunk headers) against its device's ``free_device_bytes``
+        (skipped when the backend cannot tell); too little is a 507 naming both. ``put_dataset``
+        then reads the chunks one at a time (memory maps) on a compute thread; it does not hold the
+        model's lock, so inference goes on meanwhile (it allocates new buffers and never touches
+        the weights).
         """
-        compiled = entry.live
-        if compiled is None:
+        compiled = tuple(r.model for r in entry.replicas[:parts])
+        if len(compiled) < parts or any(m is None for m in compiled):
             raise ModelNotReady(entry.name)
-        key = (entry.name, entry.incarnation, dataset_id)
+        key = (entry.name, entry.incarnation, dataset_id, parts)
         held = self._held.get(key)
-        if held is not None and held.compiled is compiled:
+        if held is not None and held.compiled == compiled:
             return held.data
         lock = self._building.setdefault(key, asyncio.Lock())
         async with lock:
             held = self._held.get(key)
-            if held is not None and held.compiled is compiled:
+            if held is not None and held.compiled == compiled:
                 return held.data
             generation = self._generation.get((entry.name, dataset_id), 0)
             run = self.registry.run
             info = await run(self.registry.store.dataset_info, entry.name, dataset_id)
-            need = compiled.dataset_bytes(info.rows, info.x_dtype, info.y_dtype)
-            free = await run(compiled.free_device_bytes)
-            if free is not None and need > free:
-                raise DeviceMemoryFull(
-                    f"the dataset needs {size_words(need)} on {self.registry.backend_label}'s device; "
-                    f"{size_words(free)} is free (dataset {dataset_id!r} of model {entry.name!r}, {info.rows} rows); "
-                    "free memory (unload models, or finish other jobs) or train from a smaller dataset")
+            bounds = shard_bounds(info.rows, parts)
+            for model, (start, stop) in zip(compiled, bounds):
+                if stop == start:
+                    raise InvalidInput(f"dataset {dataset_id!r} has {info.rows} rows: too few to split over the "
+                                       f"{parts} replicas of model {entry.name!r}")
+                need = model.dataset_bytes(stop - start, info.x_dtype, info.y_dtype)
+                free = await run(model.free_device_bytes)
+                if free is not None and need > free:
+                    where = f"device {model.device_index} of " if parts > 1 else ""
+                    raise DeviceMemoryFull(
+                        f"the dataset{' shard' if parts > 1 else ''} needs {size_words(need)} on {where}"
+                        f"{self.registry.backend_label}'s device; {size_words(free)} is free (dataset {dataset_id!r} "
+                        f"of model {entry.name!r}, {stop - start} rows); free memory (unload models, or finish other "
+                        "jobs) or train from a smaller dataset")
             changed = ConflictError(f"model {entry.name!r} was unloaded or replaced while dataset {dataset_id!r} "
                                     "was being copied to its device; try again")
-            try:
-                data = await run(compiled.put_dataset, self.registry.store.dataset_chunks(info), info.rows,
-                                 info.x_dtype, info.y_dtype)
-            except Exception:
-                if entry.live is not compiled:  # closed under the copy: that is what went wrong
-                    raise changed from None
-                raise
-            if entry.live is not compiled or self.registry.models.get(entry.name) is not entry:
+
+            def still_served() -> bool:
+                return (tuple(r.model for r in entry.replicas[:parts]) == compiled
+                        and self.registry.models.get(entry.name) is entry)
+
+            data = []
+            for model, (start, stop) in zip(compiled, bounds):
+                chunks = self.registry.store.dataset_chunks(info)
+                if parts > 1:
+                    chunks = shard_chunks(chunks, start, stop)
+                try:
+                    data.append(await run(model.put_dataset, chunks, stop - start, info.x_dtype, info.y_dtype))
+                except Exception:
+                    if not still_served():  # closed under the copy: that is what went wrong
+                        raise changed from None
+                    raise
+            if not still_served():
                 raise changed
             if self._generation.get((entry.name, dataset_id), 0) == generation:
                 self._held[key] = _Held(compiled, data)
                 self._update_metric(entry.name)
             # else: appended to or deleted meanwhile; the caller gets the dataset as it was read
-            log.info("dataset %s of model %s held for training: %d rows, %s (%s)", dataset_id, entry.name,
-                     info.rows, size_words(data.nbytes), "on the device" if data.on_device else "in host memory")
+            log.info("dataset %s of model %s held for training: %d rows, %s (%s%s)", dataset_id, entry.name,
+                     info.rows, size_words(sum(d.nbytes for d in data)),
+                     "on the device" if data[0].on_device else "in host memory",
+                     f", in {parts} shards on devices {[m.device_index for m in compiled]}" if parts > 1 else "")
             return data
 
     def resident(self, model: str) -> list[str]:
         """Ids of the model's datasets held now."""
-        return sorted(key[2] for key in self._held if key[0] == model)
+        return sorted({key[2] for key in self._held if key[0] == model})
 
     def resident_bytes(self, model: str) -> int:
-        return sum(h.data.nbytes for key, h in self._held.items() if key[0] == model)
+        return sum(d.nbytes for key, h in self._held.items() if key[0] == model for d in h.data)
 
     def invalidate(self, model: str, dataset_id: str) -> None:
         """Drop the copy of a dataset that changed (a chunk appended) or went (deleted)."""

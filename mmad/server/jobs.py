@@ -27,7 +27,8 @@ from typing import Any, AsyncIterator
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mmad.backends.contract import Dataset, EpochPosition
+from mmad.backends.contract import Dataset
+from mmad.backends.parallel import shard_positions, split_batch
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
 from mmad.server.registry import Registry
 
@@ -48,6 +49,9 @@ class JobRequest(BaseModel):
     batch_size: int = Field(ge=1, le=1 << 24)
     checkpoint_every: int | None = Field(None, ge=1)
     seed: int | None = Field(None, ge=0, lt=2**32, description="the epochs' order (random when not given)")
+    data_parallel: bool | None = Field(
+        None, description="train on every replica of the model, each on its shard of the dataset and its part "
+                          "of each batch (default: when the model has replicas on several devices)")
 
     @classmethod
     def parse(cls, doc: Any) -> "JobRequest":
@@ -64,13 +68,16 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 class Job:
-    def __init__(self, model: str, request: JobRequest, checkpoint_every: int, rows: int):
+    def __init__(self, model: str, request: JobRequest, checkpoint_every: int, rows: int, devices: list[int]):
         self.id = uuid.uuid4().hex
         self.model = model
         self.request = request
         self.checkpoint_every = checkpoint_every
         self.rows = rows
-        self.position = EpochPosition(request.seed if request.seed is not None else secrets.randbits(32))
+        self.devices = devices  # the devices training runs on: several for a data-parallel job
+        seed = request.seed if request.seed is not None else secrets.randbits(32)
+        self.positions = shard_positions(seed, len(devices))  # each shard's order; the first is the job's
+        self.position = self.positions[0]
         self.state = "queued"
         self.step = 0
         self.loss: float | None = None
@@ -87,7 +94,7 @@ class Job:
         return {"job": self.id, "model_name": self.model, "state": self.state, "step": self.step,
                 "steps": self.request.steps, "batch_size": self.request.batch_size,
                 "checkpoint_every": self.checkpoint_every, "dataset": self.request.dataset, "rows": self.rows,
-                "seed": self.position.seed, "epoch": self.position.epoch, "loss": loss,
+                "seed": self.position.seed, "epoch": self.position.epoch, "devices": list(self.devices), "loss": loss,
                 "samples_per_s": self.samples_per_s, "versions": list(self.versions), "error": self.error}
 
     def progress(self) -> dict[str, Any]:
@@ -135,14 +142,33 @@ class JobManager:
         entry = self.registry.get_ready(model)
         if entry.busy_job:
             raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
-        data = await self.registry.datasets.on_device(entry, request.dataset)
-        if request.batch_size > data.rows:
-            raise InvalidInput(f"batch_size {request.batch_size} is larger than the dataset ({data.rows} rows)")
+        parallel = len(entry.replicas) > 1 if request.data_parallel is None else request.data_parallel
+        if parallel:
+            if len(entry.replicas) < 2:
+                raise InvalidInput(f"data_parallel needs a model with replicas on several devices; model {model!r} "
+                                   f"has one (config.replicas or config.device place more)")
+            if request.batch_size < len(entry.replicas):
+                raise InvalidInput(f"batch_size {request.batch_size} is smaller than the {len(entry.replicas)} "
+                                   f"replicas it is split over")
+            data = await self.registry.datasets.shards(entry, request.dataset)
+            rows = sum(d.rows for d in data)
+            for part, shard in zip(split_batch(request.batch_size, len(data)), data):
+                if part > shard.rows:
+                    raise InvalidInput(f"batch_size {request.batch_size} is larger than the dataset ({rows} rows)")
+            if entry.parallel is None:
+                entry.parallel = await self.registry.run(self.registry.backend.data_parallel,
+                                                         [r.model for r in entry.replicas])
+        else:
+            data = [await self.registry.datasets.on_device(entry, request.dataset)]
+            rows = data[0].rows
+            if request.batch_size > rows:
+                raise InvalidInput(f"batch_size {request.batch_size} is larger than the dataset ({rows} rows)")
         if self.registry.get_ready(model) is not entry:  # replaced while the dataset loaded
             raise ConflictError(f"model {model!r} changed while its dataset was being loaded; start the job again")
         if entry.busy_job:
             raise ConflictError(f"model {model!r} is already training (job {entry.busy_job})")
-        job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every, data.rows)
+        job = Job(model, request, request.checkpoint_every or self.registry.settings.checkpoint_every, rows,
+                  entry.devices if parallel else entry.devices[:1])
         entry.busy_job = job.id
         self._forget_old_jobs()
         self.jobs[job.id] = job
@@ -174,8 +200,11 @@ class JobManager:
         job.versions.append(version)
         job.publish(sse("checkpoint", {"version": version, "step": job.step}))
 
-    async def _run(self, job: Job, data: Dataset) -> None:
+    async def _run(self, job: Job, data: list[Dataset]) -> None:
+        """Train in chunks on ``data``: the dataset held by the primary replica, or one shard per
+        replica (data-parallel)."""
         entry = self.registry.get(job.model)
+        batches = split_batch(job.request.batch_size, len(data))
         labels = (job.model, self.registry.backend_label)
         metrics = self.registry.metrics
         batch, total = job.request.batch_size, job.request.steps
@@ -188,8 +217,12 @@ class JobManager:
                 n = 1 if per_step_s is None else max(1, int(CHUNK_S / max(per_step_s, 1e-7)))
                 n = min(n, total - job.step, job.checkpoint_every - job.step % job.checkpoint_every)
                 chunk_started = time.perf_counter()
-                losses, _ = await self.registry.run_training(entry.train_live_epochs, data, batch, n, job.position,
-                                                             job.step, total)
+                if len(data) > 1:
+                    losses, _ = await self.registry.run_training(entry.train_parallel_epochs, data, batches, n,
+                                                                 job.positions, job.step, total)
+                else:
+                    losses, _ = await self.registry.run_training(entry.train_live_epochs, data[0], batch, n,
+                                                                 job.position, job.step, total)
                 now = time.perf_counter()
                 per_step_s = (now - chunk_started) / n
                 job.step += n

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelN
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.datasets import DatasetCache
 from mmad.server.metrics import Metrics
+from mmad.server.placement import DeviceLoad, place
 from mmad.server.settings import Settings
 from mmad.server.store import Store, check_model_name, check_version
 from mmad.spec import MLPSpec
@@ -63,6 +65,9 @@ class ModelConfig(BaseModel):
     max_queue_delay_us: int | None = Field(None, ge=0, le=10_000_000)
     max_queue_requests: int | None = Field(None, ge=1, le=1 << 20)
     allow_nonfinite: bool = False
+    device: int | list[int] | None = Field(None, description="pin the model to this device, or one replica on "
+                                                            "each listed device (default: placed by load)")
+    replicas: int | None = Field(None, ge=1, le=64, description="replicas on that many devices (default 1)")
 
     @classmethod
     def parse(cls, doc: Any) -> "ModelConfig":
@@ -129,15 +134,30 @@ class InferStats:
                     "batch_stats": batch_stats}
 
 
+@dataclass
+class Replica:
+    """One compiled copy of a model on one device, with the lock every use of it holds."""
+
+    device: int
+    model: CompiledModel | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight: int = 0  # forwards running or waiting on it (the batcher's choice of replica)
+
+
 class ModelEntry:
-    """One model known to the daemon (loaded or not)."""
+    """One model known to the daemon (loaded or not).
+
+    Its replicas hold the same weights on different devices; the first (``live``, ``lock``) is
+    the one training updates, the others (``copies``) are brought level after each training call,
+    or train alongside it (data-parallel jobs). Inference takes the least busy replica."""
 
     def __init__(self, name: str, spec: MLPSpec, config: ModelConfig):
         self.name = name
         self.spec = spec
         self.config = config
-        self.live: CompiledModel | None = None
-        self.lock = threading.Lock()  # held by every use of ``live``
+        self.replicas: list[Replica] = [Replica(0)]  # the first: the primary; its device set when placed
+        self._pick_lock = threading.Lock()
+        self.parallel: Any = None  # the data-parallel trainer over the replicas, made by the first job needing it
         self.checkpoint_lock = threading.Lock()  # orders snapshots with their version numbers
         self.batcher: Batcher | None = None
         self.pinned: collections.OrderedDict[str, CompiledModel] = collections.OrderedDict()
@@ -151,41 +171,112 @@ class ModelEntry:
         self.reason = ""
 
     @property
+    def live(self) -> CompiledModel | None:
+        return self.replicas[0].model
+
+    @live.setter
+    def live(self, model: CompiledModel | None) -> None:
+        self.replicas[0].model = model
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held by every use of ``live`` (the primary replica)."""
+        return self.replicas[0].lock
+
+    @property
+    def copies(self) -> list[Replica]:
+        return self.replicas[1:]
+
+    @property
+    def devices(self) -> list[int]:
+        return [r.device for r in self.replicas]
+
+    @property
     def ready(self) -> bool:
         return self.live is not None
 
     def forward_live(self, x: np.ndarray, out: np.ndarray, pool: Executor) -> None:
-        """The live model's forward of ``x`` written into ``out`` (host chunks on ``pool``'s threads)."""
+        """The forward of ``x`` written into ``out`` (host chunks on ``pool``'s threads), on the
+        replica with the fewest forwards in flight."""
+        with self._pick_lock:
+            replica = min(self.replicas, key=lambda r: r.in_flight)
+            replica.in_flight += 1
+        try:
+            with replica.lock:
+                if replica.model is None:
+                    raise ModelNotReady(self.name)
+                replica.model.forward_to_host(x, out, pool)
+        finally:
+            with self._pick_lock:
+                replica.in_flight -= 1
+
+    def put_all(self, params: dict[str, np.ndarray] | None, optimizer_state: dict[str, np.ndarray] | None = None,
+                replicas: list[Replica] | None = None) -> None:
+        """Weights and/or optimizer state into every replica (or those given), each under its lock."""
+        for replica in self.replicas if replicas is None else replicas:
+            with replica.lock:
+                if replica.model is None:
+                    raise ModelNotReady(self.name)
+                if params is not None:
+                    replica.model.set_params(params)
+                if optimizer_state is not None:
+                    replica.model.set_optimizer_state(optimizer_state)
+
+    def sync_copies(self) -> None:
+        """Bring the other replicas level with the primary after it trained alone."""
+        if not self.copies:
+            return
         with self.lock:
             if self.live is None:
                 raise ModelNotReady(self.name)
-            self.live.forward_to_host(x, out, pool)
+            params, state = self.live.get_params(), self.live.get_optimizer_state()
+        self.put_all(params, state, self.copies)
 
     def train_live(self, x: np.ndarray, y: np.ndarray, steps: int, done: int = 0,
                    total: int | None = None) -> tuple[np.ndarray, int]:
-        """``steps`` optimizer steps on one batch; see ``_train_guarded``."""
-        return self._train_guarded(lambda model: model.train_step(x, y, steps), steps, done, total)
+        """``steps`` optimizer steps on one batch (on the primary; the copies follow); see
+        ``_train_guarded``."""
+        result = self._train_guarded(lambda model: model.train_step(x, y, steps), steps, done, total)
+        self.sync_copies()
+        return result
 
     def train_live_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition,
                           done: int = 0, total: int | None = None) -> tuple[np.ndarray, int]:
         """``steps`` optimizer steps on batches of a held dataset drawn on the device in the order
-        of ``position`` (advanced); see ``_train_guarded``."""
-        return self._train_guarded(lambda model: model.train_epochs(data, batch, steps, position), steps, done, total)
+        of ``position`` (advanced), on the primary (the copies follow); see ``_train_guarded``."""
+        result = self._train_guarded(lambda model: model.train_epochs(data, batch, steps, position), steps, done,
+                                     total)
+        self.sync_copies()
+        return result
+
+    def train_parallel_epochs(self, shards: list[Dataset], batches: list[int], steps: int,
+                              positions: list[EpochPosition], done: int = 0,
+                              total: int | None = None) -> tuple[np.ndarray, int]:
+        """``steps`` data-parallel optimizer steps: replica r draws ``batches[r]`` rows a step from
+        ``shards[r]`` in the order of ``positions[r]``; see ``_train_guarded``."""
+        return self._train_guarded(
+            lambda model: self.parallel.train_epochs(shards, batches, steps, positions), steps, done, total,
+            self.replicas)
 
     def _train_guarded(self, train: Callable[[CompiledModel], np.ndarray], steps: int, done: int,
-                       total: int | None) -> tuple[np.ndarray, int]:
-        """(losses, step count) of ``train(live model)``; a non-finite loss or weights puts back the
-        weights (and optimizer state) of before the call and raises Diverged, so no forward ever
+                       total: int | None, replicas: list[Replica] | None = None) -> tuple[np.ndarray, int]:
+        """(losses, step count) of ``train(live model)`` holding the locks of the primary and of
+        ``replicas`` (those that train too); a non-finite loss or weights puts back the weights
+        (and optimizer state) of before the call on each and raises Diverged, so no forward ever
         sees them."""
-        with self.lock:
-            if self.live is None:
+        held = replicas or self.replicas[:1]
+        with contextlib.ExitStack() as stack:
+            for replica in held:  # always in replica order: no two trainers wait on each other
+                stack.enter_context(replica.lock)
+            if any(r.model is None for r in held):
                 raise ModelNotReady(self.name)
             before = (self.live.get_params(), self.live.get_optimizer_state())
             losses = train(self.live)
             bad = np.flatnonzero(~np.isfinite(losses))
             if bad.size or not params_finite(self.live.get_params()):
-                self.live.set_params(before[0])
-                self.live.set_optimizer_state(before[1])
+                for replica in held:
+                    replica.model.set_params(before[0])
+                    replica.model.set_optimizer_state(before[1])
                 at = int(bad[0]) + 1 if bad.size else steps
                 raise Diverged(
                     f"training of model {self.name!r} diverged at step {done + at} of {total or steps} "
@@ -264,9 +355,30 @@ class Registry:
             raise ModelNotFound(f"model {name!r} has no version {version!r}")
         return version
 
+    # -- placement ------------------------------------------------------------------------
+    def device_loads(self) -> list[DeviceLoad]:
+        """Each device's free memory (read now) and the replicas placed there."""
+        held = collections.Counter(r.device for e in self.models.values() if e.ready for r in e.replicas)
+        return [DeviceLoad(d.index, d.memory_free, held[d.index]) for d in self.backend.devices()]
+
+    def _place(self, config: ModelConfig) -> list[int]:
+        return place(self.device_loads(), config.device, config.replicas)
+
     # -- lifecycle ------------------------------------------------------------------------
-    def _compile(self, spec: MLPSpec) -> CompiledModel:
-        return self.backend.compile(spec, variant=self.row.variant)
+    def _compile(self, spec: MLPSpec, device: int = 0) -> CompiledModel:
+        return self.backend.compile(spec, variant=self.row.variant, device=device)
+
+    def _compile_replicas(self, spec: MLPSpec, devices: list[int]) -> list[CompiledModel]:
+        """The model compiled on each device (all closed again if one fails)."""
+        compiled: list[CompiledModel] = []
+        try:
+            for device in devices:
+                compiled.append(self._compile(spec, device))
+        except BaseException:
+            for model in compiled:
+                model.close()
+            raise
+        return compiled
 
     def _load_blocking(self, entry: ModelEntry) -> CompiledModel:
         """Compile and restore the newest intact, finite version (weights + optimizer state).
@@ -296,12 +408,14 @@ class Registry:
         entry.loaded_version = loaded[0] if loaded else None
         if loaded is None:
             raise MMADError(f"no intact version of model {entry.name!r}: " + "; ".join(damaged.values()))
-        compiled = self._compile(entry.spec)
+        compiled = self._compile_replicas(entry.spec, self._place(entry.config))
         try:
-            compiled.set_params(loaded[1])
-            compiled.set_optimizer_state(loaded[2])
+            for model in compiled:
+                model.set_params(loaded[1])
+                model.set_optimizer_state(loaded[2])
         except BaseException:
-            compiled.close()
+            for model in compiled:
+                model.close()
             raise
         return compiled
 
@@ -313,12 +427,14 @@ class Registry:
         return (f"serving version {entry.loaded_version}, the newest intact one; damaged versions "
                 f"{', '.join(order)}: " + "; ".join(damaged[v] for v in order))
 
-    def _activate(self, entry: ModelEntry, compiled: CompiledModel) -> None:
-        entry.live = compiled
+    def _activate(self, entry: ModelEntry, compiled: list[CompiledModel]) -> None:
+        """Serve ``compiled`` (one model per replica, the primary first)."""
+        entry.replicas = [Replica(model.device_index, model) for model in compiled]
         entry.reason = self._damage_note(entry)
         entry.batcher = Batcher(entry.name, lambda x, out: entry.forward_live(x, out, self.forward_pool),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
-                                on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns))
+                                on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns),
+                                concurrency=len(compiled))
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
 
@@ -337,10 +453,14 @@ class Registry:
             entry.batcher = None
 
         def close_all() -> None:
-            with entry.lock:
-                if entry.live is not None:
-                    entry.live.close()
-                    entry.live = None
+            if entry.parallel is not None:
+                entry.parallel.close()
+                entry.parallel = None
+            for replica in entry.replicas:
+                with replica.lock:
+                    if replica.model is not None:
+                        replica.model.close()
+                        replica.model = None
             with entry.pinned_lock:
                 for compiled in entry.pinned.values():
                     compiled.close()
@@ -383,16 +503,18 @@ class Registry:
             old = self.models.get(name)
             if old is not None and old.busy_job:
                 raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
-            compiled = await self.run(self._compile, spec)
+            # the old model's replicas count against its devices until it goes: placed as if it stayed
+            compiled = await self.run(lambda: self._compile_replicas(spec, self._place(config)))
             doc = {"spec": spec.to_json(), "config": config.model_dump(), "created": time.time()}
             try:
                 if old is not None:
                     await self._deactivate(old)
                 first, incarnation = await self.run(lambda: (
-                    self.store.create_model(name, doc, compiled.get_params(), compiled.get_optimizer_state()),
+                    self.store.create_model(name, doc, compiled[0].get_params(), compiled[0].get_optimizer_state()),
                     self.store.incarnation(name)))
             except BaseException:
-                compiled.close()
+                for model in compiled:
+                    model.close()
                 if old is not None:  # the store still holds the old model: serve it again
                     try:
                         self._activate(old, await self.run(self._load_blocking, old))
@@ -470,14 +592,15 @@ class Registry:
             return entry.live.get_params(), entry.live.get_optimizer_state(), entry.live.step_count
 
     def restore_blocking(self, entry: ModelEntry, snapshot, at_step: int) -> bool:
-        """Put ``snapshot`` back into the live model if its step count is still ``at_step`` (no other
-        training came in between, whose steps this would undo); True when it did."""
+        """Put ``snapshot`` back into the live model (and its copies) if its step count is still
+        ``at_step`` (no other training came in between, whose steps this would undo); True when it did."""
         with entry.lock:
             if entry.live is None or entry.live.step_count != at_step:
                 return False
             entry.live.set_params(snapshot[0])
             entry.live.set_optimizer_state(snapshot[1])
-            return True
+        entry.put_all(snapshot[0], snapshot[1], entry.copies)
+        return True
 
     def restore_last_finite_blocking(self, entry: ModelEntry) -> str | None:
         """Put the newest stored version with finite weights back into the live model (after a
@@ -489,11 +612,10 @@ class Registry:
                 continue
             if not params_finite(params):
                 continue
-            with entry.lock:
-                if entry.live is None:
-                    return None
-                entry.live.set_params(params)
-                entry.live.set_optimizer_state(optimizer_state)
+            try:
+                entry.put_all(params, optimizer_state)
+            except ModelNotReady:
+                return None
             return v["version"]
         return None
 
@@ -516,10 +638,7 @@ class Registry:
                 step = entry.live.step_count
             # the store first: a refused write (full disk, replaced model) changes nothing served
             version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
-            with entry.lock:
-                if entry.live is None:
-                    raise ModelNotReady(entry.name)
-                entry.live.set_params(params)
+            entry.put_all(params)
             self._versions_changed(entry)
             return version
 
@@ -531,7 +650,7 @@ class Registry:
             compiled = entry.pinned.get(version)
             if compiled is None:
                 params, _ = self.store.load_version(entry.name, version)
-                compiled = self._compile(entry.spec)
+                compiled = self._compile(entry.spec, entry.replicas[0].device)
                 compiled.set_params(params)
                 entry.pinned[version] = compiled
                 while len(entry.pinned) > PINNED_CACHE_SIZE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmad.backends.cache import KernelCache
-from mmad.backends.contract import Backend, CompiledModel, MMAShape, ProbeRow
+from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
@@ -68,6 +68,8 @@ class CudaBackend(Backend):
         cc = info["cc"]
         common = {"device": info["name"], "api_version": api}
         details = {"compute_capability": f"{cc[0]}.{cc[1]}", "multiprocessors": info["sm_count"]}
+        if count > 1:  # the rows describe device 0; models can be placed on every one
+            details["devices"] = [f"{d.index}: {d.name}" for d in self.devices()]
         mma_shape = [MMAShape(16, 8, 16, scope="warp")]
 
         # wgmma: compute capability 9.0, then (only when asked for: slower than mma on small models)
@@ -102,7 +104,27 @@ class CudaBackend(Backend):
             return False
         return True
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
+    def devices(self) -> list[DeviceInfo]:
+        """Every CUDA device (``cudaGetDeviceCount`` order), with its memory now."""
+        try:
+            cp = cupy_module()
+            count = cp.cuda.runtime.getDeviceCount()
+        except Exception:  # noqa: BLE001 - no CUDA: no device (the probe says why)
+            return []
+        out = []
+        for index in range(count):
+            with cp.cuda.Device(index):
+                free, total = cp.cuda.runtime.memGetInfo()
+                out.append(DeviceInfo(index, device_info(cp)["name"], int(total), int(free)))
+        return out
+
+    def data_parallel(self, replicas: list[CompiledModel]) -> Any:
+        from mmad.backends.cuda.parallel import NcclDataParallel
+
+        return NcclDataParallel(replicas)
+
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
+                device: int = 0) -> CompiledModel:
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
@@ -112,15 +134,17 @@ class CudaBackend(Backend):
         if not row.available:
             raise BackendUnavailable(f"cuda:{variant}", row.reason)
         cp = cupy_module()
-        info = device_info(cp)
+        check_device_index(device, cp.cuda.runtime.getDeviceCount(), "cuda")
         if cache is None:
             cache = KernelCache()
         knobs = CudaKnobs.from_env()
-        if variant == "mma":
-            return CudaMmaModel(spec, cp, info, cache, knobs)
-        if variant == "wgmma":
-            return CudaWgmmaModel(spec, cp, info, cache, knobs)
-        return CublasLtModel(spec, cp, info, cache)
+        with cp.cuda.Device(device):  # the model's buffers and kernels live on this device
+            info = device_info(cp)
+            if variant == "mma":
+                return CudaMmaModel(spec, cp, info, cache, knobs)
+            if variant == "wgmma":
+                return CudaWgmmaModel(spec, cp, info, cache, knobs)
+            return CublasLtModel(spec, cp, info, cache)
 
 
 __all__ = ["CudaBackend", "VARIANTS"]

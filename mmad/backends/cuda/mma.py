@@ -317,14 +317,17 @@ class CudaMmaModel(MmaPlan, CudaModel):
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
         return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
 
-    def _forward_backward(self, dx, dy, rows: int, row_map: Any = None) -> tuple[dict[str, Any], Any]:
+    def _forward_backward(self, dx, dy, rows: int, row_map: Any = None,
+                          mean_over: int | None = None) -> tuple[dict[str, Any], Any]:
         """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
         in each layer's chunked kernel afterwards (``_layer_grads``). Returns the workspace and
         the kernel's per-warp loss sums. With ``row_map``, batch row r is row ``row_map[r]`` of
-        ``dx`` and ``dy`` (a dataset read in place)."""
+        ``dx`` and ``dy`` (a dataset read in place). The gradient is that of the mean loss over
+        ``mean_over`` rows (default: these ``rows``; a data-parallel replica's part of a larger
+        batch gives the whole batch's)."""
         rows_pad = self._rows_padded(rows)
         ws = self._workspace_for(rows_pad)
-        grad_scale = np.float32(self.spec.loss_scale / (rows * self.spec.n_output_dims))
+        grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
         if self.fused_wgrad:
             grid = self.fused_blocks(rows_pad)
             loss_slots = ws["loss"][: grid * FUSED_WARPS]
@@ -363,9 +366,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
                      (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb))
         return n_chunks, pw, pb
 
-    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, grad_w=None, grad_b=None) -> None:
+    def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, grad_w=None, grad_b=None,
+                        inv_scale: float | None = None) -> None:
         """mode 0: reduce + optimizer step at the rate ``_run["lr"][ctl[step]]``; 1: reduce into
-        grad_w / grad_b; 2: refresh the fp16 images only."""
+        grad_w / grad_b; 2: refresh the fp16 images only. The partial sums are multiplied by
+        ``inv_scale`` (default: undo the loss scale; 1 for gradients already unscaled)."""
         fan_in, fan_out, k, n = self.layers[i]
         w = self.w_all[self.w_off[i]:self.w_off[i] + n * k]
         b = self.b_all[self.b_off[i]:self.b_off[i] + n]
@@ -380,7 +385,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
                       d if pb is None else pb, np.int32(n_chunks), np.int32(n), np.int32(k),
                       np.int32(fan_out), np.int32(fan_in), self.wimage, np.int32(self.wf_off[i]),
                       np.int32(self.wb_off[i]), self._run.get("lr", d) if mode == 0 else d, self.ctl,
-                      np.float32(1.0 / self.spec.loss_scale),
+                      np.float32(1.0 / self.spec.loss_scale if inv_scale is None else inv_scale),
                       d if grad_w is None else grad_w, d if grad_b is None else grad_b))
 
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
@@ -400,33 +405,99 @@ class CudaMmaModel(MmaPlan, CudaModel):
         the training kernel reads the dataset through them. An fp16 one is gathered into fp32
         batch buffers first (``mlp_gather_batch``: the training kernels read fp32)."""
         check_epoch_run(data, batch, steps)
+        draw, dx, dy, row_map = self._epoch_batches(data, batch)
+        self._start_run(steps, position)
+
+        def step() -> None:
+            draw()
+            self._enqueue_step(dx, dy, batch, data.rows, row_map)
+
+        key = ("epochs", batch, data.rows, data.x.data.ptr, data.x.dtype.char, data.y.data.ptr, data.y.dtype.char)
+        self._replay(key, steps, step)
+        return self._finish_epochs(data, batch, steps, position)
+
+    def _epoch_batches(self, data: Dataset, batch: int) -> tuple[Any, Any, Any, Any]:
+        """(draw, x, y, row map): ``draw()`` enqueues the drawing of the next batch of the epoch
+        order held in the control block; the training kernel then reads the batch from x and y,
+        through the row map where the dataset (fp32) is read in place, else (fp16) from the fp32
+        buffers ``mlp_gather_batch`` filled."""
         if not data.on_device:
             raise InvalidInput("this dataset is not on the cuda device (put_dataset keeps it there)")
         half_bits = epoch_half_bits(data.rows)
         x_half, y_half = int(data.x.dtype == self.cp.float16), int(data.y.dtype == self.cp.float16)
         in_place = not (x_half or y_half)
         bx, by = self._batch_buffers(batch, in_place)
-        self._start_run(steps, position)
 
         def read_in_place() -> None:
             self._launch("mlp_batch_rows", (min(math.ceil(batch / 256), self.info["sm_count"] * 8),), (256,),
                          (np.int64(data.rows), np.int32(half_bits), self.ctl, np.int32(batch), bx))
-            self._enqueue_step(data.x, data.y, batch, data.rows, bx)
 
         def gather() -> None:
             warps = min(batch, self.info["sm_count"] * 16 * GATHER_WARPS)
             self._launch("mlp_gather_batch", (math.ceil(warps / GATHER_WARPS),), (GATHER_WARPS * 32,),
                          (data.x, np.int32(x_half), data.y, np.int32(y_half), np.int64(data.rows),
                           np.int32(half_bits), self.ctl, np.int32(batch), bx, by))
-            self._enqueue_step(bx, by, batch, data.rows)
 
-        key = ("epochs", batch, data.rows, data.x.data.ptr, x_half, data.y.data.ptr, y_half)
-        self._replay(key, steps, read_in_place if in_place else gather)
+        return (read_in_place, data.x, data.y, bx) if in_place else (gather, bx, by, None)
+
+    def _finish_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        """The losses of a run of ``steps`` steps over ``data`` from ``position`` (advanced past them)."""
         expected = EpochPosition(position.seed, position.epoch, position.cursor)
         expected.advance(data.rows, batch, steps)
         losses = self._finish_run(steps, batch, expected)
         position.epoch, position.cursor = expected.epoch, expected.cursor
         return losses
+
+    # -- data-parallel steps (driven by mmad.backends.cuda.parallel, this model's device current) --
+    def parallel_start(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> Any:
+        """Prepare a data-parallel run of ``steps`` steps on this replica's shard ``data``, ``batch``
+        rows a step; returns the flat fp32 gradient buffer the all-reduce sums in place (every
+        layer's weights, then every layer's biases, at the masters' offsets; padding stays 0)."""
+        check_epoch_run(data, batch, steps)
+        draw, dx, dy, row_map = self._epoch_batches(data, batch)
+        self._start_run(steps, position)
+        grads = self._run.get("grads")
+        if grads is None:
+            try:
+                grads = self._run["grads"] = self.cp.zeros(self.w_all.size + self.b_all.size, dtype=self.cp.float32)
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"allocating the gradient buffer failed: {exc}") from exc
+        self._parallel = (data, batch, draw, dx, dy, row_map, grads)
+        return grads
+
+    def _grad_views(self, grads: Any, i: int) -> tuple[Any, Any]:
+        _, _, k, n = self.layers[i]
+        total_w = self.w_all.size
+        return (grads[self.w_off[i]:self.w_off[i] + n * k],
+                grads[total_w + self.b_off[i]:total_w + self.b_off[i] + n])
+
+    def parallel_gradients(self, batch_rows: int) -> None:
+        """Enqueue one step's batch draw, forward, backward and the reduction of this replica's
+        gradient of the mean loss over all ``batch_rows`` rows of the step into the buffer."""
+        data, batch, draw, dx, dy, row_map, grads = self._parallel
+        draw()
+        ws, loss_slots = self._forward_backward(dx, dy, batch, row_map, mean_over=batch_rows)
+        for i in reversed(range(self.n_layers)):
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            self._optimize_layer(i, 1, n_chunks, pw, pb, *self._grad_views(grads, i))
+        self._parallel_loss = loss_slots
+
+    def parallel_apply(self) -> None:
+        """Enqueue the optimizer step on the summed gradient and the step's bookkeeping."""
+        data, batch, _, _, _, _, grads = self._parallel
+        for i in range(self.n_layers):
+            gw, gb = self._grad_views(grads, i)
+            self._optimize_layer(i, 0, 1, gw, gb, inv_scale=1.0)
+        loss_slots = self._parallel_loss
+        self._launch("mlp_finish_step", (1,), (FINISH_THREADS,),
+                     (loss_slots, np.int32(loss_slots.size), self._run["losses"], self.ctl, np.int32(batch),
+                      np.int64(data.rows)))
+
+    def parallel_finish(self, steps: int, position: EpochPosition) -> np.ndarray:
+        """This replica's losses of the run (mean over its rows), ``position`` advanced."""
+        data, batch = self._parallel[:2]
+        self._parallel = None
+        return self._finish_epochs(data, batch, steps, position)
 
     def _enqueue_step(self, dx, dy, rows: int, dataset_rows: int, row_map: Any = None) -> None:
         """One optimizer step's launches; identical every step (the control block says which)."""
@@ -589,7 +660,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     def device_bytes(self) -> int:
         arrays = [self.w_all, self.b_all, self.wimage, self.ctl, *self.slot_w, *self.slot_b]
-        arrays += [a for k, a in self._run.items() if k in ("lr", "losses")] + [a for a in self._run.get("batch") or () if a is not self.dummy]
+        arrays += [a for k, a in self._run.items() if k in ("lr", "losses", "grads")] + [a for a in self._run.get("batch") or () if a is not self.dummy]
         for ws in self._workspace.values():
             arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
         return int(sum(a.nbytes for a in arrays))

@@ -8,6 +8,7 @@ that the variants build on. Imports without CuPy: ``cupy_module()`` then says wh
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -149,9 +150,32 @@ def device_info(cp) -> dict[str, Any]:
     }
 
 
+# the methods that touch a model's device memory: each runs with the model's device current
+# (CuPy keeps the current device per thread, and the daemon's threads serve models on every GPU)
+DEVICE_METHODS = (
+    "forward", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "get_params", "set_params",
+    "get_optimizer_state", "set_optimizer_state", "put_dataset", "free_device_bytes", "take_rows", "upload",
+    "download", "synchronize", "device_bytes", "close",
+)
+
+
+def _on_model_device(method):
+    @functools.wraps(method)
+    def on_device(self, *args, **kwargs):
+        with self.cuda_device:
+            return method(self, *args, **kwargs)
+
+    on_device.on_model_device = True
+    return on_device
+
+
 class CudaModel(CompiledModel):
     """The host<->device side shared by every cuda variant: CuPy arrays in and out, the input
-    encoding, uploads that keep fp16 as fp16, launches whose failures become ``LaunchError``."""
+    encoding, uploads that keep fp16 as fp16, launches whose failures become ``LaunchError``.
+
+    A model lives on the device current when it is constructed (``CudaBackend.compile`` makes
+    its ``device`` current); every method of ``DEVICE_METHODS``, in this class and in each
+    variant's, makes that device current for its call."""
 
     backend = "cuda"
 
@@ -161,6 +185,15 @@ class CudaModel(CompiledModel):
         self.info = info
         self.arch_digits = f"{info['cc'][0]}{info['cc'][1]}"
         self.arch = f"sm_{self.arch_digits}"
+        self.device_index = int(cp.cuda.Device().id)
+        self.cuda_device = cp.cuda.Device(self.device_index)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in DEVICE_METHODS:
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "on_model_device", False):
+                setattr(cls, name, _on_model_device(method))
 
     def is_device_array(self, x: Any) -> bool:
         return isinstance(x, self.cp.ndarray)
@@ -288,6 +321,10 @@ class CudaModel(CompiledModel):
 
     def _rows_padded(self, rows: int) -> int:
         return math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
+
+
+for _name in DEVICE_METHODS:  # CudaModel's own and those it inherits from the contract
+    setattr(CudaModel, _name, _on_model_device(getattr(CudaModel, _name)))
 
 
 def cached_cubin(cache: Any, build, *, backend: str, device: str, compiler: str, options: tuple[str, ...],

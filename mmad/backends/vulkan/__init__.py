@@ -36,7 +36,8 @@ from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Backend, CompiledModel, Dataset, EpochPosition, MMAShape, ProbeRow, check_epoch_run, check_params, fill_dataset,
+    Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
+    check_params, fill_dataset,
     check_rows, init_params, output_dtype, param_shapes,
 )
 from mmad.backends.vulkan.glsl import build_spirv
@@ -960,8 +961,8 @@ class VulkanBackend(Backend):
     def __init__(self) -> None:
         self._infos: list[vr.DeviceInfo] | None = None
         self._probe_error = ""
-        self._device: vr.Device | None = None
-        self._pipelines: dict[tuple, vr.Pipeline] = {}
+        self._devices: dict[int, vr.Device] = {}  # open logical devices by index (``devices()``)
+        self._pipelines: dict[tuple, vr.Pipeline] = {}  # by (device index, SPIR-V hash, constants)
         self._models: weakref.WeakSet[VulkanModel] = weakref.WeakSet()
         self._announced: set[tuple] = set()  # (variant, shape) already logged
         self._convert_rne: dict[int, bool] = {}  # id(device) -> fp16_conversion_is_rne
@@ -1021,18 +1022,31 @@ class VulkanBackend(Backend):
                         details=coop_details, **common)
         return [coop, simt]
 
-    def _open_device(self, coopmat: bool) -> vr.Device:
+    def _placeable(self) -> list[vr.DeviceInfo]:
+        """The physical devices models can be placed on: the best one (the probe's) and every
+        other of its type (all discrete GPUs, say; never a software device beside a GPU)."""
+        infos = self._survey()
+        return [d for d in infos if d.device_type == infos[0].device_type] if infos else []
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo(i, d.name) for i, d in enumerate(self._placeable())]
+
+    def _open_device(self, index: int) -> vr.Device:
         with self._lock:
-            if self._device is None or self._device.closed:
-                infos = self._survey()
+            device = self._devices.get(index)
+            if device is None or device.closed:
+                infos = self._placeable()
                 if not infos:
                     raise BackendUnavailable("vulkan", self._probe_error or "no Vulkan physical device found")
-                info = infos[0]
-                self._device = vr.Device(info, enable_coopmat=vr.COOPMAT_EXT in info.extensions,
-                                         pipeline_stats=os.environ.get(PIPELINE_STATS_ENV, "") == "1")
-            return self._device
+                check_device_index(index, len(infos), "vulkan")
+                info = infos[index]
+                device = self._devices[index] = vr.Device(
+                    info, enable_coopmat=vr.COOPMAT_EXT in info.extensions,
+                    pipeline_stats=os.environ.get(PIPELINE_STATS_ENV, "") == "1")
+            return device
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> VulkanModel:
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
+                device: int = 0) -> VulkanModel:
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
             variant = next((v for v in VARIANTS if rows[v].available), None)
@@ -1044,7 +1058,11 @@ class VulkanBackend(Backend):
             raise BackendUnavailable(f"vulkan:{variant}", rows[variant].reason)
         if spec.precision == "bf16":
             raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
-        device = self._open_device(coopmat=variant == "coopmat")
+        index = device
+        device = self._open_device(index)
+        if variant == "coopmat" and vr.COOPMAT_EXT not in device.info.extensions:
+            raise BackendUnavailable("vulkan:coopmat", f"device {index} ({device.info.name}) does not offer "
+                                     f"{vr.COOPMAT_EXT}")
         shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         cache = cache if cache is not None else KernelCache()
@@ -1061,13 +1079,14 @@ class VulkanBackend(Backend):
                 used = {}
             if name == "forward_train":
                 used[TRAINING_CONSTANT] = 1
-            key = (hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
+            key = (index, hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
                 if key not in self._pipelines:
                     n_bind, push = (COOPMAT_INTERFACE if variant == "coopmat" else PIPELINE_INTERFACE)[name]
                     self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
                 pipelines[name] = self._pipelines[key]
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
+        model.device_index = index
         self._models.add(model)
         if (variant, shape) not in self._announced:
             self._announced.add((variant, shape))
@@ -1099,9 +1118,9 @@ class VulkanBackend(Backend):
             for pipeline in self._pipelines.values():
                 pipeline.destroy()
             self._pipelines.clear()
-            if self._device is not None:
-                self._device.close()
-                self._device = None
+            for device in self._devices.values():
+                device.close()
+            self._devices.clear()
 
 
 CONVERT_PROBE = """#version 450

@@ -40,7 +40,7 @@ import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
-    Backend, CompiledModel, ProbeRow, check_params, check_rows, init_params, optimizer_slots, output_dtype,
+    Backend, CompiledModel, ProbeRow, check_device_index, check_params, check_rows, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.backends.webgpu.wgsl import ceil_div, generate_wgsl, make_plan
@@ -631,9 +631,10 @@ class WgpuBackend(Backend):
                 raise BackendUnavailable("wgpu", f"wgpu device request failed: {exc}") from exc
         return self._device
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> WgpuModel:
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0) -> WgpuModel:
         if variant not in (None, "default"):
             raise SpecError("variant", f"the wgpu backend has one variant, 'default'; got {variant!r}")
+        check_device_index(device, 1, "wgpu")  # one adapter: the one the probe chose
         with self._lock:
             device = self._get_device()
             adapter = self._adapter

@@ -1,18 +1,32 @@
-"""``GET /v2/devices``: the probe report taken once at startup."""
+"""``GET /v2/devices``: the probe report taken once at startup, and each device's memory and load now."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
 from mmad.server.bodies import json_response
-
 from mmad.server.deps import Runtime, runtime
-
 from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["devices"], responses=ERROR_RESPONSES)
 
 
+def device_report(rt: Runtime) -> list[dict]:
+    """Every device models can be placed on: memory (bytes, read now; null where the backend
+    cannot tell), the models with a replica there, and the forwards running or waiting there."""
+    placed: dict[int, list[str]] = {}
+    in_flight: dict[int, int] = {}
+    for entry in rt.registry.models.values():
+        for replica in entry.replicas:
+            if replica.model is not None:
+                placed.setdefault(replica.device, []).append(entry.name)
+                in_flight[replica.device] = in_flight.get(replica.device, 0) + replica.in_flight
+    return [{**d.to_json(), "models": sorted(placed.get(d.index, [])), "in_flight": in_flight.get(d.index, 0)}
+            for d in rt.backend.devices()]
+
+
 @router.get("/v2/devices")
 async def devices(rt: Runtime = Depends(runtime)):
-    return json_response({"selected": rt.selected.to_json(), "rows": [r.to_json() for r in rt.probe_rows]})
+    report = await rt.registry.run(device_report, rt)  # memory queries talk to the driver: off the event loop
+    return json_response({"selected": rt.selected.to_json(), "rows": [r.to_json() for r in rt.probe_rows],
+                          "devices": report})

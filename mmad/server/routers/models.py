@@ -38,10 +38,12 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
         "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"] if versions else "",
         "step": entry.live.step_count if entry.live is not None else (versions[-1]["step"] if versions else 0),
         "queued_requests": entry.batcher.queued if entry.batcher is not None else 0,
+        "devices": [r.device for r in entry.replicas if r.model is not None],  # the replicas', primary first
         "spec": entry.spec.to_json(),
         "config": {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
                    "max_queue_requests": limits.max_queue_requests,
-                   "allow_nonfinite": entry.config.allow_nonfinite},
+                   "allow_nonfinite": entry.config.allow_nonfinite, "device": entry.config.device,
+                   "replicas": entry.config.replicas},
     }
 
 
