@@ -13,7 +13,9 @@ more devices (the first two are used). In one run:
   replica on each device (``config.device``), the same dataset and global batch; the rate is the
   daemon's own (steps x batch over the job's training time);
 * ``serving``: 8 clients (load generator in its own process) sending 65,536-row binary FP16
-  requests back to back to each model; samples/s, the ratio of two replicas to one.
+  requests back to back to each model; samples/s, the ratio of two replicas to one; and the same
+  through Triton's system shared memory (tritonclient, a region pair per client), where the
+  request bodies are small and the devices' copies and kernels are what remains.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows-log2", type=int, default=22, help="log2 of the dataset rows (default 22)")
     p.add_argument("--check-batch-log2", type=int, default=16, help="per-device batch of the loss-curve check")
     p.add_argument("--check-steps", type=int, default=60, help="steps of the loss-curve check")
-    p.add_argument("--job-steps", type=int, default=400, help="steps of each training job")
+    p.add_argument("--job-steps", type=int, default=2000, help="steps of each training job")
     p.add_argument("--serve-seconds", type=float, default=6.0, help="timed serving window per model")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     return p.parse_args(argv)
@@ -144,6 +146,80 @@ def serve_rate(url: str, spec, name: str, seconds: float) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def serve_shm_rate(url: str, spec, name: str, seconds: float, clients: int = 8, rows: int = 65536) -> dict[str, Any]:
+    """``clients`` threads, each with its own tritonclient and its own system shared-memory
+    regions (input and output), sending ``rows``-row FP16 requests back to back for ``seconds``."""
+    import threading
+
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+
+    host = url.split("//", 1)[1]
+    in_bytes, out_bytes = rows * spec.n_input_dims * 2, rows * spec.n_output_dims * 2
+    counts, errors, latencies = [0] * clients, [], []
+    start_barrier = threading.Barrier(clients + 1)
+    deadline: list[float] = []
+    go = threading.Event()  # set once the deadline is known
+
+    def client(k: int) -> None:
+        triton = httpclient.InferenceServerClient(host, connection_timeout=120, network_timeout=120)
+        tag = f"mmad_bench_{name}_{k}"
+        regions = [shm.create_shared_memory_region(tag + "_in", "/" + tag + "_in", in_bytes),
+                   shm.create_shared_memory_region(tag + "_out", "/" + tag + "_out", out_bytes)]
+        try:
+            x = np.random.default_rng(k).uniform(-1, 1, (rows, spec.n_input_dims)).astype(np.float16)
+            shm.set_shared_memory_region(regions[0], [x])
+            triton.register_system_shared_memory(tag + "_in", "/" + tag + "_in", in_bytes)
+            triton.register_system_shared_memory(tag + "_out", "/" + tag + "_out", out_bytes)
+            inp = httpclient.InferInput("INPUT", [rows, spec.n_input_dims], "FP16")
+            inp.set_shared_memory(tag + "_in", in_bytes)
+            out = httpclient.InferRequestedOutput("OUTPUT")
+            out.set_shared_memory(tag + "_out", out_bytes)
+            fp16_out = {"output_datatype": "FP16"}  # mmad's request parameter: FP16 outputs, as tiny-cuda-nn's
+            triton.infer(name, [inp], outputs=[out], parameters=fp16_out)  # warm
+            start_barrier.wait()
+            go.wait()
+            while time.perf_counter() < deadline[0]:
+                began = time.perf_counter()
+                triton.infer(name, [inp], outputs=[out], parameters=fp16_out)
+                latencies.append(time.perf_counter() - began)
+                counts[k] += 1
+            result = shm.get_contents_as_numpy(regions[1], np.float16, [rows, spec.n_output_dims])
+            if not np.isfinite(result).all():
+                errors.append(f"client {k}: non-finite outputs")
+        except Exception as exc:  # noqa: BLE001 - reported in the figures
+            errors.append(f"client {k}: {type(exc).__name__}: {exc}")
+            start_barrier.abort()
+            go.set()
+        finally:
+            try:
+                triton.unregister_system_shared_memory(tag + "_in")
+                triton.unregister_system_shared_memory(tag + "_out")
+            except Exception:  # noqa: BLE001 - the daemon may be gone; the regions go below
+                pass
+            for region in regions:
+                shm.destroy_shared_memory_region(region)
+            triton.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        start_barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    began = time.perf_counter()
+    deadline.append(began + seconds)
+    go.set()
+    for t in threads:
+        t.join()
+    window = time.perf_counter() - began
+    done = sum(counts)
+    return {"requests": done, "samples_per_s": done * rows / window, "tensor_gb_per_s": done * (in_bytes + out_bytes)
+            / window / 1e9, "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
+            "p99_ms": float(np.percentile(latencies, 99) * 1e3) if latencies else None, "errors": errors}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mmad_client import Client
@@ -187,7 +263,15 @@ def main(argv: list[str] | None = None) -> int:
             print("jobs:", json.dumps(jobs), flush=True)
             serving = {name: serve_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
             serving["two_vs_one"] = serving["two"]["samples_per_s"] / serving["one"]["samples_per_s"]
-            doc["serving"] = serving
+            shm_serving = {name: serve_shm_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
+            for figures in shm_serving.values():
+                if figures["errors"] or not figures["requests"]:
+                    raise SystemExit(f"system shared-memory serving failed: {figures['errors'][:3]}")
+            shm_serving["two_vs_one"] = shm_serving["two"]["samples_per_s"] / shm_serving["one"]["samples_per_s"]
+            doc["serving"], doc["serving_system_shm"] = serving, shm_serving
+            print(f"system shared memory, 8 clients: one replica {shm_serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
+                  f"two {shm_serving['two']['samples_per_s'] / 1e6:.2f} M/s ({shm_serving['two_vs_one']:.2f}x) "
+                  f"{shm_serving['one']['errors'] + shm_serving['two']['errors']}", flush=True)
             doc["two_replicas_devices"] = meta["devices"]
             print(f"serving 8 clients x 65,536 rows FP16: one replica {serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
                   f"two {serving['two']['samples_per_s'] / 1e6:.2f} M/s ({serving['two_vs_one']:.2f}x)", flush=True)
@@ -214,6 +298,10 @@ def table(doc: dict[str, Any]) -> str:
              f"| serving, 8 clients, 1 replica | {serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
              f"| serving, 8 clients, 2 replicas | {serving['two']['samples_per_s'] / 1e6:.2f} M samples/s "
              f"({serving['two_vs_one']:.2f}x) |"]
+    shm_serving = doc["serving_system_shm"]
+    lines += [f"| system shared memory, 8 clients, 1 replica | {shm_serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
+              f"| system shared memory, 8 clients, 2 replicas | {shm_serving['two']['samples_per_s'] / 1e6:.2f} M "
+              f"samples/s ({shm_serving['two_vs_one']:.2f}x) |"]
     return "\n".join(lines)
 
 
