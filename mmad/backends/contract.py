@@ -26,7 +26,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 
@@ -311,6 +311,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None) -> CompiledModel:
         """Compile ``spec`` (best usable variant when ``variant`` is None)."""
+
+    def pin_host_memory(self, buffer: Any) -> Callable[[], None] | None:
+        """Page-lock a long-lived host buffer (a shared-memory region's mapping) so that copies to
+        and from the device read and write it directly; returns the call that undoes it, or
+        None where this backend copies nothing to a device (this default). Raises on failure."""
+        return None
 
     def close(self) -> None:
         """Release the device and anything the probe opened."""
