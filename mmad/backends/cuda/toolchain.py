@@ -382,13 +382,14 @@ class PinnedStaging:
         self.cp = cp
         self.device = cp.cuda.Device().id
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(self.DEPTH)]
-        self._host: dict[tuple[str, int], Any] = {}  # (in|out, slot) -> page-locked memory
+        self._host: dict[tuple[str, int], tuple[int, Any]] = {}  # (in|out, slot) -> (bytes, page-locked memory)
 
     def buffer(self, kind: str, slot: int, dtype: np.dtype, shape: tuple[int, int]) -> np.ndarray:
         nbytes = math.prod(shape) * dtype.itemsize
-        mem = self._host.get((kind, slot))
-        if mem is None or mem.size() < nbytes:
-            mem = self._host[kind, slot] = self.cp.cuda.alloc_pinned_memory(nbytes)
+        held, mem = self._host.get((kind, slot), (0, None))
+        if held < nbytes:
+            mem = self.cp.cuda.alloc_pinned_memory(nbytes)
+            self._host[kind, slot] = (nbytes, mem)
         return np.frombuffer(mem, dtype, math.prod(shape)).reshape(shape)
 
     def run(self, model: "CudaModel", x: np.ndarray, out: np.ndarray, in_dtype: np.dtype, executor: Any) -> None:
