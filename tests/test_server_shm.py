@@ -155,6 +155,8 @@ def test_bad_references_are_400_and_the_daemon_keeps_serving(triton, http, regio
         (infer(out=out_ref(40, offset=32)), ("OUTPUT", "needs at least 48")),
         (infer(out=out_ref(48, offset=240)), ("OUTPUT", "past the end")),
         (infer(out=out_ref(48, region_name="nosuch")), ("OUTPUT", "not registered")),
+        (infer(out=out_ref(48, offset=16)), ("OUTPUT", "written over input 'INPUT'", "bytes 16 to 31")),
+        (infer(out=out_ref(48, offset=0)), ("OUTPUT", "written over input 'INPUT'")),
         (lambda: triton.register_system_shared_memory(name, key, 256), ("already registered",)),
         (lambda: triton.register_system_shared_memory("other", "/mmad-nosuch-" + uuid.uuid4().hex, 8),
          ("unable to open",)),

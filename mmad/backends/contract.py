@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 
@@ -355,6 +355,12 @@ class Backend(abc.ABC):
         from mmad.backends.parallel import HostDataParallel
 
         return HostDataParallel(replicas)
+
+    def pin_host_memory(self, buffer: Any) -> Callable[[], None] | None:
+        """Page-lock a long-lived host buffer (a shared-memory region's mapping) so that copies to
+        and from the device read and write it directly; returns the call that undoes it, or
+        None where this backend copies nothing to a device (this default). Raises on failure."""
+        return None
 
     def close(self) -> None:
         """Release the device and anything the probe opened."""

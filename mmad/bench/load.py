@@ -434,9 +434,81 @@ async def run_tritonclient_aio_load(scenario: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def run_tritonclient_shm_load(scenario: dict[str, Any]) -> dict[str, Any]:
+    """One tritonclient.http client, requests back to back, FP16 input and output both in shared
+    memory: POSIX regions (``tritonclient.utils.shared_memory``, kind ``tritonclient-shm``) or
+    device regions (``tritonclient.utils.cuda_shared_memory`` on GPU 0, ``tritonclient-cudashm``).
+    The input is written once; each response's output is checked (shape, finite) on the first
+    and last request only, so the clock holds the server's work."""
+    import uuid
+
+    import tritonclient.http as httpclient
+
+    cuda = scenario["kind"] == "tritonclient-cudashm"
+    if cuda:
+        import tritonclient.utils.cuda_shared_memory as shmlib
+    else:
+        import tritonclient.utils.shared_memory as shmlib
+    rows, n_in, n_out = scenario["rows"][0], scenario["n_input_dims"], scenario["n_output_dims"]
+    x = np.random.default_rng(scenario["seed"]).uniform(-1, 1, (rows, n_in)).astype(np.float16)
+    in_bytes, out_bytes = x.nbytes, rows * n_out * 2
+    tag = uuid.uuid4().hex[:10]
+    in_name, out_name = f"in-{tag}", f"out-{tag}"
+    client = httpclient.InferenceServerClient(f"{scenario['host']}:{scenario['port']}", network_timeout=120.0)
+    if cuda:
+        regions = [shmlib.create_shared_memory_region(in_name, in_bytes, 0),
+                   shmlib.create_shared_memory_region(out_name, out_bytes, 0)]
+        for name, region, size in ((in_name, regions[0], in_bytes), (out_name, regions[1], out_bytes)):
+            raw = shmlib.get_raw_handle(region)  # base64 bytes; the JSON body needs text
+            client.register_cuda_shared_memory(name, raw.decode() if isinstance(raw, bytes) else raw, 0, size)
+    else:
+        regions = [shmlib.create_shared_memory_region(in_name, "/" + in_name, in_bytes),
+                   shmlib.create_shared_memory_region(out_name, "/" + out_name, out_bytes)]
+        client.register_system_shared_memory(in_name, "/" + in_name, in_bytes)
+        client.register_system_shared_memory(out_name, "/" + out_name, out_bytes)
+    shmlib.set_shared_memory_region(regions[0], [x])
+    inp = httpclient.InferInput("INPUT", [rows, n_in], "FP16")
+    inp.set_shared_memory(in_name, in_bytes)
+    out = httpclient.InferRequestedOutput("OUTPUT")
+    out.set_shared_memory(out_name, out_bytes)
+    out._parameters["output_datatype"] = "FP16"  # mmad's extension: FP16 outputs
+
+    def check() -> None:
+        y = shmlib.get_contents_as_numpy(regions[1], np.float16, [rows, n_out])
+        if y.shape != (rows, n_out) or not all_finite(y):
+            raise BenchError(f"OUTPUT region holds {y.shape}, finite={all_finite(y)}")
+
+    latencies: list[float] = []
+    try:
+        for _ in range(max(1, scenario["warmup_requests"])):
+            client.infer(MODEL, [inp], outputs=[out])
+        check()
+        start = time.perf_counter()
+        deadline = start + scenario["duration_s"]
+        while time.perf_counter() < deadline and len(latencies) < scenario["max_requests"]:
+            began = time.perf_counter()
+            client.infer(MODEL, [inp], outputs=[out])
+            latencies.append(time.perf_counter() - began)
+        window = time.perf_counter() - start
+        check()
+    finally:
+        if cuda:
+            client.unregister_cuda_shared_memory()
+        else:
+            client.unregister_system_shared_memory()
+        client.close()
+        for region in regions:
+            shmlib.destroy_shared_memory_region(region)
+    result = summarize(latencies, window, rows * len(latencies), (in_bytes + out_bytes) * len(latencies))
+    result.update(errors={}, first_error=None, completed=len(latencies))
+    return result
+
+
 def generator_main(scenario_json: str) -> int:
     scenario = json.loads(scenario_json)
-    if scenario["kind"] == "tritonclient":
+    if scenario["kind"] in ("tritonclient-shm", "tritonclient-cudashm"):
+        result = run_tritonclient_shm_load(scenario)
+    elif scenario["kind"] == "tritonclient":
         result = run_tritonclient_load(scenario)
     else:
         try:
@@ -537,7 +609,8 @@ class Bench:
     def start_daemon(self, extra: list[str]) -> Service:
         port = free_port()
         argv = [sys.executable, "-m", "mmad.server.main", "--host", HOST, "--port", str(port),
-                "--store", str(self.workdir / f"store-{port}"), "--backend", "cpu", "--probe", "cpu", "--no-demo",
+                "--store", str(self.workdir / f"store-{port}"), "--backend", self.opts.backend,
+                "--probe", self.opts.backend.split(":")[0], "--no-demo",
                 "--log-level", "warning", *extra]
         service = Service(f"daemon-{port}", argv, port, "/v2/health/ready", self.workdir)
         self.services.append(service)
@@ -1142,6 +1215,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=90.0)
     p.add_argument("--generator-slack-s", type=float, default=60.0,
                    help="a generator process is killed this long after its point should have ended")
+    p.add_argument("--backend", default="cpu",
+                   help="the daemon's backend (cuda:mma, vulkan:coopmat, ...): anything but cpu runs the GPU "
+                        "serving report instead (transport ceilings, shared memory; see docs/benchmarks.md)")
+    p.add_argument("--json", dest="json_path", help="GPU report: write the results here (default "
+                                                    "<out>/service-<backend>.json)")
+    p.add_argument("--gpu-rows", default="65536,1048576", help="GPU report: rows of the in-process forward_to_host")
     p.add_argument("--generator", help=argparse.SUPPRESS)
     return p
 
@@ -1166,6 +1245,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{loop}/{http}")
     except ValueError as exc:
         raise SystemExit(f"--uvicorn-matrix: expected loop/http pairs like uvloop/httptools; got {exc}") from exc
+    if opts.backend != "cpu":
+        from mmad.bench.service_gpu import main as gpu_main
+
+        return gpu_main(opts)
     try:
         doc = run(opts)
     except MMADError as exc:

@@ -45,6 +45,7 @@ async def start_runtime(rt: Runtime) -> None:
     backend, row = select(settings.backend or "")
     rt.backend, rt.selected = backend, row
     rt.probe_rows = _probe_rows(settings, row)
+    rt.shm.use_backend(backend, row.backend)
     log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
     rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)

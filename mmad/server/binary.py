@@ -53,6 +53,7 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     shm: Any = None  # the SharedMemoryRegistry, for outputs that name a region
     uses_shm: bool = False  # some input or output names a shared-memory region
+    shm_inputs: dict[str, Any] = field(default_factory=dict)  # input name -> its ShmTensor
 
     @property
     def id(self) -> str | None:
@@ -145,7 +146,8 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
     """Split and validate a request body; tensors come back as float32/float16 arrays.
 
     ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` that inputs naming a
-    ``shared_memory_region`` are read from (views of the mapping).
+    ``shared_memory_region`` are read from (views of a system region's mapping, or device
+    arrays in a CUDA region).
     """
     json_part = body if header_length is None else memoryview(body)[:header_length]
     if not json_part:
@@ -170,6 +172,7 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
 
     offset = header_length if header_length is not None else len(body)
     tensors: dict[str, np.ndarray] = {}
+    shm_inputs: dict[str, Any] = {}
     binary_inputs = uses_shm = False
     for i, tensor in enumerate(inputs):
         where = f"inputs[{i}]"
@@ -195,7 +198,8 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
                                    f"{'binary_data_size' if size is not None else 'data'}; give one source")
             if shm is None:
                 raise InvalidInput(f"{where}: shared memory is not available on this endpoint")
-            tensors[name] = shm.tensor(where, params, WIRE_DTYPES[datatype], shape, datatype)
+            shm_inputs[name] = shm.tensor(where, params, WIRE_DTYPES[datatype], shape, datatype)
+            tensors[name] = shm_inputs[name].array
             uses_shm = True
         elif size is not None:
             if header_length is None:
@@ -225,7 +229,7 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
             tensors[name] = _json_data(where, tensor["data"], shape)
     if header_length is not None and offset != len(body):
         raise InvalidInput(f"the body has {len(body) - offset} bytes after the last binary tensor")
-    return InferRequest(header, tensors, binary_inputs, parameters, shm, uses_shm)
+    return InferRequest(header, tensors, binary_inputs, parameters, shm, uses_shm, shm_inputs)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import time
 import numpy as np
 from fastapi import Request, Response
 
-from mmad.errors import MMADError, ModelNotReady, NotReady
+from mmad.errors import InvalidInput, MMADError, ModelNotReady, NotReady
 from mmad.server.binary import (
     WIRE_DTYPES, binary_response_buffer, check_response_size, encode_infer_response, requested_outputs,
 )
@@ -17,6 +17,7 @@ from mmad.server.deps import Runtime
 from mmad.server.errors import mmad_error_response, status_for
 from mmad.server.metrics import UNKNOWN_MODEL
 from mmad.server.registry import INPUT, OUTPUT
+from mmad.server.shm import ShmTensor
 from mmad.server.store import check_model_name
 from mmad.server.tensors import (
     INLINE_TENSOR_VALUES, accepted_encoding, check_finite_input, compress, model_tensors, parse_tensors,
@@ -44,7 +45,10 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         parsed = await parse_tensors(rt, request)
         names = {INPUT: entry.spec.n_input_dims}
         checking = None
-        if sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES:
+        on_device = any(t.on_device for t in parsed.shm_inputs.values())
+        if on_device:  # a CUDA region's input: checked finite on the device, in device_forward
+            x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
+        elif sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES:
             x = model_tensors(entry, parsed, names, keep_fp16=True)[INPUT]
         else:
             # a large tensor's finiteness is checked on a compute thread while its forward runs: in
@@ -64,10 +68,20 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                 body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
             if parsed.uses_shm:
                 targets = shm_outputs(parsed, outputs, out_shape)
-                if len(outputs) == 1 and targets:  # the forward writes (and casts) into the region
-                    out = targets[0][1]
+                on_device = on_device or any(t.on_device for _, t in targets)
+                if len(outputs) == 1 and targets and not on_device:  # the forward writes (and casts) into the region
+                    out = targets[0][1].array
             t1 = time.perf_counter_ns()
-            if version is None:
+            if on_device:
+                if version is not None:
+                    raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
+                if out is None and any(o.shm is None for o in outputs):
+                    out = np.empty(out_shape, dtype=np.float32)
+                out = await registry.run(device_forward, entry, x, list(parsed.shm_inputs.values()),
+                                        [t for _, t in targets or []], out)
+                queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+                registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            elif version is None:
                 batcher = entry.batcher  # None once an unload that began while the body was read finished
                 if batcher is None:
                     raise ModelNotReady(model)
@@ -78,10 +92,10 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                                          np.empty(out_shape, dtype=np.float32) if out is None else out)
                 queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
                 registry.record_batch(entry, x.shape[0], 1, compute_ns)
-            if targets:
+            if targets and not on_device:
                 for _, target in targets:
-                    if target is not out:
-                        np.copyto(target, out, casting="same_kind")
+                    if target.array is not out:
+                        np.copyto(target.array, out, casting="same_kind")
             t2 = time.perf_counter_ns()
             if body is None:
                 outs = [(o, out) for o in outputs]
@@ -119,12 +133,60 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
     return tensor_response(body, header_length, encoding)
 
 
-def shm_outputs(parsed, outputs, shape: tuple[int, ...]) -> list[tuple[object, np.ndarray]]:
-    """(output, view of its region) for each output that names a shared-memory region; the
-    region must hold at least the output's bytes in its datatype."""
-    return [(o, parsed.shm.tensor(f"output {o.name!r}", o.shm, WIRE_DTYPES[o.datatype], shape, o.datatype,
-                                  at_least=True))
-            for o in outputs if o.shm is not None]
+def shm_outputs(parsed, outputs, shape: tuple[int, ...]) -> list[tuple[object, ShmTensor]]:
+    """(output, its view of its region) for each output that names a shared-memory region; the
+    region must hold at least the output's bytes in its datatype, and none of them may be bytes
+    an input is read from (the forward writes outputs while it still reads inputs)."""
+    targets = [(o, parsed.shm.tensor(f"output {o.name!r}", o.shm, WIRE_DTYPES[o.datatype], shape, o.datatype,
+                                     at_least=True))
+               for o in outputs if o.shm is not None]
+    for o, target in targets:
+        for name, source in parsed.shm_inputs.items():
+            if target.overlaps(source):
+                raise InvalidInput(f"output {o.name!r} would be written over input {name!r}: both lie in bytes "
+                                   f"{max(target.offset, source.offset)} to "
+                                   f"{min(target.offset + target.nbytes, source.offset + source.nbytes) - 1} of "
+                                   f"shared memory region {target.region!r}; give the output bytes of its own")
+    return targets
+
+
+def device_forward(entry, x, sources: list[ShmTensor], targets: list[ShmTensor], out: np.ndarray | None):
+    """The forward of the model's replica on the GPU of the request's CUDA shared-memory
+    regions: the input read on the device where it lies (uploaded first if it came from the body or a system
+    region), checked finite there, the output written on the device into each CUDA region, and
+    copied to the host only into ``out`` (the response buffer) or a system region. Returns
+    ``out``, or the device result (its shape is all the response needs) when nothing is on the host."""
+    device_targets = [t for t in targets if t.on_device]
+    on_device = [t for t in [*sources, *device_targets] if t.on_device]
+    device = on_device[0].device
+    for t in on_device:
+        if t.device != device:
+            raise InvalidInput(f"shared memory regions {on_device[0].region!r} and {t.region!r} are on different "
+                               f"GPUs ({device} and {t.device}); one request's regions must share a GPU")
+    replica = next((r for r in entry.replicas if r.device == device), None)
+    if replica is None:  # the replica on the regions' GPU reads and writes them in place
+        raise InvalidInput(f"shared memory region {on_device[0].region!r} is on GPU {device} but model "
+                           f"{entry.name!r} runs on GPU{'s' if len(entry.replicas) > 1 else ''} "
+                           f"{', '.join(str(r.device) for r in entry.replicas)}")
+    with replica.lock:
+        model = replica.model
+        if model is None:
+            raise ModelNotReady(entry.name)
+        dx = x if model.is_device_array(x) else model.upload(x)
+        from_region = any(s.on_device for s in sources)  # (inputs from the host were checked on arrival)
+        if from_region and not entry.config.allow_nonfinite and not bool(np.isfinite(dx).all()):
+            raise InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
+        dtype = device_targets[0].array.dtype if device_targets else (out.dtype if out is not None else np.float32)
+        result = model.forward(dx, out_dtype=dtype)
+        for t in device_targets:
+            t.array[...] = result  # a copy on the device (and a cast where the datatypes differ)
+        host = [t.array for t in targets if not t.on_device] + ([out] if out is not None else [])
+        if host:
+            downloaded = model.download(result)
+            for h in host:
+                np.copyto(h, downloaded, casting="same_kind")
+        model.synchronize()  # the client reads its region once the response is sent
+    return out if out is not None else result
 
 
 class InferFastPath:

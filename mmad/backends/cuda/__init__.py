@@ -118,6 +118,11 @@ class CudaBackend(Backend):
                 out.append(DeviceInfo(index, device_info(cp)["name"], int(total), int(free)))
         return out
 
+    def pin_host_memory(self, buffer: Any) -> Any:
+        from mmad.backends.cuda.toolchain import host_register
+
+        return host_register(cupy_module(), buffer)
+
     def data_parallel(self, replicas: list[CompiledModel]) -> Any:
         from mmad.backends.cuda.parallel import NcclDataParallel
 

@@ -15,7 +15,8 @@ import re
 import shutil
 import subprocess
 import tempfile
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 import numpy as np
 
@@ -187,6 +188,7 @@ class CudaModel(CompiledModel):
         self.arch = f"sm_{self.arch_digits}"
         self.device_index = int(cp.cuda.Device().id)
         self.cuda_device = cp.cuda.Device(self.device_index)
+        self._staging: PinnedStaging | None = None  # forward_to_host's, made on first use
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -254,13 +256,25 @@ class CudaModel(CompiledModel):
     def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None) -> None:
         """``forward`` of host rows into the host array ``out``, in ``out``'s dtype: fp16 rows go
         up as fp16 and an fp16 ``out`` is produced on the device, so no side casts and half the
-        bytes cross the bus. (Chunked page-locked staging measured slower on the H100: the host
-        copy into the staging buffer costs what the driver's own pageable copy does; it pays only
-        once the request and response buffers are themselves page-locked, docs/gpu-notes-cuda.md.)
-        Encoded models take ``forward``'s host path (encoded on the host, then in fp32)."""
+        bytes cross the bus. Requests of at least ``PIPELINE_MIN_BYTES`` take the pipelined
+        page-locked path (:class:`PinnedStaging`); smaller ones one plain copy each way, which
+        costs less than the pipeline's setup. Encoded models take ``forward``'s host path
+        (encoded on the host, then in fp32)."""
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
         if not self.spec.encoding.passthrough:  # forward encodes host rows itself
             np.copyto(out, self.forward(x, out_dtype=out.dtype))
+            return
+        if not isinstance(x, np.ndarray):
+            x = check_rows(x, self.spec.n_input_dims, "input", keep_half=out.dtype == np.float16)
+        x = check_rows_shape(x, self.spec.n_input_dims, "input")
+        # fp16 rows stay fp16 only when the output is fp16 too (the fp16-I/O kernel); otherwise
+        # the kernels read fp32, and the cast happens in the host copy into the staging buffer
+        in_dtype = np.dtype(np.float16 if x.dtype == np.float16 and out.dtype == np.float16 else np.float32)
+        if x.shape[0] * (x.shape[1] * in_dtype.itemsize + out.shape[1] * out.itemsize) >= PIPELINE_MIN_BYTES:
+            try:
+                self._pipeline().run(self, x, out, in_dtype, executor)
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"the pipelined forward of {x.shape[0]} rows failed: {exc}") from exc
             return
         dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=False,
                                    keep_half=out.dtype == np.float16)
@@ -269,6 +283,14 @@ class CudaModel(CompiledModel):
             result.get(out=out)
         except device_errors(self.cp) as exc:
             raise LaunchError(f"copying the output from the device failed: {exc}") from exc
+
+    def _pipeline(self) -> "PinnedStaging":
+        """This model's staging buffers and streams, made on first use on the current device
+        (the device a caller made current, so never a fixed device 0)."""
+        staging = self._staging
+        if staging is None or staging.device != self.cp.cuda.Device().id:
+            staging = self._staging = PinnedStaging(self.cp)
+        return staging
 
     # -- datasets on the device ------------------------------------------------------------------
     def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
@@ -321,6 +343,169 @@ class CudaModel(CompiledModel):
 
     def _rows_padded(self, rows: int) -> int:
         return math.ceil(rows / ROW_GRANULE) * ROW_GRANULE
+
+
+PIPELINE_MIN_BYTES = 1 << 20  # host bytes in + out from which forward_to_host pipelines
+PIPELINE_DEPTH = 4  # chunks in flight: staged in, on the device, and copied out at once
+PIPELINE_CHUNKS = 8  # a request is cut into about this many chunks ...
+CHUNK_BYTES = (256 << 10, 8 << 20)  # ... of this many input bytes at least and at most
+_HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked or cudaHostRegister'ed host memory
+
+
+def is_page_locked(cp, a: np.ndarray) -> bool:
+    """Whether every byte of the C-contiguous host array ``a`` lies in page-locked memory
+    (cudaHostAlloc'ed, or a range registered with cudaHostRegister): such memory is copied to
+    and from directly, without a staging copy. The first and the last byte are asked about,
+    since an array may not straddle a registered range's end."""
+    if a.nbytes == 0 or not a.flags.c_contiguous:
+        return False
+    try:
+        return all(cp.cuda.runtime.pointerGetAttributes(ptr).type == _MEMORY_TYPE_HOST
+                   for ptr in (a.ctypes.data, a.ctypes.data + a.nbytes - 1))
+    except cp.cuda.runtime.CUDARuntimeError:  # drivers before CUDA 11 refuse pageable pointers
+        return False
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device's context
+
+
+def host_register(cp, buffer: Any) -> Callable[[], None]:
+    """Page-lock a host buffer in place (cudaHostRegister), so that ``forward_to_host`` copies
+    from and to arrays in it directly (:func:`is_page_locked`); returns the unregister call,
+    which must run before the buffer's memory is freed or unmapped."""
+    view = np.frombuffer(buffer, np.uint8)
+    ptr, size = view.ctypes.data, view.nbytes
+    del view  # no export of the buffer may outlive this call (an mmap refuses to close under one)
+    cp.cuda.runtime.hostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
+    return lambda: cp.cuda.runtime.hostUnregister(ptr)
+
+
+def chunk_rows(rows: int, row_bytes: int) -> int:
+    """Rows per pipeline chunk: a power of two (a few distinct shapes, so shape-keyed plans
+    such as cuBLASLt's are reused across requests) cutting the request into about
+    ``PIPELINE_CHUNKS`` pieces of ``CHUNK_BYTES`` input bytes, a multiple of ``ROW_GRANULE``."""
+    lo, hi = (max(ROW_GRANULE, b // row_bytes) for b in CHUNK_BYTES)
+    want = 1 << max(0, math.ceil(math.log2(max(1, rows / PIPELINE_CHUNKS))))
+    n = min(max(want, lo), hi)
+    return max(ROW_GRANULE, n // ROW_GRANULE * ROW_GRANULE)
+
+
+class PinnedStaging:
+    """Page-locked staging buffers and streams of one model's ``forward_to_host``, kept across
+    requests (grown when a request needs larger ones) and used by one call at a time (the
+    model's callers hold its lock).
+
+    A request is cut into chunks of ``chunk_rows`` rows; chunk i runs on slot i % DEPTH: an
+    executor thread copies (and casts) its rows into the slot's page-locked input buffer; the
+    slot's stream uploads them, runs ``forward`` on a full chunk (every chunk has one shape: the
+    tail's extra rows are computed and never read back), and downloads the chunk's rows into
+    the slot's page-locked output buffer; another executor thread waits for that download and
+    copies the rows into ``out``. So the host copies of several chunks run on several threads
+    while the copy engines and the kernels work on others. A pageable copy is itself a
+    single-threaded host copy plus a page-locked one inside the driver: the earlier one-chunk
+    staging measured no faster (docs/gpu-notes-cuda.md); the host copies spread over threads
+    and overlapped with the bus are what this buys. An input or output that is already
+    page-locked (a registered shared-memory region) skips its host copy.
+    """
+
+    DEPTH = PIPELINE_DEPTH
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.device = cp.cuda.Device().id
+        self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(self.DEPTH)]
+        self._host: dict[tuple[str, int], tuple[int, Any]] = {}  # (in|out, slot) -> (bytes, page-locked memory)
+
+    def buffer(self, kind: str, slot: int, dtype: np.dtype, shape: tuple[int, int]) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        held, mem = self._host.get((kind, slot), (0, None))
+        if held < nbytes:
+            mem = self.cp.cuda.alloc_pinned_memory(nbytes)
+            self._host[kind, slot] = (nbytes, mem)
+        return np.frombuffer(mem, dtype, math.prod(shape)).reshape(shape)
+
+    def run(self, model: "CudaModel", x: np.ndarray, out: np.ndarray, in_dtype: np.dtype, executor: Any) -> None:
+        cp = self.cp
+        rows, n_in, n_out = x.shape[0], x.shape[1], out.shape[1]
+        step = chunk_rows(rows, n_in * in_dtype.itemsize)
+        spans = [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+        slots = range(min(self.DEPTH, len(spans)))
+        direct_in = x.dtype == in_dtype and is_page_locked(cp, x)
+        direct_out = is_page_locked(cp, out)
+        # allocated here, on the model's device, not on the executor's threads
+        in_bufs = None if direct_in else [self.buffer("in", s, in_dtype, (step, n_in)) for s in slots]
+        out_bufs = None if direct_out else [self.buffer("out", s, out.dtype, (step, n_out)) for s in slots]
+        submit = executor.submit if executor is not None else _run_now
+        staged: dict[int, Future] = {}  # chunk -> its copy into its slot's input buffer
+        unstaged: dict[int, Future] = {}  # chunk -> its copy out of its slot's output buffer
+        downloaded: list[Any] = []  # events of downloads straight into a page-locked ``out``
+
+        def stage_in(i: int, slot_free: Any = None) -> np.ndarray:
+            lo, hi = spans[i]
+            if slot_free is not None:  # the slot's previous chunk must have gone up first
+                with cp.cuda.Device(self.device):
+                    slot_free.synchronize()
+            buf = in_bufs[i % self.DEPTH]
+            np.copyto(buf[:hi - lo], x[lo:hi], casting="same_kind")  # the cast to fp32, if any, fused
+            return buf
+
+        def stage_out(i: int, done: Any) -> None:
+            lo, hi = spans[i]
+            with cp.cuda.Device(self.device):
+                done.synchronize()
+            np.copyto(out[lo:hi], out_bufs[i % self.DEPTH][:hi - lo])
+
+        if not direct_in:  # the first chunks' host copies start before any launch
+            for i in slots:
+                staged[i] = submit(stage_in, i)
+        try:
+            for i, (lo, hi) in enumerate(spans):
+                slot, n = i % self.DEPTH, hi - lo
+                stream = self.streams[slot]
+                if i - self.DEPTH in unstaged:  # the slot's output buffer must have been read out
+                    unstaged.pop(i - self.DEPTH).result()
+                with stream:
+                    dx = cp.empty((step, n_in), dtype=in_dtype)
+                    src = x[lo:hi] if direct_in else staged.pop(i).result()
+                    cp.cuda.runtime.memcpyAsync(dx.data.ptr, src.ctypes.data, n * n_in * in_dtype.itemsize,
+                                                _HOST_TO_DEVICE, stream.ptr)
+                    if not direct_in and i + self.DEPTH < len(spans):  # the slot's next chunk may be staged
+                        staged[i + self.DEPTH] = submit(stage_in, i + self.DEPTH, stream.record())
+                    result = cp.ascontiguousarray(model.forward(dx, out_dtype=out.dtype))
+                    if result.dtype != out.dtype:  # the bytes below are copied as they are
+                        raise LaunchError(f"forward gave {result.dtype} rows for a {out.dtype} output buffer")
+                    dst = out[lo:hi] if direct_out else out_bufs[slot]
+                    cp.cuda.runtime.memcpyAsync(dst.ctypes.data, result.data.ptr, n * n_out * out.itemsize,
+                                                _DEVICE_TO_HOST, stream.ptr)
+                    done = stream.record()
+                if direct_out:
+                    downloaded.append(done)
+                else:
+                    unstaged[i] = submit(stage_out, i, done)
+            for future in unstaged.values():
+                future.result()
+            for done in downloaded:
+                done.synchronize()
+        finally:
+            # after a failure, nothing may still be writing a staging buffer or ``out``
+            for future in [*staged.values(), *unstaged.values()]:
+                future.cancel() or future.exception()
+            for stream in self.streams:
+                try:
+                    stream.synchronize()
+                except device_errors(cp):
+                    pass  # the failure that got us here is the one raised
+
+
+def _run_now(fn, *args):
+    """``executor.submit`` without an executor: run at once, a done future back."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future
 
 
 for _name in DEVICE_METHODS:  # CudaModel's own and those it inherits from the contract

@@ -32,5 +32,6 @@ async def ready(request: Request):
 
 
 @router.get("/v2")
-async def server_metadata():
-    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": EXTENSIONS})
+async def server_metadata(request: Request):
+    cuda = ["cuda_shared_memory"] if request.app.state.runtime.shm.cuda_enabled else []
+    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": [*EXTENSIONS, *cuda]})

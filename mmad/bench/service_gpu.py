@@ -1,0 +1,240 @@
+"""``mmad bench --service --backend cuda:mma`` (or vulkan:coopmat, ...): the GPU serving report
+of issue 16, in one run, against the same run's in-process and hardware figures.
+
+* transport ceiling: host->device and device->host bandwidth of page-locked copies (CuPy, 256 MiB);
+* in-process: ``forward_to_host`` of ``--gpu-rows`` FP16 rows (65,536 and 2^20) on a thread
+  pool of one thread per CPU, as the daemon runs it, against the PCIe-bound rate (bytes in + out
+  over the mean of the two bandwidths); the kernel on device arrays at 65,536 rows (cuda);
+* HTTP binary FP16, 65,536 rows, 1 and 8 clients (tensor GB/s and M samples/s);
+* system shared memory through ``tritonclient.utils.shared_memory`` (ratio to in-process) and,
+  on cuda, CUDA shared memory through ``tritonclient.utils.cuda_shared_memory`` (ratio to the
+  kernel's device-array rate), one client, FP16 in and out;
+* small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
+
+Every measurement runs in a fresh load-generator process (:mod:`mmad.bench.load`), timings with
+:func:`mmad.bench.timing.median_seconds`. A phase that fails is recorded under ``errors`` and
+the others still run. Results: ``--json PATH`` (default ``<out>/service-<backend>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmad.bench.load import (
+    FP16_TOLERANCE, MODEL, Bench, BenchError, batching_config, progress, scenario_http,
+)
+from mmad.bench.timing import median_seconds
+
+BANDWIDTH_BYTES = 256 << 20
+LARGE_ROWS = 65536
+
+
+def pinned_bandwidth() -> dict[str, float]:
+    """GB/s of page-locked host<->device copies of 256 MiB on the current GPU (CuPy)."""
+    import cupy as cp
+
+    host = np.frombuffer(cp.cuda.alloc_pinned_memory(BANDWIDTH_BYTES), np.uint8, BANDWIDTH_BYTES)
+    host[:] = 1
+    dev = cp.empty(BANDWIDTH_BYTES, dtype=cp.uint8)
+    stream = cp.cuda.get_current_stream()
+    up = median_seconds(lambda: dev.data.copy_from_host_async(host.ctypes.data, BANDWIDTH_BYTES, stream), 7,
+                        clock="cupy")
+    down = median_seconds(lambda: dev.data.copy_to_host_async(host.ctypes.data, BANDWIDTH_BYTES, stream), 7,
+                          clock="cupy")
+    return {"h2d_GBps": BANDWIDTH_BYTES / up / 1e9, "d2h_GBps": BANDWIDTH_BYTES / down / 1e9}
+
+
+def in_process(opts: argparse.Namespace, spec, bandwidth: dict[str, float] | None) -> dict[str, Any]:
+    """forward_to_host of FP16 rows as the daemon runs it, and the kernel on device arrays."""
+    from mmad.backends import select
+    from mmad.backends.cpu import CpuBackend
+
+    backend, row = select(opts.backend)
+    model = backend.compile(spec, variant=row.variant)
+    n_in, n_out = spec.n_input_dims, spec.n_output_dims
+    rng = np.random.default_rng()
+    doc: dict[str, Any] = {"backend": f"{row.backend}:{row.variant}", "device": row.device, "forward_to_host": []}
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="in-process-forward") as pool:
+            for rows in opts.gpu_rows:
+                x = rng.uniform(-1, 1, (rows, n_in)).astype(np.float16)
+                out = np.empty((rows, n_out), np.float16)
+                seconds = median_seconds(lambda: model.forward_to_host(x, out, pool), opts.in_process_repeats,
+                                         warmup=2)
+                point = {"rows": rows, "seconds": seconds, "M_samples_per_s": rows / seconds / 1e6,
+                         "GBps_tensor": rows * (n_in + n_out) * 2 / seconds / 1e9}
+                if bandwidth:
+                    bound = rows * (n_in + n_out) * 2 / ((bandwidth["h2d_GBps"] + bandwidth["d2h_GBps"]) / 2 * 1e9)
+                    point.update(pcie_bound_M_samples_per_s=rows / bound / 1e6, of_pcie_bound=bound / seconds)
+                if rows == LARGE_ROWS:  # the numbers are worth something only if the rows are right
+                    with CpuBackend("float64").compile(spec) as oracle:
+                        oracle.set_params(model.get_params())
+                        ref = oracle.forward(x.astype(np.float32))
+                    point["rel_err_vs_float64"] = float(np.linalg.norm(out.astype(np.float64) - ref)
+                                                        / np.linalg.norm(ref))
+                    if not point["rel_err_vs_float64"] <= FP16_TOLERANCE:
+                        raise BenchError(f"forward_to_host is {point['rel_err_vs_float64']:.3g} from the oracle")
+                doc["forward_to_host"].append(point)
+                progress(f"in-process forward_to_host {rows} FP16 rows: {point['M_samples_per_s']:,.1f} M samples/s"
+                         + (f", {point['of_pcie_bound']:.0%} of the PCIe bound" if bandwidth else ""))
+        if row.backend == "cuda":
+            import cupy as cp
+
+            dx = cp.asarray(rng.uniform(-1, 1, (LARGE_ROWS, n_in)).astype(np.float16))
+            seconds = median_seconds(lambda: model.forward(dx, out_dtype=np.float16), 30, clock="cupy")
+            doc["kernel_device_arrays"] = {"rows": LARGE_ROWS, "seconds": seconds,
+                                           "M_samples_per_s": LARGE_ROWS / seconds / 1e6}
+            progress(f"kernel on device arrays, {LARGE_ROWS} rows: {LARGE_ROWS / seconds / 1e6:,.0f} M samples/s")
+    finally:
+        model.close()
+        backend.close()
+    return doc
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    from mmad.spec import bench_spec
+
+    spec = bench_spec(MODEL)
+    n_in, n_out = spec.n_input_dims, spec.n_output_dims
+    started = time.time()
+    doc: dict[str, Any] = {
+        "benchmark": "service-gpu", "model": MODEL, "backend": opts.backend, "errors": {},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "command": " ".join(["mmad bench --service", *opts.argv]),
+    }
+
+    def phase(name: str, fn) -> Any:
+        try:
+            return fn()
+        except Exception as exc:  # one failed phase is reported; the others still run
+            doc["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+            progress(f"{name} failed: {doc['errors'][name]}\n{traceback.format_exc(limit=5)}")
+            return None
+
+    bandwidth = phase("bandwidth", pinned_bandwidth)
+    doc["bandwidth"] = bandwidth
+    if bandwidth:
+        progress(f"page-locked copies: H2D {bandwidth['h2d_GBps']:.1f} GB/s, D2H {bandwidth['d2h_GBps']:.1f} GB/s")
+    ip = doc["in_process"] = phase("in_process", lambda: in_process(opts, spec, bandwidth)) or {}
+    ip_rate = {p["rows"]: p["M_samples_per_s"] for p in ip.get("forward_to_host", [])}
+    kernel = ip.get("kernel_device_arrays", {}).get("M_samples_per_s")
+
+    with tempfile.TemporaryDirectory(prefix="mmad-load-gpu-") as tmp:
+        bench = Bench(opts, Path(tmp))
+        try:
+            daemon = phase("daemon", lambda: bench.start_daemon(opts.server_args))
+            if daemon is None:
+                return doc
+            phase("put_model", lambda: bench.put_model(daemon, batching_config(opts, True)))
+            doc["devices"] = phase("devices", lambda: httpx.get(f"{daemon.url}/v2/devices", timeout=30).json())
+            infer_path = f"/v2/models/{MODEL}/infer"
+
+            doc["http_binary16"] = []
+            for clients in (1, 8):
+                res = phase(f"http_binary16_{clients}", lambda: bench.generate(scenario_http(
+                    daemon.port, infer_path, "binary16", (LARGE_ROWS, LARGE_ROWS), clients,
+                    opts.large_requests * clients, opts.large_duration_s, 0.0, pool=3, warmup_requests=1), daemon))
+                if res:
+                    res.update(clients=clients, rows=LARGE_ROWS, M_samples_per_s=res["samples_per_s"] / 1e6,
+                               GBps_tensor=res["samples_per_s"] * (n_in + n_out) * 2 / 1e9)
+                    if LARGE_ROWS in ip_rate:
+                        res["of_in_process"] = res["M_samples_per_s"] / ip_rate[LARGE_ROWS]
+                    doc["http_binary16"].append(res)
+                    progress(f"HTTP binary FP16 {LARGE_ROWS} rows, {clients} clients: {res['GBps_tensor']:.2f} GB/s, "
+                             f"{res['M_samples_per_s']:.2f} M samples/s, errors {res['errors']}")
+
+            kinds = [("system_shm", "tritonclient-shm", ip_rate.get(LARGE_ROWS))]
+            if opts.backend.split(":")[0] == "cuda":
+                kinds.append(("cuda_shm", "tritonclient-cudashm", kernel))
+            for key, kind, reference in kinds:
+                res = phase(key, lambda: bench.generate(
+                    {"kind": kind, "port": daemon.port, "rows": [LARGE_ROWS, LARGE_ROWS], "clients": 1,
+                     "max_requests": 2000, "duration_s": opts.large_duration_s, "warmup_s": 0.0,
+                     "warmup_requests": 3}, daemon))
+                if res:
+                    res.update(rows=LARGE_ROWS, M_samples_per_s=res["samples_per_s"] / 1e6)
+                    if reference:
+                        res["ratio_to_reference"] = res["M_samples_per_s"] / reference
+                        res["reference"] = "in-process forward_to_host" if key == "system_shm" else \
+                            "the kernel on device arrays"
+                    doc[key] = res
+                    progress(f"{key} through tritonclient: {res['M_samples_per_s']:.2f} M samples/s "
+                             f"({res.get('ratio_to_reference', float('nan')):.2f}x the reference), "
+                             f"p50 {res['p50_ms']:.2f} ms")
+
+            doc["small"] = []
+            for wire in ("binary32", "json"):
+                for clients in opts.concurrency:
+                    res = phase(f"small_{wire}_{clients}", lambda: bench.generate(scenario_http(
+                        daemon.port, infer_path, wire, (1, 16), clients, opts.max_requests, opts.duration_s,
+                        opts.warmup_s, pool=256), daemon))
+                    if res:
+                        res.update(wire=wire, clients=clients)
+                        doc["small"].append(res)
+                        progress(f"small {wire} {clients} clients: {res['requests_per_s']:,.0f} req/s, "
+                                 f"p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, errors {res['errors']}")
+        finally:
+            bench.close()
+    doc["elapsed_s"] = round(time.time() - started, 1)
+    doc["targets"] = targets(doc)
+    return doc
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 16's "done when" rows: the figure, the bar, met or not (None: not measured)."""
+    rows = []
+    for p in doc.get("in_process", {}).get("forward_to_host", []):
+        if "of_pcie_bound" in p:
+            rows.append({"what": f"in-process forward_to_host {p['rows']} FP16 rows, of the PCIe bound",
+                         "value": p["of_pcie_bound"], "bar": 0.5, "met": p["of_pcie_bound"] >= 0.5})
+    eight = next((r for r in doc.get("http_binary16", []) if r["clients"] == 8), None)
+    if eight is not None:
+        bar = min(3.0, 0.6 * eight["GBps_tensor"] / eight["of_in_process"]) if eight.get("of_in_process") else 3.0
+        rows.append({"what": "HTTP binary FP16 65,536 rows, 8 clients, GB/s of tensor bytes",
+                     "value": eight["GBps_tensor"], "bar": bar, "met": eight["GBps_tensor"] >= bar})
+    for key, bar in (("system_shm", 0.8), ("cuda_shm", 0.5)):
+        res = doc.get(key)
+        if res and "ratio_to_reference" in res:
+            rows.append({"what": f"{key} through tritonclient, ratio to {res['reference']}",
+                         "value": res["ratio_to_reference"], "bar": bar, "met": res["ratio_to_reference"] >= bar})
+    small = next((r for r in doc.get("small", []) if r["wire"] == "binary32" and r["clients"] == 64), None)
+    if small is not None:
+        rows.append({"what": "small binary requests, 64 clients: req/s (p99 <= 20 ms)",
+                     "value": small["requests_per_s"], "bar": 5000,
+                     "met": small["requests_per_s"] >= 5000 and small["p99_ms"] <= 20})
+    return rows
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = [f"| {doc['backend']} | value | bar | met |", "|---|---|---|---|"]
+    for t in doc["targets"]:
+        lines.append(f"| {t['what']} | {t['value']:,.2f} | {t['bar']:,.2f} | {'yes' if t['met'] else 'NO'} |")
+    for name, error in doc["errors"].items():
+        lines.append(f"| {name} failed: {error[:160]} | | | NO |")
+    return "\n".join(lines)
+
+
+def main(opts: argparse.Namespace) -> int:
+    opts.gpu_rows = [int(r) for r in opts.gpu_rows.split(",") if r.strip()]
+    doc = run(opts)
+    path = Path(opts.json_path or Path(opts.out) / f"service-{opts.backend.replace(':', '-')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(table(doc))
+    print(f"wrote {path}")
+    return 1 if doc["errors"] else 0
+

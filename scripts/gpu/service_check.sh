@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 16 on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
+# serving report (docs/benchmarks.md, "--service on a GPU host").
+#   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] scripts/gpu/service_check.sh [phase ...]
+#   phases: env tests service vulkan (default: env tests service vulkan)
+# Expects the repository root on the GPU host with .whl carried (the daemon's dependencies and
+# tritonclient with cuda-bindings, py3.12 wheels: docs/gpu-notes-cuda.md); logs go under $OUT (or
+# /tmp/out), $OUT/service.json (cuda) and $OUT/service-vulkan.json are the results, the short
+# table is printed last. Each phase runs under `timeout`; one that fails does not stop the others.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PHASES=${*:-"env tests service vulkan"}
+BACKEND=${BACKEND:-cuda:mma}
+VULKAN=${VULKAN:-vulkan:coopmat}
+export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
+
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
+fi
+export PYTHONPATH=/tmp/site:$PWD/client
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+# the small-request sweep: short points, so that the whole report fits the call
+SWEEP="--concurrency 1,8,64,256 --duration-s ${SWEEP_S:-2} --warmup-s 0.5 --large-duration-s ${LARGE_S:-3}"
+SWEEP="$SWEEP --large-requests 40 --in-process-repeats 7"
+
+for phase in $PHASES; do
+  case $phase in
+    env)
+      { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv;
+        python3 -c "import cupy; print('cupy', cupy.__version__)";
+        python3 -c "import tritonclient.utils.cuda_shared_memory as c; print('tritonclient cuda_shared_memory ok')";
+        python3 -m mmad.cli probe --backend cuda; } 2>&1 | tee "$OUT/env.log" | tee -a "$SUMMARY" ;;
+    tests)
+      start=$(date +%s)
+      timeout ${TEST_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-4} \
+        tests/test_cuda_transport.py tests/test_server_cudashm.py tests/test_server_shm.py \
+        --timeout 120 -v --tb=short -rfEs > "$OUT/pytest.log" 2>&1
+      echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
+      grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY" ;;
+    service)
+      timeout ${SERVICE_TIMEOUT:-240} python3 -m mmad.bench --service --backend "$BACKEND" $SWEEP \
+        --json "$OUT/service.json" > "$OUT/service.log" 2>&1
+      echo "service bench ($BACKEND) rc=$?" | tee -a "$SUMMARY"
+      grep -E "^\|" "$OUT/service.log" | tee -a "$SUMMARY" ;;
+    vulkan)
+      # the same report on the Vulkan backend, shorter: no small-request sweep beyond 64 clients
+      timeout ${VULKAN_TIMEOUT:-120} python3 -m mmad.bench --service --backend "$VULKAN" --concurrency 64 \
+        --duration-s 2 --warmup-s 0.5 --large-duration-s 2 --large-requests 20 --in-process-repeats 5 \
+        --json "$OUT/service-vulkan.json" > "$OUT/service-vulkan.log" 2>&1
+      echo "service bench ($VULKAN) rc=$?" | tee -a "$SUMMARY"
+      grep -E "^\|" "$OUT/service-vulkan.log" | tee -a "$SUMMARY" ;;
+    *) echo "unknown phase $phase (env tests service vulkan)" | tee -a "$SUMMARY" ;;
+  esac
+done
+echo "==== summary ===="
+cat "$SUMMARY"

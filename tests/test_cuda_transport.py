@@ -1,0 +1,179 @@
+"""The cuda backend's host<->device transport on a CUDA GPU (skipped without one): the pipelined
+page-locked ``forward_to_host``, page-locked (registered) host buffers, and CUDA IPC regions
+opened by the daemon's real opener, each against the float64 cpu oracle on fresh random data."""
+
+from __future__ import annotations
+
+import base64
+import mmap
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from oracle import rel_err
+import pytest
+
+from test_cuda import FWD_TOL, _cuda_backend, inputs, make_pair
+from mmad.backends.cache import KernelCache
+from mmad.errors import InvalidInput
+from mmad.spec import bench_spec
+
+pytestmark = pytest.mark.gpu
+
+# below the pipeline's threshold, one chunk plus a tail, several chunks, many chunks
+ROWS = [1000, 9_000, 65_537, 1 << 20]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return _cuda_backend()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ThreadPoolExecutor(8) as executor:
+        yield executor
+
+
+@pytest.fixture(scope="module")
+def pair(backend):
+    rng = np.random.default_rng()
+    model, oracle = make_pair(backend, KernelCache(), bench_spec("M"), rng, variant="mma")
+    yield model, oracle
+    model.close()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("in_dtype", "out_dtype"), [(np.float16, np.float16), (np.float32, np.float32),
+                                                     (np.float16, np.float32), (np.float32, np.float16)])
+@pytest.mark.parametrize("with_pool", [True, False])
+def test_forward_to_host_matches_oracle(pair, pool, rows, in_dtype, out_dtype, with_pool):
+    model, oracle = pair
+    x = inputs(np.random.default_rng(), rows, model.spec).astype(in_dtype)
+    out = np.full((rows, model.spec.n_output_dims), np.nan, out_dtype)
+    model.forward_to_host(x, out, pool if with_pool else None)
+    err = rel_err(out.astype(np.float64), oracle.forward(x.astype(np.float32)))
+    assert err <= FWD_TOL, f"{rows} rows {np.dtype(in_dtype)} -> {np.dtype(out_dtype)}: {err:.2e}"
+    # twice in a row: the staging buffers are reused, and hold the previous request's rows
+    y = inputs(np.random.default_rng(), rows, model.spec).astype(in_dtype)
+    model.forward_to_host(y, out, pool if with_pool else None)
+    assert rel_err(out.astype(np.float64), oracle.forward(y.astype(np.float32))) <= FWD_TOL
+
+
+@pytest.mark.parametrize("variant", ["cublaslt", "wgmma"])
+def test_other_variants_pipeline_too(backend, pool, variant):
+    rows_by_variant = {r.variant: r for r in backend.probe()}
+    if not rows_by_variant[variant].available:
+        pytest.skip(f"the cuda {variant} variant is unavailable here: {rows_by_variant[variant].reason}")
+    model, oracle = make_pair(backend, KernelCache(), bench_spec("M"), np.random.default_rng(), variant=variant)
+    with model:
+        for rows in (65_537, 200_000):  # chunk shapes differ between the two: plans are rebuilt once
+            x = inputs(np.random.default_rng(), rows, model.spec).astype(np.float16)
+            out = np.full((rows, model.spec.n_output_dims), np.nan, np.float16)
+            model.forward_to_host(x, out, pool)
+            err = rel_err(out.astype(np.float64), oracle.forward(x.astype(np.float32)))
+            assert err <= FWD_TOL, f"{variant}, {rows} rows: {err:.2e}"
+
+
+def test_page_locked_buffers_are_copied_directly(pair, pool):
+    import cupy as cp
+
+    from mmad.backends.cuda.toolchain import is_page_locked
+
+    model, oracle = pair
+    rows, n_in, n_out = 65_537, model.spec.n_input_dims, model.spec.n_output_dims
+    x_mem = cp.cuda.alloc_pinned_memory(rows * n_in * 2)
+    out_mem = cp.cuda.alloc_pinned_memory(rows * n_out * 2)
+    x = np.frombuffer(x_mem, np.float16, rows * n_in).reshape(rows, n_in)
+    out = np.frombuffer(out_mem, np.float16, rows * n_out).reshape(rows, n_out)
+    x[...] = inputs(np.random.default_rng(), rows, model.spec)
+    out[...] = np.nan
+    assert is_page_locked(cp, x) and is_page_locked(cp, out)
+    assert not is_page_locked(cp, np.ones((rows, n_in), np.float16))
+    model.forward_to_host(x, out, pool)
+    assert rel_err(out.astype(np.float64), oracle.forward(x.astype(np.float32))) <= FWD_TOL
+
+
+def test_the_backend_pins_shared_memory_regions(backend):
+    """The daemon page-locks system regions through this hook (mmad/server/shm.py)."""
+    import cupy as cp
+
+    from mmad.backends.cuda.toolchain import is_page_locked
+
+    mapping = mmap.mmap(-1, 1 << 20)
+    unpin = backend.pin_host_memory(mapping)
+    assert unpin is not None, "CudaBackend.pin_host_memory is missing (it returns host_register(cp, buffer))"
+    assert is_page_locked(cp, np.frombuffer(mapping, np.uint8))
+    unpin()
+    mapping.close()
+
+
+def test_registered_mapping_is_page_locked_until_unregistered(pair, pool):
+    import cupy as cp
+
+    from mmad.backends.cuda.toolchain import host_register, is_page_locked
+
+    model, oracle = pair
+    rows, n_in, n_out = 30_000, model.spec.n_input_dims, model.spec.n_output_dims
+    mapping = mmap.mmap(-1, rows * (n_in + n_out) * 2)
+    unpin = host_register(cp, mapping)
+    x = np.frombuffer(mapping, np.float16, rows * n_in).reshape(rows, n_in)
+    out = np.frombuffer(mapping, np.float16, rows * n_out, rows * n_in * 2).reshape(rows, n_out)
+    x[...] = inputs(np.random.default_rng(), rows, model.spec)
+    assert is_page_locked(cp, x) and is_page_locked(cp, out)
+    model.forward_to_host(x, out, pool)
+    assert rel_err(out.astype(np.float64), oracle.forward(x.astype(np.float32))) <= FWD_TOL
+    del x, out
+    unpin()
+    assert not is_page_locked(cp, np.frombuffer(mapping, np.uint8))
+    mapping.close()
+
+
+_IPC_CHILD = """
+import base64, sys
+import cupy as cp, numpy as np
+rows, cols, extra = (int(a) for a in sys.argv[1:4])
+x = cp.asarray(np.random.default_rng().standard_normal((rows, cols)).astype(np.float16))
+buf = cp.zeros(x.nbytes + extra, dtype=cp.uint8)
+buf[:x.nbytes] = x.view(cp.uint8).ravel()
+cp.cuda.Device().synchronize()
+print(base64.b64encode(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr)).decode(), flush=True)
+np.save(sys.stdout.buffer, cp.asnumpy(x)); sys.stdout.flush()
+sys.stdin.readline()  # the allocation stays until the parent is done
+"""
+
+
+def test_cuda_ipc_region_opened_by_the_daemons_opener(pair):
+    """Another process's allocation, opened through its IPC handle: the input read and the output
+    written on the device; byte sizes past the allocation and other GPUs refused."""
+    import cupy as cp
+
+    from mmad.server.cudashm import open_ipc_region
+
+    model, oracle = pair
+    rows, n_in, n_out = 4096, model.spec.n_input_dims, model.spec.n_output_dims
+    out_bytes = rows * n_out * 2
+    child = subprocess.Popen([sys.executable, "-c", _IPC_CHILD, str(rows), str(n_in), str(out_bytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        handle = base64.b64decode(child.stdout.readline())
+        x = np.load(child.stdout)
+        size = rows * n_in * 2 + out_bytes
+        with pytest.raises(InvalidInput, match="larger than the device allocation"):
+            open_ipc_region("big", handle, 0, size + 4096 * 1024)
+        with pytest.raises(InvalidInput, match="is not a GPU of this daemon"):
+            open_ipc_region("far", handle, cp.cuda.runtime.getDeviceCount(), size)
+        region = open_ipc_region("r", handle, 0, size)
+        dx = region.array("input", 0, np.dtype(np.float16), (rows, n_in))
+        assert isinstance(dx, cp.ndarray)
+        np.testing.assert_array_equal(cp.asnumpy(dx), x)
+        target = region.array("output", rows * n_in * 2, np.dtype(np.float16), (rows, n_out))
+        target[...] = model.forward(dx, out_dtype=np.float16)
+        cp.cuda.Device().synchronize()
+        assert rel_err(cp.asnumpy(target).astype(np.float64), oracle.forward(x.astype(np.float32))) <= FWD_TOL
+        del dx, target, region
+    finally:
+        child.stdin.write(b"\n")
+        child.stdin.close()
+        child.wait(30)

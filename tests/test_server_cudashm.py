@@ -1,0 +1,264 @@
+"""Triton's CUDA shared-memory extension: the routes, the registration checks and every region
+reference, in CI without a GPU.
+
+The daemon runs in-process on the cpu backend; the registry's seam (``cuda_open``, the function
+that turns an IPC handle into a region) is replaced by a fake whose "device memory" is host
+bytes, so the request path (inputs read from a region, outputs written into one, on the
+model's arrays) is the real one. With the cpu backend as it comes, the routes answer 400.
+The real opener runs on a GPU in tests/test_cuda_transport.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import numpy as np
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from test_server_api import oracle, rel_err
+from mmad.errors import InvalidInput
+from mmad.server import Settings, create_app
+from mmad.server.cudashm import CudaRegion
+
+API_KEY = "cudashm-test-key"
+ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+class FakeIpc:
+    """Allocations of "device" memory (host bytes) by IPC handle, opened as a real opener does:
+    an unknown handle, another device or a byte_size past the allocation is refused."""
+
+    def __init__(self) -> None:
+        self.allocations: dict[bytes, tuple[int, bytearray]] = {}
+
+    def alloc(self, nbytes: int, device: int = 0) -> tuple[str, bytearray]:
+        handle = os.urandom(64)
+        memory = bytearray(nbytes)
+        self.allocations[handle] = (device, memory)
+        return base64.b64encode(handle).decode(), memory
+
+    def open(self, name: str, handle: bytes, device_id: int, byte_size: int) -> CudaRegion:
+        if handle not in self.allocations:
+            raise InvalidInput(f"unable to open the CUDA IPC handle of region {name!r}")
+        device, memory = self.allocations[handle]
+        if device != device_id:
+            raise InvalidInput(f"unable to open the CUDA IPC handle of region {name!r} on GPU {device_id}")
+        if byte_size > len(memory):
+            raise InvalidInput(f"byte_size {byte_size} is larger than the allocation ({len(memory)} bytes)")
+        return CudaRegion(name, device_id, byte_size,
+                          lambda offset, dtype, shape: np.frombuffer(memory, dtype, int(np.prod(shape)),
+                                                                     offset).reshape(shape))
+
+
+@pytest.fixture(scope="module")
+def app_client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cudashm")
+    app = create_app(Settings(store_dir=root / "store", backend="cpu", probe="cpu", api_key=API_KEY))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield app, client
+
+
+@pytest.fixture
+def client(app_client):
+    """The daemon with the fake opener in place of CUDA's (restored afterwards)."""
+    app, client = app_client
+    shm = app.state.runtime.shm
+    fake = FakeIpc()
+    saved = shm.cuda_open
+    shm.cuda_open = fake.open
+    client.fake = fake
+    yield client
+    client.post("/v2/cudasharedmemory/unregister", headers=AUTH)
+    client.post("/v2/systemsharedmemory/unregister", headers=AUTH)
+    shm.cuda_open = saved
+
+
+def register(client, name: str, b64: str, byte_size: int, device_id: int = 0):
+    return client.post(f"/v2/cudasharedmemory/region/{name}/register", headers=AUTH,
+                       json={"raw_handle": {"b64": b64}, "device_id": device_id, "byte_size": byte_size})
+
+
+def infer(client, inputs: list[dict], outputs: list[dict]):
+    return client.post("/v2/models/demo/infer", content=orjson.dumps({"inputs": inputs, "outputs": outputs}))
+
+
+def shm_input(region: str, byte_size: int, offset: int = 0, datatype: str = "FP32", rows: int = ROWS) -> dict:
+    return {"name": "INPUT", "datatype": datatype, "shape": [rows, IN_COLS],
+            "parameters": {"shared_memory_region": region, "shared_memory_offset": offset,
+                           "shared_memory_byte_size": byte_size}}
+
+
+def shm_output(region: str, byte_size: int, offset: int = 0, datatype: str = "FP32") -> dict:
+    return {"name": "OUTPUT", "parameters": {"shared_memory_region": region, "shared_memory_offset": offset,
+                                             "shared_memory_byte_size": byte_size, "output_datatype": datatype}}
+
+
+def assert_400(r, *words: str) -> str:
+    assert r.status_code == 400, (r.status_code, r.text)
+    message = r.json()["error"]
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def test_cpu_backend_answers_400_and_does_not_list_the_extension(app_client):
+    _, client = app_client
+    assert "cuda_shared_memory" not in client.get("/v2").json()["extensions"]
+    assert "system_shared_memory" in client.get("/v2").json()["extensions"]
+    for r in (client.get("/v2/cudasharedmemory/status"), client.get("/v2/cudasharedmemory/region/r/status"),
+              register(client, "r", base64.b64encode(bytes(64)).decode(), 64),
+              client.post("/v2/cudasharedmemory/unregister", headers=AUTH),
+              client.post("/v2/cudasharedmemory/region/r/unregister", headers=AUTH)):
+        assert_400(r, "CUDA shared memory needs the cuda backend", "cpu")
+
+
+@pytest.mark.parametrize("datatype, out_datatype, tol",
+                         [("FP32", "FP32", 1e-5), ("FP16", "FP32", 3e-3), ("FP16", "FP16", 3e-3)])
+def test_inputs_and_outputs_in_cuda_regions(client, datatype, out_datatype, tol):
+    assert "cuda_shared_memory" in client.get("/v2").json()["extensions"]
+    dtype = np.float16 if datatype == "FP16" else np.float32
+    out_dtype = np.float16 if out_datatype == "FP16" else np.float32
+    x = np.random.default_rng().uniform(-1, 1, (ROWS, IN_COLS)).astype(dtype)  # fresh every run
+    out_bytes = ROWS * OUT_COLS * np.dtype(out_dtype).itemsize
+    in_b64, in_mem = client.fake.alloc(x.nbytes + 64)
+    out_b64, out_mem = client.fake.alloc(out_bytes + 32)
+    in_mem[64:] = x.tobytes()
+    assert register(client, "in", in_b64, x.nbytes + 64).status_code == 200
+    assert register(client, "out", out_b64, out_bytes + 32).status_code == 200
+    status = client.get("/v2/cudasharedmemory/status").json()
+    assert sorted(status, key=lambda s: s["name"]) == [
+        {"name": "in", "device_id": 0, "byte_size": x.nbytes + 64},
+        {"name": "out", "device_id": 0, "byte_size": out_bytes + 32}]
+    assert client.get("/v2/systemsharedmemory/status").json() == []  # the kinds stay apart
+
+    r = infer(client, [shm_input("in", x.nbytes, offset=64, datatype=datatype)],
+              [shm_output("out", out_bytes + 32, datatype=out_datatype)])
+    assert r.status_code == 200, r.text
+    entry = r.json()["outputs"][0]
+    assert entry["shape"] == [ROWS, OUT_COLS] and "data" not in entry
+    assert entry["parameters"]["shared_memory_region"] == "out"
+    out = np.frombuffer(out_mem, out_dtype, ROWS * OUT_COLS).reshape(ROWS, OUT_COLS)
+    assert rel_err(out.astype(np.float32), oracle(client, "demo", x.astype(np.float32))) <= tol
+
+
+def test_input_in_cuda_region_output_in_body(client):
+    x = np.random.default_rng().uniform(-1, 1, (ROWS, IN_COLS)).astype(np.float32)
+    b64, mem = client.fake.alloc(x.nbytes)
+    mem[:] = x.tobytes()
+    assert register(client, "in", b64, x.nbytes).status_code == 200
+    r = infer(client, [shm_input("in", x.nbytes)], [{"name": "OUTPUT"}])
+    assert r.status_code == 200, r.text
+    out = np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32).reshape(ROWS, OUT_COLS)
+    assert rel_err(out, oracle(client, "demo", x)) <= 1e-5
+
+
+def test_input_in_body_output_in_cuda_region(client):
+    x = np.random.default_rng().uniform(-1, 1, (ROWS, IN_COLS)).astype(np.float32)
+    b64, mem = client.fake.alloc(ROWS * OUT_COLS * 4)
+    assert register(client, "out", b64, len(mem)).status_code == 200
+    r = infer(client, [{"name": "INPUT", "datatype": "FP32", "shape": [ROWS, IN_COLS], "data": x.ravel().tolist()}],
+              [shm_output("out", len(mem))])
+    assert r.status_code == 200, r.text
+    out = np.frombuffer(mem, np.float32).reshape(ROWS, OUT_COLS)
+    assert rel_err(out, oracle(client, "demo", x)) <= 1e-5
+
+
+def test_status_and_unregister(client):
+    b64, mem = client.fake.alloc(256)
+    assert register(client, "a", b64, 256).status_code == 200
+    assert client.get("/v2/cudasharedmemory/region/a/status").json() == [
+        {"name": "a", "device_id": 0, "byte_size": 256}]
+    assert_400(client.get("/v2/systemsharedmemory/region/a/status"), "unable to find system shared memory")
+    assert client.post("/v2/systemsharedmemory/region/a/unregister", headers=AUTH).status_code == 200
+    assert client.get("/v2/cudasharedmemory/status").json() != []  # a system unregister leaves it
+    assert client.post("/v2/cudasharedmemory/region/a/unregister", headers=AUTH).status_code == 200
+    assert_400(client.get("/v2/cudasharedmemory/region/a/status"), "unable to find cuda shared memory region 'a'")
+    assert client.post("/v2/cudasharedmemory/region/gone/unregister", headers=AUTH).status_code == 200  # as Triton
+
+
+def test_bad_registrations_are_400(client):
+    b64, _ = client.fake.alloc(256)
+    assert_400(register(client, "r", b64, 257), "larger than the allocation")
+    assert_400(register(client, "r", b64, 256, device_id=1), "GPU 1")
+    assert_400(register(client, "r", base64.b64encode(os.urandom(64)).decode(), 64), "unable to open")
+    assert_400(register(client, "r", "not base64!", 64), "not valid base64")
+    assert_400(register(client, "r", base64.b64encode(bytes(10)).decode(), 64), "10 bytes", "64")
+    assert_400(register(client, "r", b64, 0), "byte_size must be at least 1")
+    assert_400(register(client, "r", b64, -5), "byte_size must be a non-negative integer")
+    assert_400(register(client, "r", b64, 64, device_id=-1), "device_id must be a non-negative integer")
+    assert_400(client.post("/v2/cudasharedmemory/region/r/register", headers=AUTH, json=[1]), "JSON object")
+    assert_400(client.post("/v2/cudasharedmemory/region/r/register", headers=AUTH,
+                           json={"raw_handle": b64, "device_id": 0, "byte_size": 64}), 'raw_handle must be {"b64"')
+    assert register(client, "r", b64, 256).status_code == 200
+    assert_400(register(client, "r", b64, 256), "already registered")
+    assert client.get("/v2/cudasharedmemory/status").json() == [{"name": "r", "device_id": 0, "byte_size": 256}]
+
+
+def test_bad_references_are_400_and_the_daemon_keeps_serving(client):
+    x = np.random.default_rng().uniform(-1, 1, (ROWS, IN_COLS)).astype(np.float32)
+    size, out_size = x.nbytes, ROWS * OUT_COLS * 4
+    b64, mem = client.fake.alloc(size + out_size)
+    mem[:size] = x.tobytes()
+    assert register(client, "r", b64, size + out_size).status_code == 200
+    out_ok = shm_output("r", out_size, offset=size)
+    cases = [
+        (shm_input("r", size, offset=out_size + 8), out_ok, "past the end of region 'r'"),
+        (shm_input("r", size, offset=-4), out_ok, "shared_memory_offset must be a non-negative integer"),
+        (shm_input("r", -1), out_ok, "shared_memory_byte_size must be a non-negative integer"),
+        (shm_input("r", size - 4), out_ok, f"shared_memory_byte_size is {size - 4} bytes"),
+        (shm_input("nope", size), out_ok, "region 'nope' is not registered"),
+        (shm_input("r", size), shm_output("r", out_size, offset=size + 4), "past the end of region"),
+        (shm_input("r", size), shm_output("r", 8), "needs at least"),
+        (shm_input("r", size), shm_output("r", out_size, offset=size - 4),
+         f"would be written over input 'INPUT': both lie in bytes {size - 4} to {size - 1}"),
+        (shm_input("r", size), shm_output("r", out_size, offset=0), "would be written over input"),
+    ]
+    for inp, out, words in cases:
+        assert_400(infer(client, [inp], [out]), words)
+    # the region still serves a good request, and matches the oracle
+    r = infer(client, [shm_input("r", size)], [out_ok])
+    assert r.status_code == 200, r.text
+    out = np.frombuffer(mem, np.float32, ROWS * OUT_COLS, size).reshape(ROWS, OUT_COLS)
+    assert rel_err(out, oracle(client, "demo", x)) <= 1e-5
+
+
+def test_region_on_another_gpu_than_the_model_is_400(client):
+    b64, mem = client.fake.alloc(ROWS * IN_COLS * 4, device=1)
+    mem[:] = np.random.default_rng().uniform(-1, 1, ROWS * IN_COLS).astype(np.float32).tobytes()
+    assert register(client, "far", b64, len(mem), device_id=1).status_code == 200
+    assert_400(infer(client, [shm_input("far", len(mem))], [{"name": "OUTPUT"}]),
+               "region 'far' is on GPU 1", "runs on GPU 0")
+
+
+def test_non_finite_input_in_a_region_is_400(client):
+    x = np.random.default_rng().uniform(-1, 1, (ROWS, IN_COLS)).astype(np.float32)
+    x[5, 1] = np.nan
+    b64, mem = client.fake.alloc(x.nbytes)
+    mem[:] = x.tobytes()
+    assert register(client, "nan", b64, x.nbytes).status_code == 200
+    assert_400(infer(client, [shm_input("nan", x.nbytes)], [{"name": "OUTPUT"}]), "NaN or Inf")
+
+
+def test_a_name_is_one_region_of_either_kind(client):
+    b64, _ = client.fake.alloc(64)
+    assert register(client, "shared", b64, 64).status_code == 200
+    r = client.post("/v2/systemsharedmemory/region/shared/register", headers=AUTH,
+                    json={"key": "/does-not-matter", "byte_size": 64})
+    assert_400(r, "'shared' is already registered")
+
+
+def test_register_and_unregister_need_the_api_key(client):
+    b64, _ = client.fake.alloc(64)
+    body = {"raw_handle": {"b64": b64}, "device_id": 0, "byte_size": 64}
+    assert client.post("/v2/cudasharedmemory/region/k/register", json=body).status_code == 401
+    assert client.post("/v2/cudasharedmemory/region/k/register", json=body,
+                       headers={"Authorization": "Bearer wrong"}).status_code == 403
+    assert client.get("/v2/cudasharedmemory/status").json() == []
+    assert register(client, "k", b64, 64).status_code == 200
+    assert client.post("/v2/cudasharedmemory/region/k/unregister").status_code == 401
+    assert client.post("/v2/cudasharedmemory/unregister").status_code == 401
+    assert client.get("/v2/cudasharedmemory/status").json() == [{"name": "k", "device_id": 0, "byte_size": 64}]
