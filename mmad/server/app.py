@@ -25,7 +25,7 @@ from mmad.server.jobs import JobManager
 from mmad.server.metrics import Metrics
 from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.repository import load_repository
-from mmad.server.routers import ALL as ROUTERS
+from mmad.server.routers import ALL as ROUTERS, ui
 from mmad.server.inference import InferFastPath
 from mmad.server.settings import Settings
 from mmad.server.store import Store
@@ -93,12 +93,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await stop_runtime(rt)
 
-    app = FastAPI(title="mmad", version=mmad.__version__, lifespan=lifespan,
+    app = FastAPI(title="mmad", version=mmad.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
     app.state.runtime = rt
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    ui.install(app)  # /ui and /docs from the package's files
     app.add_middleware(InferFastPath, runtime=rt)  # added first: inside the body cap
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app
