@@ -2,7 +2,8 @@
 
 The lifespan probes the devices once, picks the backend (``settings.backend`` or the best
 available, never a silent fallback from a forced one), opens the store, creates the demo model
-when the store is empty, loads every model, and on exit stops training jobs (each writes a
+when the store is empty, loads every model, creates those of the model repository the store
+lacks (``mmad.server.repository``), and on exit stops training jobs (each writes a
 final checkpoint), stops the batchers and frees every device buffer.
 """
 
@@ -23,7 +24,8 @@ from mmad.server.errors import install_error_handlers
 from mmad.server.jobs import JobManager
 from mmad.server.metrics import Metrics
 from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
-from mmad.server.routers import ALL as ROUTERS
+from mmad.server.repository import load_repository
+from mmad.server.routers import ALL as ROUTERS, ui
 from mmad.server.inference import InferFastPath
 from mmad.server.settings import Settings
 from mmad.server.store import Store
@@ -50,10 +52,14 @@ async def start_runtime(rt: Runtime) -> None:
     rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
     rt.jobs = JobManager(rt.registry)
-    if settings.demo and not rt.store.list_models():
+    rt.metrics.inference.track(lambda: rt.registry.models)
+    # a daemon given a model repository serves what it holds, as Triton does: no demo model
+    if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
         log.info("created the demo model %r", DEMO_NAME)
     await rt.registry.load_all()
+    if settings.model_repository is not None:
+        await load_repository(rt.registry, settings.model_repository)
     rt.ready = True
 
 
@@ -88,12 +94,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await stop_runtime(rt)
 
-    app = FastAPI(title="mmad", version=mmad.__version__, lifespan=lifespan,
+    app = FastAPI(title="mmad", version=mmad.__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
     app.state.runtime = rt
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    ui.install(app)  # /ui and /docs from the package's files
     app.add_middleware(InferFastPath, runtime=rt)  # added first: inside the body cap
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     return app

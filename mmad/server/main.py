@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
     p.add_argument("--forward-threads", type=int,
                    help="threads sharing the row chunks of one large cpu forward (MMAD_FORWARD_THREADS, 0: one per CPU)")
+    p.add_argument("--model-repository", help="folder with one folder per model (config.json, optional mmad.json "
+                                              "and model.safetensors), created at start where the store lacks "
+                                              "them (MMAD_MODEL_REPOSITORY)")
     p.add_argument("--no-demo", dest="demo", action="store_const", const=False,
                    help="do not create the demo model in an empty store")
     p.add_argument("--graceful-timeout", dest="graceful_timeout_s", type=float,

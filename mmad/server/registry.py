@@ -438,8 +438,11 @@ class Registry:
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
 
-    def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int) -> None:
+    def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int,
+                     version: str | None = None) -> None:
+        """One executed batch of the live model, or of ``version`` when pinned."""
         entry.stats.record_batch(rows, compute_ns)
+        self.metrics.inference.batch_executed(entry, version, rows)
         labels = (entry.name, self.backend_label)
         self.metrics.compute_seconds.labels(*labels).observe(compute_ns / 1e9)
         self.metrics.batch_rows.labels(*labels).observe(rows)

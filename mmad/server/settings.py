@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     forward_threads: int = Field(0, ge=0, description="threads that share the host-side chunks of one large "
                                                       "forward (cpu backend); 0: one per CPU")
     demo: bool = True
+    # Triton's --model-repository: one folder per model, loaded at start (mmad/server/repository.py)
+    model_repository: Path | None = Field(None, description="folder of model folders created at start "
+                                                            "where the store lacks them (docs/service.md)")
     log_level: str = "info"
     graceful_timeout_s: float = Field(30.0, ge=0)
     # serving performance: docs/service-performance.md has the measurements behind the defaults
@@ -64,10 +67,17 @@ class Settings(BaseSettings):
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
     http: Literal["auto", "h11", "httptools"] = Field("auto", description="uvicorn HTTP parser")
 
-    @field_validator("backend", "api_key", "api_key_file", mode="before")
+    @field_validator("backend", "api_key", "api_key_file", "model_repository", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value
+
+    @field_validator("model_repository")
+    @classmethod
+    def _repository_is_a_folder(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():  # as Triton: a missing repository stops the start
+            raise ValueError(f"model_repository {str(value)!r} is not a folder")
+        return value
 
     @model_validator(mode="after")
     def _key_from_file(self):

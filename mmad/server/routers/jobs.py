@@ -24,6 +24,13 @@ async def start_job(model: str, request: Request, rt: Runtime = Depends(runtime)
     return json_response({"job": job.id, **job.status()}, status=202)
 
 
+@router.get("/v2/jobs")
+async def list_jobs(rt: Runtime = Depends(runtime)):
+    """Every job the daemon keeps, newest first: those running and the latest finished ones."""
+    jobs = sorted(rt.jobs.jobs.values(), key=lambda job: job.created, reverse=True)
+    return json_response({"jobs": [job.status() for job in jobs]})
+
+
 @router.get("/v2/models/{model}/jobs/{job_id}")
 async def job_status(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     return json_response(rt.jobs.get(model, job_id).status())

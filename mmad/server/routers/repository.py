@@ -20,7 +20,8 @@ async def index(request: Request, rt: Runtime = Depends(runtime)):
         raise InvalidInput("the repository index body must be a JSON object such as {\"ready\": true}")
     only_ready = bool(options.get("ready", False))
     rows = []
-    for name in rt.store.list_models():
+    # the store's models, and the model repository's folders that gave none (unreadable holds both)
+    for name in sorted(set(rt.store.list_models()) | set(rt.registry.unreadable)):
         entry = rt.registry.models.get(name)
         ready = entry is not None and entry.ready
         if only_ready and not ready:
