@@ -63,6 +63,32 @@ def test_dockerfile_copies_every_package_and_serves_from_the_volume():
     assert "/v2/health/ready" in text
 
 
+def test_dependencies_install_before_the_source_is_copied_at_the_constrained_versions():
+    lines = DOCKERFILE.read_text().splitlines()
+    copy_source = next(i for i, line in enumerate(lines) if line.startswith("COPY mmad "))
+    install_deps = next(i for i, line in enumerate(lines) if "pip install" in line and "-r /tmp/requirements.txt" in line)
+    assert install_deps < copy_source, "an edit of mmad/ must not reinstall the dependencies"
+    copied_before = " ".join(line for line in lines[:install_deps] if line.startswith("COPY "))
+    assert "mmad" not in copied_before.replace("/opt/mmad", "") and "constraints.txt" in copied_before
+    assert all("-c constraints.txt" in line for line in lines if "pip install" in line and "--no-deps" not in line)
+
+
+def test_the_base_image_is_an_exact_tag():
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", DOCKERFILE.read_text(), flags=re.M).group(1)
+    assert re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+(@sha256:[0-9a-f]{64})?", base), base
+
+
+def test_dockerignore_lets_in_exactly_what_the_dockerfile_copies():
+    patterns = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
+    assert patterns[0] == "*", "everything out first (a .venv, .git, wheels, bench results), then the files needed"
+    allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    copied = set()
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(line.split()[1:-1])
+    assert allowed == copied
+
+
 def test_compose_publishes_on_loopback_and_takes_the_key_from_a_secret():
     doc = yaml.safe_load(COMPOSE.read_text())
     for name in ("mmad", "mmad-cpu"):
