@@ -4,8 +4,9 @@
 #   scripts/setup.sh --dev      also the test tools (pytest, tritonclient, ...) and the client SDK
 # Mesa's lavapipe (a CPU Vulkan driver) comes from bookworm-backports (Mesa 25), so the Vulkan
 # and wgpu backends run even without a GPU. Set MMAD_SKIP_APT=1 to skip the system packages.
+# Python packages are installed at the versions in constraints.txt (the tested ones).
 # A re-run skips apt when every package is already installed (Mesa from backports), and pip when
-# .venv/.mmad-setup records an install of this same pyproject/client/setup script (a --dev
+# .venv/.mmad-setup records an install of this same pyproject/client/constraints/setup script (a --dev
 # install also counts for a plain one); MMAD_SETUP_FORCE=1 installs again regardless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,19 +59,19 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 # what the pip step installs follows from these files and the venv's Python
-key=$(cat pyproject.toml client/pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
+key=$(cat pyproject.toml client/pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
 stamp=.venv/.mmad-setup
 if [ "$force" != 1 ] && [ -f "$stamp" ] && [ -x .venv/bin/mmad ] \
    && { grep -qx "dev $key" "$stamp" || { [ "$dev" = 0 ] && grep -qx "runtime $key" "$stamp"; }; }; then
   echo "setup: Python packages already installed ($stamp)"
 else
   rm -f "$stamp"
-  .venv/bin/python -m pip install -q --upgrade pip "setuptools>=77" wheel
+  .venv/bin/python -m pip install -q -c constraints.txt --upgrade pip "setuptools>=77" wheel
   if [ "$dev" = 1 ]; then
-    .venv/bin/python -m pip install -q -e ".[vulkan,wgpu,dev]" -e ./client
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu,dev]" -e ./client
     echo "dev $key" > "$stamp"
   else
-    .venv/bin/python -m pip install -q -e ".[vulkan,wgpu]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu]"
     echo "runtime $key" > "$stamp"
   fi
 fi

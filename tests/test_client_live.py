@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "client"))
 
 import mmad_client  # noqa: E402
-from mmad_client import AsyncClient, Client, Timeout  # noqa: E402
+from mmad_client import AsyncClient, Client, Retry, Timeout  # noqa: E402
 from mmad_client import errors as E  # noqa: E402
 
 API_KEY = "live-test-key"
@@ -81,7 +82,8 @@ def daemon(tmp_path_factory):
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        with Client(url, timeout=Timeout(2.0)) as probe:
+        # the loop below is the waiting: each probe is tried once
+        with Client(url, timeout=Timeout(2.0), retry=None) as probe:
             deadline = time.monotonic() + 60
             while True:
                 if proc.poll() is not None:
@@ -286,24 +288,33 @@ def test_repository_load_unload_stats_delete(client):
         client.model_metadata("live-repo")
 
 
-def test_full_queue_is_service_unavailable_with_retry_after(daemon, client):
+def test_full_queue_is_service_unavailable_with_retry_after(daemon, client, caplog):
     doc = spec_doc(seed=19)
     # one waiting request at most, held 0.2 s for company: a burst must overflow
     client.create_model("live-queue", doc, config={"max_queue_requests": 1, "max_queue_delay_us": 200_000})
     ref_model = oracle(doc, client.get_weights("live-queue"))
     x = random_rows(10, N_IN, seed=10)
 
-    async def burst():
-        async with AsyncClient(daemon) as aclient:
-            return await asyncio.gather(*(aclient.infer("live-queue", x) for _ in range(12)), return_exceptions=True)
+    async def burst(retry, n):
+        async with AsyncClient(daemon, retry=retry) as aclient:
+            return await asyncio.gather(*(aclient.infer("live-queue", x) for _ in range(n)), return_exceptions=True)
 
-    results = asyncio.run(burst())
+    # sent once, the overflow is refused with the server's Retry-After
+    results = asyncio.run(burst(None, 12))
     refused = [r for r in results if isinstance(r, Exception)]
     served = [r for r in results if not isinstance(r, Exception)]
     assert refused and served
     assert all(isinstance(r, E.ServiceUnavailable) and r.retry_after and r.retry_after > 0 for r in refused), refused
     ref = ref_model.forward(x.astype(np.float64))
     assert all(rel_err(out, ref) <= 1e-5 for out in served)
+    # retried, the refused ones wait the Retry-After (1 s) and are served (fewer than above, so
+    # the test takes a few rounds of waits, not a dozen; 8 tries each outlast any overflow)
+    with caplog.at_level(logging.INFO, logger="mmad_client"):
+        results = asyncio.run(burst(Retry(attempts=8), 5))
+    assert all(not isinstance(r, Exception) and rel_err(r, ref) <= 1e-5 for r in results), results
+    waits = [float(r.getMessage().split(" in ")[-1].removesuffix(" s")) for r in caplog.records
+             if ": 503" in r.getMessage()]
+    assert waits and all(1.0 <= w <= 1.0 + Retry().jitter for w in waits), waits
 
 
 def test_errors_are_typed(daemon, client):
@@ -334,6 +345,6 @@ def test_errors_are_typed(daemon, client):
         with pytest.raises((E.Unauthorized, E.Forbidden)):
             wrong.delete_model("live-errors")
     with pytest.raises(E.TransportError):
-        with Client(f"http://127.0.0.1:{free_port()}", timeout=Timeout(2.0)) as nobody:
+        with Client(f"http://127.0.0.1:{free_port()}", timeout=Timeout(2.0), retry=None) as nobody:
             nobody.health_live()
     assert mmad_client.__version__

@@ -313,7 +313,7 @@ def test_status_codes_map_to_typed_errors(status, kind):
     def handler(request):
         return httpx.Response(status, json={"error": f"it went wrong ({status})"}, headers={"Retry-After": "2.5"})
 
-    with Client("http://mmad.test", transport=httpx.MockTransport(handler)) as client:
+    with Client("http://mmad.test", transport=httpx.MockTransport(handler), retry=None) as client:
         with pytest.raises(kind) as info:
             client.model_metadata("m")
     err = info.value
@@ -329,7 +329,7 @@ def test_error_without_json_body_and_http_date_retry_after():
     def handler(request):
         return httpx.Response(503, text="upstream gone", headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
 
-    with Client("http://mmad.test", transport=httpx.MockTransport(handler)) as client:
+    with Client("http://mmad.test", transport=httpx.MockTransport(handler), retry=None) as client:
         with pytest.raises(E.ServiceUnavailable) as info:
             client.server_metadata()
     assert info.value.message == "upstream gone"
@@ -344,7 +344,7 @@ def test_transport_failures_are_wrapped(raised, kind):
     def handler(request):
         raise raised
 
-    with Client("http://mmad.test", transport=httpx.MockTransport(handler)) as client:
+    with Client("http://mmad.test", transport=httpx.MockTransport(handler), retry=None) as client:
         with pytest.raises(kind) as info:
             client.server_metadata()
     assert info.value.__cause__ is raised

@@ -1,5 +1,5 @@
 """scripts/setup.sh installs once: a re-run (every scripts/start.sh) skips pip when its stamp
-matches, and installs again when pyproject.toml, the client's or the script change, for --dev
+matches, and installs again when pyproject.toml, the client's, constraints.txt or the script change, for --dev
 after a plain install, and with MMAD_SETUP_FORCE=1. pip is a stand-in that logs its calls."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def clone(tmp_path):
     (tmp_path / "client").mkdir()
     shutil.copy(REPO / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    shutil.copy(REPO / "constraints.txt", tmp_path / "constraints.txt")
     shutil.copy(REPO / "client" / "pyproject.toml", tmp_path / "client" / "pyproject.toml")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
@@ -59,6 +60,15 @@ def test_pip_runs_once_until_something_changes(clone):
         f.write("\n# a new dependency\n")
     assert setup(clone) == 1
     assert setup(clone, MMAD_SETUP_FORCE="1") == 1
+    with open(clone / "constraints.txt", "a") as f:
+        f.write("numpy==1.26.4\n")  # a changed pin installs again
+    assert setup(clone) == 1
+
+
+def test_pip_installs_at_the_constrained_versions(clone):
+    setup(clone, "--dev")
+    installs = [line for line in (clone / "pip.log").read_text().splitlines() if "install" in line and "-e" in line]
+    assert installs and all("-c constraints.txt" in line for line in installs)
 
 
 def test_a_stamp_of_other_files_installs_again(clone):

@@ -12,7 +12,9 @@
 
 :class:`Client` blocks, :class:`AsyncClient` has the same methods as coroutines. Tensors go
 as NumPy arrays over the binary tensor extension by default; every error is a
-:class:`MMADClientError` (see :mod:`mmad_client.errors`). Depends only on httpx and NumPy.
+:class:`MMADClientError` (see :mod:`mmad_client.errors`). Calls that can be repeated safely are
+tried again after a dropped connection or a 503 (:class:`Retry`). Depends on httpx, NumPy and
+tenacity.
 """
 
 from httpx import Timeout
@@ -20,6 +22,7 @@ from httpx import Timeout
 from ._async import AsyncClient
 from ._base import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, __version__
 from ._binary import decode_safetensors, encode_safetensors
+from ._retry import DEFAULT_RETRY, Retry
 from ._sync import Client
 from .errors import (
     BadRequest, Conflict, Forbidden, HTTPStatusError, JobFailed, MMADClientError, NotFound,
@@ -28,7 +31,8 @@ from .errors import (
 )
 
 __all__ = [
-    "Client", "AsyncClient", "Timeout", "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "__version__",
+    "Client", "AsyncClient", "Timeout", "Retry", "DEFAULT_BASE_URL", "DEFAULT_TIMEOUT", "DEFAULT_RETRY",
+    "__version__",
     "encode_safetensors", "decode_safetensors",
     "MMADClientError", "HTTPStatusError", "BadRequest", "Unauthorized", "Forbidden", "NotFound",
     "Conflict", "PayloadTooLarge", "ServerError", "ServiceUnavailable", "TransportError",

@@ -8,11 +8,13 @@ from typing import Any, AsyncIterator, Mapping
 
 import httpx
 import numpy as np
+import tenacity
 
 from ._base import (
     DEFAULT_BASE_URL, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, EVENT_STREAM_RECONNECTS, BaseClient, Call,
     DatasetUpload, JobFollower, ProgressCallback, train_upload_progress,
 )
+from ._retry import DEFAULT_RETRY, Retry
 from .errors import MMADClientError, status_error, transport_error
 
 
@@ -25,8 +27,8 @@ class AsyncClient(BaseClient):
     def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None,
                  timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers)
+                 headers: Mapping[str, str] | None = None, retry: Retry | None = DEFAULT_RETRY) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers, retry=retry)
         self._http = httpx.AsyncClient(transport=transport, **self._http_options())
 
     async def aclose(self) -> None:
@@ -38,10 +40,19 @@ class AsyncClient(BaseClient):
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
 
+    # the wait between tries (tests put a recorder here instead of waiting)
+    _sleep = staticmethod(asyncio.sleep)
+
     async def _send(self, call: Call) -> Any:
+        retry = self._retry_options(call)
+        if retry is None:
+            return await self._send_once(call)
+        return await tenacity.AsyncRetrying(sleep=self._sleep, **retry)(self._send_once, call)
+
+    async def _send_once(self, call: Call) -> Any:
         try:
             response = await self._http.request(call.method, call.path, content=call.content,
-                                          headers=call.headers, params=call.params)
+                                                headers=call.headers, params=call.params)
         except httpx.TransportError as exc:
             raise transport_error(exc) from exc
         return call.finish(response)

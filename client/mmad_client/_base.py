@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from . import _binary
+from ._retry import DEFAULT_RETRY, Retry
 from .errors import JobFailed, ProtocolError, status_error
 
 __version__ = "0.1.0"
@@ -44,6 +45,8 @@ class Call:
     params: dict[str, str] | None = None
     # health and readiness answer "no" with a status code instead of an error
     raise_for_status: bool = True
+    # sending it twice leaves the server as sending it once: the client's Retry may repeat it
+    idempotent: bool = False
 
     def finish(self, response: httpx.Response) -> Any:
         if self.raise_for_status and response.status_code >= 400:
@@ -184,15 +187,24 @@ class BaseClient:
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None,
                  timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, retry: Retry | None = DEFAULT_RETRY) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        if retry is not None and not isinstance(retry, Retry):
+            raise TypeError(f"retry must be a mmad_client.Retry or None; got {type(retry).__name__}")
+        self.retry = retry
         # identity: the daemon compresses responses when asked (as Triton does), and httpx asks by
         # default; tensors barely compress, so that would cost the daemon CPU per request for nothing
         self._headers = {"User-Agent": f"mmad-client/{__version__}", "Accept-Encoding": "identity",
                          **(headers or {})}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def _retry_options(self, call: Call) -> dict[str, Any] | None:
+        """tenacity's arguments when ``call`` may be tried again, else None (sent once)."""
+        if self.retry is None or not self.retry.applies(call.idempotent):
+            return None
+        return self.retry.tenacity_options(call.method, call.path)
 
     def _http_options(self) -> dict[str, Any]:
         return {"base_url": self.base_url, "headers": self._headers, "timeout": self.timeout}
@@ -202,19 +214,20 @@ class BaseClient:
 
     # -- health and metadata ----------------------------------------------------------------
     def _health_live(self) -> Call:
-        return Call("GET", "/v2/health/live", _is_ok, raise_for_status=False)
+        return Call("GET", "/v2/health/live", _is_ok, raise_for_status=False, idempotent=True)
 
     def _health_ready(self) -> Call:
-        return Call("GET", "/v2/health/ready", _is_ok, raise_for_status=False)
+        return Call("GET", "/v2/health/ready", _is_ok, raise_for_status=False, idempotent=True)
 
     def _server_metadata(self) -> Call:
-        return Call("GET", "/v2", _json)
+        return Call("GET", "/v2", _json, idempotent=True)
 
     def _model_metadata(self, name: str, version: str | int | None) -> Call:
-        return Call("GET", model_path(name, version), _json)
+        return Call("GET", model_path(name, version), _json, idempotent=True)
 
     def _model_ready(self, name: str, version: str | int | None) -> Call:
-        return Call("GET", f"{model_path(name, version)}/ready", _model_ready, raise_for_status=False)
+        return Call("GET", f"{model_path(name, version)}/ready", _model_ready, raise_for_status=False,
+                    idempotent=True)
 
     # -- models ---------------------------------------------------------------------------
     def _create_model(self, name: str, spec: Any, config: Mapping[str, Any] | None) -> Call:
@@ -248,7 +261,7 @@ class BaseClient:
             extra["parameters"]["output_datatype"] = "FP16"
         body, headers = _tensor_request({"INPUT": array}, binary, extra)
         return Call("POST", f"{model_path(name, version)}/infer", _infer_output(np.dtype(output_dtype)),
-                    body, headers)
+                    body, headers, idempotent=True)
 
     def _train_step(self, name: str, x: Any, y: Any, steps: int, binary: bool) -> Call:
         inputs = {"INPUT": as_tensor(x, "x"), "TARGET": as_tensor(y, "y")}
@@ -260,7 +273,7 @@ class BaseClient:
     # -- weights and versions -------------------------------------------------------------
     def _get_weights(self, name: str, version: str | int | None) -> Call:
         params = None if version is None else {"version": str(version)}
-        return Call("GET", f"{model_path(name)}/weights", _weights, params=params)
+        return Call("GET", f"{model_path(name)}/weights", _weights, params=params, idempotent=True)
 
     def _set_weights(self, name: str, weights: Mapping[str, Any]) -> Call:
         tensors = {k: np.asarray(v, dtype=np.float32, order="C") for k, v in weights.items()}
@@ -268,7 +281,7 @@ class BaseClient:
                     _binary.encode_safetensors(tensors), {"Content-Type": "application/octet-stream"})
 
     def _versions(self, name: str) -> Call:
-        return Call("GET", f"{model_path(name)}/versions", _json)
+        return Call("GET", f"{model_path(name)}/versions", _json, idempotent=True)
 
     def _checkpoint(self, name: str) -> Call:
         return Call("POST", f"{model_path(name)}/versions", lambda r: str(_field(r, "version")))
@@ -276,28 +289,30 @@ class BaseClient:
     # -- repository, statistics, devices --------------------------------------------------
     def _repository_index(self) -> Call:
         body, headers = _json_body({})
-        return Call("POST", "/v2/repository/index", _json, body, headers)
+        return Call("POST", "/v2/repository/index", _json, body, headers, idempotent=True)
 
     def _load(self, name: str) -> Call:
         body, headers = _json_body({})
-        return Call("POST", f"/v2/repository/models/{_segment(name)}/load", _nothing, body, headers)
+        return Call("POST", f"/v2/repository/models/{_segment(name)}/load", _nothing, body, headers,
+                    idempotent=True)
 
     def _unload(self, name: str) -> Call:
         body, headers = _json_body({})
-        return Call("POST", f"/v2/repository/models/{_segment(name)}/unload", _nothing, body, headers)
+        return Call("POST", f"/v2/repository/models/{_segment(name)}/unload", _nothing, body, headers,
+                    idempotent=True)
 
     def _stats(self, name: str) -> Call:
-        return Call("GET", f"{model_path(name)}/stats", _json)
+        return Call("GET", f"{model_path(name)}/stats", _json, idempotent=True)
 
     def _devices(self) -> Call:
-        return Call("GET", "/v2/devices", _json)
+        return Call("GET", "/v2/devices", _json, idempotent=True)
 
     def _metrics(self) -> Call:
-        return Call("GET", "/metrics", lambda r: r.text)
+        return Call("GET", "/metrics", lambda r: r.text, idempotent=True)
 
     # -- datasets -------------------------------------------------------------------------
     def _list_datasets(self, name: str) -> Call:
-        return Call("GET", f"{model_path(name)}/datasets", lambda r: list(_field(r, "datasets")))
+        return Call("GET", f"{model_path(name)}/datasets", lambda r: list(_field(r, "datasets")), idempotent=True)
 
     def _dataset_limits(self, name: str) -> Call:
         """(bytes of one chunk, bytes of one dataset) the server takes, from its dataset listing."""
@@ -306,7 +321,7 @@ class BaseClient:
             if not isinstance(doc, dict):
                 raise ProtocolError(f"GET {response.request.url.path}: the answer is not a JSON object")
             return doc.get("max_chunk_bytes"), doc.get("max_dataset_bytes")
-        return Call("GET", f"{model_path(name)}/datasets", parse)
+        return Call("GET", f"{model_path(name)}/datasets", parse, idempotent=True)
 
     def _add_dataset_chunk(self, name: str, dataset: str | None, body: bytes) -> Call:
         """The first chunk creates the dataset (``dataset`` None), the others are appended to it."""
@@ -329,7 +344,7 @@ class BaseClient:
         return Call("POST", f"{model_path(name)}/jobs", lambda r: str(_field(r, "job")), body, headers)
 
     def _job_status(self, name: str, job: str) -> Call:
-        return Call("GET", f"{model_path(name)}/jobs/{_segment(job)}", _json)
+        return Call("GET", f"{model_path(name)}/jobs/{_segment(job)}", _json, idempotent=True)
 
     def _cancel_job(self, name: str, job: str) -> Call:
         return Call("DELETE", f"{model_path(name)}/jobs/{_segment(job)}", _json)

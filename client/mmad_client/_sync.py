@@ -3,31 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Mapping
 
 import httpx
 import numpy as np
+import tenacity
 
 from ._base import (
     DEFAULT_BASE_URL, DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT, EVENT_STREAM_RECONNECTS, BaseClient, Call,
     DatasetUpload, JobFollower, ProgressCallback, train_upload_progress,
 )
+from ._retry import DEFAULT_RETRY, Retry
 from .errors import MMADClientError, status_error, transport_error
 
 
 class Client(BaseClient):
     """Blocking client for an mmad daemon (Open Inference Protocol v2 + mmad extensions).
 
-    ``Client(base_url, api_key=None, timeout=Timeout(60, connect=5), transport=None)``;
-    ``transport`` is any ``httpx.BaseTransport`` (e.g. ``httpx.MockTransport`` in tests).
+    ``Client(base_url, api_key=None, timeout=Timeout(60, connect=5), transport=None, retry=Retry())``;
+    ``transport`` is any ``httpx.BaseTransport`` (e.g. ``httpx.MockTransport`` in tests);
+    ``retry`` (:class:`Retry`) says which calls are tried again after a dropped connection or a
+    503, and how long to wait; ``None`` sends every call once.
     Use it as a context manager, or call :meth:`close`. Errors are :mod:`mmad_client.errors`.
     """
 
     def __init__(self, base_url: str = DEFAULT_BASE_URL, *, api_key: str | None = None,
                  timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
                  transport: httpx.BaseTransport | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers)
+                 headers: Mapping[str, str] | None = None, retry: Retry | None = DEFAULT_RETRY) -> None:
+        super().__init__(base_url, api_key=api_key, timeout=timeout, headers=headers, retry=retry)
         self._http = httpx.Client(transport=transport, **self._http_options())
 
     def close(self) -> None:
@@ -39,7 +44,16 @@ class Client(BaseClient):
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
 
+    # the wait between tries (tests put a recorder here instead of waiting)
+    _sleep = staticmethod(time.sleep)
+
     def _send(self, call: Call) -> Any:
+        retry = self._retry_options(call)
+        if retry is None:
+            return self._send_once(call)
+        return tenacity.Retrying(sleep=self._sleep, **retry)(self._send_once, call)
+
+    def _send_once(self, call: Call) -> Any:
         try:
             response = self._http.request(call.method, call.path, content=call.content,
                                           headers=call.headers, params=call.params)
