@@ -279,3 +279,44 @@ def test_device_backends_refuse_ema_by_name(device):
         backend.compile(spec, variant)
     assert err.value.field == "optimizer"
     assert f"not implemented on the {'vulkan' if variant else 'wgpu'} backend" in str(err.value)
+
+
+# -- through the daemon --------------------------------------------------------------------------
+WRAPPED = {"n_input_dims": 5, "n_output_dims": 3, "precision": "fp32",
+           "network": {"n_neurons": 16, "n_hidden_layers": 2},
+           "optimizer": {"otype": "EMA", "decay": 0.9, "nested": {"otype": "ExponentialDecay", **DECAY, "nested": ADAM}}}
+
+
+def test_daemon_checkpoints_the_ema_slot(http, daemon):
+    assert http.put("/v2/models/ema-wrapped", json={"spec": WRAPPED}).status_code == 201
+    x, y = task(small_spec(WRAPPED["optimizer"]), 64)
+    body = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()},
+                       {"name": "TARGET", "datatype": "FP32", "shape": list(y.shape), "data": y.ravel().tolist()}],
+            "parameters": {"steps": 8}}
+    assert http.post("/v2/models/ema-wrapped/train", json=body).status_code == 200
+    version = http.post("/v2/models/ema-wrapped/versions").json()["version"]
+    state = load_file(str(daemon.store / "models" / "ema-wrapped" / "optimizer" / f"{version}.safetensors"))
+    assert {"ema.W0", "ema.b2", "m.W0", "v.b2"} <= set(state) and int(state["step"][0]) == 8
+    meta = http.get("/v2/models/ema-wrapped").json()
+    assert meta["spec"]["optimizer"]["otype"] == "EMA"
+    assert http.delete("/v2/models/ema-wrapped").status_code == 200
+
+
+def test_daemon_on_wgpu_refuses_ema_with_400(tmp_path):
+    pytest.importorskip("wgpu", reason="wgpu-py is not installed")
+    import httpx
+
+    from tests.conftest import DaemonProcess
+
+    try:
+        proc = DaemonProcess(tmp_path / "store", env={"MMAD_BACKEND": "wgpu", "MMAD_PROBE": "wgpu"}).start()
+    except RuntimeError as exc:
+        pytest.skip(f"no wgpu daemon here: {str(exc)[:200]}")
+    try:
+        r = httpx.put(f"{proc.url}/v2/models/ema", json={"spec": WRAPPED}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "not implemented on the wgpu backend" in r.json()["error"]
+        decayed = WRAPPED | {"optimizer": WRAPPED["optimizer"]["nested"]}  # ExponentialDecay alone runs there
+        assert httpx.put(f"{proc.url}/v2/models/decayed", json={"spec": decayed}, timeout=60).status_code == 201
+    finally:
+        proc.stop()
