@@ -1,4 +1,4 @@
-"""The ``mmad`` command: probe, serve, bench, demo, cache.
+"""The ``mmad`` command: probe, serve, bench, demo, cache, export.
 
 Each subcommand returns an exit status; errors from the :mod:`mmad.errors` tree are printed in
 one line (``mmad: error: ...``) with status 2, never as a traceback.
@@ -137,6 +137,51 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    try:
+        return _export_files(args)
+    # a file that cannot be read or parsed, or an optional package (mmad[export]) that is missing
+    except (OSError, ImportError, ValueError) as exc:
+        print(f"mmad: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _export_files(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from mmad import export
+    from mmad.spec import MLPSpec
+
+    doc = json.loads(Path(args.config).read_text())
+    # a store's model.json holds the tcnn config under "spec"
+    spec = MLPSpec.from_json(doc["spec"] if isinstance(doc, dict) and "spec" in doc else doc)
+    if args.params:
+        state = load_file(args.optimizer_state) if args.optimizer_state else None
+        params = export.inference_params(spec, load_file(args.params), state)
+    elif args.tcnn_params:
+        path = Path(args.tcnn_params)
+        params = export.from_tcnn(spec, np.load(path) if path.suffix == ".npy" else path.read_bytes(), args.tcnn_dtype)
+    else:
+        path = Path(args.state_dict)
+        if path.suffix == ".safetensors":
+            state_dict = load_file(path)
+        else:
+            state_dict = export.require_optional("torch").load(path, map_location="cpu", weights_only=True)
+        params = export.from_state_dict(spec, state_dict)
+    out = Path(args.output)
+    if args.to == "onnx":
+        out.write_bytes(export.to_onnx(spec, params))
+    elif args.to == "safetensors":
+        save_file(params, str(out))
+    else:
+        export.require_optional("torch").save(export.to_torch(spec, params).state_dict(), out)
+    print(f"wrote {out} ({args.to}, {out.stat().st_size} bytes)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmad", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"mmad {__version__}")
@@ -196,6 +241,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4096)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "
+                                      "imports tiny-cuda-nn parameters and nn.Sequential state dicts (docs/export.md)")
+    p.add_argument("--config", required=True,
+                   help="the model's tiny-cuda-nn JSON config, or a model store's model.json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", metavar="FILE", help="mmad weights (.safetensors: a store version's "
+                                                     "weights/<v>.safetensors or GET .../weights)")
+    src.add_argument("--tcnn-params", metavar="FILE",
+                     help="tiny-cuda-nn's flat parameter buffer: raw values (--tcnn-dtype) or a .npy array")
+    src.add_argument("--state-dict", metavar="FILE",
+                     help="a state dict of a plain nn.Sequential of Linear layers (.pt, or .safetensors)")
+    p.add_argument("--optimizer-state", metavar="FILE",
+                   help="with --params: the version's optimizer state, needed for an EMA optimizer (it infers "
+                        "with the averaged weights)")
+    p.add_argument("--tcnn-dtype", choices=("fp16", "fp32"), default="fp16",
+                   help="the raw buffer's values (default fp16, tiny-cuda-nn's network precision)")
+    p.add_argument("--to", choices=("onnx", "state-dict", "safetensors"), required=True,
+                   help="onnx (needs the onnx package), state-dict (torch.save of the PyTorch module's state "
+                        "dict; needs torch) or safetensors (mmad's weights, for PUT .../weights)")
+    p.add_argument("-o", "--output", required=True, help="the file to write")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("cache", help="inspect or clear the kernel cache (MMAD_CACHE_DIR)")
     p.add_argument("action", choices=["info", "clear"])

@@ -42,6 +42,8 @@ def kernel_code_defines() -> str:
     lines += [f"#define {_LOSS_MACROS[n]} {c}" for n, c in LOSS_CODES.items()]
     return "\n".join(lines) + "\n"
 OPTIMIZERS = ("Adam", "SGD")
+# tcnn's wrappers around one of OPTIMIZERS (``nested``); see ExponentialDecaySpec and EmaSpec
+OPTIMIZER_WRAPPERS = ("ExponentialDecay", "EMA")
 ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite")
 PRECISIONS = ("fp16", "bf16", "fp32")
 MIN_WIDTH, MAX_WIDTH, WIDTH_STEP = 16, 256, 16
@@ -256,7 +258,54 @@ class EncodingSpec:
 
 
 @dataclass(frozen=True)
+class ExponentialDecaySpec:
+    """tiny-cuda-nn's ``ExponentialDecay`` wrapper (optimizers/exponential_decay.h), its fields
+    and defaults: before the optimizer step that follows ``k`` completed steps, the learning
+    rate is multiplied by ``decay_base`` when ``decay_start <= k <= decay_end`` and
+    ``(k - decay_start) % decay_interval == 0``; the factors accumulate."""
+
+    decay_base: float = 0.1
+    decay_start: int = 10000
+    decay_interval: int = 10000
+    decay_end: int = 10000000
+
+    def factor(self, completed_steps: int) -> float:
+        """The learning-rate factor of the step after ``completed_steps`` completed steps."""
+        last = min(completed_steps, self.decay_end)
+        if last < self.decay_start:
+            return 1.0
+        return self.decay_base ** ((last - self.decay_start) // self.decay_interval + 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"decay_base": self.decay_base, "decay_start": self.decay_start,
+                "decay_interval": self.decay_interval, "decay_end": self.decay_end}
+
+
+@dataclass(frozen=True)
+class EmaSpec:
+    """tiny-cuda-nn's ``EMA`` wrapper (optimizers/ema.h): after each step it keeps a debiased
+    exponential moving average of the weights, ``ema_t = (ema_{t-1}·d·(1 − d^(t−1)) + w_t·(1 − d))
+    / (1 − d^t)``, and inference uses the average (tcnn's ``custom_weights``) while training
+    goes on with the raw weights. ``full_precision`` false keeps the average in the network's
+    precision (rounded every step), true in fp32."""
+
+    decay: float = 0.99
+    full_precision: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"decay": self.decay, "full_precision": self.full_precision}
+
+
+_U32_MAX = 2**32 - 1  # tcnn keeps the ExponentialDecay step fields in uint32
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
+    """Adam or SGD (``otype``, with their fields), optionally wrapped in tiny-cuda-nn's
+    ``ExponentialDecay`` (``decay``) and/or ``EMA`` (``ema``). The two wrappers commute (one
+    scales the learning rate, the other only reads the weights after the step), so either
+    nesting order parses to the same spec; ``to_json`` writes EMA outermost."""
+
     otype: str = "Adam"
     learning_rate: float = 1e-3
     beta1: float = 0.9
@@ -264,11 +313,15 @@ class OptimizerSpec:
     epsilon: float = 1e-15
     l2_reg: float = 0.0
     momentum: float = 0.0
+    decay: ExponentialDecaySpec | None = None
+    ema: EmaSpec | None = None
 
     @staticmethod
     def parse(where: str, doc: Any) -> "OptimizerSpec":
         doc = _mapping(where, doc)
-        otype = _pick(f"{where}.otype", doc.get("otype", "Adam"), OPTIMIZERS)
+        otype = _pick(f"{where}.otype", doc.get("otype", "Adam"), OPTIMIZERS + OPTIMIZER_WRAPPERS)
+        if otype in OPTIMIZER_WRAPPERS:
+            return OptimizerSpec._parse_wrapper(where, otype, doc)
         lr = _float(f"{where}.learning_rate", doc.get("learning_rate", 1e-3), 0.0, 10.0, lo_open=True)
         if otype == "Adam":
             _check_keys(where, doc, {"otype", "learning_rate", "beta1", "beta2", "epsilon", "l2_reg",
@@ -292,12 +345,43 @@ class OptimizerSpec:
             l2_reg=_float(f"{where}.l2_reg", doc.get("l2_reg", 0.0), 0.0, 1.0),
         )
 
+    @staticmethod
+    def _parse_wrapper(where: str, otype: str, doc: Mapping[str, Any]) -> "OptimizerSpec":
+        # tcnn builds the nested optimizer from ``nested`` (default {}: an Adam with defaults)
+        inner = OptimizerSpec.parse(f"{where}.nested", doc.get("nested", {}))
+        if otype == "ExponentialDecay":
+            _check_keys(where, doc, {"otype", "nested", "decay_base", "decay_start", "decay_interval", "decay_end"})
+            if inner.decay is not None:
+                raise SpecError(f"{where}.nested", "holds a second ExponentialDecay; nest at most one")
+            decay = ExponentialDecaySpec(
+                decay_base=_float(f"{where}.decay_base", doc.get("decay_base", 0.1), 0.0, 1.0, lo_open=True),
+                decay_start=_int(f"{where}.decay_start", doc.get("decay_start", 10000), 0, _U32_MAX),
+                decay_interval=_int(f"{where}.decay_interval", doc.get("decay_interval", 10000), 1, _U32_MAX),
+                decay_end=_int(f"{where}.decay_end", doc.get("decay_end", 10000000), 0, _U32_MAX),
+            )
+            return replace(inner, decay=decay)
+        _check_keys(where, doc, {"otype", "nested", "decay", "full_precision"})
+        if inner.ema is not None:
+            raise SpecError(f"{where}.nested", "holds a second EMA; nest at most one")
+        full = doc.get("full_precision", False)
+        if not isinstance(full, bool):
+            raise SpecError(f"{where}.full_precision", f"must be true or false; got {_short(full)}")
+        # decay 1 would divide by 1 − 1^t = 0 in tcnn's debiasing
+        ema = EmaSpec(_float(f"{where}.decay", doc.get("decay", 0.99), 0.0, 0.999999999), full)
+        return replace(inner, ema=ema)
+
     def to_json(self) -> dict[str, Any]:
         if self.otype == "Adam":
-            return {"otype": "Adam", "learning_rate": self.learning_rate, "beta1": self.beta1,
-                    "beta2": self.beta2, "epsilon": self.epsilon, "l2_reg": self.l2_reg}
-        return {"otype": "SGD", "learning_rate": self.learning_rate, "momentum": self.momentum,
-                "l2_reg": self.l2_reg}
+            out = {"otype": "Adam", "learning_rate": self.learning_rate, "beta1": self.beta1,
+                   "beta2": self.beta2, "epsilon": self.epsilon, "l2_reg": self.l2_reg}
+        else:
+            out = {"otype": "SGD", "learning_rate": self.learning_rate, "momentum": self.momentum,
+                   "l2_reg": self.l2_reg}
+        if self.decay is not None:
+            out = {"otype": "ExponentialDecay", "nested": out, **self.decay.to_json()}
+        if self.ema is not None:
+            out = {"otype": "EMA", "nested": out, **self.ema.to_json()}
+        return out
 
 
 @dataclass(frozen=True)
@@ -450,5 +534,5 @@ def bench_spec(name: str, **overrides: Any) -> MLPSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES", "kernel_code_defines",
+__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "ExponentialDecaySpec", "EmaSpec", "OPTIMIZER_WRAPPERS", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES", "kernel_code_defines",
            "OPTIMIZERS", "ENCODINGS", "PRECISIONS", "MLP_OTYPES"]

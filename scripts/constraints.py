@@ -1,5 +1,5 @@
 """Writes constraints.txt: the installed version of every package mmad and mmad-client depend on,
-directly or not, with the extras scripts/setup.sh --dev installs (vulkan, wgpu, dev, progress),
+directly or not, with the extras scripts/setup.sh --dev installs (vulkan, wgpu, export, dev, progress),
 and of their build backend (setuptools, wheel).
 
     .venv/bin/python scripts/constraints.py > constraints.txt
@@ -23,7 +23,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # pyproject file: the extras scripts/setup.sh --dev installs from it
-PROJECTS = {ROOT / "pyproject.toml": ("vulkan", "wgpu", "dev"), ROOT / "client" / "pyproject.toml": ("progress",)}
+PROJECTS = {ROOT / "pyproject.toml": ("vulkan", "wgpu", "export", "dev"), ROOT / "client" / "pyproject.toml": ("progress",)}
 
 
 def direct() -> list[tuple[str, set[str]]]:
@@ -64,7 +64,7 @@ def closure() -> dict[str, str]:
 
 
 def main() -> int:
-    print("# The tested versions of mmad's and mmad-client's dependencies (with the vulkan, wgpu, dev and")
+    print("# The tested versions of mmad's and mmad-client's dependencies (with the vulkan, wgpu, export, dev and")
     print("# progress extras), used by scripts/setup.sh and docker/Dockerfile as pip constraints.")
     print("# Regenerate after upgrading the venv: .venv/bin/python scripts/constraints.py > constraints.txt")
     for name, version in sorted(closure().items(), key=lambda item: canonicalize_name(item[0])):

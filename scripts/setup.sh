@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what mmad needs on a Debian (bookworm) machine into ./.venv.
 #   scripts/setup.sh            runtime: daemon + cpu/vulkan/wgpu backends
-#   scripts/setup.sh --dev      also the test tools (pytest, tritonclient, ...) and the client SDK
+#   scripts/setup.sh --dev      also the test tools (pytest, tritonclient, ...), the export extra
+#                               (torch 2.13.0 CPU build, onnx, onnxruntime) and the client SDK
 # Mesa's lavapipe (a CPU Vulkan driver) comes from bookworm-backports (Mesa 25), so the Vulkan
 # and wgpu backends run even without a GPU. Set MMAD_SKIP_APT=1 to skip the system packages.
 # Python packages are installed at the versions in constraints.txt (the tested ones).
@@ -68,7 +69,7 @@ else
   rm -f "$stamp"
   .venv/bin/python -m pip install -q -c constraints.txt --upgrade pip "setuptools>=77" wheel
   if [ "$dev" = 1 ]; then
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu,dev]" -e ./client
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu,export,dev]" -e ./client
     echo "dev $key" > "$stamp"
   else
     .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu]"

@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 
 from mmad.backends.numerics import batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate
-from mmad.errors import InvalidInput
+from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
 
 # Auto-selection order, highest first; software devices (lavapipe, a CPU WebGPU adapter)
@@ -156,8 +156,13 @@ class CompiledModel(abc.ABC):
     backend: ClassVar[str]
     variant: str
     device_index: int = 0  # the backend's device (``Backend.devices()``) holding the buffers
+    # whether the backend keeps an EMA slot and infers from it (tcnn's EMA optimizer wrapper)
+    supports_ema: ClassVar[bool] = False
 
     def __init__(self, spec: MLPSpec):
+        if spec.optimizer.ema is not None and not self.supports_ema:
+            raise SpecError("optimizer", f"the EMA optimizer wrapper is not implemented on the {self.backend} "
+                                         "backend (only on cpu); drop the EMA wrapper or use the cpu backend")
         self.spec = spec
         self.step_count = 0
 
@@ -499,8 +504,10 @@ def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
 
 
 def optimizer_slots(spec: MLPSpec) -> tuple[str, ...]:
-    """The optimizer's per-parameter arrays: Adam's moments ``m``, ``v``; SGD's ``velocity``."""
-    return ("m", "v") if spec.optimizer.otype == "Adam" else ("velocity",)
+    """The optimizer's per-parameter arrays: Adam's moments ``m``, ``v``; SGD's ``velocity``;
+    then, with an EMA wrapper, ``ema`` (the averaged weights inference uses)."""
+    slots = ("m", "v") if spec.optimizer.otype == "Adam" else ("velocity",)
+    return slots + ("ema",) if spec.optimizer.ema is not None else slots
 
 
 def optimizer_state_names(spec: MLPSpec) -> list[str]:

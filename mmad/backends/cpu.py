@@ -115,6 +115,7 @@ class _Scratch:
 class CpuModel(CompiledModel):
     backend = "cpu"
     variant = "numpy"
+    supports_ema = True
 
     def __init__(self, spec: MLPSpec, numerics: str = "fp32"):
         super().__init__(spec)
@@ -126,6 +127,9 @@ class CpuModel(CompiledModel):
         self._params = {k: v.astype(self.dtype) for k, v in init_params(spec).items()}
         # one dict per optimizer slot (contract.optimizer_slots): parameter name -> array
         self._slots = [{n: np.zeros_like(v) for n, v in self._params.items()} for _ in optimizer_slots(spec)]
+        self._ema_slot = optimizer_slots(spec).index("ema") if spec.optimizer.ema is not None else None
+        if self._ema_slot is not None:  # inference serves the initial weights until the first step
+            self._slots[self._ema_slot] = {n: v.copy() for n, v in self._params.items()}
         self._refresh_compute_weights()
         self._scratch_by_thread = threading.local()
 
@@ -138,12 +142,24 @@ class CpuModel(CompiledModel):
         # the kernels multiply by a rounded copy of the masters, transposed for row-major h @ W^T
         self._wt = [np.ascontiguousarray(nm.round_to(self.compute, self._params[f"W{i}"]).T)
                     for i in range(self.n_layers)]
+        self._refresh_inference_weights()
+
+    def _refresh_inference_weights(self) -> None:
+        # (transposed weights, biases) inference uses: with EMA the averages, else the training ones
+        if self._ema_slot is None:
+            self._infer = (self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)])
+            return
+        ema = self._slots[self._ema_slot]
+        self._infer = ([np.ascontiguousarray(nm.round_to(self.compute, ema[f"W{i}"]).T) for i in range(self.n_layers)],
+                       [ema[f"b{i}"] for i in range(self.n_layers)])
 
     def get_params(self) -> dict[str, np.ndarray]:
         return {k: v.astype(np.float32) for k, v in self._params.items()}
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         self._params = {k: v.astype(self.dtype) for k, v in check_params(self.spec, params).items()}
+        if self._ema_slot is not None:  # inference serves the weights just set (an EMA checkpoint follows when restoring)
+            self._slots[self._ema_slot] = {n: v.copy() for n, v in self._params.items()}
         self._refresh_compute_weights()
 
     def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
@@ -151,6 +167,7 @@ class CpuModel(CompiledModel):
 
     def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
         self._slots = [{name: value.astype(self.dtype) for name, value in values.items()} for values in slots]
+        self._refresh_inference_weights()
 
     def device_bytes(self) -> int:
         return sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for s in self._slots for a in s.values())
@@ -160,22 +177,25 @@ class CpuModel(CompiledModel):
                        out: np.ndarray | None = None):
         """(output, inputs of every layer, pre-activations) for rows ``x``; the last two only with ``keep``.
 
-        Without ``keep`` the activations run in place, each layer's result in ``scratch``'s two
-        alternating buffers (fresh arrays without one) and the output layer's in ``out`` if given.
+        ``keep`` is training: it runs on the training weights, without it on the inference
+        weights (they differ only under EMA). Without ``keep`` the activations run in place, each
+        layer's result in ``scratch``'s two alternating buffers (fresh arrays without one) and the
+        output layer's in ``out`` if given.
         """
+        wts, biases = (self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)]) if keep else self._infer
         h = nm.round_to(self.compute, nm.encode(self.spec.encoding, np.asarray(x, dtype=self.dtype)))
         hs, zs = [h], []
         for i in range(self.n_layers):
             last = i == self.n_layers - 1
-            shape = (h.shape[0], self._wt[i].shape[1])
+            shape = (h.shape[0], wts[i].shape[1])
             if last and out is not None:
                 z = out
             elif scratch is not None and not keep:
                 z = scratch.array(f"layer{i % 2}", shape, self.dtype)
             else:
                 z = np.empty(shape, self.dtype)
-            np.matmul(h, self._wt[i], out=z)
-            z += self._params[f"b{i}"]
+            np.matmul(h, wts[i], out=z)
+            z += biases[i]
             act = self.spec.output_activation if last else self.spec.activation
             h = nm.activate(act, z) if keep else nm.activate_in_place(act, z)
             if not last:
@@ -299,7 +319,19 @@ class CpuModel(CompiledModel):
         for name, w in self._params.items():
             slots = {slot: values[name] for slot, values in zip(optimizer_slots(self.spec), self._slots)}
             nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
+        if self._ema_slot is not None:
+            self._update_ema()
         self._refresh_compute_weights()
+
+    def _update_ema(self) -> None:
+        # tcnn averages the weights the network computes with (fp16 copies under fp16 training)
+        # and, without full_precision, keeps the average in that precision too
+        ema, average = self.spec.optimizer.ema, self._slots[self._ema_slot]
+        for name, w in self._params.items():
+            rounding = self.compute if name.startswith("W") else "fp32"  # biases are never rounded here
+            nm.ema_update(ema, self.step_count, nm.round_to(rounding, w), average[name])
+            if not ema.full_precision:
+                average[name][...] = nm.round_to(rounding, average[name])
 
 
 def _cpu_name() -> str:

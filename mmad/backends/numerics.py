@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mmad.spec import EncodingSpec, OptimizerSpec
+from mmad.spec import EmaSpec, EncodingSpec, OptimizerSpec
 
 LEAKY_SLOPE = 0.01
 LOSS_EPSILON = 0.01  # tiny-cuda-nn's normaliser offset for the relative losses
@@ -186,32 +186,45 @@ def _quartic_cdf(v: np.ndarray, inv_radius: int) -> np.ndarray:
 
 # -- optimizers ----------------------------------------------------------------------------
 def step_learning_rate(opt: OptimizerSpec, step: int) -> float:
-    """The learning rate of optimizer step ``step`` (from 1): Adam's bias-corrected rate
-    lr·sqrt(1 − β2^t)/(1 − β1^t), folded into one scalar as every backend's kernel takes it;
-    SGD's plain rate."""
+    """The learning rate of optimizer step ``step`` (from 1), folded into one scalar as every
+    backend's kernel takes it: the base rate times ExponentialDecay's factor after ``step − 1``
+    completed steps (tcnn sets it on the nested optimizer before the step), then for Adam its
+    bias correction sqrt(1 − β2^t)/(1 − β1^t)."""
+    lr = opt.learning_rate if opt.decay is None else opt.learning_rate * opt.decay.factor(step - 1)
     if opt.otype == "Adam":
-        return opt.learning_rate * float(np.sqrt(1 - opt.beta2 ** step)) / (1 - opt.beta1 ** step)
-    return opt.learning_rate
+        return lr * float(np.sqrt(1 - opt.beta2 ** step)) / (1 - opt.beta1 ** step)
+    return lr
 
 
 def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray,
                      slots: dict[str, np.ndarray]) -> None:
-    """One in-place update of ``w`` (fp32 master) and its slots; ``step`` counts from 1."""
+    """One in-place update of ``w`` (fp32 master) and its Adam/SGD slots; ``step`` counts from 1.
+    An EMA slot is not touched here: ``ema_update`` follows, on the weights the forward uses."""
     if opt.l2_reg:
         g = g + opt.l2_reg * w
+    lr_t = step_learning_rate(opt, step)
     if opt.otype == "Adam":
         m, v = slots["m"], slots["v"]
         m *= opt.beta1
         m += (1 - opt.beta1) * g
         v *= opt.beta2
         v += (1 - opt.beta2) * (g * g)
-        lr_t = step_learning_rate(opt, step)
         w -= (lr_t * m / (np.sqrt(v) + opt.epsilon)).astype(w.dtype)
     else:
         vel = slots["velocity"]
         vel *= opt.momentum
         vel += g
-        w -= (opt.learning_rate * vel).astype(w.dtype)
+        w -= (lr_t * vel).astype(w.dtype)
+
+
+def ema_update(ema: EmaSpec, step: int, weights: np.ndarray, average: np.ndarray) -> None:
+    """tcnn's debiased EMA after optimizer step ``step`` (from 1), in place on ``average``:
+    (average·d·(1 − d^(step−1)) + weights·(1 − d)) / (1 − d^step). At step 1 the old average's
+    weight is 0, so whatever it held before the first step never shows."""
+    d = ema.decay
+    old, new = d * (1 - d ** (step - 1)), 1 / (1 - d ** step)
+    average *= average.dtype.type(old * new)
+    average += (weights * ((1 - d) * new)).astype(average.dtype)
 
 
 def round_to(dtype_name: str, a: np.ndarray) -> np.ndarray:
