@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.numpy import save as st_save
 
 from mmad.backends.contract import Dataset
@@ -202,6 +203,13 @@ def test_replicas_share_the_batches_and_serve_the_same_weights(three_devices):
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out, oracle.forward(x), rtol=1e-4, atol=1e-5)
     assert all(n > 0 for n in served.values()), served  # every replica served some batches
+    # the metrics say which device served what
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    batches = {s.labels["device"]: s.value for s in families["mmad_replica_batches"].samples
+               if s.labels["model"] == "r" and s.name.endswith("_total")}
+    rows = sum(s.value for s in families["mmad_replica_rows"].samples
+               if s.labels["model"] == "r" and s.name.endswith("_total"))
+    assert batches == {str(d): float(n) for d, n in served.items()} and rows == 24 * 64
 
 
 def wait_job(client: TestClient, model: str, job: str) -> dict:

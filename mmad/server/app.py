@@ -52,7 +52,7 @@ async def start_runtime(rt: Runtime) -> None:
     rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
     rt.jobs = JobManager(rt.registry)
-    rt.metrics.inference.track(lambda: rt.registry.models)
+    rt.metrics.track(lambda: rt.registry.models)
     # a daemon given a model repository serves what it holds, as Triton does: no demo model
     if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())

@@ -7,8 +7,9 @@ mmad's own families are labelled with ``model`` and ``backend`` (``backend`` is
 Triton's families (docs/metrics.md has the table: ``nv_X`` is ``mmad_X`` here) are labelled
 with ``model`` and ``version`` and written at scrape time by :class:`ModelCollector` from
 counters kept per model entry, so only models the daemon has get series, and a deleted or
-replaced model's series go with it. GPU utilisation, memory and power come from NVML at
-scrape time (:class:`GpuCollector`), and are absent where there is no NVML.
+replaced model's series go with it. Which device served what: per replica of each model
+(:class:`DeviceCollector`, labels ``model`` and ``device``). GPU utilisation, memory and power
+come from NVML at scrape time (:class:`GpuCollector`), and are absent where there is no NVML.
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ class Metrics:
 
         self.inference = ModelCollector()
         r.register(self.inference)
+        self.devices = DeviceCollector()
+        r.register(self.devices)
         r.register(GpuCollector())
+
+    def track(self, models: Callable[[], dict[str, Any]]) -> None:
+        """Where the daemon's models are (name -> entry), read at every scrape."""
+        self.inference.track(models)
+        self.devices.track(models)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -202,6 +210,35 @@ class ModelCollector:
         for labels, n in pending:
             metric.add_metric(labels, n)
         yield metric
+
+
+class DeviceCollector:
+    """Where each model runs: per replica (labels ``model``, ``device``: the backend's device
+    index, as ``GET /v2/devices`` and the model's ``devices`` list give it) the batches and rows
+    it ran and the forwards running or waiting on it now; written at scrape time for the models
+    the daemon has, so a model's series go with it."""
+
+    def __init__(self) -> None:
+        self._models: Callable[[], dict[str, Any]] = dict
+
+    def track(self, models: Callable[[], dict[str, Any]]) -> None:
+        self._models = models
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ("model", "device")
+        batches = CounterMetricFamily("mmad_replica_batches", "batches a model's replica on a device ran", labels=labels)
+        rows = CounterMetricFamily("mmad_replica_rows", "rows a model's replica on a device inferred", labels=labels)
+        in_flight = GaugeMetricFamily("mmad_replica_in_flight", "forwards running or waiting on a model's replica",
+                                      labels=labels)
+        for name, entry in sorted(self._models().items()):
+            for replica in entry.replicas:
+                if replica.model is None:
+                    continue
+                key = (name, str(replica.device))
+                batches.add_metric(key, replica.batches)
+                rows.add_metric(key, replica.rows)
+                in_flight.add_metric(key, replica.in_flight)
+        yield from (batches, rows, in_flight)
 
 
 class GpuCollector:

@@ -142,6 +142,8 @@ class Replica:
     model: CompiledModel | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0  # forwards running or waiting on it (the batcher's choice of replica)
+    batches: int = 0  # forwards it ran (metrics: which device served what)
+    rows: int = 0
 
 
 class ModelEntry:
@@ -206,6 +208,8 @@ class ModelEntry:
                 if replica.model is None:
                     raise ModelNotReady(self.name)
                 replica.model.forward_to_host(x, out, pool)
+                replica.batches += 1
+                replica.rows += x.shape[0]
         finally:
             with self._pick_lock:
                 replica.in_flight -= 1
