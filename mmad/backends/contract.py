@@ -367,6 +367,12 @@ class Backend(abc.ABC):
         None where this backend copies nothing to a device (this default). Raises on failure."""
         return None
 
+    def page_locked_allocator(self) -> Callable[[int], np.ndarray] | None:
+        """``alloc(nbytes) -> uint8 array`` of page-locked host memory, for the daemon's request
+        and response bodies (the host ends of device copies), or None where this backend copies
+        nothing to a device (this default)."""
+        return None
+
     def close(self) -> None:
         """Release the device and anything the probe opened."""
 

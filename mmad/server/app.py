@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 import mmad
 from mmad.backends import probe_all, select
+from mmad.server import hostmem
 from mmad.server.bodies import BodyLimitMiddleware
 from mmad.server.deps import Runtime
 from mmad.server.errors import install_error_handlers
@@ -48,6 +49,9 @@ async def start_runtime(rt: Runtime) -> None:
     rt.backend, rt.selected = backend, row
     rt.probe_rows = _probe_rows(settings, row)
     rt.shm.use_backend(backend, row.backend)
+    alloc = backend.page_locked_allocator()
+    if alloc is not None and settings.pinned_body_bytes:
+        hostmem.install(hostmem.PinnedPool(alloc, settings.pinned_body_bytes))
     log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
     rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
@@ -75,6 +79,7 @@ async def stop_runtime(rt: Runtime) -> None:
     if rt.store is not None:
         rt.store.close()
     rt.shm.close()
+    hostmem.install(None)
     rt.executor.shutdown(wait=True)
     rt.forward_pool.shutdown(wait=True)
 

@@ -29,11 +29,12 @@ import collections
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
 from mmad.errors import Overloaded
+from mmad.server import hostmem
 
 TIMER_RESOLUTION_S = 1e-3  # event-loop timers round to milliseconds: a batch this close to due is due
 
@@ -62,6 +63,18 @@ class _Pending:
     future: asyncio.Future
     enqueued_ns: int
     out: np.ndarray | None  # where the request wants its output rows, or None for a slice of the batch's
+
+
+def _host_array(shape: tuple[int, int], dtype: Any) -> np.ndarray:
+    """An uninitialised host array for a merged batch (page-locked where the backend copies to a
+    GPU: :mod:`mmad.server.hostmem`)."""
+    dtype = np.dtype(dtype)
+    return hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
+
+
+def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
+    dtype = np.result_type(*parts)
+    return np.concatenate(parts, out=_host_array((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype))
 
 
 class Batcher:
@@ -171,7 +184,7 @@ class Batcher:
 
     def _launch(self, batch: list[_Pending]) -> tuple[list[_Pending], np.ndarray, int, asyncio.Future]:
         """Start a batch on the compute threads: (batch, input, start time, future of the output)."""
-        x = batch[0].x if len(batch) == 1 else np.concatenate([p.x for p in batch])
+        x = batch[0].x if len(batch) == 1 else _concatenate([p.x for p in batch])
         start_ns = time.perf_counter_ns()
         return batch, x, start_ns, asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, x)
 
@@ -180,7 +193,7 @@ class Batcher:
         if len(batch) == 1 and batch[0].out is not None:
             self._run(x, batch[0].out)
             return batch[0].out
-        out = np.empty((x.shape[0], self._out_cols), dtype=np.float32)
+        out = _host_array((x.shape[0], self._out_cols), np.float32)
         self._run(x, out)
         offset = 0
         for p in batch:

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from mmad.errors import InvalidInput
+from mmad.server import hostmem
 
 WIRE_DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 JSON_DTYPES = ("FP32",)
@@ -35,10 +36,11 @@ def _padded_header(doc: dict[str, Any]) -> bytes:
 def _response_body(json_bytes: bytes, data_bytes: int) -> np.ndarray:
     """A response body: ``json_bytes`` then ``data_bytes`` left for the tensors to be written.
 
-    NumPy's ``empty``, not a ``bytearray``, which would first zero the whole body (8 MiB for a
-    65,536-row FP16 response) on the event loop.
+    Uninitialised, not a ``bytearray``, which would first zero the whole body (8 MiB for a
+    65,536-row FP16 response) on the event loop; page-locked where the backend copies from a
+    GPU (:mod:`mmad.server.hostmem`), so the forward's output lands in it straight off the device.
     """
-    body = np.empty(len(json_bytes) + data_bytes, dtype=np.uint8)
+    body = hostmem.empty(len(json_bytes) + data_bytes)
     body[:len(json_bytes)] = np.frombuffer(json_bytes, dtype=np.uint8)
     return body
 

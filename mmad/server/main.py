@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-versions", type=int,
                    help="versions kept per model, the newest (MMAD_KEEP_VERSIONS, default 0: all)")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
+    p.add_argument("--pinned-body-bytes", type=int,
+                   help="page-locked memory for request and response bodies on a GPU backend "
+                        "(MMAD_PINNED_BODY_BYTES, default 1 GiB; 0: ordinary memory)")
     p.add_argument("--forward-threads", type=int,
                    help="threads sharing the row chunks of one large cpu forward (MMAD_FORWARD_THREADS, 0: one per CPU)")
     p.add_argument("--model-repository", help="folder with one folder per model (config.json, optional mmad.json "

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
@@ -30,6 +32,7 @@ from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
 VARIANTS = ("wgmma", "mma", "cublaslt")
+PINNED_PORTABLE = 1  # cudaHostAllocPortable
 
 
 class CudaBackend(Backend):
@@ -122,6 +125,16 @@ class CudaBackend(Backend):
         from mmad.backends.cuda.toolchain import host_register
 
         return host_register(cupy_module(), buffer)
+
+    def page_locked_allocator(self) -> Any:
+        cp = cupy_module()
+
+        def alloc(nbytes: int) -> np.ndarray:
+            # portable: page-locked for every device's context (models sit on several GPUs)
+            memory = cp.cuda.pinned_memory.PinnedMemory(nbytes, PINNED_PORTABLE)
+            return np.frombuffer(cp.cuda.pinned_memory.PinnedMemoryPointer(memory, 0), dtype=np.uint8, count=nbytes)
+
+        return alloc
 
     def data_parallel(self, replicas: list[CompiledModel]) -> Any:
         from mmad.backends.cuda.parallel import NcclDataParallel
