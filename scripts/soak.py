@@ -71,8 +71,8 @@ def serve_main(argv: list[str]) -> int:
     totals = Counter()
     compile_model = Registry._compile
 
-    def tracked_compile(self, spec):
-        compiled = compile_model(self, spec)
+    def tracked_compile(self, spec, device=0):
+        compiled = compile_model(self, spec, device)
         close = compiled.close
 
         def tracked_close() -> None:
@@ -98,8 +98,9 @@ def serve_main(argv: list[str]) -> int:
             registry = app.state.runtime.registry
             held = {}
             for entry in list(registry.models.values()):
-                if entry.live is not None:
-                    held[id(entry.live)] = entry.live
+                for replica in entry.replicas:
+                    if replica.model is not None:
+                        held[id(replica.model)] = replica.model
                 for compiled in list(entry.pinned.values()):
                     held[id(compiled)] = compiled
             with lock:
