@@ -139,7 +139,7 @@ buf = cp.zeros(x.nbytes + extra, dtype=cp.uint8)
 buf[:x.nbytes] = x.view(cp.uint8).ravel()
 cp.cuda.Device().synchronize()
 print(base64.b64encode(cp.cuda.runtime.ipcGetMemHandle(buf.data.ptr)).decode(), flush=True)
-np.save(sys.stdout.buffer, cp.asnumpy(x)); sys.stdout.flush()
+sys.stdout.buffer.write(cp.asnumpy(x).tobytes()); sys.stdout.flush()
 sys.stdin.readline()  # the allocation stays until the parent is done
 """
 
@@ -158,7 +158,9 @@ def test_cuda_ipc_region_opened_by_the_daemons_opener(pair):
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         handle = base64.b64decode(child.stdout.readline())
-        x = np.load(child.stdout)
+        # the raw rows: BufferedReader.read(n) reads a pipe until n bytes (np.load's fromfile
+        # takes one short read of a pipe as the whole array)
+        x = np.frombuffer(child.stdout.read(rows * n_in * 2), dtype=np.float16).reshape(rows, n_in)
         size = rows * n_in * 2 + out_bytes
         with pytest.raises(InvalidInput, match="larger than the device allocation"):
             open_ipc_region("big", handle, 0, size + 4096 * 1024)
