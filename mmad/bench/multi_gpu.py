@@ -12,10 +12,11 @@ more devices (the first two are used). In one run:
 * ``jobs``: training jobs through the daemon on a model with one replica and on one with a
   replica on each device (``config.device``), the same dataset and global batch; the rate is the
   daemon's own (steps x batch over the job's training time);
-* ``serving``: 8 clients (load generator in its own process) sending 65,536-row binary FP16
-  requests back to back to each model; samples/s, the ratio of two replicas to one; and the same
-  through Triton's system shared memory (tritonclient, a region pair per client), where the
-  request bodies are small and the devices' copies and kernels are what remains.
+* ``serving``: 8 clients, each a process of its own (so no client's interpreter is the bound),
+  sending 65,536-row binary FP16 requests back to back to each model; samples/s, the ratio of
+  two replicas to one; and the same through Triton's system shared memory (tritonclient, a
+  region pair per client), where the request bodies are small and the devices' copies and
+  kernels are what remains.
 """
 
 from __future__ import annotations
@@ -133,90 +134,97 @@ def job_rate(client, name: str, dataset: str, batch: int, steps: int) -> dict[st
     return {"samples_per_s": final["samples_per_s"], "devices": final["devices"], "loss": final["loss"]}
 
 
-def serve_rate(url: str, spec, name: str, seconds: float) -> dict[str, Any]:
+def serve_rate(url: str, spec, name: str, seconds: float, clients: int = 8) -> dict[str, Any]:
+    """``clients`` load-generator processes of one connection each (``mmad.bench.load``'s
+    generator: a client's own Python, so the generator's GIL is not what is measured) sending
+    65,536-row binary FP16 requests back to back; their rates added up."""
     port = int(url.rsplit(":", 1)[1])
-    scenario = {"kind": "http", "host": "127.0.0.1", "port": port, "path": f"/v2/models/{name}/infer",
-                "wire": "binary16", "rows": [65536, 65536], "clients": 8, "max_requests": 100000,
-                "duration_s": seconds, "warmup_s": 1.0, "warmup_requests": 1, "seed": 7, "pool": 4,
-                "n_input_dims": spec.n_input_dims, "n_output_dims": spec.n_output_dims}
-    done = subprocess.run([sys.executable, "-m", "mmad.bench.load", "--generator", json.dumps(scenario)],
-                          capture_output=True, text=True, timeout=seconds + 120)
-    if done.returncode != 0:
-        raise SystemExit(f"the load generator failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    procs = []
+    for k in range(clients):
+        scenario = {"kind": "http", "host": "127.0.0.1", "port": port, "path": f"/v2/models/{name}/infer",
+                    "wire": "binary16", "rows": [65536, 65536], "clients": 1, "max_requests": 100000,
+                    "duration_s": seconds, "warmup_s": 1.0, "warmup_requests": 1, "seed": 7 + k, "pool": 2,
+                    "n_input_dims": spec.n_input_dims, "n_output_dims": spec.n_output_dims}
+        procs.append(subprocess.Popen([sys.executable, "-m", "mmad.bench.load", "--generator", json.dumps(scenario)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=seconds + 120)
+        if proc.returncode != 0:
+            raise SystemExit(f"a load generator failed: {err[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    errors = [r["first_error"] for r in results if r.get("first_error")]
+    return {"samples_per_s": sum(r["samples_per_s"] for r in results),
+            "requests": sum(r["requests"] for r in results),
+            "p50_ms": float(np.median([r["p50_ms"] for r in results])), "errors": errors, "per_client": results}
 
 
-def serve_shm_rate(url: str, spec, name: str, seconds: float, clients: int = 8, rows: int = 65536) -> dict[str, Any]:
-    """``clients`` threads, each with its own tritonclient and its own system shared-memory
-    regions (input and output), sending ``rows``-row FP16 requests back to back for ``seconds``."""
-    import threading
-
+def _shm_client(args: tuple[str, int, int, str, int, int, float, float]) -> dict[str, Any]:
+    """One load-generator process: its own tritonclient and system shared-memory regions, FP16
+    requests of ``rows`` rows back to back from ``start`` until ``deadline`` (wall clock)."""
     import tritonclient.http as httpclient
     import tritonclient.utils.shared_memory as shm
 
-    host = url.split("//", 1)[1]
-    in_bytes, out_bytes = rows * spec.n_input_dims * 2, rows * spec.n_output_dims * 2
-    counts, errors, latencies = [0] * clients, [], []
-    start_barrier = threading.Barrier(clients + 1)
-    deadline: list[float] = []
-    go = threading.Event()  # set once the deadline is known
-
-    def client(k: int) -> None:
-        triton = httpclient.InferenceServerClient(host, connection_timeout=120, network_timeout=120)
-        tag = f"mmad_bench_{name}_{k}"
-        regions = [shm.create_shared_memory_region(tag + "_in", "/" + tag + "_in", in_bytes),
-                   shm.create_shared_memory_region(tag + "_out", "/" + tag + "_out", out_bytes)]
-        try:
-            x = np.random.default_rng(k).uniform(-1, 1, (rows, spec.n_input_dims)).astype(np.float16)
-            shm.set_shared_memory_region(regions[0], [x])
-            triton.register_system_shared_memory(tag + "_in", "/" + tag + "_in", in_bytes)
-            triton.register_system_shared_memory(tag + "_out", "/" + tag + "_out", out_bytes)
-            inp = httpclient.InferInput("INPUT", [rows, spec.n_input_dims], "FP16")
-            inp.set_shared_memory(tag + "_in", in_bytes)
-            out = httpclient.InferRequestedOutput("OUTPUT")
-            out.set_shared_memory(tag + "_out", out_bytes)
-            fp16_out = {"output_datatype": "FP16"}  # mmad's request parameter: FP16 outputs, as tiny-cuda-nn's
-            triton.infer(name, [inp], outputs=[out], parameters=fp16_out)  # warm
-            start_barrier.wait()
-            go.wait()
-            while time.perf_counter() < deadline[0]:
-                began = time.perf_counter()
-                triton.infer(name, [inp], outputs=[out], parameters=fp16_out)
-                latencies.append(time.perf_counter() - began)
-                counts[k] += 1
-            result = shm.get_contents_as_numpy(regions[1], np.float16, [rows, spec.n_output_dims])
-            if not np.isfinite(result).all():
-                errors.append(f"client {k}: non-finite outputs")
-        except Exception as exc:  # noqa: BLE001 - reported in the figures
-            errors.append(f"client {k}: {type(exc).__name__}: {exc}")
-            start_barrier.abort()
-            go.set()
-        finally:
-            try:
-                triton.unregister_system_shared_memory(tag + "_in")
-                triton.unregister_system_shared_memory(tag + "_out")
-            except Exception:  # noqa: BLE001 - the daemon may be gone; the regions go below
-                pass
-            for region in regions:
-                shm.destroy_shared_memory_region(region)
-            triton.close()
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
+    host, k, rows, name, n_in, n_out, start, deadline = args
+    in_bytes, out_bytes = rows * n_in * 2, rows * n_out * 2
+    triton = httpclient.InferenceServerClient(host, connection_timeout=120, network_timeout=120)
+    tag = f"mmad_bench_{name}_{k}"
+    regions = [shm.create_shared_memory_region(tag + "_in", "/" + tag + "_in", in_bytes),
+               shm.create_shared_memory_region(tag + "_out", "/" + tag + "_out", out_bytes)]
+    latencies: list[float] = []
+    error = None
     try:
-        start_barrier.wait()
-    except threading.BrokenBarrierError:
-        pass
-    began = time.perf_counter()
-    deadline.append(began + seconds)
-    go.set()
-    for t in threads:
-        t.join()
-    window = time.perf_counter() - began
-    done = sum(counts)
-    return {"requests": done, "samples_per_s": done * rows / window, "tensor_gb_per_s": done * (in_bytes + out_bytes)
-            / window / 1e9, "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
+        x = np.random.default_rng(k).uniform(-1, 1, (rows, n_in)).astype(np.float16)
+        shm.set_shared_memory_region(regions[0], [x])
+        triton.register_system_shared_memory(tag + "_in", "/" + tag + "_in", in_bytes)
+        triton.register_system_shared_memory(tag + "_out", "/" + tag + "_out", out_bytes)
+        inp = httpclient.InferInput("INPUT", [rows, n_in], "FP16")
+        inp.set_shared_memory(tag + "_in", in_bytes)
+        out = httpclient.InferRequestedOutput("OUTPUT")
+        out.set_shared_memory(tag + "_out", out_bytes)
+        fp16_out = {"output_datatype": "FP16"}  # mmad's request parameter: FP16 outputs, as tiny-cuda-nn's
+        triton.infer(name, [inp], outputs=[out], parameters=fp16_out)  # warm
+        time.sleep(max(0.0, start - time.time()))
+        while time.time() < deadline:
+            began = time.perf_counter()
+            triton.infer(name, [inp], outputs=[out], parameters=fp16_out)
+            latencies.append(time.perf_counter() - began)
+        result = shm.get_contents_as_numpy(regions[1], np.float16, [rows, n_out])
+        if not np.isfinite(result).all():
+            error = f"client {k}: non-finite outputs"
+    except Exception as exc:  # noqa: BLE001 - reported in the figures
+        error = f"client {k}: {type(exc).__name__}: {exc}"
+    finally:
+        try:
+            triton.unregister_system_shared_memory(tag + "_in")
+            triton.unregister_system_shared_memory(tag + "_out")
+        except Exception:  # noqa: BLE001 - the daemon may be gone; the regions go below
+            pass
+        for region in regions:
+            shm.destroy_shared_memory_region(region)
+        triton.close()
+    return {"latencies": latencies, "error": error}
+
+
+def serve_shm_rate(url: str, spec, name: str, seconds: float, clients: int = 8, rows: int = 65536) -> dict[str, Any]:
+    """``clients`` load-generator processes (a client's own Python, so the generator's GIL is
+    not what is measured), each with its own system shared-memory regions, sending
+    ``rows``-row FP16 requests back to back for ``seconds``."""
+    import multiprocessing
+
+    host = url.split("//", 1)[1]
+    start = time.time() + 3.0  # every process connected and warm by then
+    deadline = start + seconds
+    jobs = [(host, k, rows, name, spec.n_input_dims, spec.n_output_dims, start, deadline) for k in range(clients)]
+    with multiprocessing.get_context("spawn").Pool(clients) as pool:
+        results = pool.map(_shm_client, jobs)
+    latencies = [t for r in results for t in r["latencies"]]
+    errors = [r["error"] for r in results if r["error"]]
+    done = len(latencies)
+    in_bytes, out_bytes = rows * spec.n_input_dims * 2, rows * spec.n_output_dims * 2
+    return {"requests": done, "samples_per_s": done * rows / seconds,
+            "tensor_gb_per_s": done * (in_bytes + out_bytes) / seconds / 1e9,
+            "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
             "p99_ms": float(np.percentile(latencies, 99) * 1e3) if latencies else None, "errors": errors}
 
 
