@@ -19,8 +19,9 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; t
 
 force="${MMAD_SETUP_FORCE:-0}"
 apt_packages=(python3 python3-venv python3-pip git curl mesa-vulkan-drivers libvulkan1)
-# chromium + its driver: the dashboard's test drives the page in headless Chromium
-[ "$dev" = 1 ] && apt_packages+=(docker-compose chromium chromium-driver)
+# chromium + its driver: the dashboard's test drives the page in headless Chromium; docker.io and
+# debootstrap: the image test builds and runs the cpu image (from a debootstrap base offline)
+[ "$dev" = 1 ] && apt_packages+=(docker-compose chromium chromium-driver docker.io debootstrap)
 
 apt_done() {
   [ "$force" != 1 ] || return 1
@@ -54,7 +55,7 @@ elif [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   if [ "$dev" = 1 ]; then
     # the compose file is validated by the docker client alone (no engine needed)
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose \
-      chromium chromium-driver >/dev/null
+      chromium chromium-driver docker.io debootstrap >/dev/null
   fi
 fi
 
