@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmad.backends.cache import KernelCache
+from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
 from mmad.backends.cuda.knobs import CudaKnobs
@@ -130,6 +131,7 @@ class CudaBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> CompiledModel:
+        check_backend_supports(spec, "cuda")  # grid/SH/TriangleWave: cpu only so far
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
