@@ -19,6 +19,7 @@ from mmad.backends import load_backend
 from mmad.backends import numerics as nm
 from mmad.backends.contract import init_params, param_shapes
 from mmad.backends.cpu import CpuBackend
+from mmad.cli import demo_image
 from mmad.errors import SpecError
 from mmad.spec import MLPSpec
 
@@ -403,16 +404,6 @@ def test_grid_params_round_trip_and_are_checked():
 
 
 # -- training ----------------------------------------------------------------------------------------
-def procedural_image(size: int) -> np.ndarray:
-    """A size × size RGB picture: rings, a checkerboard and a colour ramp (no download)."""
-    u, v = np.meshgrid((np.arange(size) + 0.5) / size, (np.arange(size) + 0.5) / size, indexing="xy")
-    r = np.hypot(u - 0.4, v - 0.55)
-    red = 0.5 + 0.5 * np.cos(40 * r)
-    green = ((np.floor(u * 8) + np.floor(v * 8)) % 2) * 0.8 + 0.1
-    blue = u * (1 - v)
-    return np.stack([red, green, blue], -1).astype(np.float32)
-
-
 def test_hash_grid_model_fits_a_picture():
     spec = MLPSpec.from_json({"n_input_dims": 2, "n_output_dims": 3, "seed": 3, "precision": "fp32",
                               "encoding": {"otype": "HashGrid", "n_levels": 8, "n_features_per_level": 2,
@@ -420,7 +411,7 @@ def test_hash_grid_model_fits_a_picture():
                               "network": {"n_neurons": 32, "n_hidden_layers": 2},
                               "optimizer": {"otype": "Adam", "learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99,
                                             "epsilon": 1e-15}})
-    image = procedural_image(32)
+    image = demo_image(32)
     u, v = np.meshgrid((np.arange(32) + 0.5) / 32, (np.arange(32) + 0.5) / 32, indexing="xy")
     x = np.stack([u.ravel(), v.ravel()], 1).astype(np.float32)
     y = image.reshape(-1, 3)
