@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from mmad import __version__
 from mmad.errors import MMADError
@@ -68,6 +69,8 @@ def _probe(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     """Train a small MLP on a 2-D field with the best available backend and report it."""
+    if args.image:
+        return _demo_image(args)
     import numpy as np
 
     from mmad.backends import select
@@ -110,6 +113,103 @@ def demo_field(x):
     g = 0.5 + 0.5 * np.cos(5.0 * (x[:, 0] + x[:, 1]))
     b = x[:, 0] * x[:, 1]
     return np.stack([r, g, b], axis=1).astype(np.float32)
+
+
+def demo_image(size: int):
+    """A size × size RGB picture in [0, 1], generated (no download): rings, a checkerboard whose
+    squares shrink to the right, a colour ramp and a sharp-edged disc: detail at every scale."""
+    import numpy as np
+
+    u, v = np.meshgrid((np.arange(size) + 0.5) / size, (np.arange(size) + 0.5) / size, indexing="xy")
+    rings = 0.5 + 0.5 * np.cos(60 * np.hypot(u - 0.35, v - 0.6))
+    squares = (np.floor(u * (4 + 20 * u)) + np.floor(v * 12)) % 2
+    disc = np.hypot(u - 0.7, v - 0.3) < 0.18
+    red = np.where(disc, 1.0, rings)
+    green = np.where(disc, 0.2, 0.1 + 0.8 * squares)
+    blue = np.where(disc, 0.1, u * (1 - v) + 0.3 * v)
+    return np.stack([red, green, blue], -1).astype(np.float32)
+
+
+# the hash-grid image config of tiny-cuda-nn's samples (data/config_hash.json: 16 levels × 2
+# features, base resolution 16, scale 1.5, 64 × 2 ReLU MLP); the table size is an option
+IMAGE_CONFIG = {
+    "n_input_dims": 2, "n_output_dims": 3,
+    "encoding": {"otype": "HashGrid", "n_levels": 16, "n_features_per_level": 2, "log2_hashmap_size": 15,
+                 "base_resolution": 16, "per_level_scale": 1.5},
+    "network": {"otype": "FullyFusedMLP", "activation": "ReLU", "output_activation": "None",
+                "n_neurons": 64, "n_hidden_layers": 2},
+    "loss": {"otype": "L2"},
+    "optimizer": {"otype": "Adam", "learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15},
+    "precision": "fp32", "seed": 1337}
+
+
+def _demo_image(args: argparse.Namespace) -> int:
+    """Fit a generated picture with the hash-grid image config on the cpu backend (grid encodings
+    run there only so far); write the reconstruction and the loss/PSNR curve as PNGs."""
+    import numpy as np
+    from tqdm import tqdm
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("mmad demo --image draws its PNGs with matplotlib: pip install matplotlib", file=sys.stderr)
+        return 2
+    from mmad.backends.cpu import CpuBackend
+    from mmad.spec import MLPSpec
+
+    doc = {**IMAGE_CONFIG, "encoding": {**IMAGE_CONFIG["encoding"], "log2_hashmap_size": args.log2_hashmap_size}}
+    spec = MLPSpec.from_json(doc)
+    image = demo_image(args.size)
+    pixels = image.reshape(-1, 3)
+    centres = (np.arange(args.size, dtype=np.float32) + 0.5) / args.size
+    u, v = np.meshgrid(centres, centres, indexing="xy")
+    coords = np.stack([u.ravel(), v.ravel()], 1)
+    model = CpuBackend("fp32").compile(spec)
+    rng = np.random.default_rng(0)
+    batch = min(args.batch, len(coords))
+    print(f"fitting a {args.size}x{args.size} picture: HashGrid 16 levels x 2 features, 2^{args.log2_hashmap_size} "
+          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, cpu backend, batch {batch}")
+
+    def psnr() -> float:
+        out = np.clip(model.forward(coords), 0, 1)
+        return float(10 * np.log10(1 / np.mean((out - pixels) ** 2)))
+
+    steps, losses, curve = [], [], []
+    every = max(1, args.steps // 20)
+    with tqdm(range(1, args.steps + 1), desc="training", unit="step") as bar:
+        for step in bar:
+            rows = rng.integers(0, len(coords), batch)
+            losses.append(float(model.train_step(coords[rows], pixels[rows])[0]))
+            if step % every == 0 or step == args.steps:
+                steps.append(step)
+                curve.append(psnr())
+                bar.set_postfix(loss=f"{losses[-1]:.5f}", psnr=f"{curve[-1]:.2f} dB")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    recon = np.clip(model.forward(coords), 0, 1).reshape(image.shape)
+    fig, axes = plt.subplots(1, 2, figsize=(8, 4.3))
+    for ax, picture, title in zip(axes, (image, recon), ("reference", f"mmad, {curve[-1]:.2f} dB PSNR")):
+        ax.imshow(picture, interpolation="nearest")
+        ax.set_title(title)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out_dir / "demo-image-reconstruction.png", dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.semilogy(range(1, len(losses) + 1), losses, color="tab:blue")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (L2)", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(steps, curve, color="tab:red", marker="o", markersize=3)
+    ax2.set_ylabel("PSNR of the whole picture (dB)", color="tab:red")
+    fig.tight_layout()
+    fig.savefig(out_dir / "demo-image-curve.png", dpi=100)
+    print(f"wrote {out_dir / 'demo-image-reconstruction.png'} and {out_dir / 'demo-image-curve.png'}")
+    print(f"final PSNR {curve[-1]:.2f} dB after {args.steps} steps")
+    model.close()
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -237,9 +337,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "workload for an outside profiler such as ncu), e.g. S:wgmma")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("demo", help="train a small MLP with the best available backend")
+    p = sub.add_parser("demo", help="train a small MLP with the best available backend; --image: fit a "
+                                    "generated picture with tiny-cuda-nn's hash-grid config (cpu backend)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--image", action="store_true", help="fit a picture with the HashGrid image config; writes "
+                                                        "demo-image-reconstruction.png and demo-image-curve.png")
+    p.add_argument("--size", type=int, default=128, help="--image: the picture's side in pixels")
+    p.add_argument("--log2-hashmap-size", type=int, default=15, help="--image: the hash table's size (log2)")
+    p.add_argument("--out", default=".", help="--image: the folder for the PNGs")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "

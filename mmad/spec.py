@@ -15,6 +15,8 @@ import reprlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+import numpy as np
+
 from mmad.errors import SpecError
 
 MLP_OTYPES = ("FullyFusedMLP", "CutlassMLP", "MLP", "MegakernelMLP")
@@ -44,7 +46,17 @@ def kernel_code_defines() -> str:
 OPTIMIZERS = ("Adam", "SGD")
 # tcnn's wrappers around one of OPTIMIZERS (``nested``); see ExponentialDecaySpec and EmaSpec
 OPTIMIZER_WRAPPERS = ("ExponentialDecay", "EMA")
-ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite")
+ENCODINGS = ("Identity", "Frequency", "OneBlob", "Composite", "HashGrid", "DenseGrid", "TiledGrid", "Grid",
+             "SphericalHarmonics", "TriangleWave")
+# the grid family (tcnn's encodings/grid.h): one otype per ``type``; "Grid" is tcnn's generic name
+GRID_OTYPES = {"Hash": "HashGrid", "Dense": "DenseGrid", "Tiled": "TiledGrid"}
+GRID_TYPES = tuple(GRID_OTYPES)
+GRID_INTERPOLATIONS = ("Nearest", "Linear", "Smoothstep")
+GRID_FEATURES_PER_LEVEL = (1, 2, 4, 8)  # the ones tcnn compiles
+GRID_DIMS = (2, 3, 4)  # tcnn's CoherentPrime grids: 1-D and 5-D+ are commented out there
+MAX_GRID_LEVELS = 128  # tcnn's MAX_N_LEVELS
+MAX_GRID_VALUES = 1 << 28  # all grids' table values together: 1 GiB of fp32 masters (Adam triples it)
+MAX_SH_DEGREE = 8
 PRECISIONS = ("fp16", "bf16", "fp32")
 MIN_WIDTH, MAX_WIDTH, WIDTH_STEP = 16, 256, 16
 MAX_HIDDEN_LAYERS = 16
@@ -115,6 +127,35 @@ def _short(value: Any) -> str:
 
 
 @dataclass(frozen=True)
+class GridLevel:
+    """One level of a grid encoding as tiny-cuda-nn lays it out (encodings/grid.h):
+    ``scale`` (float32 value) = 2^(level·log2(per_level_scale))·base_resolution − 1, the
+    ``resolution`` ceil(scale) + 1 vertices per dim, and the level's rows of the table:
+    ``offset`` and ``entries`` (each row holds ``n_features_per_level`` values)."""
+
+    scale: float
+    resolution: int
+    offset: int
+    entries: int
+
+
+_U32 = 1 << 32
+
+
+def _f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+def grid_level_scale(level: int, per_level_scale: float, base_resolution: int) -> float:
+    """tcnn's ``grid_scale`` in float32 arithmetic: exp2f(level · log2f(per_level_scale)) ·
+    base_resolution − 1. log2 and exp2 are rounded correctly here (CUDA's exp2f may be 2 ulp off)."""
+    f32 = np.float32
+    log2_scale = f32(math.log2(float(f32(per_level_scale))))
+    exponent = f32(level) * log2_scale
+    return float(f32(f32(2.0 ** float(exponent)) * f32(base_resolution)) - f32(1.0))
+
+
+@dataclass(frozen=True)
 class EncodingSpec:
     """One encoding, with tiny-cuda-nn's parameters and defaults.
 
@@ -122,6 +163,10 @@ class EncodingSpec:
     ``dims_to_encode_begin`` (both resolved by ``parse``; nested Composites are flattened into
     their parent), their outputs concatenated in order. Input dims no part reads are dropped,
     as tiny-cuda-nn drops them.
+
+    The grid family (``HashGrid``, ``DenseGrid``, ``TiledGrid``) holds a trainable table: the
+    model parameter ``grid{k}`` (k counts the grid parts in output order) of shape
+    (Σ levels' ``entries``, ``n_features_per_level``), see :meth:`grid_levels`.
     """
 
     otype: str = "Identity"
@@ -132,11 +177,51 @@ class EncodingSpec:
     scale: float = 1.0
     offset: float = 0.0
     dims_to_encode_begin: int | None = None
+    n_levels: int = 16
+    n_features_per_level: int = 2
+    log2_hashmap_size: int = 19
+    base_resolution: int = 16
+    per_level_scale: float = 2.0
+    interpolation: str = "Linear"
+    degree: int = 4
 
     @property
     def passthrough(self) -> bool:
         """True when encoding leaves the inputs as they are (Identity, scale 1, offset 0)."""
         return self.otype == "Identity" and self.scale == 1.0 and self.offset == 0.0
+
+    @property
+    def is_grid(self) -> bool:
+        return self.otype in GRID_OTYPES.values()
+
+    @property
+    def grid_type(self) -> str:
+        """"Hash", "Dense" or "Tiled" (grid encodings only)."""
+        return next(t for t, o in GRID_OTYPES.items() if o == self.otype)
+
+    def grid_levels(self, n_dims: int) -> tuple[GridLevel, ...]:
+        """The levels of a grid encoding of ``n_dims`` dims, tcnn's ``GridEncodingTemplated``
+        constructor: a level holds min(resolution^dims, 2^31 − 1) rows rounded up to a multiple
+        of 8, capped at 2^log2_hashmap_size rows (HashGrid) or base_resolution^dims rows
+        (TiledGrid, not rounded); DenseGrid keeps them all."""
+        levels, offset = [], 0
+        for level in range(self.n_levels):
+            scale = grid_level_scale(level, self.per_level_scale, self.base_resolution)
+            resolution = math.ceil(scale) + 1
+            dense = 2**31 - 1 if float(resolution) ** n_dims > 2**31 - 1 else resolution**n_dims
+            entries = (dense + 7) // 8 * 8
+            if self.otype == "TiledGrid":
+                entries = min(entries, self.base_resolution**n_dims)
+            elif self.otype == "HashGrid":
+                entries = min(entries, 1 << self.log2_hashmap_size)
+            levels.append(GridLevel(scale, resolution, offset, entries))
+            offset += entries
+        return tuple(levels)
+
+    def grid_parts(self, n_input_dims: int) -> list[tuple["EncodingSpec", int, int]]:
+        """(part, first input dim, input dims) of every grid part, in output order: part k's
+        table is the parameter ``grid{k}``."""
+        return [p for p in self.parts(n_input_dims) if p[0].is_grid]
 
     def parts(self, n_input_dims: int) -> list[tuple["EncodingSpec", int, int]]:
         """(part, first input dim, input dims) of every part in output order; an encoding that is
@@ -159,6 +244,12 @@ class EncodingSpec:
             return n_input_dims * self.n_frequencies * 2
         if self.otype == "OneBlob":
             return n_input_dims * self.n_bins
+        if self.is_grid:
+            return self.n_levels * self.n_features_per_level
+        if self.otype == "SphericalHarmonics":
+            return self.degree * self.degree
+        if self.otype == "TriangleWave":
+            return n_input_dims * self.n_frequencies
         return sum(part.n_output_dims(dims) for part, _, dims in self.parts(n_input_dims))
 
     @staticmethod
@@ -183,7 +274,84 @@ class EncodingSpec:
             if n & (n - 1):  # tiny-cuda-nn's kernel puts a power-of-two run of bins on adjacent lanes
                 raise SpecError(f"{where}.n_bins", f"must be a power of two (tiny-cuda-nn requires it); got {n}")
             return EncodingSpec("OneBlob", n_bins=n)
+        if otype in GRID_OTYPES.values() or otype == "Grid":
+            return EncodingSpec._parse_grid(where, otype, doc, n_input_dims, common)
+        if otype == "SphericalHarmonics":
+            _check_keys(where, doc, common | {"degree"})
+            if n_input_dims != 3:
+                raise SpecError(where, f"SphericalHarmonics encodes 3-D directions (3 input dims); it is given "
+                                       f"{n_input_dims} (inside a Composite, set n_dims_to_encode to 3)")
+            return EncodingSpec("SphericalHarmonics",
+                                degree=_int(f"{where}.degree", doc.get("degree", 4), 1, MAX_SH_DEGREE))
+        if otype == "TriangleWave":
+            _check_keys(where, doc, common | {"n_frequencies"})
+            n = _int(f"{where}.n_frequencies", doc.get("n_frequencies", 12), 1, 24)
+            return EncodingSpec("TriangleWave", n_frequencies=n)
         return EncodingSpec._parse_composite(where, doc, n_input_dims, common)
+
+    @staticmethod
+    def _parse_grid(where: str, otype: str, doc: Mapping[str, Any], n_input_dims: int,
+                    common: set[str]) -> "EncodingSpec":
+        # tcnn's create_grid_encoding: the otype names the default ``type`` (Grid and HashGrid:
+        # Hash), ``n_features`` (or ``n_grid_features``) may replace ``n_levels``, and DenseGrid's
+        # default per_level_scale reaches 256 vertices at the last level
+        _check_keys(where, doc, common | {
+            "type", "n_levels", "n_features", "n_grid_features", "n_features_per_level", "log2_hashmap_size",
+            "base_resolution", "per_level_scale", "interpolation", "hash", "stochastic_interpolation",
+            "fixed_point_pos"})
+        if n_input_dims not in GRID_DIMS:
+            raise SpecError(where, f"a {otype} encodes 2, 3 or 4 input dims (as tiny-cuda-nn's); it is given "
+                                   f"{n_input_dims} (inside a Composite, set n_dims_to_encode)")
+        default_type = {"DenseGrid": "Dense", "TiledGrid": "Tiled"}.get(otype, "Hash")
+        grid_type = _pick(f"{where}.type", doc.get("type", default_type), GRID_TYPES)
+        _pick(f"{where}.hash", doc.get("hash", "CoherentPrime"), ("CoherentPrime",))
+        for flag, meaning in (("stochastic_interpolation", "stochastic interpolation"),
+                              ("fixed_point_pos", "fixed-point positions")):
+            value = doc.get(flag, False)
+            if not isinstance(value, bool):
+                raise SpecError(f"{where}.{flag}", f"must be true or false; got {_short(value)}")
+            if value:
+                raise SpecError(f"{where}.{flag}", f"{meaning} are not supported; use false")
+        per_level = doc.get("n_features_per_level", 2)
+        if isinstance(per_level, bool) or per_level not in GRID_FEATURES_PER_LEVEL:
+            raise SpecError(f"{where}.n_features_per_level", f"must be 1, 2, 4 or 8; got {_short(per_level)}")
+        per_level = int(per_level)
+        features_key = next((k for k in ("n_features", "n_grid_features") if k in doc), None)
+        if features_key is not None:
+            if "n_levels" in doc:
+                raise SpecError(f"{where}.{features_key}", "may not be given with n_levels (one determines the other)")
+            n_features = _int(f"{where}.{features_key}", doc[features_key], per_level, per_level * MAX_GRID_LEVELS)
+            if n_features % per_level:
+                raise SpecError(f"{where}.{features_key}",
+                                f"must be a multiple of n_features_per_level ({per_level}); got {n_features}")
+            n_levels = n_features // per_level
+        else:
+            n_levels = _int(f"{where}.n_levels", doc.get("n_levels", 16), 1, MAX_GRID_LEVELS)
+        base = _int(f"{where}.base_resolution", doc.get("base_resolution", 16), 1, 1 << 16)
+        if "per_level_scale" in doc:
+            per_level_scale = _float(f"{where}.per_level_scale", doc["per_level_scale"], 0.0, 1e4, lo_open=True)
+        elif grid_type == "Dense":
+            if n_levels == 1:
+                raise SpecError(f"{where}.per_level_scale", "is required for a DenseGrid of one level "
+                                                            "(tiny-cuda-nn's default divides by n_levels − 1)")
+            per_level_scale = float(np.exp(np.log(np.float32(256.0) / np.float32(base)) / np.float32(n_levels - 1)))
+        else:
+            per_level_scale = 2.0
+        log2_size = _int(f"{where}.log2_hashmap_size", doc.get("log2_hashmap_size", 19), 1, 31)
+        interpolation = _pick(f"{where}.interpolation", doc.get("interpolation", "Linear"), GRID_INTERPOLATIONS)
+        spec = EncodingSpec(GRID_OTYPES[grid_type], n_levels=n_levels, n_features_per_level=per_level,
+                            # the table size of a Dense or Tiled grid does not depend on it
+                            log2_hashmap_size=log2_size if grid_type == "Hash" else 19,
+                            base_resolution=base, per_level_scale=_f32(per_level_scale),
+                            interpolation=interpolation)
+        if grid_type == "Tiled" and base**n_input_dims >= 2**31:
+            raise SpecError(f"{where}.base_resolution", f"{base}^{n_input_dims} tiles do not fit tiny-cuda-nn's "
+                                                        "32-bit indices; use a smaller base_resolution")
+        for level, info in enumerate(spec.grid_levels(n_input_dims)):
+            if not 0.0 <= info.scale < 2**31:
+                raise SpecError(f"{where}.per_level_scale", f"gives level {level} a scale of {info.scale:g} vertices; "
+                                                            "every level's must be from 0 to 2^31")
+        return spec
 
     @staticmethod
     def _parse_composite(where: str, doc: Mapping[str, Any], n_input_dims: int,
@@ -243,6 +411,16 @@ class EncodingSpec:
             out["n_bins"] = self.n_bins
         if self.otype == "Identity" and not self.passthrough:
             out["scale"], out["offset"] = self.scale, self.offset
+        if self.is_grid:
+            out.update(n_levels=self.n_levels, n_features_per_level=self.n_features_per_level,
+                       base_resolution=self.base_resolution, per_level_scale=self.per_level_scale,
+                       interpolation=self.interpolation)
+            if self.otype == "HashGrid":
+                out["log2_hashmap_size"] = self.log2_hashmap_size
+        if self.otype == "SphericalHarmonics":
+            out["degree"] = self.degree
+        if self.otype == "TriangleWave":
+            out["n_frequencies"] = self.n_frequencies
         if self.otype == "Composite":
             out["nested"], begin = [], 0
             for part in self.nested:
@@ -415,8 +593,15 @@ class MLPSpec:
         return list(zip(dims[:-1], dims[1:]))
 
     @property
+    def grid_shapes(self) -> dict[str, tuple[int, int]]:
+        """The trainable tables of the grid encodings: ``grid{k}`` → (rows, n_features_per_level),
+        k counting the grid parts in output order; empty without one."""
+        return {f"grid{k}": (sum(level.entries for level in part.grid_levels(dims)), part.n_features_per_level)
+                for k, (part, _, dims) in enumerate(self.encoding.grid_parts(self.n_input_dims))}
+
+    @property
     def n_params(self) -> int:
-        return sum(i * o + o for i, o in self.layer_dims)
+        return sum(i * o + o for i, o in self.layer_dims) + sum(r * f for r, f in self.grid_shapes.values())
 
     def flops_per_sample(self) -> int:
         """2 × Σ(in × out): multiply-adds of one forward pass."""
@@ -460,6 +645,11 @@ class MLPSpec:
         encoding = EncodingSpec.parse("encoding", doc.get("encoding", {"otype": "Identity"}), n_in)
         if encoding.n_output_dims(n_in) > MAX_IO_DIMS:
             raise SpecError("encoding", f"encodes to {encoding.n_output_dims(n_in)} dims; at most {MAX_IO_DIMS}")
+        grid_values = sum(part.n_features_per_level * sum(level.entries for level in part.grid_levels(dims))
+                          for part, _, dims in encoding.grid_parts(n_in))
+        if grid_values > MAX_GRID_VALUES:
+            raise SpecError("encoding", f"its grid tables hold {grid_values:,} values; at most {MAX_GRID_VALUES:,} "
+                                        "(lower log2_hashmap_size, n_levels or the finest resolution)")
 
         loss_doc = _mapping("loss", doc.get("loss", {"otype": "L2"}))
         _check_keys("loss", loss_doc, {"otype", "delta"})
@@ -534,5 +724,5 @@ def bench_spec(name: str, **overrides: Any) -> MLPSpec:
     return spec.replace(**overrides) if overrides else spec
 
 
-__all__ = ["MLPSpec", "EncodingSpec", "OptimizerSpec", "ExponentialDecaySpec", "EmaSpec", "OPTIMIZER_WRAPPERS", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES", "kernel_code_defines",
+__all__ = ["MLPSpec", "EncodingSpec", "GridLevel", "grid_level_scale", "GRID_OTYPES", "OptimizerSpec", "ExponentialDecaySpec", "EmaSpec", "OPTIMIZER_WRAPPERS", "bench_spec", "ACTIVATIONS", "LOSSES", "ACTIVATION_CODES", "LOSS_CODES", "kernel_code_defines",
            "OPTIMIZERS", "ENCODINGS", "PRECISIONS", "MLP_OTYPES"]

@@ -103,7 +103,7 @@ INVALID = [
     ("optimizer.learning_rate", float("nan"), "optimizer.learning_rate", "finite"),
     ("optimizer.beta1", 1.5, "optimizer.beta1", "must be in"),
     ("optimizer.momentum", 0.9, "optimizer.momentum", "unknown field"),
-    ("encoding.otype", "HashGrid", "encoding.otype", "Identity, Frequency, OneBlob, Composite"),
+    ("encoding.otype", "NRC", "encoding.otype", "Identity, Frequency, OneBlob, Composite, HashGrid"),
     ("encoding", {"otype": "Frequency", "n_frequencies": 0}, "encoding.n_frequencies", "from 1"),
     ("encoding", {"otype": "OneBlob", "n_bins": 3}, "encoding.n_bins", "power of two"),
     ("encoding", {"otype": "Composite", "nested": []}, "encoding.nested", "non-empty"),

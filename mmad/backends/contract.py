@@ -17,7 +17,8 @@ A backend module exposes one class derived from :class:`Backend`:
 A :class:`CompiledModel` owns its device buffers (weights, fp32 masters, optimizer moments)
 and keeps them on the device between calls. Parameters cross the host boundary only through
 ``get_params``/``set_params`` (unpadded fp32 arrays, named ``W{i}`` with shape
-``(fan_out, fan_in)`` and ``b{i}`` with shape ``(fan_out,)``, input layer first).
+``(fan_out, fan_in)`` and ``b{i}`` with shape ``(fan_out,)``, input layer first, then a grid
+encoding's table ``grid{k}``: see :func:`param_shapes`).
 
 Numerics every backend follows (docs/design.md, "Numerics"): the encoded input is rounded to the
 compute type (fp16/bf16) before the first product; every product accumulates in fp32; bias and
@@ -487,18 +488,26 @@ def check_params(spec: MLPSpec, params: dict[str, np.ndarray]) -> dict[str, np.n
 
 
 def param_shapes(spec: MLPSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape: ``W{i}`` (fan_out, fan_in) and ``b{i}`` (fan_out,) per layer, then
+    ``grid{k}`` (rows, n_features_per_level) per grid encoding part (``MLPSpec.grid_shapes``)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
         shapes[f"W{i}"] = (fan_out, fan_in)
         shapes[f"b{i}"] = (fan_out,)
+    shapes.update(spec.grid_shapes)
     return shapes
+
+
+GRID_INIT_SCALE = 1e-4  # tcnn's GridEncoding::initialize_params: uniform in ±1e-4
 
 
 def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
     """Deterministic initial parameters from the seed: identical on every backend.
 
     Weights uniform in ±sqrt(6 / (fan_in + fan_out)) (tiny-cuda-nn's choice), biases zero,
-    drawn layer by layer from NumPy's PCG64 (bit-identical across platforms).
+    drawn layer by layer from NumPy's PCG64 (bit-identical across platforms); then each grid
+    table uniform in ±1e-4 (tcnn's), drawn after the layers (tcnn's order: network, then
+    encoding) so that a grid leaves the layers' draws as they are without one.
     """
     rng = np.random.Generator(np.random.PCG64(spec.seed))
     params: dict[str, np.ndarray] = {}
@@ -506,6 +515,8 @@ def init_params(spec: MLPSpec) -> dict[str, np.ndarray]:
         scale = np.sqrt(6.0 / (fan_in + fan_out))
         params[f"W{i}"] = rng.uniform(-scale, scale, size=(fan_out, fan_in)).astype(np.float32)
         params[f"b{i}"] = np.zeros(fan_out, dtype=np.float32)
+    for name, shape in spec.grid_shapes.items():
+        params[name] = rng.uniform(-GRID_INIT_SCALE, GRID_INIT_SCALE, size=shape).astype(np.float32)
     return params
 
 

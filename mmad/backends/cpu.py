@@ -8,7 +8,10 @@ Three numerics modes (``CpuBackend(numerics=...)`` or ``MMAD_CPU_NUMERICS``):
 * ``float64``: everything in float64 — the reference the tolerances of docs/design.md refer to.
 
 Rows are processed in chunks so that activations stay in cache; weight gradients are summed
-over chunks in the working precision. ``forward_to_host`` casts each chunk's input and output
+over chunks in the working precision. A grid encoding's tables (``grid{k}``) are parameters like
+the layers': the forward interpolates them (rounded to the compute type in ``emulate``), the
+backward scatters d loss / d encoding into them, and Adam steps them as tcnn steps its encoding
+parameters (``numerics.grid_adam_update``). ``forward_to_host`` casts each chunk's input and output
 on the way (FP16 with the bit-exact converters below) and can spread the chunks over threads.
 """
 
@@ -127,6 +130,10 @@ class CpuModel(CompiledModel):
         self._params = {k: v.astype(self.dtype) for k, v in init_params(spec).items()}
         # one dict per optimizer slot (contract.optimizer_slots): parameter name -> array
         self._slots = [{n: np.zeros_like(v) for n, v in self._params.items()} for _ in optimizer_slots(spec)]
+        self._grid_names = list(spec.grid_shapes)
+        # Adam's step count per grid table entry (tcnn's param_steps: untouched entries do not step)
+        self._grid_steps = ({n: np.zeros(self._params[n].shape, np.uint32) for n in self._grid_names}
+                            if spec.optimizer.otype == "Adam" else {})
         self._ema_slot = optimizer_slots(spec).index("ema") if spec.optimizer.ema is not None else None
         if self._ema_slot is not None:  # inference serves the initial weights until the first step
             self._slots[self._ema_slot] = {n: v.copy() for n, v in self._params.items()}
@@ -139,19 +146,22 @@ class CpuModel(CompiledModel):
         return len(self.spec.layer_dims)
 
     def _refresh_compute_weights(self) -> None:
-        # the kernels multiply by a rounded copy of the masters, transposed for row-major h @ W^T
+        # the kernels multiply by a rounded copy of the masters, transposed for row-major h @ W^T,
+        # and interpolate a rounded copy of the grid tables (tcnn keeps them in the network's type)
         self._wt = [np.ascontiguousarray(nm.round_to(self.compute, self._params[f"W{i}"]).T)
                     for i in range(self.n_layers)]
+        self._grids = [nm.round_to(self.compute, self._params[n]) for n in self._grid_names]
         self._refresh_inference_weights()
 
     def _refresh_inference_weights(self) -> None:
-        # (transposed weights, biases) inference uses: with EMA the averages, else the training ones
+        # (transposed weights, biases, grid tables) inference uses: with EMA the averages, else the training ones
         if self._ema_slot is None:
-            self._infer = (self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)])
+            self._infer = (self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)], self._grids)
             return
         ema = self._slots[self._ema_slot]
         self._infer = ([np.ascontiguousarray(nm.round_to(self.compute, ema[f"W{i}"]).T) for i in range(self.n_layers)],
-                       [ema[f"b{i}"] for i in range(self.n_layers)])
+                       [ema[f"b{i}"] for i in range(self.n_layers)],
+                       [nm.round_to(self.compute, ema[n]) for n in self._grid_names])
 
     def get_params(self) -> dict[str, np.ndarray]:
         return {k: v.astype(np.float32) for k, v in self._params.items()}
@@ -169,21 +179,43 @@ class CpuModel(CompiledModel):
         self._slots = [{name: value.astype(self.dtype) for name, value in values.items()} for values in slots]
         self._refresh_inference_weights()
 
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """The contract's state plus ``steps.grid{k}``: Adam's per-entry step counts (uint32)."""
+        state = super().get_optimizer_state()
+        state.update({f"steps.{name}": steps.copy() for name, steps in self._grid_steps.items()})
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``get_optimizer_state`` returned. A state without ``steps.grid{k}`` (written
+        by another backend) counts the optimizer's steps for every entry Adam has moved (v ≠ 0)."""
+        super().set_optimizer_state(state)
+        for name, steps in self._grid_steps.items():
+            given = state.get(f"steps.{name}")
+            if given is not None and np.shape(given) == steps.shape:
+                steps[...] = np.asarray(given, dtype=np.uint32)
+            else:
+                v = self._slots[optimizer_slots(self.spec).index("v")][name]
+                steps[...] = np.where(v != 0, self.step_count, 0).astype(np.uint32)
+
     def device_bytes(self) -> int:
-        return sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for s in self._slots for a in s.values())
+        return (sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for s in self._slots for a in s.values())
+                + sum(a.nbytes for a in self._grid_steps.values()))
 
     # -- compute --------------------------------------------------------------------------
     def _forward_chunk(self, x: np.ndarray, keep: bool, scratch: _Scratch | None = None,
                        out: np.ndarray | None = None):
-        """(output, inputs of every layer, pre-activations) for rows ``x``; the last two only with ``keep``.
+        """(output, inputs of every layer, pre-activations, grid lookups) for rows ``x``; the last
+        three only with ``keep``.
 
         ``keep`` is training: it runs on the training weights, without it on the inference
         weights (they differ only under EMA). Without ``keep`` the activations run in place, each
         layer's result in ``scratch``'s two alternating buffers (fresh arrays without one) and the
         output layer's in ``out`` if given.
         """
-        wts, biases = (self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)]) if keep else self._infer
-        h = nm.round_to(self.compute, nm.encode(self.spec.encoding, np.asarray(x, dtype=self.dtype)))
+        wts, biases, grids = ((self._wt, [self._params[f"b{i}"] for i in range(self.n_layers)], self._grids)
+                              if keep else self._infer)
+        encoded, lookups = nm.encode_with_lookups(self.spec.encoding, np.asarray(x, dtype=self.dtype), grids)
+        h = nm.round_to(self.compute, encoded)
         hs, zs = [h], []
         for i in range(self.n_layers):
             last = i == self.n_layers - 1
@@ -203,7 +235,7 @@ class CpuModel(CompiledModel):
             if keep:
                 zs.append(z)
                 hs.append(h)
-        return h, hs, zs
+        return h, hs, zs, lookups
 
     def _scratch(self) -> _Scratch:
         """This thread's buffers for :meth:`forward_to_host`'s chunks."""
@@ -274,7 +306,7 @@ class CpuModel(CompiledModel):
         loss_sum = 0.0
         for start in range(0, x.shape[0], TRAIN_CHUNK_ROWS):
             stop = start + TRAIN_CHUNK_ROWS
-            pred, hs, zs = self._forward_chunk(x[start:stop], keep=True)
+            pred, hs, zs, lookups = self._forward_chunk(x[start:stop], keep=True)
             values, dpred = nm.loss_terms(spec.loss, pred, y[start:stop].astype(self.dtype),
                                           delta=spec.huber_delta)
             loss_sum += float(values.sum(dtype=np.float64))
@@ -286,6 +318,11 @@ class CpuModel(CompiledModel):
                 if i:
                     delta = (delta @ self._wt[i].T) * nm.activation_grad(spec.activation, zs[i - 1])
                     delta = nm.round_to(self.compute, delta)
+            if lookups:  # on through the first layer into the grid tables
+                d_encoded = nm.round_to(self.compute, delta @ self._wt[0].T)
+                tables = nm.grid_gradients(spec.encoding, spec.n_input_dims, lookups, d_encoded, self._grids)
+                for name, g in zip(self._grid_names, tables):
+                    grads[name] += g
         for g in grads.values():
             g /= spec.loss_scale
         return loss_sum / y.size, grads
@@ -318,7 +355,10 @@ class CpuModel(CompiledModel):
         self.step_count += 1
         for name, w in self._params.items():
             slots = {slot: values[name] for slot, values in zip(optimizer_slots(self.spec), self._slots)}
-            nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
+            if name in self._grid_steps:
+                nm.grid_adam_update(self.spec.optimizer, self.step_count, w, grads[name], slots, self._grid_steps[name])
+            else:
+                nm.optimizer_update(self.spec.optimizer, self.step_count, w, grads[name], slots)
         if self._ema_slot is not None:
             self._update_ema()
         self._refresh_compute_weights()
@@ -328,7 +368,7 @@ class CpuModel(CompiledModel):
         # and, without full_precision, keeps the average in that precision too
         ema, average = self.spec.optimizer.ema, self._slots[self._ema_slot]
         for name, w in self._params.items():
-            rounding = self.compute if name.startswith("W") else "fp32"  # biases are never rounded here
+            rounding = "fp32" if name.startswith("b") else self.compute  # biases are never rounded here
             nm.ema_update(ema, self.step_count, nm.round_to(rounding, w), average[name])
             if not ema.full_precision:
                 average[name][...] = nm.round_to(rounding, average[name])

@@ -2,15 +2,18 @@
 
 Activations (value and derivative from the pre-activation), losses (per-element value and
 gradient, tiny-cuda-nn's definitions: relative losses hold their normaliser constant),
-encodings (forward only: they have no parameters), and the optimizer updates. The cpu backend
-runs these directly; GPU backends use the encodings on the host and the tests use all of them
-as the definition of right.
+encodings (forward; the grid encodings' tables also backward, see :mod:`.encodings`), and the
+optimizer updates. The cpu backend runs these directly; GPU backends use the encodings on the
+host and the tests use all of them as the definition of right.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from mmad.backends.encodings import GridLookup, grid_backward, grid_forward, grid_lookup, spherical_harmonics, triangle_wave
 from mmad.spec import EmaSpec, EncodingSpec, OptimizerSpec
 
 LEAKY_SLOPE = 0.01
@@ -139,11 +142,48 @@ def _luminance(p: np.ndarray) -> np.ndarray:
 
 
 # -- encodings -----------------------------------------------------------------------------
-# tiny-cuda-nn's definitions (encodings/identity.h, frequency.h, oneblob.h, composite.h); the
-# columns tiny-cuda-nn pads an encoding with up to the network's alignment hold 1, but mmad's
-# parameters are unpadded, so no padded column is ever exposed or computed here.
-def encode(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
-    """Apply an encoding to (rows × dims) inputs; the dtype of ``x`` is kept."""
+# tiny-cuda-nn's definitions (encodings/identity.h, frequency.h, oneblob.h, composite.h, and the
+# grids, spherical harmonics and triangle wave of .encodings); the columns tiny-cuda-nn pads an
+# encoding with up to the network's alignment (1, or 0 after a grid) and between a Composite's
+# parts (to the next part's alignment) are not materialised: mmad's parameters are unpadded, so
+# no padded column is ever exposed or computed here.
+def encode(encoding: EncodingSpec, x: np.ndarray, grids: Sequence[np.ndarray] = ()) -> np.ndarray:
+    """Apply an encoding to (rows × dims) inputs; the dtype of ``x`` is kept. ``grids``: the
+    table of every grid part in order (the parameters ``grid0``, ``grid1``, … in x's dtype)."""
+    return encode_with_lookups(encoding, x, grids)[0]
+
+
+def encode_with_lookups(encoding: EncodingSpec, x: np.ndarray,
+                        grids: Sequence[np.ndarray] = ()) -> tuple[np.ndarray, list[GridLookup]]:
+    """``encode`` and, for the backward pass, where each grid part read its table."""
+    outs, lookups = [], []
+    for part, begin, dims in encoding.parts(x.shape[1]):
+        xs = x if encoding.otype != "Composite" else x[:, begin:begin + dims]
+        if part.is_grid:
+            if len(lookups) >= len(grids):
+                raise ValueError(f"the encoding has a grid part {len(lookups)} but {len(grids)} tables were given")
+            lookups.append(grid_lookup(part, xs))
+            outs.append(grid_forward(lookups[-1], grids[len(lookups) - 1]))
+        else:
+            outs.append(_encode_part(part, xs))
+    return (outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)), lookups
+
+
+def grid_gradients(encoding: EncodingSpec, n_input_dims: int, lookups: list[GridLookup],
+                   d_encoded: np.ndarray, grids: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """d loss / d table of every grid part (shaped like ``grids``) from d loss / d encoded output."""
+    out, column = [], 0
+    for part, _, dims in encoding.parts(n_input_dims):
+        width = part.n_output_dims(dims)
+        if part.is_grid:
+            k = len(out)
+            out.append(grid_backward(lookups[k], d_encoded[:, column:column + width], grids[k].shape[0]))
+        column += width
+    return out
+
+
+def _encode_part(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
+    """One encoding without parameters (not a Composite, not a grid) of (rows × dims) inputs."""
     if encoding.otype == "Identity":
         if encoding.passthrough:
             return x
@@ -156,8 +196,11 @@ def encode(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
         return out.reshape(x.shape[0], -1)
     if encoding.otype == "OneBlob":
         return _one_blob(x, encoding.n_bins)
-    parts = [encode(part, x[:, begin:begin + dims]) for part, begin, dims in encoding.parts(x.shape[1])]
-    return np.concatenate(parts, axis=1)
+    if encoding.otype == "SphericalHarmonics":
+        return spherical_harmonics(encoding.degree, x)
+    if encoding.otype == "TriangleWave":
+        return triangle_wave(encoding.n_frequencies, x)
+    raise ValueError(f"no parameter-free encoding {encoding.otype!r}")
 
 
 def _one_blob(x: np.ndarray, n: int) -> np.ndarray:
@@ -215,6 +258,26 @@ def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray
         vel *= opt.momentum
         vel += g
         w -= (lr_t * vel).astype(w.dtype)
+
+
+def grid_adam_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],
+                     entry_steps: np.ndarray) -> None:
+    """Adam on a grid table as tcnn steps its non-matrix parameters (optimizers/adam.h, defaults):
+    no ``l2_reg`` (``non_matrix_l2_reg`` 0), an entry whose gradient is exactly 0 (no sample read
+    it) is skipped (``skip_zero_grad_non_matrix_params``: its moments and step count stay), and
+    the bias correction uses each entry's own step count (``param_steps``). ``step`` (from 1) is
+    the optimizer's, for the ExponentialDecay factor; in place on ``w``, the slots and
+    ``entry_steps``."""
+    touched = g != 0
+    lr = opt.learning_rate if opt.decay is None else opt.learning_rate * opt.decay.factor(step - 1)
+    gt = g[touched]
+    m = slots["m"][touched] * opt.beta1 + (1 - opt.beta1) * gt
+    v = slots["v"][touched] * opt.beta2 + (1 - opt.beta2) * (gt * gt)
+    slots["m"][touched], slots["v"][touched] = m, v
+    entry_steps[touched] += 1
+    t = entry_steps[touched].astype(np.float64)
+    lr_t = (lr * np.sqrt(1 - opt.beta2 ** t) / (1 - opt.beta1 ** t)).astype(w.dtype)
+    w[touched] -= lr_t * m / (np.sqrt(v) + w.dtype.type(opt.epsilon))
 
 
 def ema_update(ema: EmaSpec, step: int, weights: np.ndarray, average: np.ndarray) -> None:

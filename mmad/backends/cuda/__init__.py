@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.cache import KernelCache
+from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
 from mmad.backends.cuda.knobs import CudaKnobs
@@ -143,6 +144,7 @@ class CudaBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> CompiledModel:
+        check_backend_supports(spec, "cuda")  # grid/SH/TriangleWave: cpu only so far
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")

@@ -35,6 +35,7 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
+from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
     check_params, fill_dataset,
@@ -1047,6 +1048,7 @@ class VulkanBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> VulkanModel:
+        check_backend_supports(spec, "vulkan")  # grid/SH/TriangleWave: cpu only so far
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
             variant = next((v for v in VARIANTS if rows[v].available), None)

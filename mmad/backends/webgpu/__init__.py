@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends import numerics as nm
+from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import (
     Backend, CompiledModel, ProbeRow, check_device_index, check_params, check_rows, init_params, optimizer_slots, output_dtype,
 )
@@ -632,6 +633,7 @@ class WgpuBackend(Backend):
         return self._device
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0) -> WgpuModel:
+        check_backend_supports(spec, "wgpu")  # grid/SH/TriangleWave: cpu only so far
         if variant not in (None, "default"):
             raise SpecError("variant", f"the wgpu backend has one variant, 'default'; got {variant!r}")
         check_device_index(device, 1, "wgpu")  # one adapter: the one the probe chose

@@ -1,0 +1,211 @@
+"""tiny-cuda-nn's grid encodings, spherical harmonics and triangle wave, in NumPy.
+
+Written from tiny-cuda-nn's sources (``encodings/grid.h``, ``spherical_harmonics.h``,
+``triangle_wave.h`` and the helpers of ``common_device.h``) and kept in their arithmetic order, so
+that with float32 inputs the cpu backend computes what tcnn's fp32 kernels compute and with float64
+the same formulas in float64 (the oracle). :func:`mmad.backends.numerics.encode` dispatches here.
+
+A grid level maps an input ``x`` (one value per dim, nominally in [0, 1]) to ``pos = x·scale +
+0.5`` (tcnn's fmaf), its cell ``floor(pos)`` and the fraction inside it (through smoothstep for
+``Smoothstep``), and interpolates the 2^dims corner rows of the level's table (``Linear``,
+``Smoothstep``) or takes the cell's own row (``Nearest``). A corner's row is its dense index
+Σ corner_d·resolution^d where that fits 32 bits, else (and for a HashGrid whose level holds fewer
+rows than the dense grid) tcnn's coherent prime hash; either modulo the level's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmad.errors import SpecError
+from mmad.spec import EncodingSpec, MLPSpec
+
+# tcnn's coherent_prime_hash factors (the first is 1: neighbouring cells along x stay neighbours)
+HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 2165219737)
+# grid_index's largest resolution per dim count whose dense index cannot overflow 32 bits
+_MAX_DENSE_BASE = {1: 0xFFFFFFFF, 2: 0xFFFF, 3: 0x659, 4: 0xFF}
+_U32 = np.uint64(0xFFFFFFFF)
+
+# encodings whose only implementation so far is this module, on the cpu backend
+CPU_ONLY_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid", "SphericalHarmonics", "TriangleWave")
+
+
+def check_backend_supports(spec: MLPSpec, backend: str) -> None:
+    """Refuse (SpecError, a 400 through the daemon) a model whose encoding only the cpu backend
+    implements, naming the encoding, the backend and where it runs; no silent fallback."""
+    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in CPU_ONLY_OTYPES]
+    if found:
+        raise SpecError("encoding", f"{found[0]} is implemented on the cpu backend only so far; the {backend} "
+                                    "backend cannot run this model (serve it with MMAD_BACKEND=cpu)")
+
+
+# -- grids -----------------------------------------------------------------------------------
+@dataclass
+class GridLookup:
+    """Where one grid part's rows read the table: ``rows`` (rows × levels × corners, into the
+    whole table) and the interpolation ``weights`` (same shape, the working dtype)."""
+
+    rows: np.ndarray
+    weights: np.ndarray
+
+
+def _positions(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cell as uint32 values in uint64, fraction in x's dtype) of ``x·scale + 0.5`` per value."""
+    if x.dtype == np.float32:  # tcnn's fmaf: the product is exact in float64, one rounding after the add
+        pos = (x.astype(np.float64) * scale + 0.5).astype(np.float32)
+    else:
+        pos = x * scale + 0.5
+    cell = np.floor(pos)
+    with np.errstate(invalid="ignore"):  # NaN or huge inputs: any cell; their output is NaN anyway
+        grid = (cell.astype(np.int64) & 0xFFFFFFFF).astype(np.uint64)  # tcnn's (uint32_t)(int)floorf
+    return grid, pos - cell
+
+
+def grid_lookup(part: EncodingSpec, x: np.ndarray) -> GridLookup:
+    """The table rows and weights every level of a grid part reads for the rows of ``x``
+    (rows × dims, float32 or float64)."""
+    rows, dims = x.shape
+    corners = 1 if part.interpolation == "Nearest" else 1 << dims
+    levels = part.grid_levels(dims)
+    index = np.empty((rows, len(levels), corners), np.int64)
+    weights = np.empty((rows, len(levels), corners), x.dtype)
+    one = x.dtype.type(1)
+    for level, info in enumerate(levels):
+        cell, frac = _positions(x, info.scale)
+        if part.interpolation == "Smoothstep":
+            frac = frac * frac * (x.dtype.type(3) - x.dtype.type(2) * frac)
+        # tcnn's grid_index: the dense index where it fits 32 bits, else index 0 (stride 2^32 − 1),
+        # replaced by the hash in a HashGrid level holding fewer rows than that stride
+        fits = info.resolution <= _MAX_DENSE_BASE[dims]
+        hashed = part.grid_type == "Hash" and (not fits or info.entries < info.resolution**dims)
+        for corner in range(corners):
+            offsets = [(corner >> d) & 1 for d in range(dims)]
+            local = [cell[:, d] + np.uint64(offsets[d]) if offsets[d] else cell[:, d] for d in range(dims)]
+            if hashed:
+                idx = np.zeros(rows, np.uint64)
+                for d in range(dims):
+                    idx ^= (local[d] * np.uint64(HASH_PRIMES[d])) & _U32
+            else:  # the dense index, wrapping at 32 bits where a corner lies past the grid's edge
+                idx, stride = np.zeros(rows, np.uint64), 1
+                for d in range(dims if fits else 0):
+                    idx = (idx + local[d] * np.uint64(stride)) & _U32
+                    stride *= info.resolution
+            index[:, level, corner] = (idx % np.uint64(info.entries)).astype(np.int64) + info.offset
+            if corners > 1:  # tcnn multiplies the dims' factors in dim order
+                w = np.ones(rows, x.dtype)
+                for d in range(dims):
+                    w = w * (frac[:, d] if offsets[d] else one - frac[:, d])
+                weights[:, level, corner] = w
+            else:
+                weights[:, level, corner] = one
+    return GridLookup(index, weights)
+
+
+def grid_forward(lookup: GridLookup, table: np.ndarray) -> np.ndarray:
+    """Rows × (levels · features): level l's features at columns l·F … l·F + F − 1 (tcnn's order)."""
+    values = table[lookup.rows]  # rows × levels × corners × features
+    out = np.einsum("rlc,rlcf->rlf", lookup.weights, values)
+    return out.reshape(out.shape[0], -1)
+
+
+def grid_backward(lookup: GridLookup, d_out: np.ndarray, entries: int) -> np.ndarray:
+    """d loss / d table (entries × features) from d loss / d output (rows × levels·features): each
+    output's gradient times each corner's weight, added into the corner's row (tcnn's atomic
+    scatter-add; here a bincount, summed in float64)."""
+    rows, levels, corners = lookup.rows.shape
+    features = d_out.shape[1] // levels
+    d = d_out.reshape(rows, levels, 1, features)
+    flat = lookup.rows.reshape(-1)
+    grad = np.empty((entries, features), d_out.dtype)
+    for f in range(features):
+        grad[:, f] = np.bincount(flat, weights=(lookup.weights * d[..., f]).reshape(-1), minlength=entries)
+    return grad
+
+
+# -- spherical harmonics -------------------------------------------------------------------------
+def spherical_harmonics(degree: int, x: np.ndarray) -> np.ndarray:
+    """tcnn's ``sh_enc``: inputs in [0, 1]^3 mapped to directions 2x − 1, then the real spherical
+    harmonics of bands 0 … degree − 1 (degree² columns), with tcnn's constants and expressions
+    (scripts/gen_sh.py there). Exact only for unit directions, like tcnn's."""
+    t = x.dtype.type
+    d = x * t(2) - t(1)
+    x, y, z = d[:, 0], d[:, 1], d[:, 2]
+    xy, xz, yz, x2, y2, z2 = x * y, x * z, y * z, x * x, y * y, z * z
+    x4, y4, z4 = x2 * x2, y2 * y2, z2 * z2
+    x6, y6, z6 = x4 * x2, y4 * y2, z4 * z2
+    c = [np.full_like(x, 0.28209479177387814)]
+    if degree > 1:
+        c += [-0.48860251190291987 * y, 0.48860251190291987 * z, -0.48860251190291987 * x]
+    if degree > 2:
+        c += [1.0925484305920792 * xy, -1.0925484305920792 * yz, 0.94617469575755997 * z2 - 0.31539156525251999,
+              -1.0925484305920792 * xz, 0.54627421529603959 * x2 - 0.54627421529603959 * y2]
+    if degree > 3:
+        c += [0.59004358992664352 * y * (-3.0 * x2 + y2), 2.8906114426405538 * xy * z,
+              0.45704579946446572 * y * (1.0 - 5.0 * z2), 0.3731763325901154 * z * (5.0 * z2 - 3.0),
+              0.45704579946446572 * x * (1.0 - 5.0 * z2), 1.4453057213202769 * z * (x2 - y2),
+              0.59004358992664352 * x * (-x2 + 3.0 * y2)]
+    if degree > 4:
+        c += [2.5033429417967046 * xy * (x2 - y2), 1.7701307697799304 * yz * (-3.0 * x2 + y2),
+              0.94617469575756008 * xy * (7.0 * z2 - 1.0), 0.66904654355728921 * yz * (3.0 - 7.0 * z2),
+              -3.1735664074561294 * z2 + 3.7024941420321507 * z4 + 0.31735664074561293,
+              0.66904654355728921 * xz * (3.0 - 7.0 * z2), 0.47308734787878004 * (x2 - y2) * (7.0 * z2 - 1.0),
+              1.7701307697799304 * xz * (-x2 + 3.0 * y2),
+              -3.7550144126950569 * x2 * y2 + 0.62583573544917614 * x4 + 0.62583573544917614 * y4]
+    if degree > 5:
+        c += [0.65638205684017015 * y * (10.0 * x2 * y2 - 5.0 * x4 - y4), 8.3026492595241645 * xy * z * (x2 - y2),
+              -0.48923829943525038 * y * (3.0 * x2 - y2) * (9.0 * z2 - 1.0),
+              4.7935367849733241 * xy * z * (3.0 * z2 - 1.0), 0.45294665119569694 * y * (14.0 * z2 - 21.0 * z4 - 1.0),
+              0.1169503224534236 * z * (-70.0 * z2 + 63.0 * z4 + 15.0),
+              0.45294665119569694 * x * (14.0 * z2 - 21.0 * z4 - 1.0),
+              2.3967683924866621 * z * (x2 - y2) * (3.0 * z2 - 1.0),
+              -0.48923829943525038 * x * (x2 - 3.0 * y2) * (9.0 * z2 - 1.0),
+              2.0756623148810411 * z * (-6.0 * x2 * y2 + x4 + y4), 0.65638205684017015 * x * (10.0 * x2 * y2 - x4 - 5.0 * y4)]
+    if degree > 6:
+        c += [1.3663682103838286 * xy * (-10.0 * x2 * y2 + 3.0 * x4 + 3.0 * y4),
+              2.3666191622317521 * yz * (10.0 * x2 * y2 - 5.0 * x4 - y4),
+              2.0182596029148963 * xy * (x2 - y2) * (11.0 * z2 - 1.0),
+              -0.92120525951492349 * yz * (3.0 * x2 - y2) * (11.0 * z2 - 3.0),
+              0.92120525951492349 * xy * (-18.0 * z2 + 33.0 * z4 + 1.0),
+              0.58262136251873131 * yz * (30.0 * z2 - 33.0 * z4 - 5.0),
+              6.6747662381009842 * z2 - 20.024298714302954 * z4 + 14.684485723822165 * z6 - 0.31784601133814211,
+              0.58262136251873131 * xz * (30.0 * z2 - 33.0 * z4 - 5.0),
+              0.46060262975746175 * (x2 - y2) * (11.0 * z2 * (3.0 * z2 - 1.0) - 7.0 * z2 + 1.0),
+              -0.92120525951492349 * xz * (x2 - 3.0 * y2) * (11.0 * z2 - 3.0),
+              0.50456490072872406 * (11.0 * z2 - 1.0) * (-6.0 * x2 * y2 + x4 + y4),
+              2.3666191622317521 * xz * (10.0 * x2 * y2 - x4 - 5.0 * y4),
+              10.247761577878714 * x2 * y4 - 10.247761577878714 * x4 * y2 + 0.6831841051919143 * x6
+              - 0.6831841051919143 * y6]
+    if degree > 7:
+        c += [0.70716273252459627 * y * (-21.0 * x2 * y4 + 35.0 * x4 * y2 - 7.0 * x6 + y6),
+              5.2919213236038001 * xy * z * (-10.0 * x2 * y2 + 3.0 * x4 + 3.0 * y4),
+              -0.51891557872026028 * y * (13.0 * z2 - 1.0) * (-10.0 * x2 * y2 + 5.0 * x4 + y4),
+              4.1513246297620823 * xy * z * (x2 - y2) * (13.0 * z2 - 3.0),
+              -0.15645893386229404 * y * (3.0 * x2 - y2) * (13.0 * z2 * (11.0 * z2 - 3.0) - 27.0 * z2 + 3.0),
+              0.44253269244498261 * xy * z * (-110.0 * z2 + 143.0 * z4 + 15.0),
+              0.090331607582517306 * y * (-135.0 * z2 + 495.0 * z4 - 429.0 * z6 + 5.0),
+              0.068284276912004949 * z * (315.0 * z2 - 693.0 * z4 + 429.0 * z6 - 35.0),
+              0.090331607582517306 * x * (-135.0 * z2 + 495.0 * z4 - 429.0 * z6 + 5.0),
+              0.07375544874083044 * z * (x2 - y2) * (143.0 * z2 * (3.0 * z2 - 1.0) - 187.0 * z2 + 45.0),
+              -0.15645893386229404 * x * (x2 - 3.0 * y2) * (13.0 * z2 * (11.0 * z2 - 3.0) - 27.0 * z2 + 3.0),
+              1.0378311574405206 * z * (13.0 * z2 - 3.0) * (-6.0 * x2 * y2 + x4 + y4),
+              -0.51891557872026028 * x * (13.0 * z2 - 1.0) * (-10.0 * x2 * y2 + x4 + 5.0 * y4),
+              2.6459606618019 * z * (15.0 * x2 * y4 - 15.0 * x4 * y2 + x6 - y6),
+              0.70716273252459627 * x * (-35.0 * x2 * y4 + 21.0 * x4 * y2 - x6 + 7.0 * y6)]
+    return np.stack(c, axis=1).astype(x.dtype, copy=False)
+
+
+# -- triangle wave ---------------------------------------------------------------------------------
+def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
+    """tcnn's ``TriangleWave``: for dim j and frequency k (column j·n + k), v = x_j·2^(k−1) + k/4
+    (the phase shift tells the frequencies apart), out = 4·|v − floor(v) − 1/2| − 1."""
+    t = x.dtype.type
+    k = np.arange(n_frequencies)
+    v = np.ldexp(x[:, :, None], (k - 1).astype(np.int32)) + (k * 0.25).astype(x.dtype)
+    out = np.abs(v - np.floor(v) - t(0.5)) * t(4) - t(1)
+    return out.reshape(x.shape[0], -1)
+
+
+__all__ = ["CPU_ONLY_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
+           "grid_forward", "grid_lookup", "spherical_harmonics", "triangle_wave"]
