@@ -274,3 +274,12 @@ def test_cli_imports_a_tcnn_file(tmp_path, capsys):
     assert cli(["export", "--config", str(tmp_path / "config.json"), "--tcnn-params", str(tmp_path / "params.bin"),
                 "--tcnn-dtype", "fp32", "--to", "safetensors", "-o", str(out)]) == 2
     assert "tiny-cuda-nn's buffer for this config holds" in capsys.readouterr().err
+
+
+def test_models_with_a_grid_encoding_are_refused_by_name():
+    from mmad.export import check_exportable
+
+    spec = MLPSpec.from_json({"n_input_dims": 2, "n_output_dims": 3, "encoding": {"otype": "HashGrid"},
+                              "network": {"n_neurons": 64, "n_hidden_layers": 2}})
+    with pytest.raises(InvalidInput, match="HashGrid encoding are not built yet"):
+        check_exportable(spec)
