@@ -100,7 +100,8 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
             t2 = time.perf_counter_ns()
             if body is None:
                 outs = [(o, out) for o in outputs]
-                if out.size <= INLINE_TENSOR_VALUES:
+                # outputs written into shared memory leave only their JSON entries to encode
+                if out.size <= INLINE_TENSOR_VALUES or all(o.shm is not None for o in outputs):
                     body, header_length = encode_infer_response(header, outs)
                 else:
                     body, header_length = await registry.run(encode_infer_response, header, outs)
