@@ -240,6 +240,28 @@ def _optimizer_wgsl(spec: MLPSpec) -> str:
         "    return launch.lr_t * vel;", "}"])
 
 
+def _ema_wgsl(spec: MLPSpec, plan: Plan) -> str:
+    """``ema_update(p, w)``, which ``optimize`` calls after the step: nothing without tcnn's EMA
+    wrapper; with it, the debiased average of parameter ``p`` (buffer ``ema``, laid out like
+    ``master``) and its compute-type copy ``ema_wc``, which inference binds in place of
+    ``master`` / ``wc``. Like the cpu backend it averages the weights the network computes with
+    (rounded; biases stay f32) and without ``full_precision`` rounds the weights' average too."""
+    ema = spec.optimizer.ema
+    if ema is None:
+        return "fn ema_update(p: u32, w: f32) {}"
+    biases = " || ".join(f"(p >= {b}u && p < {b + n}u)" for b, n in zip(plan.boff, plan.op))
+    lines = ["@group(0) @binding(12) var<storage, read_write> ema: array<f32>;     // EMA averages",
+             "@group(0) @binding(13) var<storage, read_write> ema_wc: array<CT>;   // their compute-type copy",
+             f"fn is_bias(p: u32) -> bool {{ return {biases}; }}",
+             "fn ema_update(p: u32, w: f32) {",
+             "    let bias = is_bias(p);",
+             "    var e = ema[p] * launch.ema_keep + select(f32(rnd(w)), w, bias) * launch.ema_take;"]
+    if not ema.full_precision:
+        lines.append("    if (!bias) { e = f32(rnd(e)); }")
+    lines += ["    ema[p] = e;", "    ema_wc[p] = rnd(e);", "}"]
+    return "\n".join(lines)
+
+
 def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     ct, rnd = _rounding(spec, native_f16)
     hidden_act, hidden_dact = _ACT[spec.activation]
@@ -257,7 +279,7 @@ def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     lines.append(f"fn dact_h(z: f32) -> f32 {{ return {hidden_dact}; }}")
     lines.append(f"fn act_o(z: f32) -> f32 {{ return {out_act}; }}")
     lines.append(f"fn dact_o(z: f32) -> f32 {{ return {out_dact}; }}")
-    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec)]
+    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _ema_wgsl(spec, plan)]
     return "\n".join(lines) + "\n"
 
 
