@@ -371,6 +371,12 @@ def check_ema_checkpoint_resumes(compile_model: Callable[[MLPSpec], CompiledMode
         np.testing.assert_allclose(served, plain.forward(x_new), rtol=1e-2, atol=1e-2)
 
 
+def test_the_cpu_reference_passes_the_device_checks():
+    emulate = CpuBackend("emulate").compile
+    check_ema_tracks_its_own_weights(emulate, bench_spec("S", optimizer=EMA_SGD))
+    check_ema_checkpoint_resumes(emulate, bench_spec("S", optimizer=EMA_ADAM))
+
+
 @pytest.mark.parametrize("full_precision", [False, True])
 def test_device_ema_tracks_its_own_weights(device, full_precision):
     spec = bench_spec("S", optimizer=EMA_ADAM | {"full_precision": full_precision})
