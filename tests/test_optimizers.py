@@ -225,13 +225,14 @@ def test_set_params_on_an_ema_model_serves_them():
 
 
 # -- device backends: the rate comes from the contract's schedule -------------------------------
-def _vulkan_backend():
+def _vulkan_backend(variant: str = "simt"):
     vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python package is not installed")
     backend = vulkan.VulkanBackend()
-    row = {r.variant: r for r in backend.probe()}["simt"]
+    row = {r.variant: r for r in backend.probe()}[variant]
     if not row.available:
-        pytest.skip(f"no usable Vulkan device: {row.reason}")
-    return backend, "simt"
+        backend.close()
+        pytest.skip(f"the vulkan {variant} variant is unavailable here: {row.reason}")
+    return backend, variant
 
 
 def _wgpu_backend():
@@ -246,6 +247,7 @@ def _wgpu_backend():
 
 
 DEVICE_BACKENDS = [pytest.param(_vulkan_backend, marks=pytest.mark.vulkan, id="vulkan"),
+                   pytest.param(lambda: _vulkan_backend("coopmat"), marks=pytest.mark.vulkan, id="vulkan-coopmat"),
                    pytest.param(_wgpu_backend, marks=pytest.mark.wgpu, id="wgpu")]
 
 
@@ -289,6 +291,8 @@ def _device_compile(device) -> Callable[[MLPSpec], CompiledModel]:
 @pytest.mark.parametrize("ema_doc", [EMA_SGD, EMA_ADAM], ids=["sgd", "adam"])
 def test_device_ema_follows_float64_oracle(device, ema_doc):
     # fp32: nothing rounds, so the device follows the float64 oracle to fp32 accuracy
+    if device[1] == "coopmat":
+        pytest.skip("precision fp32 runs no MMA; the coopmat variant is fp16 only")
     spec = bench_spec("S", precision="fp32", optimizer=ema_doc)
     x, y = task(spec, 256, seed=7)
     x_new = task(spec, 100, seed=17)[0]

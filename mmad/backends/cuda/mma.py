@@ -241,7 +241,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
             # with EMA, the forward image of the average (mlp_optimize writes it) and the average's
             # biases (its slot) are what inference reads; training reads wimage and b_all
-            self.eimage = cp.zeros(self.wf_total, dtype=cp.uint16) if self.spec.optimizer.ema else None
+            self.eimage = cp.zeros(self.wf_total, dtype=cp.uint16) if self.spec.optimizer.ema is not None else None
             self.dummy = cp.zeros(4, dtype=cp.float32)
             self.ctl = cp.zeros(4, dtype=cp.int32)
         except device_errors(cp) as exc:
