@@ -1,19 +1,24 @@
 """tiny-cuda-nn's optimizer wrappers ``ExponentialDecay`` and ``EMA`` (optimizers/exponential_decay.h,
 ema.h): their JSON fields and defaults, the learning-rate schedule against a transcription of
 tcnn's stateful loop, the cpu backend's training against a float64 loop written here from
-``loss_and_grads``, and the vulkan (lavapipe) and wgpu backends' loss curves against the cpu
-float64 oracle. EMA runs on the cpu backend only: the device backends refuse it by name.
+``loss_and_grads``, and the vulkan (lavapipe) and wgpu backends against the cpu oracle: loss
+curves under ExponentialDecay; under EMA the losses, raw weights, averages and served outputs,
+the averages against the cpu reference's update replayed on the device's own weights, and a
+checkpoint round trip. The ``check_ema_*`` helpers take a compile function, so
+tests/test_cuda_ema.py runs the same checks on the cuda mma variant.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from mmad.backends import numerics as nm
-from mmad.backends.contract import optimizer_state_names
-from mmad.backends.cpu import CpuBackend
+from mmad.backends.contract import CompiledModel, optimizer_state_names
+from mmad.backends.cpu import CpuBackend, CpuModel
 from mmad.errors import SpecError
 from mmad.spec import EmaSpec, ExponentialDecaySpec, MLPSpec, OptimizerSpec, bench_spec
 
@@ -220,13 +225,14 @@ def test_set_params_on_an_ema_model_serves_them():
 
 
 # -- device backends: the rate comes from the contract's schedule -------------------------------
-def _vulkan_backend():
+def _vulkan_backend(variant: str = "simt"):
     vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python package is not installed")
     backend = vulkan.VulkanBackend()
-    row = {r.variant: r for r in backend.probe()}["simt"]
+    row = {r.variant: r for r in backend.probe()}[variant]
     if not row.available:
-        pytest.skip(f"no usable Vulkan device: {row.reason}")
-    return backend, "simt"
+        backend.close()
+        pytest.skip(f"the vulkan {variant} variant is unavailable here: {row.reason}")
+    return backend, variant
 
 
 def _wgpu_backend():
@@ -241,6 +247,7 @@ def _wgpu_backend():
 
 
 DEVICE_BACKENDS = [pytest.param(_vulkan_backend, marks=pytest.mark.vulkan, id="vulkan"),
+                   pytest.param(lambda: _vulkan_backend("coopmat"), marks=pytest.mark.vulkan, id="vulkan-coopmat"),
                    pytest.param(_wgpu_backend, marks=pytest.mark.wgpu, id="wgpu")]
 
 
@@ -272,13 +279,127 @@ def test_device_exponential_decay_follows_oracle(device, inner):
     assert np.max(np.abs(losses / undecayed - 1)) > 0.1, np.max(np.abs(losses / undecayed - 1))
 
 
-def test_device_backends_refuse_ema_by_name(device):
+EMA_SGD = {"otype": "EMA", "decay": 0.9, "nested": DEVICE_DECAY["nested"] | {"learning_rate": 0.3}}
+EMA_ADAM = {"otype": "EMA", "decay": 0.9, "nested": ADAM | {"learning_rate": 3e-2}}
+
+
+def _device_compile(device) -> Callable[[MLPSpec], CompiledModel]:
     backend, variant = device
-    spec = bench_spec("S", optimizer={"otype": "EMA", "nested": ADAM})
+    return lambda spec: backend.compile(spec, variant)
+
+
+@pytest.mark.parametrize("ema_doc", [EMA_SGD, EMA_ADAM], ids=["sgd", "adam"])
+def test_device_ema_follows_float64_oracle(device, ema_doc):
+    # fp32: nothing rounds, so the device follows the float64 oracle to fp32 accuracy
+    if device[1] == "coopmat":
+        pytest.skip("precision fp32 runs no MMA; the coopmat variant is fp16 only")
+    spec = bench_spec("S", precision="fp32", optimizer=ema_doc)
+    x, y = task(spec, 256, seed=7)
+    x_new = task(spec, 100, seed=17)[0]
+    oracle = CpuBackend("float64").compile(spec)
+    with _device_compile(device)(spec) as model:
+        np.testing.assert_allclose(model.forward(x_new), oracle.forward(x_new), atol=1e-5)  # the initial weights
+        ref_losses = oracle.train_step(x, y, steps=20)
+        np.testing.assert_allclose(model.train_step(x, y, steps=20), ref_losses, rtol=1e-4)
+        state, ref_state = model.get_optimizer_state(), oracle.get_optimizer_state()
+        assert sorted(state) == sorted(ref_state)
+        for name, value in model.get_params().items():
+            np.testing.assert_allclose(value, oracle.get_params()[name], atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(state[f"ema.{name}"], ref_state[f"ema.{name}"], atol=1e-5, err_msg=name)
+        served = model.forward(x_new)
+        np.testing.assert_allclose(served, oracle.forward(x_new), atol=1e-5)
+        raw = CpuBackend("float64").compile(bench_spec("S", precision="fp32"))
+        raw.set_params(model.get_params())
+        assert np.abs(served - raw.forward(x_new)).max() > 1e-3  # it serves the average, not the raw weights
+
+
+def check_ema_tracks_its_own_weights(compile_model: Callable[[MLPSpec], CompiledModel], spec: MLPSpec,
+                                     steps: int = 8) -> None:
+    """An fp16 EMA model's averages are the cpu reference's update (numerics.ema_update, fp32)
+    replayed on the weights the model itself reached after each step (its raw weights diverge
+    from an fp16 oracle's under Adam, the update rule must not); one submission of ``steps``
+    steps ends where ``steps`` single steps do; inference serves the averages exactly as a
+    plain model given them as its weights; the loss curve follows the emulating oracle."""
+    ema, precision = spec.optimizer.ema, spec.precision
+    x, y = task(spec, 256, seed=5)
+    x_new = task(spec, 100, seed=15)[0]
+    with compile_model(spec) as stepped, compile_model(spec) as batched, \
+            compile_model(spec.replace(optimizer=spec.optimizer.to_json()["nested"])) as plain:
+        average = {k: v.copy() for k, v in stepped.get_params().items()}
+        losses = []
+        for t in range(1, steps + 1):
+            losses.append(stepped.train_step(x, y)[0])
+            for name, w in stepped.get_params().items():
+                rounding = precision if name.startswith("W") else "fp32"
+                nm.ema_update(ema, t, nm.round_to(rounding, w), average[name])
+                if not ema.full_precision:
+                    average[name][...] = nm.round_to(rounding, average[name])
+        state = stepped.get_optimizer_state()
+        for name, value in average.items():
+            got = state[f"ema.{name}"]
+            # a fused multiply-add may land an average on the neighbouring fp16 value
+            np.testing.assert_allclose(got, value, rtol=1e-5 if ema.full_precision else 2e-3, atol=1e-6, err_msg=name)
+            if not ema.full_precision and name.startswith("W"):  # biases are averaged in fp32 (cpu.py)
+                np.testing.assert_array_equal(got.astype(np.float16).astype(np.float32), got, err_msg=name)
+        assert not np.allclose(state["ema.W1"], stepped.get_params()["W1"], atol=1e-3)
+        np.testing.assert_array_equal(batched.train_step(x, y, steps=steps), np.array(losses, np.float32))
+        for name, value in batched.get_optimizer_state().items():
+            np.testing.assert_array_equal(value, state[name], err_msg=name)
+        ref = CpuBackend("emulate").compile(spec).train_step(x, y, steps=steps)
+        assert np.all(np.abs(np.array(losses) - ref) <= 0.05 * ref), np.max(np.abs(np.array(losses) / ref - 1))
+        plain.set_params({name: state[f"ema.{name}"] for name in average})
+        np.testing.assert_array_equal(stepped.forward(x_new), plain.forward(x_new))
+
+
+def check_ema_checkpoint_resumes(compile_model: Callable[[MLPSpec], CompiledModel], spec: MLPSpec) -> None:
+    """get_params / get_optimizer_state of a trained EMA model, set on a fresh one in the
+    registry's order (parameters, then state): the same served outputs and the same next
+    losses; then set_params alone serves the weights set, as on cpu."""
+    x, y = task(spec, 200, seed=21)
+    x_new = task(spec, 64, seed=22)[0]
+    with compile_model(spec) as a, compile_model(spec) as b:
+        a.train_step(x, y, steps=6)
+        b.set_params(a.get_params())
+        b.set_optimizer_state(a.get_optimizer_state())
+        np.testing.assert_array_equal(b.forward(x_new), a.forward(x_new))
+        np.testing.assert_array_equal(b.train_step(x, y, steps=5), a.train_step(x, y, steps=5))
+        np.testing.assert_array_equal(b.forward(x_new), a.forward(x_new))
+        new = {k: np.random.default_rng(5).standard_normal(v.shape).astype(np.float32) * 0.3
+               for k, v in a.get_params().items()}
+        b.set_params(new)
+        a.set_optimizer_state(b.get_optimizer_state() | {f"ema.{k}": v for k, v in new.items()})
+        served = b.forward(x_new)
+        np.testing.assert_array_equal(a.forward(x_new), served)  # the restored average is what a serves
+        plain = CpuBackend("emulate").compile(spec.replace(optimizer=spec.optimizer.to_json()["nested"]))
+        plain.set_params(new)
+        np.testing.assert_allclose(served, plain.forward(x_new), rtol=1e-2, atol=1e-2)
+
+
+def test_the_cpu_reference_passes_the_device_checks():
+    emulate = CpuBackend("emulate").compile
+    check_ema_tracks_its_own_weights(emulate, bench_spec("S", optimizer=EMA_SGD))
+    check_ema_checkpoint_resumes(emulate, bench_spec("S", optimizer=EMA_ADAM))
+
+
+@pytest.mark.parametrize("full_precision", [False, True])
+def test_device_ema_tracks_its_own_weights(device, full_precision):
+    spec = bench_spec("S", optimizer=EMA_ADAM | {"full_precision": full_precision})
+    check_ema_tracks_its_own_weights(_device_compile(device), spec)
+
+
+def test_device_ema_checkpoint_resumes(device):
+    check_ema_checkpoint_resumes(_device_compile(device), bench_spec("S", optimizer=EMA_ADAM))
+
+
+def test_variants_without_ema_refuse_it_by_name():
+    class NoEma(CpuModel):  # a variant that keeps no EMA slot (cuda's cublaslt and wgmma today)
+        backend, variant, supports_ema = "cuda", "wgmma", False
+
     with pytest.raises(SpecError) as err:
-        backend.compile(spec, variant)
+        NoEma(small_spec({"otype": "EMA", "nested": ADAM}))
     assert err.value.field == "optimizer"
-    assert f"not implemented on the {'vulkan' if variant else 'wgpu'} backend" in str(err.value)
+    assert "not implemented on the cuda backend's wgmma variant" in str(err.value)
+    NoEma(small_spec(ADAM))  # the others compile there
 
 
 # -- through the daemon --------------------------------------------------------------------------
@@ -302,7 +423,7 @@ def test_daemon_checkpoints_the_ema_slot(http, daemon):
     assert http.delete("/v2/models/ema-wrapped").status_code == 200
 
 
-def test_daemon_on_wgpu_refuses_ema_with_400(tmp_path):
+def test_daemon_on_wgpu_trains_an_ema_model(tmp_path):
     pytest.importorskip("wgpu", reason="wgpu-py is not installed")
     import httpx
 
@@ -313,10 +434,13 @@ def test_daemon_on_wgpu_refuses_ema_with_400(tmp_path):
     except RuntimeError as exc:
         pytest.skip(f"no wgpu daemon here: {str(exc)[:200]}")
     try:
-        r = httpx.put(f"{proc.url}/v2/models/ema", json={"spec": WRAPPED}, timeout=60)
-        assert r.status_code == 400, r.text
-        assert "not implemented on the wgpu backend" in r.json()["error"]
-        decayed = WRAPPED | {"optimizer": WRAPPED["optimizer"]["nested"]}  # ExponentialDecay alone runs there
-        assert httpx.put(f"{proc.url}/v2/models/decayed", json={"spec": decayed}, timeout=60).status_code == 201
+        assert httpx.put(f"{proc.url}/v2/models/ema", json={"spec": WRAPPED}, timeout=60).status_code == 201
+        x, y = task(small_spec(WRAPPED["optimizer"]), 64)
+        body = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()},
+                           {"name": "TARGET", "datatype": "FP32", "shape": list(y.shape), "data": y.ravel().tolist()}],
+                "parameters": {"steps": 8}}
+        r = httpx.post(f"{proc.url}/v2/models/ema/train", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "wgpu" in httpx.get(f"{proc.url}/v2/models/ema", timeout=60).json()["backend"]
     finally:
         proc.stop()

@@ -157,13 +157,14 @@ class CompiledModel(abc.ABC):
     backend: ClassVar[str]
     variant: str
     device_index: int = 0  # the backend's device (``Backend.devices()``) holding the buffers
-    # whether the backend keeps an EMA slot and infers from it (tcnn's EMA optimizer wrapper)
+    # whether the variant keeps an EMA slot and infers from it (tcnn's EMA optimizer wrapper)
     supports_ema: ClassVar[bool] = False
 
     def __init__(self, spec: MLPSpec):
         if spec.optimizer.ema is not None and not self.supports_ema:
-            raise SpecError("optimizer", f"the EMA optimizer wrapper is not implemented on the {self.backend} "
-                                         "backend (only on cpu); drop the EMA wrapper or use the cpu backend")
+            where = f"the {self.backend} backend's {getattr(self, 'variant', 'default')} variant"
+            raise SpecError("optimizer", f"the EMA optimizer wrapper is not implemented on {where}; drop the EMA "
+                                         "wrapper or use the cpu, vulkan, wgpu or cuda mma backend")
         self.spec = spec
         self.step_count = 0
 

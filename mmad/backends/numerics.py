@@ -284,10 +284,23 @@ def ema_update(ema: EmaSpec, step: int, weights: np.ndarray, average: np.ndarray
     """tcnn's debiased EMA after optimizer step ``step`` (from 1), in place on ``average``:
     (average·d·(1 − d^(step−1)) + weights·(1 − d)) / (1 − d^step). At step 1 the old average's
     weight is 0, so whatever it held before the first step never shows."""
+    keep, take = ema_factors(ema, step)
+    average *= average.dtype.type(keep)
+    average += (weights * take).astype(average.dtype)
+
+
+def ema_factors(ema: EmaSpec, step: int) -> tuple[float, float]:
+    """(keep, take) of EMA step ``step`` (from 1), in float64: ``average·keep + weights·take``
+    is ``ema_update``'s debiased average; the device backends read these from a per-step table."""
     d = ema.decay
-    old, new = d * (1 - d ** (step - 1)), 1 / (1 - d ** step)
-    average *= average.dtype.type(old * new)
-    average += (weights * ((1 - d) * new)).astype(average.dtype)
+    new = 1 / (1 - d ** step)
+    return d * (1 - d ** (step - 1)) * new, (1 - d) * new
+
+
+def ema_factor_table(ema: EmaSpec, first_step: int, steps: int) -> np.ndarray:
+    """``ema_factors`` of steps ``first_step`` .. ``first_step + steps − 1`` as float32 (steps × 2):
+    keep, take per step, the table a device training loop indexes by its step counter."""
+    return np.array([ema_factors(ema, first_step + k) for k in range(steps)], np.float32).reshape(steps, 2)
 
 
 def round_to(dtype_name: str, a: np.ndarray) -> np.ndarray:

@@ -148,8 +148,9 @@ class CudaBackend(Backend):
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
-        if variant is None:  # wgmma where enabled and the model fits it; mma takes every width 16-256
-            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) else "mma"
+        if variant is None:  # wgmma where enabled and the model fits it; mma takes every width 16-256 (and EMA)
+            wgmma = rows["wgmma"].available and self._wgmma_fits(spec) and spec.optimizer.ema is None
+            variant = "wgmma" if wgmma else "mma"
         row = rows[variant]
         if not row.available:
             raise BackendUnavailable(f"cuda:{variant}", row.reason)

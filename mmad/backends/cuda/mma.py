@@ -31,7 +31,7 @@ from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
     Dataset, EpochPosition, check_epoch_run, check_params, init_params, optimizer_slots,
 )
-from mmad.backends.numerics import epoch_half_bits
+from mmad.backends.numerics import ema_factor_table, epoch_half_bits
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.toolchain import (
     CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
@@ -70,7 +70,8 @@ def optimizer_defines(spec: MLPSpec) -> dict[str, Any]:
     """The optimizer's constants as the kernels' ``#define``s (mma and element-wise kernels)."""
     opt = spec.optimizer
     return {"OPT_ADAM": int(opt.otype == "Adam"), "BETA1": f32_literal(opt.beta1), "BETA2": f32_literal(opt.beta2), "EPS": f32_literal(opt.epsilon),
-            "L2REG": f32_literal(opt.l2_reg), "MOMENTUM": f32_literal(opt.momentum)}
+            "L2REG": f32_literal(opt.l2_reg), "MOMENTUM": f32_literal(opt.momentum),
+            "EMA": int(opt.ema is not None), "EMA_FULL": int(opt.ema is not None and opt.ema.full_precision)}
 
 
 def describe(spec: MLPSpec) -> str:
@@ -175,6 +176,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
     """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
 
     variant = "mma"
+    supports_ema = True
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
                  knobs: CudaKnobs | None = None):
@@ -237,6 +239,9 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self.slot_w = [cp.zeros(total_w, dtype=cp.float32) for _ in range(n_slots)]
             self.slot_b = [cp.zeros(total_b, dtype=cp.float32) for _ in range(n_slots)]
             self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
+            # with EMA, the forward image of the average (mlp_optimize writes it) and the average's
+            # biases (its slot) are what inference reads; training reads wimage and b_all
+            self.eimage = cp.zeros(self.wf_total, dtype=cp.uint16) if self.spec.optimizer.ema is not None else None
             self.dummy = cp.zeros(4, dtype=cp.float32)
             self.ctl = cp.zeros(4, dtype=cp.int32)
         except device_errors(cp) as exc:
@@ -307,11 +312,18 @@ class CudaMmaModel(MmaPlan, CudaModel):
             tiles = rows_pad // (16 * self.mt_fwd)
             grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
             self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
-                         (dx, np.int64(rows), np.int64(rows_pad), out, self.wimage, self.b_all),
+                         (dx, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
                          self.smem_fwd if self.w_smem_fwd else 0)
         if half_out and not half_io:
             out = out.astype(cp.float16)
         return self.download(out) if from_host else out
+
+    def _inference_weights(self) -> tuple[Any, Any]:
+        """(fp16 weight image, fp32 biases) the forward reads: the EMA average's under tcnn's EMA
+        wrapper (its slot is the last), else the training weights'."""
+        if self.eimage is None:
+            return self.wimage, self.b_all
+        return self.eimage, self.slot_b[-1]
 
     def fused_blocks(self, rows_pad: int) -> int:
         """Blocks of mlp_train_fused for a batch: resident ones, at most one per 128-row super-tile."""
@@ -369,24 +381,32 @@ class CudaMmaModel(MmaPlan, CudaModel):
     def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, grad_w=None, grad_b=None,
                         inv_scale: float | None = None) -> None:
         """mode 0: reduce + optimizer step at the rate ``_run["lr"][ctl[step]]``; 1: reduce into
-        grad_w / grad_b; 2: refresh the fp16 images only. The partial sums are multiplied by
-        ``inv_scale`` (default: undo the loss scale; 1 for gradients already unscaled)."""
+        grad_w / grad_b; 2: refresh the fp16 images only; 3: refresh the EMA forward image from
+        the average only. The partial sums are multiplied by ``inv_scale`` (default: undo the
+        loss scale; 1 for gradients already unscaled). With EMA, modes 0 and 2 update the
+        average (the last slot) at ``_run["ema"][ctl[step]]`` / to the parameters set."""
         fan_in, fan_out, k, n = self.layers[i]
         w = self.w_all[self.w_off[i]:self.w_off[i] + n * k]
         b = self.b_all[self.b_off[i]:self.b_off[i] + n]
+        second = 1 if self.spec.optimizer.otype == "Adam" else 0  # Adam's v; SGD has one moment
         s1w = self.slot_w[0][self.w_off[i]:self.w_off[i] + n * k]
         s1b = self.slot_b[0][self.b_off[i]:self.b_off[i] + n]
-        s2w = self.slot_w[-1][self.w_off[i]:self.w_off[i] + n * k]
-        s2b = self.slot_b[-1][self.b_off[i]:self.b_off[i] + n]
+        s2w = self.slot_w[second][self.w_off[i]:self.w_off[i] + n * k]
+        s2b = self.slot_b[second][self.b_off[i]:self.b_off[i] + n]
         total = n * k + n
         d = self.dummy
+        if self.eimage is None:
+            ema = (d, d, d, d)
+        else:
+            ema = (self.slot_w[-1][self.w_off[i]:self.w_off[i] + n * k], self.slot_b[-1][self.b_off[i]:self.b_off[i] + n],
+                   self.eimage, self._run.get("ema", d) if mode == 0 else d)
         self._launch("mlp_optimize", (math.ceil(total / 256),), (256,),
                      (np.int32(mode), w, b, s1w, s1b, s2w, s2b, d if pw is None else pw,
                       d if pb is None else pb, np.int32(n_chunks), np.int32(n), np.int32(k),
                       np.int32(fan_out), np.int32(fan_in), self.wimage, np.int32(self.wf_off[i]),
                       np.int32(self.wb_off[i]), self._run.get("lr", d) if mode == 0 else d, self.ctl,
                       np.float32(1.0 / self.spec.loss_scale if inv_scale is None else inv_scale),
-                      d if grad_w is None else grad_w, d if grad_b is None else grad_b))
+                      d if grad_w is None else grad_w, d if grad_b is None else grad_b, *ema))
 
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         if steps < 1:
@@ -519,6 +539,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
             try:
                 run["lr"] = cp.zeros(capacity, dtype=cp.float32)
                 run["losses"] = cp.zeros(capacity, dtype=cp.float64)
+                if self.eimage is not None:  # each step's EMA (keep, take), indexed like the rates
+                    run["ema"] = cp.zeros((capacity, 2), dtype=cp.float32)
             except device_errors(cp) as exc:
                 raise LaunchError(f"allocating the tables of {steps} training steps failed: {exc}") from exc
             run["capacity"] = capacity
@@ -527,6 +549,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
         ctl[CTL_SEED] = np.uint32(position.seed & 0xFFFFFFFF).view(np.int32)
         try:
             run["lr"][:steps].set(self.step_rates(steps))
+            if self.eimage is not None:
+                run["ema"][:steps].set(ema_factor_table(self.spec.optimizer.ema, self.step_count + 1, steps))
             self.ctl.set(ctl)
         except device_errors(cp) as exc:
             raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc
@@ -657,10 +681,14 @@ class CudaMmaModel(MmaPlan, CudaModel):
                     self._upload_padded(self.slot_b[j], self.b_off, i, values[f"b{i}"], False)
         except device_errors(self.cp) as exc:
             raise LaunchError(f"uploading the optimizer state failed: {exc}") from exc
+        if self.eimage is not None:  # inference serves the restored average
+            for i in range(self.n_layers):
+                self._optimize_layer(i, 3, 0, None, None)
 
     def device_bytes(self) -> int:
         arrays = [self.w_all, self.b_all, self.wimage, self.ctl, *self.slot_w, *self.slot_b]
-        arrays += [a for k, a in self._run.items() if k in ("lr", "losses", "grads")] + [a for a in self._run.get("batch") or () if a is not self.dummy]
+        arrays += [self.eimage] if self.eimage is not None else []
+        arrays += [a for k, a in self._run.items() if k in ("lr", "losses", "grads", "ema")] + [a for a in self._run.get("batch") or () if a is not self.dummy]
         for ws in self._workspace.values():
             arrays += [v for v in ws.values() if isinstance(v, self.cp.ndarray)]
         return int(sum(a.nbytes for a in arrays))
@@ -669,7 +697,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self._workspace.clear()
         self._graphs.clear()
         self._run.clear()
-        for name in ("w_all", "b_all", "wimage", "slot_w", "slot_b", "dummy", "ctl"):
+        for name in ("w_all", "b_all", "wimage", "eimage", "slot_w", "slot_b", "dummy", "ctl"):
             if hasattr(self, name):
                 delattr(self, name)
 

@@ -280,6 +280,7 @@ class CudaWgmmaModel(CudaMmaModel):
     """
 
     variant = "wgmma"
+    supports_ema = False  # its forward reads its own image of the masters, not of an EMA average
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
                  knobs: CudaKnobs | None = None):

@@ -39,7 +39,7 @@ from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
     check_params, fill_dataset,
-    check_rows, init_params, output_dtype, param_shapes,
+    check_rows, init_params, optimizer_slots, output_dtype, param_shapes,
 )
 from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
@@ -52,7 +52,7 @@ log = logging.getLogger("mmad.vulkan")
 VARIANTS = ("coopmat", "simt")
 # kernel -> (storage buffers, push-constant bytes); the coopmat forward and backward also bind
 # the fp16 hidden activations, and coopmat training runs its own forward pipeline
-PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (9, 20),
+PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (13, 20),
                       "finalize": (2, 16), "gather": (5, 48)}
 COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
 # coopmat_forward.comp's specialization constant that makes its training pipeline
@@ -270,7 +270,8 @@ def specialization(spec: MLPSpec, specialize_choices: bool) -> dict[int, int | f
                2: LOSS_CODES[spec.loss]} if specialize_choices else {}
     return {**choices, 3: float(spec.loss_scale), 5: 0 if spec.precision == "fp32" else 1,
             6: 1 if opt.otype == "Adam" else 0, 8: float(opt.beta1),
-            9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum)}
+            9: float(opt.beta2), 10: float(opt.epsilon), 11: float(opt.l2_reg), 12: float(opt.momentum),
+            15: int(opt.ema is not None), 16: int(opt.ema is not None and opt.ema.full_precision)}
 
 
 def shader_source(path: str, header: str) -> str:
@@ -350,6 +351,7 @@ def _dataset_buffer_bytes(rows: int, cols: int, dtype: np.dtype) -> int:
 
 class VulkanModel(CompiledModel):
     backend = "vulkan"
+    supports_ema = True
     # training runs a batch in row chunks whose buffers fit maxStorageBufferRange; a smaller
     # cap (tests) forces chunking on any device
     max_chunk_rows: int | None = None
@@ -383,19 +385,38 @@ class VulkanModel(CompiledModel):
             self._slot_a = self._alloc(self.n_params * 4)
             self._slot_b = self._alloc(self.n_params * 4 if spec.optimizer.otype == "Adam" else 16)
             self._grad = self._alloc(self.n_params * 4)
-            # step, base, 2 pads, then HIST_CAP losses and HIST_CAP learning rates (one per step of
-            # a submission: the contract computes them, the optimizer kernel reads its step's)
-            self._ctrl = self._alloc(16 + 2 * HIST_CAP * 4, host_visible=True)
+            # step, base, 2 pads, then HIST_CAP losses, HIST_CAP learning rates and HIST_CAP (keep,
+            # take) EMA factors (one each per step of a submission: computed on the host, in
+            # float64, the optimizer kernel reads its step's)
+            self._ctrl = self._alloc(16 + 4 * HIST_CAP * 4, host_visible=True)
             for buf in (self._wall, self._bias, self._slot_a, self._slot_b):
                 buf.fill_zero()
             self._ctrl.write(np.zeros(4, np.uint32))
             self._batch: dict[str, vr.Buffer] = {}
             self._unused = self._alloc(16)  # bound where a kernel's buffer is not used (inference Z)
             self._mma_weights = self._wall16 if self._wall16 is not None else self._wall
+            self._alloc_ema(spec, variant)
             self.set_params(init_params(spec))
         except BaseException:
             self.close()
             raise
+
+    def _alloc_ema(self, spec: MLPSpec, variant: str) -> None:
+        """With tcnn's EMA wrapper: the average (unpadded, like the masters) and the weights and
+        biases inference reads, written from it by the optimizer kernel; the forward kernel
+        reads only the transposed weight layout (WT_OFF: the first half of ``_wall``'s layout).
+        Without EMA inference reads the training weights."""
+        self._ema = self._ewall = self._ebias = None
+        self._infer_weights, self._infer_bias = self._mma_weights, self._bias
+        if spec.optimizer.ema is None:
+            return
+        self._ema = self._alloc(self.n_params * 4)
+        half = self.geo.weight_floats // 2
+        self._ewall = self._alloc(half * 2 if variant == "coopmat" else half * 4)  # fp16 for coopmat
+        self._ebias = self._alloc(BIAS_ROWS * self.geo.bias_floats * 4)
+        for buf in (self._ewall, self._ebias):
+            buf.fill_zero()
+        self._infer_weights, self._infer_bias = self._ewall, self._ebias
 
     # -- buffers --------------------------------------------------------------------------
     def _alloc(self, nbytes: int, host_visible: bool = False) -> vr.Buffer:
@@ -530,7 +551,7 @@ class VulkanModel(CompiledModel):
             tiles = rows_pad // self.geo.rows_per_tile
             grid = self._grid(tiles)
             push = np.array([rows_pad, grid[0], 0, *self._acts, 0], np.uint32).tobytes()
-            buffers = [x_buf, self._mma_weights, self._bias, out_buf, z_buf]
+            buffers = [x_buf, self._infer_weights, self._infer_bias, out_buf, z_buf]
             if self.variant == "coopmat":
                 buffers.append(z_buf)  # the fp16 activations, not written either
             program = vr.Program(self.device, [vr.Dispatch(self._pipelines["forward"], buffers, push, grid)],
@@ -598,9 +619,13 @@ class VulkanModel(CompiledModel):
         dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
                                       u32(rows_pad // geo.rows_per_tile, n_rows, n_out, int(update)), (1, 1, 1)))
         groups = math.ceil(self.n_params / 256)
+        unused = self._unused
+        ema = [unused] * 4 if self._ema is None else [
+            self._ema, unused if self.variant == "coopmat" else self._ewall, self._ebias,
+            self._ewall if self.variant == "coopmat" else unused]
         dispatches.append(vr.Dispatch(
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
-                             self._grad, self._ctrl, self._wall16 if self._wall16 is not None else self._unused],
+                             self._grad, self._ctrl, self._wall16 if self._wall16 is not None else unused, *ema],
             u32(self.n_params, split_base, geo.grad_floats, int(update), groups), (groups, 1, 1)))
         return dispatches
 
@@ -698,6 +723,14 @@ class VulkanModel(CompiledModel):
             y_buf = b["y"]
         return x_buf, y_buf, rows, rows_pad
 
+    def _write_step_tables(self, steps: int) -> None:
+        """The control block's per-step tables of the next ``steps`` steps (one submission):
+        learning rates, and with EMA its (keep, take) factors."""
+        self._ctrl.write(self.step_rates(steps), offset=16 + HIST_CAP * 4)
+        if self._ema is not None:
+            table = nm.ema_factor_table(self.spec.optimizer.ema, self.step_count + 1, steps)
+            self._ctrl.write(table, offset=16 + 2 * HIST_CAP * 4)
+
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         if steps < 1:
             raise InvalidInput(f"steps must be at least 1; got {steps}")
@@ -711,7 +744,7 @@ class VulkanModel(CompiledModel):
             while done < steps:
                 chunk = min(HIST_CAP, steps - done)
                 self._ctrl.write(np.array([self.step_count, self.step_count], np.uint32))
-                self._ctrl.write(self.step_rates(chunk), offset=16 + HIST_CAP * 4)
+                self._write_step_tables(chunk)
                 program.run(times=chunk)
                 hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
                 self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
@@ -871,7 +904,7 @@ class VulkanModel(CompiledModel):
                 chunk = min(HIST_CAP, steps - done)
                 self._ctrl.write(np.array([self.step_count, self.step_count, at.epoch & 0xFFFFFFFF,
                                            at.cursor // batch], np.uint32))
-                self._ctrl.write(self.step_rates(chunk), offset=16 + HIST_CAP * 4)
+                self._write_step_tables(chunk)
                 program.run(times=chunk)
                 hist = np.frombuffer(self._ctrl.read(16 + chunk * 4), np.float32)
                 self.step_count = int(np.frombuffer(self._ctrl.read(4), np.uint32)[0])
@@ -898,8 +931,9 @@ class VulkanModel(CompiledModel):
             self._check_open()
             return self._unflatten(np.frombuffer(self._master.read(self.n_params * 4), np.float32))
 
-    def set_params(self, params: dict[str, np.ndarray]) -> None:
-        params = check_params(self.spec, params)
+    def _weight_images(self, params: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(weights in both padded layouts, rounded as the kernels multiply them; the biases
+        row-replicated) as the kernels read them."""
         geo = self.geo
         off = geo.offsets()
         wall = np.zeros(geo.weight_floats, np.float32)
@@ -912,16 +946,31 @@ class VulkanModel(CompiledModel):
             wall[off["WT_OFF"][i]:off["WT_OFF"][i] + ki * ni] = w.T.reshape(-1)
             wall[off["WR_OFF"][i]:off["WR_OFF"][i] + ki * ni] = w.reshape(-1)
             bias[off["B_OFF"][i]:off["B_OFF"][i] + fan_out] = params[f"b{i}"]
+        return wall, np.tile(bias, BIAS_ROWS)
+
+    def _write_inference_images(self, wall: np.ndarray, bias: np.ndarray) -> None:
+        # an EMA model's inference copy: the forward layout (the first half) in its storage type
+        half = wall[:self.geo.weight_floats // 2]
+        self._ewall.write(half.astype(np.float16) if self.variant == "coopmat" else half)
+        self._ebias.write(bias)
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        wall, bias = self._weight_images(params)
         with self._lock:
             self._check_open()
             self._master.write(self._flatten(params))
             self._wall.write(wall)
             if self._wall16 is not None:
                 self._wall16.write(wall.astype(np.float16))
-            self._bias.write(np.tile(bias, BIAS_ROWS))
+            self._bias.write(bias)
+            if self._ema is not None:  # inference serves the weights just set, as on cpu
+                self._ema.write(self._flatten(params))
+                self._write_inference_images(wall, bias)
 
     def _slot_buffer(self, slot: int) -> vr.Buffer:
-        return (self._slot_a, self._slot_b)[slot]
+        moments = (self._slot_a, self._slot_b) if self.spec.optimizer.otype == "Adam" else (self._slot_a,)
+        return (*moments, self._ema)[slot]
 
     def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         with self._lock:
@@ -935,6 +984,8 @@ class VulkanModel(CompiledModel):
             self._check_open()
             for j, values in enumerate(slots):
                 self._slot_buffer(j).write(self._flatten(values))
+                if optimizer_slots(self.spec)[j] == "ema":  # a restored average is what inference serves
+                    self._write_inference_images(*self._weight_images(values))
             self._ctrl.write(np.array([step, step], np.uint32))
 
     def device_bytes(self) -> int:

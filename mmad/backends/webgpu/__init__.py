@@ -15,7 +15,9 @@ One variant, ``default``. Per model spec the backend generates one WGSL module
   stored pre-activations.
 * ``wgrad_<i>``: weight and bias gradients of layer i as a split-K GEMM over the rows;
   ``grad_reduce`` sums the splits in order (deterministic, no atomics).
-* ``optimize``: Adam or SGD on fp32 masters, refreshing the compute-type weight copy.
+* ``optimize``: Adam or SGD on fp32 masters, refreshing the compute-type weight copy; with
+  tcnn's EMA wrapper also the average (``ema``) and its compute-type copy (``ema_wc``), which
+  ``fwd_infer`` binds where other models bind ``master`` and ``wc`` (training keeps the raw ones).
 
 Numerics follow ``backends/contract.py``: fp16 models store activations and weights as ``f16``
 when the adapter has ``shader-f16``; without it they are stored as f32 holding fp16-rounded
@@ -103,7 +105,8 @@ class WgpuArray:
 
 
 # -- the compiled model ---------------------------------------------------------------------
-_BUFFER_BINDINGS = ("wc", "master", "grad", "mom1", "mom2", "hbuf", "zbuf", "dbuf", "wpart", "lpart", "losses")
+_BUFFER_BINDINGS = ("wc", "master", "grad", "mom1", "mom2", "hbuf", "zbuf", "dbuf", "wpart", "lpart", "losses",
+                    "ema", "ema_wc")
 # group-0 bindings each kernel uses (binding 0, the launch uniform, is in all of them)
 _KERNEL_BINDINGS = {
     "fwd_infer": ("wc", "master"),
@@ -115,6 +118,10 @@ _KERNEL_BINDINGS = {
     "grad_reduce": ("grad", "wpart"),
     "optimize": ("wc", "master", "grad", "mom1", "mom2"),
 }
+_EMA_BINDINGS = ("ema", "ema_wc")  # what optimize binds besides, with tcnn's EMA wrapper
+# fwd_infer of an EMA model reads the average through the bindings of the training weights
+_EMA_INFERENCE = {"wc": "ema_wc", "master": "ema"}
+LAUNCH_BYTES = 40  # the WGSL Launch struct
 _KERNEL_IO = {"fwd_infer": ("x_in", "y_out"), "fwd_train": ("x_in",), "loss_grad": ("targets",)}
 _IO_BINDING = {"x_in": 0, "y_out": 1, "targets": 2}
 
@@ -131,7 +138,7 @@ class _Recorder:
 
     def slot(self, n_rows: int, *, rows_per_split: int = 0, first: bool = False, last: bool = False,
              loss_slot: int = 0, inv_count: float = 0.0, lr_t: float = 0.0, n_splits: int = 0,
-             n_loss_wg: int = 0) -> int:
+             n_loss_wg: int = 0, ema: tuple[float, float] = (0.0, 0.0)) -> int:
         if self.used == UNIFORM_SLOTS:
             self.flush()
         index = self.used
@@ -140,6 +147,7 @@ class _Recorder:
         row[0:4] = (n_rows, rows_per_split, int(first) | (int(last) << 1), loss_slot)
         row[4:6] = np.array([inv_count, lr_t], dtype=np.float32).view(np.uint32)
         row[6:8] = (n_splits, n_loss_wg)
+        row[8:10] = np.array(ema, dtype=np.float32).view(np.uint32)
         return index * SLOT_BYTES
 
     def dispatch(self, kernel: str, offset: int, groups: tuple[int, int, int], io_group: Any = None) -> None:
@@ -170,6 +178,7 @@ class _Recorder:
 class WgpuModel(CompiledModel):
     backend = "wgpu"
     variant = "default"
+    supports_ema = True
 
     def __init__(self, spec: MLPSpec, device: Any, adapter_info: dict, limits: dict[str, int], native_f16: bool,
                  cache: Any = None, module_cache: dict | None = None, max_stage_rows: int = 4096):
@@ -194,9 +203,9 @@ class WgpuModel(CompiledModel):
         self.model_groups = {k: self._model_group(k) for k in self.pipelines}
         self._scratch: dict[str, WgpuArray] = {}
         self._pool: dict[int, list] = {}
-        self.set_params(init_params(spec))
         zeros = {name: np.zeros_like(value) for name, value in init_params(spec).items()}
         self._write_slots([zeros] * len(optimizer_slots(spec)), 0)
+        self.set_params(init_params(spec))  # after the slots: it sets an EMA average too
 
     # -- set-up ---------------------------------------------------------------------------
     def _build_pipelines(self, module_cache: dict | None):
@@ -211,7 +220,8 @@ class WgpuModel(CompiledModel):
         except Exception as exc:
             raise CompileError("the wgpu MLP module (WGSL)", str(exc), self.source) from exc
         storage = {"type": wgpu.BufferBindingType.storage}
-        uniform = {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True, "min_binding_size": 32}
+        uniform = {"type": wgpu.BufferBindingType.uniform, "has_dynamic_offset": True,
+                   "min_binding_size": LAUNCH_BYTES}
         binding_index = {name: i + 1 for i, name in enumerate(_BUFFER_BINDINGS)}
         pipelines, layouts = {}, {}
         kernels = [k for k in _KERNEL_BINDINGS if k != "wgrad"] + [f"wgrad_{i}" for i in range(self.plan.n_layers)]
@@ -219,7 +229,7 @@ class WgpuModel(CompiledModel):
             group = kernel.split("_")[0] if kernel.startswith("wgrad") else kernel
             entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": uniform}]
             entries += [{"binding": binding_index[n], "visibility": wgpu.ShaderStage.COMPUTE, "buffer": storage}
-                        for n in _KERNEL_BINDINGS[group]]
+                        for n in self._bindings(group)]
             groups = [self.device.create_bind_group_layout(entries=entries)]
             io = _KERNEL_IO.get(kernel, ())
             if io:
@@ -257,6 +267,9 @@ class WgpuModel(CompiledModel):
         self._buffer("wc", p * cb)
         for name in ("master", "grad", "mom1", "mom2"):
             self._buffer(name, p * 4)
+        if self.spec.optimizer.ema is not None:
+            self._buffer("ema", p * 4)
+            self._buffer("ema_wc", p * cb)
         self._scratch_rows = self._scratch_splits = 0
         self._alloc_training_scratch(256, 1)
         self._buffer("lpart", MAX_EW_WORKGROUPS * 4)
@@ -286,13 +299,20 @@ class WgpuModel(CompiledModel):
             self._alloc_training_scratch(max(rows, self._scratch_rows), max(splits, self._scratch_splits))
             self.model_groups = {k: self._model_group(k) for k in self.pipelines}
 
+    def _bindings(self, group: str) -> tuple[str, ...]:
+        """The group-0 buffers kernel group ``group`` binds (by their binding's name)."""
+        if group == "optimize" and self.spec.optimizer.ema is not None:
+            return _KERNEL_BINDINGS[group] + _EMA_BINDINGS
+        return _KERNEL_BINDINGS[group]
+
     def _model_group(self, kernel: str) -> Any:
         binding_index = {name: i + 1 for i, name in enumerate(_BUFFER_BINDINGS)}
         group = "wgrad" if kernel.startswith("wgrad") else kernel
-        entries = [{"binding": 0, "resource": {"buffer": self.buffers["uniform"], "offset": 0, "size": 32}}]
-        entries += [{"binding": binding_index[n], "resource": {"buffer": self.buffers[n], "offset": 0,
-                                                               "size": self.buffers[n].size}}
-                    for n in _KERNEL_BINDINGS[group]]
+        swap = _EMA_INFERENCE if kernel == "fwd_infer" and self.spec.optimizer.ema is not None else {}
+        entries = [{"binding": 0, "resource": {"buffer": self.buffers["uniform"], "offset": 0, "size": LAUNCH_BYTES}}]
+        entries += [{"binding": binding_index[n], "resource": {"buffer": self.buffers[swap.get(n, n)], "offset": 0,
+                                                               "size": self.buffers[swap.get(n, n)].size}}
+                    for n in self._bindings(group)]
         try:
             return self.device.create_bind_group(layout=self.layouts[kernel][0], entries=entries)
         except Exception as exc:
@@ -435,7 +455,7 @@ class WgpuModel(CompiledModel):
         return arr
 
     def _record_step(self, rec: _Recorder, xa: WgpuArray, ya: WgpuArray, loss_slot: int, lr_t: float,
-                     optimize: bool) -> None:
+                     optimize: bool, ema: tuple[float, float] = (0.0, 0.0)) -> None:
         plan = self.plan
         rows = xa.shape[0]
         chunk = min(plan.chunk_rows, (rows + 255) // 256 * 256)
@@ -450,7 +470,7 @@ class WgpuModel(CompiledModel):
             n = min(chunk, rows - start)
             first, last = c == 0, c == len(starts) - 1
             off = rec.slot(n, rows_per_split=rows_per_split, first=first, last=last, loss_slot=loss_slot,
-                           inv_count=inv_count, lr_t=lr_t, n_splits=n_splits, n_loss_wg=loss_wg)
+                           inv_count=inv_count, lr_t=lr_t, n_splits=n_splits, n_loss_wg=loss_wg, ema=ema)
             tiles = ceil_div(n, plan.rows)
             rec.dispatch("fwd_train", off, (tiles, 1, 1), self._io_group("fwd_train", start, n, {"x_in": xa}))
             rec.dispatch("loss_grad", off, (loss_wg, 1, 1), self._io_group("loss_grad", start, n, {"targets": ya}))
@@ -483,12 +503,16 @@ class WgpuModel(CompiledModel):
                 batch = min(STEP_SLOTS, steps - done)
                 rec = _Recorder(self)
                 for s in range(batch):
-                    self._record_step(rec, xa, ya, s, self.next_step_rate(), optimize=True)
+                    self._record_step(rec, xa, ya, s, self.next_step_rate(), optimize=True, ema=self._next_ema_factors())
                     self.step_count += 1
                 rec.flush()
                 losses[done:done + batch] = self._read(self.buffers["losses"], batch * 4, np.float32)
                 done += batch
             return losses
+
+    def _next_ema_factors(self) -> tuple[float, float]:
+        ema = self.spec.optimizer.ema
+        return (0.0, 0.0) if ema is None else nm.ema_factors(ema, self.step_count + 1)
 
     def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
         self._check_open()
@@ -533,14 +557,21 @@ class WgpuModel(CompiledModel):
         self._check_open()
         flat = self._pack(check_params(self.spec, params))
         with self._lock:
-            self._write_buffer("master", flat)
-            if self.native_f16:
-                self._write_buffer("wc", flat.astype(np.float16))
-            else:
-                self._write_buffer("wc", nm.round_to(self.spec.precision, flat).astype(np.float32))
+            self._write_weights("master", "wc", flat)
+            if self.spec.optimizer.ema is not None:  # inference serves the weights just set, as on cpu
+                self._write_weights("ema", "ema_wc", flat)
+
+    def _write_weights(self, master: str, compute: str, flat: np.ndarray) -> None:
+        """fp32 values to ``master`` and their compute-type copy to ``compute``."""
+        self._write_buffer(master, flat)
+        if self.native_f16:
+            self._write_buffer(compute, flat.astype(np.float16))
+        else:
+            self._write_buffer(compute, nm.round_to(self.spec.precision, flat).astype(np.float32))
 
     def _slot_buffers(self) -> list[str]:
-        return ["mom1", "mom2"] if self.spec.optimizer.otype == "Adam" else ["mom1"]
+        moments = ["mom1", "mom2"] if self.spec.optimizer.otype == "Adam" else ["mom1"]
+        return moments + (["ema"] if self.spec.optimizer.ema is not None else [])
 
     def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         self._check_open()
@@ -551,7 +582,10 @@ class WgpuModel(CompiledModel):
         self._check_open()
         with self._lock:
             for buf, values in zip(self._slot_buffers(), slots):
-                self._write_buffer(buf, self._pack(values))
+                if buf == "ema":  # a restored average is what inference serves
+                    self._write_weights("ema", "ema_wc", self._pack(values))
+                else:
+                    self._write_buffer(buf, self._pack(values))
 
     def device_bytes(self) -> int:
         return sum(b.size for b in self.buffers.values()) + sum(a.buffer.size for a in self._scratch.values())

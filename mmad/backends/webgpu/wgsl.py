@@ -173,22 +173,27 @@ def _f(v: float) -> str:
     return text if ("e" in text or "." in text) else text + ".0"
 
 
+def _f32_rounding(precision: str, name: str, result: str) -> str:
+    """A WGSL function ``name(v: f32) -> result`` rounding to ``precision`` in f32 arithmetic."""
+    if precision == "fp16":
+        # bit-exact round-to-nearest-even to fp16 in f32 storage; pack2x16float's rounding is
+        # implementation-defined (lavapipe's differs from RNE), so it is not used for this
+        return (f"fn {name}(v: f32) -> {result} {{\n"
+                "    if (abs(v) >= 65520.0) { return bitcast<f32>((bitcast<u32>(v) & 0x80000000u) | 0x7f800000u); }\n"
+                "    if (abs(v) < 6.103515625e-05) { return round(v * 16777216.0) / 16777216.0; }\n"
+                "    let b = bitcast<u32>(v);\n"
+                "    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);\n}")
+    if precision == "bf16":
+        return (f"fn {name}(v: f32) -> {result} {{\n    let b = bitcast<u32>(v);\n"
+                "    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);\n}")
+    return f"fn {name}(v: f32) -> {result} {{ return v; }}"
+
+
 def _rounding(spec: MLPSpec, native_f16: bool) -> tuple[str, str]:
     """(WGSL type alias, rnd function) for the spec's precision."""
     if spec.precision == "fp16" and native_f16:
         return "f16", "fn rnd(v: f32) -> CT { return CT(v); }"
-    if spec.precision == "fp16":
-        # bit-exact round-to-nearest-even to fp16 in f32 storage; pack2x16float's rounding is
-        # implementation-defined (lavapipe's differs from RNE), so it is not used for this
-        return "f32", ("fn rnd(v: f32) -> CT {\n"
-                       "    if (abs(v) >= 65520.0) { return bitcast<f32>((bitcast<u32>(v) & 0x80000000u) | 0x7f800000u); }\n"
-                       "    if (abs(v) < 6.103515625e-05) { return round(v * 16777216.0) / 16777216.0; }\n"
-                       "    let b = bitcast<u32>(v);\n"
-                       "    return bitcast<f32>((b + 0xfffu + ((b >> 13u) & 1u)) & 0xffffe000u);\n}")
-    if spec.precision == "bf16":
-        return "f32", ("fn rnd(v: f32) -> CT {\n    let b = bitcast<u32>(v);\n"
-                       "    return bitcast<f32>((b + 0x7fffu + ((b >> 16u) & 1u)) & 0xffff0000u);\n}")
-    return "f32", "fn rnd(v: f32) -> CT { return v; }"
+    return "f32", _f32_rounding(spec.precision, "rnd", "CT")
 
 
 def _loss_wgsl(spec: MLPSpec) -> str:
@@ -240,6 +245,30 @@ def _optimizer_wgsl(spec: MLPSpec) -> str:
         "    return launch.lr_t * vel;", "}"])
 
 
+def _ema_wgsl(spec: MLPSpec, plan: Plan) -> str:
+    """``ema_update(p, w)``, which ``optimize`` calls after the step: nothing without tcnn's EMA
+    wrapper; with it, the debiased average of parameter ``p`` (buffer ``ema``, laid out like
+    ``master``) and its compute-type copy ``ema_wc``, which inference binds in place of
+    ``master`` / ``wc``. Like the cpu backend it averages the weights the network computes with
+    (rounded; biases stay f32) and without ``full_precision`` rounds the weights' average too."""
+    ema = spec.optimizer.ema
+    if ema is None:
+        return "fn ema_update(p: u32, w: f32) {}"
+    biases = " || ".join(f"(p >= {b}u && p < {b + n}u)" for b, n in zip(plan.boff, plan.op))
+    lines = ["@group(0) @binding(12) var<storage, read_write> ema: array<f32>;     // EMA averages",
+             "@group(0) @binding(13) var<storage, read_write> ema_wc: array<CT>;   // their compute-type copy",
+             # rounding in f32 arithmetic: lavapipe was seen to drop an f32(f16(v)) round trip
+             _f32_rounding(spec.precision, "rnd_f32", "f32"),
+             f"fn is_bias(p: u32) -> bool {{ return {biases}; }}",
+             "fn ema_update(p: u32, w: f32) {",
+             "    let bias = is_bias(p);",
+             "    var e = ema[p] * launch.ema_keep + select(rnd_f32(w), w, bias) * launch.ema_take;"]
+    if not ema.full_precision:
+        lines.append("    if (!bias) { e = rnd_f32(e); }")
+    lines += ["    ema[p] = e;", "    ema_wc[p] = rnd(e);", "}"]
+    return "\n".join(lines)
+
+
 def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     ct, rnd = _rounding(spec, native_f16)
     hidden_act, hidden_dact = _ACT[spec.activation]
@@ -257,7 +286,7 @@ def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     lines.append(f"fn dact_h(z: f32) -> f32 {{ return {hidden_dact}; }}")
     lines.append(f"fn act_o(z: f32) -> f32 {{ return {out_act}; }}")
     lines.append(f"fn dact_o(z: f32) -> f32 {{ return {out_dact}; }}")
-    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec)]
+    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _ema_wgsl(spec, plan)]
     return "\n".join(lines) + "\n"
 
 

@@ -730,13 +730,18 @@ __device__ __forceinline__ int b_image_index(int Kdim, int k, int n) {
 #define CTL_SEED 3
 
 // mode 0: reduce + optimizer step + repack; 1: reduce into grad_w/grad_b only; 2: repack only
+// (set_params); 3: the EMA inference image from the average only (a restored optimizer state).
+// With tcnn's EMA wrapper (EMA 1) modes 0 and 2 also write the average ema_w / ema_b and the
+// forward image eimage made from it, which inference reads instead of wimage (training keeps
+// reading wimage, the raw weights).
 extern "C" __global__ void mlp_optimize(
     int mode, float* __restrict__ w, float* __restrict__ b, float* __restrict__ s1w,
     float* __restrict__ s1b, float* __restrict__ s2w, float* __restrict__ s2b,
     const float* __restrict__ pw, const float* __restrict__ pb, int n_chunks, int N, int K,
     int fan_out, int fan_in, u16* __restrict__ wimage, int wf_offset, int wb_offset,
     const float* __restrict__ lr_table, const int* __restrict__ ctl, float inv_scale,
-    float* __restrict__ grad_w, float* __restrict__ grad_b) {
+    float* __restrict__ grad_w, float* __restrict__ grad_b, float* __restrict__ ema_w,
+    float* __restrict__ ema_b, u16* __restrict__ eimage, const float2* __restrict__ ema_table) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int n_w = N * K;
     if (i >= n_w + N) return;
@@ -744,6 +749,12 @@ extern "C" __global__ void mlp_optimize(
     const int o = is_w ? i / K : i - n_w, c = is_w ? i % K : 0;
     if (o >= fan_out || (is_w && c >= fan_in)) return;
     float* param = is_w ? w + i : b + o;
+#if EMA
+    if (mode == 3) {
+        if (is_w) eimage[wf_offset + b_image_index(K, c, o)] = to_half_bits(ema_w[i]);
+        return;
+    }
+#endif
     if (mode != 2) {
         float gsum = 0.f;
         if (is_w) for (int ch = 0; ch < n_chunks; ++ch) gsum += pw[(i64)ch * n_w + i];
@@ -776,6 +787,20 @@ extern "C" __global__ void mlp_optimize(
         wimage[wf_offset + b_image_index(K, c, o)] = hb;
         if (wb_offset >= 0) wimage[wb_offset + b_image_index(N, o, c)] = hb;
     }
+#if EMA
+    // as cpu.py's _update_ema: average the weights the network computes with (fp16 weights, fp32
+    // biases); without full precision the weights' average is kept in fp16 too
+    float* avg = is_w ? ema_w + i : ema_b + o;
+    float e = *param;  // mode 2 (set_params): inference serves the weights just set
+    if (mode == 0) {
+        const float2 f = ema_table[ctl[CTL_STEP]];  // (keep, take) of the run's step, as lr_t
+        const float src = is_w ? half_bits_to_float(to_half_bits(e)) : e;
+        e = *avg * f.x + src * f.y;
+        if (!EMA_FULL && is_w) e = half_bits_to_float(to_half_bits(e));
+    }
+    *avg = e;
+    if (is_w) eimage[wf_offset + b_image_index(K, c, o)] = to_half_bits(e);
+#endif
 }
 
 // ---- training from a held dataset: the epoch's order, the batch gather, the step's bookkeeping --

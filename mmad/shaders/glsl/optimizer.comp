@@ -1,7 +1,9 @@
 #version 450
 // One invocation per (unpadded) parameter: sums the gradient splits in a fixed order, divides
 // by the loss scale, and either stores the gradient (mode 0) or applies Adam/SGD to the fp32
-// master (mode 1), refreshing the fp16-rounded copies the kernels read (both layouts).
+// master (mode 1), refreshing the fp16-rounded copies the kernels read (both layouts). With
+// tcnn's EMA wrapper (EMA = 1) it then updates the parameter's running average and the
+// inference copies of the forward kernel (transposed weights, row-replicated biases) from it.
 #ifdef CM_M
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -15,6 +17,8 @@ layout(constant_id = 9) const float BETA2 = 0.99;
 layout(constant_id = 10) const float EPSILON = 1e-15;
 layout(constant_id = 11) const float L2_REG = 0.0;
 layout(constant_id = 12) const float MOMENTUM = 0.0;
+layout(constant_id = 15) const int EMA = 0;
+layout(constant_id = 16) const int EMA_FULL_PRECISION = 0;
 
 layout(std430, binding = 0) readonly buffer PartBuf { float PART[]; };
 layout(std430, binding = 1) buffer MasterBuf { float MASTER[]; };
@@ -26,10 +30,16 @@ layout(std430, binding = 6) writeonly buffer GradBuf { float GRAD[]; };
 // the learning rate of each step of a submission, written by the host (contract.next_step_rate:
 // Adam's bias correction is computed once, in float64, for every backend)
 layout(std430, binding = 7) readonly buffer Control {
-    uint step; uint base; uint pad0; uint pad1; float hist[HIST_CAP]; float rate[];
+    uint step; uint base; uint pad0; uint pad1; float hist[HIST_CAP]; float rate[HIST_CAP];
+    float ema[];  // per step: keep, take (numerics.ema_factors, float64 on the host)
 } ctrl;
+// EMA models: the average (unpadded like MASTER) and what inference reads; others bind a dummy
+layout(std430, binding = 9) buffer EmaBuf { float EMA_AVG[]; };
+layout(std430, binding = 10) writeonly buffer EmaWeightBuf { float EWALL[]; };
+layout(std430, binding = 11) writeonly buffer EmaBiasBuf { float EBIAS[]; };
 #ifdef CM_M
 layout(std430, binding = 8) buffer Weight16Buf { float16_t WALL16[]; };  // the coopmat kernels' copy
+layout(std430, binding = 12) writeonly buffer EmaWeight16Buf { float16_t EWALL16[]; };
 #endif
 layout(push_constant) uniform Push { uint n_params; uint splits; uint gsize; uint mode; uint groups_x; } pc;
 
@@ -58,18 +68,19 @@ void main() {
         GRAD[i] = g;
         return;
     }
+    // ctrl.step was advanced by loss_finalize: this is step ctrl.step, the (step-base)-th of the submission
+    uint t = ctrl.step - ctrl.base - 1u;
     float w = MASTER[i];
     g += L2_REG * w;
     if (OPT_ADAM != 0) {
         float m = BETA1 * SLOT_A[i] + (1.0 - BETA1) * g;
         float v = BETA2 * SLOT_B[i] + (1.0 - BETA2) * g * g;
-        // ctrl.step was advanced by loss_finalize: this is step ctrl.step, the (step-base)-th of the submission
-        w -= ctrl.rate[ctrl.step - ctrl.base - 1u] * m / (sqrt(v) + EPSILON);
+        w -= ctrl.rate[t] * m / (sqrt(v) + EPSILON);
         SLOT_A[i] = m;
         SLOT_B[i] = v;
     } else {
         float vel = MOMENTUM * SLOT_A[i] + g;
-        w -= ctrl.rate[ctrl.step - ctrl.base - 1u] * vel;
+        w -= ctrl.rate[t] * vel;
         SLOT_A[i] = vel;
     }
     MASTER[i] = w;
@@ -82,6 +93,22 @@ void main() {
 #ifdef CM_M
         WALL16[WT_OFF[l] + k * LAYER_N[l] + n] = float16_t(w16);
         WALL16[WR_OFF[l] + n * LAYER_K[l] + k] = float16_t(w16);
+#endif
+    }
+    if (EMA == 0) return;
+    // tcnn averages the weights the network computes with (fp16-rounded weights, fp32 biases)
+    // and, without full_precision, keeps the weights' average in that precision too (cpu.py)
+    float e = EMA_AVG[i] * ctrl.ema[2u * t] + (is_bias ? w : r16(w)) * ctrl.ema[2u * t + 1u];
+    if (EMA_FULL_PRECISION == 0 && !is_bias) e = r16(e);
+    EMA_AVG[i] = e;
+    if (is_bias) {
+        for (int r = 0; r < BIAS_ROWS; ++r) EBIAS[r * Z_COLS + B_OFF[l] + n] = e;
+    } else {
+        // the forward kernel reads only the transposed layout, in fp32 (simt) or fp16 (coopmat)
+#ifdef CM_M
+        EWALL16[WT_OFF[l] + k * LAYER_N[l] + n] = float16_t(r16(e));
+#else
+        EWALL[WT_OFF[l] + k * LAYER_N[l] + n] = r16(e);
 #endif
     }
 }

@@ -16,6 +16,8 @@ struct Launch {
     lr_t: f32,            // step size (Adam: bias-corrected) for this step
     n_splits: u32,        // weight-gradient splits of this chunk
     n_loss_wg: u32,       // workgroups the loss kernel ran with
+    ema_keep: f32,        // EMA models: average·ema_keep + weights·ema_take (numerics.ema_factors)
+    ema_take: f32,
 }
 
 @group(0) @binding(0) var<uniform> launch: Launch;
@@ -129,7 +131,8 @@ fn grad_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
     }
 }
 
-// One optimizer step on the fp32 masters; refreshes the compute-type copy.
+// One optimizer step on the fp32 masters; refreshes the compute-type copy (and, with tcnn's EMA
+// wrapper, the average and its compute-type copy: the generated ema_update).
 @compute @workgroup_size(256)
 fn optimize(@builtin(global_invocation_id) gid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
@@ -139,5 +142,6 @@ fn optimize(@builtin(global_invocation_id) gid: vec3<u32>,
         w = w - optimizer_delta(p, g);
         master[p] = w;
         wc[p] = rnd(w);
+        ema_update(p, w);
     }
 }
