@@ -340,3 +340,43 @@ def test_reports_carry_the_decision(tmp_path):
     [report] = dispatch_report(rt)
     assert report["model"] == "m" and report["device_index"] == 1 and report["variant"] == "b"
     assert [v["variant"] for v in report["variants"]] == ["a", "b", "c"]
+
+
+# -- mmad bench --dispatch ------------------------------------------------------------------------
+def test_bench_dispatch_writes_the_choice_the_figures_and_the_decision(tmp_path, monkeypatch, capsys):
+    """The cpu backend made to dispatch between two fake variants; ``--dispatch`` writes the report."""
+    from mmad import cli
+    from mmad.backends.cpu import CpuBackend
+
+    monkeypatch.setenv("MMAD_BACKEND", "")
+    fake = FakeBackend({"numpy": (1.0, 1.0, "ok"), "slow": (2.0, 2.0, "ok")})
+    plain = CpuBackend.compile  # the float64 oracle stays the real cpu backend
+
+    def compile(self, spec, variant=None, cache=None, device=0):
+        return plain(self, spec) if self.numerics == "float64" else fake.compile(spec, KernelCache(tmp_path / "c"))
+
+    monkeypatch.setattr(CpuBackend, "compile", compile)
+    out = tmp_path / "results" / "dispatch-cpu.json"
+    assert cli.main(["bench", "--backend", "cpu", "--models", "S", "--rows", "1024", "--repeats", "2",
+                     "--peer", "none", "--dispatch", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"] == (f"mmad bench --backend cpu --models S --rows 1024 --io fp16 --mode both --peer none "
+                              f"--repeats 2 --dispatch {out}")
+    assert doc["backend"] == "cpu" and doc["rows"] == 1024 and doc["errors"] == []
+    s = doc["models"]["S"]
+    assert s["variant"] == "numpy" and s["forward_msps"] > 0 and s["train_msps"] > 0
+    assert s["torch_forward_msps"] is None and s["torch_train_msps"] is None  # --peer none
+    assert s["dispatch"]["variant"] == "numpy"
+    assert [v["variant"] for v in s["dispatch"]["variants"]] == ["numpy", "slow"]
+    table = capsys.readouterr().out
+    assert table.count("Dispatcher: S on cpu → numpy; M samples/s forward/train at 2048 rows: numpy ") == 1
+    assert "slow " in table and "score 2.00" in table
+
+
+def test_bench_dispatch_needs_a_backend_without_a_variant(capsys, monkeypatch):
+    from mmad import cli
+
+    monkeypatch.setenv("MMAD_BACKEND", "")
+    assert cli.main(["bench", "--backend", "cpu:numpy", "--peer", "none", "--dispatch", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--dispatch: reports the backend's own choice of variant: name one --backend without a variant" in err
