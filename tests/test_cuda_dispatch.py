@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from oracle import rel_err
 import pytest
+from test_cuda import _cuda_backend
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.cpu import CpuBackend
@@ -19,17 +20,7 @@ FWD_TOL = 3e-3
 
 @pytest.fixture(scope="module")
 def backend():
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        pytest.skip("CuPy is not installed: the cuda backend cannot run here")
-    from mmad.backends.cuda import CudaBackend
-
-    backend = CudaBackend()
-    rows = {r.variant: r for r in backend.probe()}
-    if not rows["mma"].available:
-        pytest.skip(f"the cuda mma variant is unavailable here: {rows['mma'].reason}")
-    return backend
+    return _cuda_backend()  # skips, with the reason, without CuPy or a usable mma variant
 
 
 @pytest.mark.parametrize("name", ["S", "M", "L", "W"])

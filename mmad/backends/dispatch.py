@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -49,6 +49,7 @@ CHECK_ROWS = 4096  # rows compared with the float64 oracle (rows are independent
 # back as fp16 here, so their bound is the fp16 output's rounding, not fp32's
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2, "fp32": 1e-3}
 DECISION_FORMAT = 1  # bump when the stored decision's fields change
+SCORE_RULE = "forward / best forward + train / best train; lowest wins"
 
 Timer = Callable[[Callable[[], Any], Callable[[], None]], float]  # (fn, sync) -> seconds per call
 Candidates = dict[str, Callable[[], CompiledModel]]
@@ -104,15 +105,10 @@ class Decision:
     measured_at: float
     key: str = ""
     from_cache: bool = False  # loaded from the kernel cache rather than measured by this call
-    score_rule: str = "forward / best forward + train / best train; lowest wins"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def result(self, variant: str) -> VariantResult | None:
-        return next((r for r in self.results if r.variant == variant), None)
 
     def to_json(self) -> dict[str, Any]:
         return {"backend": self.backend, "device": self.device, "variant": self.variant, "rows": self.rows,
-                "io": self.io, "score_rule": self.score_rule,
+                "io": self.io, "score_rule": SCORE_RULE,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.measured_at)),
                 "from_cache": self.from_cache, "key": self.key,
                 "variants": [r.to_json(self.rows) for r in self.results]}
@@ -152,7 +148,8 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
 
     ``device``: the device's name and architecture (part of the key); ``io``: "fp16" (device
     inputs and outputs in fp16) or "fp32"; ``timer``: how a call is timed (default: the host
-    clock, :func:`median_timer`); ``key_extra``: the backend's settings that change speed. One candidate is compiled without measuring. Raises :class:`DispatchFailed` naming
+    clock, :func:`median_timer`); ``key_extra``: the backend's settings that change speed. One
+    candidate is compiled without measuring. Raises :class:`DispatchFailed` naming
     every candidate's reason when none is usable.
     """
     if not candidates:

@@ -69,9 +69,10 @@ class ModelConfig(BaseModel):
     device: int | list[int] | None = Field(None, description="pin the model to this device, or one replica on "
                                                             "each listed device (default: placed by load)")
     replicas: int | None = Field(None, ge=1, le=64, description="replicas on that many devices (default 1)")
-    variant: str | None = Field(None, min_length=1, description="run the model on this variant of the daemon's backend (cuda: "
-                                                  "mma, cublaslt, wgmma); default: the backend's choice, on cuda "
-                                                  "the fastest for the model, measured (docs/cuda.md)")
+    variant: str | None = Field(None, min_length=1,
+                                description="run the model on this variant of the daemon's backend (cuda: mma, "
+                                            "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
+                                            "for the model, measured (docs/cuda.md)")
 
     @classmethod
     def parse(cls, doc: Any) -> "ModelConfig":

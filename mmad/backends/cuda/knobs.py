@@ -2,7 +2,7 @@
 
 | variable | values | default | what |
 |---|---|---|---|
-| ``MMAD_DISPATCH`` | measure, fixed | measure | a model compiled without a variant gets the fastest usable one, measured once per device and model shape (mmad.backends.dispatch); fixed: wgmma where offered and the model fits, else mma |
+| ``MMAD_DISPATCH`` | measure, fixed | measure | compile(variant=None): fastest measured; fixed: wgmma or mma |
 | ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: its training is not written, docs/cuda.md) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
 | ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
