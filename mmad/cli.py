@@ -320,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20, help="timed samples per figure (median reported)")
     p.add_argument("--json", metavar="PATH", help="write the rows, peers and floor as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
+    p.add_argument("--dispatch", metavar="PATH",
+                   help="write, per model, the variant the backend chose by measurement (--backend without a "
+                        "variant, e.g. cuda), its forward and training figures, the same-run PyTorch figures and "
+                        "the dispatcher's own timings as JSON (e.g. bench/results/dispatch-h100.json)")
     p.add_argument("--profile", action="store_true",
                    help="per-op GPU times as well: CUDA events per kernel (cuda), GPU timestamps per dispatch "
                         "and pipeline statistics (vulkan)")

@@ -62,7 +62,7 @@ def random_params(spec, rng):
     return params
 
 
-def make_pair(backend, cache, spec, rng, variant=None):
+def make_pair(backend, cache, spec, rng, variant="mma"):  # named: compile(variant=None) measures
     model = backend.compile(spec, variant=variant, cache=cache)
     oracle = CpuBackend("float64").compile(spec)
     params = random_params(spec, rng)
@@ -161,7 +161,7 @@ def test_fused_weight_gradients_equal_the_separate_kernels(backend, cache, monke
     spec = bench_spec(name, activation=activation)
     fused, oracle = make_pair(backend, cache, spec, rng)
     monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "0")
-    separate = backend.compile(spec, cache=cache)
+    separate = backend.compile(spec, variant="mma", cache=cache)
     separate.set_params(oracle.get_params())
     assert fused.fused_wgrad and not separate.fused_wgrad
     x = inputs(rng, batch, spec)

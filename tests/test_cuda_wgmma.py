@@ -525,6 +525,7 @@ def test_wgmma_device_input_at_an_odd_offset(wgmma_backend, cache):
 @pytest.mark.gpu
 def test_wgmma_probe_gate_and_default_choice(wgmma_backend, cache, monkeypatch):
     monkeypatch.delenv(knobs.WGMMA_ENV, raising=False)
+    monkeypatch.setenv(knobs.DISPATCH_ENV, "fixed")  # the fixed rule; measuring: tests/test_cuda_dispatch.py
     row = {r.variant: r for r in cuda.CudaBackend().probe()}["wgmma"]
     assert not row.available and row.reason == wgmma.WGMMA_OFF
     assert cuda.CudaBackend().compile(bench_spec("S"), cache=cache).variant == "mma"

@@ -157,6 +157,8 @@ class CompiledModel(abc.ABC):
     backend: ClassVar[str]
     variant: str
     device_index: int = 0  # the backend's device (``Backend.devices()``) holding the buffers
+    # the dispatcher's Decision when the backend chose the variant by measurement (mmad.backends.dispatch)
+    dispatch: Any = None
     # whether the variant keeps an EMA slot and infers from it (tcnn's EMA optimizer wrapper)
     supports_ema: ClassVar[bool] = False
 

@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from mmad.backends.dispatch import CHECK_ROWS, oracle_error
 from mmad.bench import timing
 from mmad.errors import InvalidInput, MMADError, SpecError
 from mmad.spec import MLPSpec, bench_spec
 
 FP16_TOLERANCE = 3e-3  # relative L2 error of an fp16-weight model against the float64 oracle
-CHECK_ROWS = 4096
 INPUT_SETS = 3
 # vulkan and wgpu: a sample's synchronisation (a fence wait, a read-back) costs about a
 # millisecond, so each sample is this many back-to-back calls
@@ -88,6 +88,7 @@ class Options:
     json: Path | None
     markdown: Path | None
     profile: bool
+    dispatch: Path | None = None  # where the dispatcher's choices go (--dispatch)
     errors: list[str] = field(default_factory=list)
 
 
@@ -148,15 +149,16 @@ def parse_options(args: argparse.Namespace) -> Options:
                 backend, row = select(arg)
             except SpecError as exc:  # select() names MMAD_BACKEND, the usual source of a choice
                 raise SpecError("--backend", str(exc).removeprefix(f"{exc.field}: ")) from exc
-            if arg is None:  # MMAD_BACKEND's variant, else the best row's
+            if arg is None:  # MMAD_BACKEND's variant, else the backend's choice, as the daemon's
                 forced = parse_forced()
-                variant = forced[1] if forced else row.variant
+                variant = forced[1] if forced else None
             else:
                 variant = arg.partition(":")[2] or None
             if args.profile and row.backend not in PROFILED:
                 raise SpecError("--profile", f"per-op GPU times exist for {' and '.join(PROFILED)} only; "
                                              f"the default backend here is {row.backend}")
-            targets.append(Target(arg or f"{row.backend}:{row.variant}", backend, row, variant))
+            targets.append(Target(arg or (f"{row.backend}:{variant}" if variant else row.backend), backend, row,
+                                  variant))
         io: dict[str, str] = {}
         for t in targets:
             name = t.row.backend
@@ -166,6 +168,9 @@ def parse_options(args: argparse.Namespace) -> Options:
                 io[name] = "fp32"
             else:
                 io[name] = args.io or "fp16"
+        if args.dispatch and [t.variant for t in targets].count(None) != 1:
+            raise SpecError("--dispatch", "reports the backend's own choice of variant: name one --backend "
+                                          "without a variant (e.g. --backend cuda)")
     except BaseException:
         for t in targets:
             t.backend.close()
@@ -173,7 +178,7 @@ def parse_options(args: argparse.Namespace) -> Options:
     rows = args.rows or (ROWS_GPU if any(t.kind == "gpu" for t in targets) else ROWS_CPU)
     return Options(targets, models, rows, io, MODES[args.mode], args.peer, args.repeats,
                    Path(args.json) if args.json else None, Path(args.markdown) if args.markdown else None,
-                   args.profile)
+                   args.profile, Path(args.dispatch) if args.dispatch else None)
 
 
 def run_checks(args: argparse.Namespace) -> int:
@@ -318,20 +323,11 @@ def _cuda_reachable() -> bool:
         return False
 
 
-def oracle_check(model: Any, spec: MLPSpec, x_in: np.ndarray, dev_in: Any, out_dtype: Any,
-                 rng: np.random.Generator) -> float:
+def oracle_check(model: Any, x_in: np.ndarray, dev_in: Any, out_dtype: Any, rng: np.random.Generator) -> float:
     """Relative L2 error of ``forward(dev_in, out_dtype)`` against the float64 cpu oracle with the
     same parameters, on up to CHECK_ROWS random rows of ``x_in`` (the host copy of ``dev_in``)."""
-    from mmad.backends.cpu import CpuBackend
-
-    oracle = CpuBackend("float64").compile(spec)
-    oracle.set_params(model.get_params())
     check = np.sort(rng.choice(x_in.shape[0], min(CHECK_ROWS, x_in.shape[0]), replace=False))
-    out = np.asarray(model.download(model.forward(dev_in, out_dtype=out_dtype)), dtype=np.float64)[check]
-    if not np.isfinite(out).all():
-        return float("inf")
-    ref = oracle.forward(x_in[check].astype(np.float64))
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    return oracle_error(model, x_in[check], model.download(model.forward(dev_in, out_dtype=out_dtype))[check])
 
 
 def measure(t: Target, spec: MLPSpec, spec_label: str, opts: Options) -> list[dict[str, Any]]:
@@ -351,12 +347,15 @@ def measure(t: Target, spec: MLPSpec, spec_label: str, opts: Options) -> list[di
         out_dtype = np.float16 if half else np.float32
         x_in = x.astype(np.float16) if half else x
         dev_in = _device_input(model, x_in)
-        rel_err = oracle_check(model, spec, x_in.astype(np.float32), dev_in, out_dtype, rng)
+        rel_err = oracle_check(model, x_in.astype(np.float32), dev_in, out_dtype, rng)
         if not rel_err <= FP16_TOLERANCE:
             raise CheckFailed(f"the {io} forward of {label} differs from the float64 oracle by {rel_err:.2e} "
                               f"(> {FP16_TOLERANCE}); not timed")
-        base = {"backend": label, "device": t.row.device, "rows": rows, "repeats": opts.repeats,
-                "rel_err_vs_float64": rel_err, "checked_io": io, "compile_s": compile_s}
+        base = {"backend": label, "target": t.arg, "device": t.row.device, "rows": rows, "repeats": opts.repeats,
+                "rel_err_vs_float64": rel_err, "checked_io": io, "compile_s": compile_s,
+                # the dispatcher's decision where the backend chose the variant by measurement
+                # (compile_s then includes the measuring)
+                "dispatch": model.dispatch.to_json() if model.dispatch is not None else None}
         out: list[dict[str, Any]] = []
         measure_mode = {"cuda": _measure_cuda, "vulkan": _measure_vulkan}.get(backend_name, _measure_host)
         for mode in opts.modes:
@@ -531,6 +530,7 @@ def markdown_table(doc: dict[str, Any]) -> str:
         if gpu:
             line += f" {fmt(r.get('gpu_seconds', None) and 1e3 * r['gpu_seconds'], '{:.3f}')} |"
         lines.append(line)
+    lines += dispatch_lines(doc)
     for e in doc["errors"]:
         lines.append(f"\nNot timed: {e}")
     peers = sorted({p["peer"] for p in doc["peer"]})
@@ -541,8 +541,51 @@ def markdown_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def dispatch_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per model whose variant the backend chose by measurement: the choice and each
+    variant's figures from the dispatcher's own short run (or why it was skipped)."""
+    lines, seen = [], set()
+    for r in doc["results"]:
+        d = r.get("dispatch")
+        if d is None or (r["model"], r["target"]) in seen:  # one line for a model's forward and train rows
+            continue
+        seen.add((r["model"], r["target"]))
+        parts = [f"{v['variant']} skipped ({v['reason']})" if v["status"] == "skipped" else
+                 f"{v['variant']} {v['forward_msps']:.0f}/{v['train_msps']:.0f}, score {v['score']:.2f}"
+                 for v in d["variants"]]
+        lines.append(f"Dispatcher: {r['model']} on {r['target']} → {d['variant']}"
+                     f"{' (cached)' if d['from_cache'] else ''}; M samples/s forward/train at {d['rows']} rows: "
+                     + "; ".join(parts))
+    return lines
+
+
+def dispatch_report(opts: Options, doc: dict[str, Any]) -> dict[str, Any]:
+    """``--dispatch``'s document: per model the chosen variant, its forward and training rates at
+    ``rows`` (M samples/s), the same run's PyTorch rates and the dispatcher's decision."""
+    target = next(t.arg for t in opts.targets if t.variant is None)
+    models: dict[str, dict[str, Any]] = {}
+    for r in doc["results"]:
+        if r["target"] != target:
+            continue
+        m = models.setdefault(r["model"], {"variant": r["backend"].partition(":")[2],
+                                           "rel_err_vs_float64": r["rel_err_vs_float64"],
+                                           "dispatch": r["dispatch"]})
+        m[f"{r['mode']}_msps"] = r["samples_per_s"] / 1e6
+        m[f"torch_{r['mode']}_msps"] = r["rows"] / r["peer_seconds"] / 1e6 if r["peer_seconds"] else None
+    io = opts.io[target.partition(":")[0]]
+    mode = next(k for k, v in MODES.items() if v == opts.modes)
+    command = (f"mmad bench --backend {target} --models {','.join(opts.models)} --rows {opts.rows} --io {io} "
+               f"--mode {mode} --peer {opts.peer} --repeats {opts.repeats} --dispatch {opts.dispatch}")
+    return {"command": command, "host": doc["host"], "when": doc["when"], "backend": target, "rows": doc["rows"],
+            "io": io, "repeats": doc["repeats"],
+            "peer": sorted({p["peer"] for p in doc["peer"]}), "models": models, "errors": doc["errors"]}
+
+
 def write_outputs(opts: Options, doc: dict[str, Any]) -> None:
     table = markdown_table(doc)
+    if opts.dispatch:
+        opts.dispatch.parent.mkdir(parents=True, exist_ok=True)
+        opts.dispatch.write_text(json.dumps(dispatch_report(opts, doc), indent=2))
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
         opts.json.write_text(json.dumps(doc, indent=2, default=str))

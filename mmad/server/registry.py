@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady
 from mmad.server.batcher import Batcher, BatchLimits
@@ -68,6 +69,10 @@ class ModelConfig(BaseModel):
     device: int | list[int] | None = Field(None, description="pin the model to this device, or one replica on "
                                                             "each listed device (default: placed by load)")
     replicas: int | None = Field(None, ge=1, le=64, description="replicas on that many devices (default 1)")
+    variant: str | None = Field(None, min_length=1,
+                                description="run the model on this variant of the daemon's backend (cuda: mma, "
+                                            "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
+                                            "for the model, measured (docs/cuda.md)")
 
     @classmethod
     def parse(cls, doc: Any) -> "ModelConfig":
@@ -369,15 +374,17 @@ class Registry:
         return place(self.device_loads(), config.device, config.replicas)
 
     # -- lifecycle ------------------------------------------------------------------------
-    def _compile(self, spec: MLPSpec, device: int = 0) -> CompiledModel:
-        return self.backend.compile(spec, variant=self.row.variant, device=device)
+    def _compile(self, spec: MLPSpec, device: int = 0, variant: str | None = None) -> CompiledModel:
+        """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's choice."""
+        forced = parse_forced(self.settings.backend or "")
+        return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device)
 
-    def _compile_replicas(self, spec: MLPSpec, devices: list[int]) -> list[CompiledModel]:
+    def _compile_replicas(self, spec: MLPSpec, devices: list[int], variant: str | None = None) -> list[CompiledModel]:
         """The model compiled on each device (all closed again if one fails)."""
         compiled: list[CompiledModel] = []
         try:
             for device in devices:
-                compiled.append(self._compile(spec, device))
+                compiled.append(self._compile(spec, device, variant))
         except BaseException:
             for model in compiled:
                 model.close()
@@ -412,7 +419,7 @@ class Registry:
         entry.loaded_version = loaded[0] if loaded else None
         if loaded is None:
             raise MMADError(f"no intact version of model {entry.name!r}: " + "; ".join(damaged.values()))
-        compiled = self._compile_replicas(entry.spec, self._place(entry.config))
+        compiled = self._compile_replicas(entry.spec, self._place(entry.config), entry.config.variant)
         try:
             for model in compiled:
                 model.set_params(loaded[1])
@@ -511,7 +518,7 @@ class Registry:
             if old is not None and old.busy_job:
                 raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
             # the old model's replicas count against its devices until it goes: placed as if it stayed
-            compiled = await self.run(lambda: self._compile_replicas(spec, self._place(config)))
+            compiled = await self.run(lambda: self._compile_replicas(spec, self._place(config), config.variant))
             doc = {"spec": spec.to_json(), "config": config.model_dump(), "created": time.time()}
             try:
                 if old is not None:
@@ -657,7 +664,8 @@ class Registry:
             compiled = entry.pinned.get(version)
             if compiled is None:
                 params, _ = self.store.load_version(entry.name, version)
-                compiled = self._compile(entry.spec, entry.replicas[0].device)
+                # the live model's variant: a pinned version computes as the live one does
+                compiled = self._compile(entry.spec, entry.replicas[0].device, entry.live.variant)
                 compiled.set_params(params)
                 entry.pinned[version] = compiled
                 while len(entry.pinned) > PINNED_CACHE_SIZE:

@@ -4,9 +4,11 @@ One file per variant; ``probe()`` reports each, with the reason when it cannot r
 
 * ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forward; off unless ``MMAD_CUDA_WGMMA=1``.
 * ``mma`` (:mod:`.mma`) — mma.sync.m16n8k16 fused forward and training, compute capability 8.0+,
-  widths 16-256: the default for every model.
-* ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python; chosen only
-  when asked for by name.
+  widths 16-256.
+* ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
+
+``compile(spec)`` without a variant measures the usable ones on the model's shapes and keeps the
+fastest (:mod:`mmad.backends.dispatch`; ``MMAD_DISPATCH=fixed``: wgmma where offered, else mma).
 
 :mod:`.toolchain` holds the compilers, cubin loading and the host<->device side every variant
 shares; :mod:`.knobs` the environment settings. Kernels are specialised per model, compiled
@@ -17,6 +19,8 @@ without CuPy; the probe then says why nothing can run.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,6 +33,7 @@ from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
 from mmad.backends.cuda.toolchain import cupy_module, device_info, find_nvcc, nvrtc_version, version_text
 from mmad.backends.cuda.wgmma import WGMMA_OFF, CudaWgmmaModel, WgmmaPlan, nvcc_runs_wgmma
+from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
@@ -144,28 +149,47 @@ class CudaBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> CompiledModel:
+        """``spec`` compiled as ``variant``; without one, the fastest usable variant for this model
+        on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
+        default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
+        A model with tiny-cuda-nn's EMA optimizer runs on mma (the variant that keeps the average)."""
         check_backend_supports(spec, "cuda")  # grid/SH/TriangleWave: cpu only so far
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
-        if variant is None:  # wgmma where enabled and the model fits it; mma takes every width 16-256 (and EMA)
-            wgmma = rows["wgmma"].available and self._wgmma_fits(spec) and spec.optimizer.ema is None
-            variant = "wgmma" if wgmma else "mma"
-        row = rows[variant]
-        if not row.available:
-            raise BackendUnavailable(f"cuda:{variant}", row.reason)
+        knobs = CudaKnobs.from_env()
+        ema = spec.optimizer.ema is not None
+        if variant is None and knobs.dispatch == "fixed":
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema else "mma"
+        if variant is not None and not rows[variant].available:
+            raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
+        # wgmma is a candidate only where MMAD_CUDA_WGMMA offers it (its training is not written)
+        usable = [v for v in VARIANTS if rows[v].available and (v != "wgmma" or self._wgmma_fits(spec))
+                  and (not ema or v == "mma")]
+        if not usable:
+            raise BackendUnavailable("cuda", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
         cp = cupy_module()
         check_device_index(device, cp.cuda.runtime.getDeviceCount(), "cuda")
         if cache is None:
             cache = KernelCache()
-        knobs = CudaKnobs.from_env()
         with cp.cuda.Device(device):  # the model's buffers and kernels live on this device
             info = device_info(cp)
-            if variant == "mma":
-                return CudaMmaModel(spec, cp, info, cache, knobs)
-            if variant == "wgmma":
-                return CudaWgmmaModel(spec, cp, info, cache, knobs)
-            return CublasLtModel(spec, cp, info, cache)
+            if variant is not None:
+                return self._build(variant, spec, cp, info, cache, knobs)
+            cc = info["cc"]
+            settings = {k: v for k, v in asdict(knobs).items() if k != "dispatch"}
+            # a new driver, CUDA runtime or CuPy may change which variant is fastest: measured again
+            return dispatch(spec, {v: partial(self._build, v, spec, cp, info, cache, knobs) for v in usable},
+                            backend="cuda", device=f"{info['name']} sm_{cc[0]}{cc[1]}", cache=cache, io="fp16",
+                            timer=median_timer("cupy"), key_extra={**settings, "stack": rows["mma"].api_version})
 
+    @staticmethod
+    def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,
+               knobs: CudaKnobs) -> CompiledModel:
+        if variant == "mma":
+            return CudaMmaModel(spec, cp, info, cache, knobs)
+        if variant == "wgmma":
+            return CudaWgmmaModel(spec, cp, info, cache, knobs)
+        return CublasLtModel(spec, cp, info, cache)
 
 __all__ = ["CudaBackend", "VARIANTS"]

@@ -2,7 +2,8 @@
 
 | variable | values | default | what |
 |---|---|---|---|
-| ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: slower than mma.sync on S/M, docs/cuda.md) |
+| ``MMAD_DISPATCH`` | measure, fixed | measure | compile(variant=None): fastest measured; fixed: wgmma or mma |
+| ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: its training is not written, docs/cuda.md) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
 | ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
 | ``MMAD_CUDA_WGMMA_WARPGROUPS`` | 1, 2 | plan | warpgroups per wgmma forward block (unset: the shared-memory plan decides) |
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 from mmad.errors import SpecError
 
+DISPATCH_ENV = "MMAD_DISPATCH"
+DISPATCH_MODES = ("measure", "fixed")
 WGMMA_ENV = "MMAD_CUDA_WGMMA"
 FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"
 CUDA_GRAPHS_ENV = "MMAD_CUDA_GRAPHS"
@@ -35,8 +38,19 @@ def env_choice(name: str, allowed: tuple[int, ...]) -> int | None:
     return int(raw)
 
 
+def env_word(name: str, allowed: tuple[str, ...]) -> str:
+    """A word setting from the environment, one of ``allowed`` (case-insensitive); the first when unset."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return allowed[0]
+    if raw not in allowed:
+        raise SpecError(name, f"must be one of {', '.join(allowed)}; got {raw!r}")
+    return raw
+
+
 @dataclass(frozen=True)
 class CudaKnobs:
+    dispatch: str = "measure"
     wgmma: bool = False
     fused_wgrad: bool = True
     cuda_graphs: bool = True
@@ -46,6 +60,7 @@ class CudaKnobs:
     @classmethod
     def from_env(cls) -> "CudaKnobs":
         return cls(
+            dispatch=env_word(DISPATCH_ENV, DISPATCH_MODES),
             wgmma=env_choice(WGMMA_ENV, (0, 1)) == 1,
             fused_wgrad=env_choice(FUSED_WGRAD_ENV, (0, 1)) != 0,
             cuda_graphs=env_choice(CUDA_GRAPHS_ENV, (0, 1)) != 0,

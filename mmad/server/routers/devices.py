@@ -1,4 +1,5 @@
-"""``GET /v2/devices``: the probe report taken once at startup, and each device's memory and load now."""
+"""``GET /v2/devices``: the probe report taken once at startup, each device's memory and load now,
+and the variants the dispatcher chose for the loaded models."""
 
 from __future__ import annotations
 
@@ -25,8 +26,16 @@ def device_report(rt: Runtime) -> list[dict]:
             for d in rt.backend.devices()]
 
 
+def dispatch_report(rt: Runtime) -> list[dict]:
+    """One entry per loaded replica whose variant the backend chose by measurement: the model, its
+    device and the decision (every variant's figures, or why it was skipped)."""
+    return [{"model": entry.name, "device_index": replica.device, **replica.model.dispatch.to_json()}
+            for entry in rt.registry.models.values() for replica in entry.replicas
+            if replica.model is not None and replica.model.dispatch is not None]
+
+
 @router.get("/v2/devices")
 async def devices(rt: Runtime = Depends(runtime)):
     report = await rt.registry.run(device_report, rt)  # memory queries talk to the driver: off the event loop
     return json_response({"selected": rt.selected.to_json(), "rows": [r.to_json() for r in rt.probe_rows],
-                          "devices": report})
+                          "devices": report, "dispatch": dispatch_report(rt)})

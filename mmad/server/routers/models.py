@@ -30,6 +30,7 @@ CREATE_BODY_SCHEMA = {
 def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
     versions = rt.registry.versions(entry.name)
     limits = entry.config.limits(rt.settings)
+    live = entry.live  # read once: an unload may clear it meanwhile
     return {
         "name": entry.name, "versions": [v["version"] for v in versions], "platform": "mmad",
         "inputs": [{"name": INPUT, "datatype": "FP32", "shape": [-1, entry.spec.n_input_dims]}],
@@ -39,11 +40,14 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
         "step": entry.live.step_count if entry.live is not None else (versions[-1]["step"] if versions else 0),
         "queued_requests": entry.batcher.queued if entry.batcher is not None else 0,
         "devices": [r.device for r in entry.replicas if r.model is not None],  # the replicas', primary first
+        # the variant the primary runs, and the dispatcher's figures when it was chosen by measurement
+        "variant": live.variant if live is not None else None,
+        "dispatch": live.dispatch.to_json() if live is not None and live.dispatch is not None else None,
         "spec": entry.spec.to_json(),
         "config": {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
                    "max_queue_requests": limits.max_queue_requests,
                    "allow_nonfinite": entry.config.allow_nonfinite, "device": entry.config.device,
-                   "replicas": entry.config.replicas},
+                   "replicas": entry.config.replicas, "variant": entry.config.variant},
     }
 
 

@@ -1,0 +1,382 @@
+"""Dispatch by measurement (mmad.backends.dispatch) with fake variants whose speed the test sets.
+
+A fake variant is the cpu backend's model (real forward, real training, checked against the real
+float64 oracle) that advances a fake clock by its own cost per call; the dispatcher's timer seam
+reads that clock. Variants that fail to compile, fail at run time or compute wrong numbers are
+skipped with their reasons. The cuda backend's wiring (candidates, the MMAD_DISPATCH knob) runs
+here with CuPy stubbed; the override and the reports go through a real daemon on the cpu backend.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+from mmad.backends import dispatch as D
+from mmad.backends.cache import KernelCache
+from mmad.backends.cpu import CpuModel
+from mmad.errors import CompileError, SpecError
+from mmad.spec import MLPSpec
+
+SPEC = MLPSpec.from_json({"n_input_dims": 8, "n_output_dims": 4, "network": {"n_neurons": 16, "n_hidden_layers": 2},
+                          "precision": "fp16", "seed": 3})
+ROWS = 2048  # small: numpy does the work
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+        self.timed = 0  # calls timed through the seam: 0 when nothing was measured
+
+    def timer(self, fn, sync):
+        began = self.now
+        fn()
+        sync()
+        self.timed += 1
+        return self.now - began
+
+
+class FakeModel(CpuModel):
+    def __init__(self, spec, name, clock, forward_s, train_s, wrong=False, run_fails=False):
+        super().__init__(spec, "fp32")
+        self.variant = name
+        self.clock, self.forward_s, self.train_s = clock, forward_s, train_s
+        self.wrong, self.run_fails = wrong, run_fails
+
+    def forward(self, x, out_dtype=np.float32):
+        if self.run_fails:
+            raise RuntimeError("an illegal memory access was encountered")
+        self.clock.now += self.forward_s
+        out = super().forward(x, out_dtype)
+        return out * 1.5 if self.wrong else out
+
+    def train_step(self, x, y, steps=1):
+        self.clock.now += self.train_s
+        return super().train_step(x, y, steps)
+
+
+class FakeBackend:
+    """Variants name -> (forward seconds, train seconds, behaviour); counts compiles per variant."""
+
+    def __init__(self, variants):
+        self.variants = variants
+        self.clock = Clock()
+        self.compiles: dict[str, int] = {}
+
+    def build(self, name, spec):
+        self.compiles[name] = self.compiles.get(name, 0) + 1
+        forward_s, train_s, how = self.variants[name]
+        if how == "compile fails":
+            raise CompileError(f"the {name} kernels", "ptxas error: too many resources requested\nmore", "src")
+        return FakeModel(spec, name, self.clock, forward_s, train_s, wrong=how == "wrong",
+                         run_fails=how == "run fails")
+
+    def compile(self, spec, cache, device="Fake GPU sm_90", **kw):
+        candidates = {name: (lambda name=name: self.build(name, spec)) for name in self.variants}
+        return D.dispatch(spec, candidates, backend="fake", device=device, cache=cache, rows=ROWS,
+                          timer=self.clock.timer, **kw)
+
+
+def fast_and_slow():
+    # scores: a 1/0.5 + 10/5 = 4.0; b 0.5/0.5 + 12/5 = 3.4; c 2/0.5 + 5/5 = 5.0 -> b
+    return FakeBackend({"a": (1.0, 10.0, "ok"), "b": (0.5, 12.0, "ok"), "c": (2.0, 5.0, "ok")})
+
+
+def test_the_lowest_score_wins_and_every_variant_is_reported(tmp_path):
+    fake = fast_and_slow()
+    model = fake.compile(SPEC, KernelCache(tmp_path))
+    assert model.variant == "b" and not model.dispatch.from_cache
+    doc = model.dispatch.to_json()
+    assert doc["variant"] == "b" and doc["backend"] == "fake" and doc["device"] == "Fake GPU sm_90"
+    assert doc["rows"] == ROWS and doc["io"] == "fp16" and "lowest wins" in doc["score_rule"]
+    by = {v["variant"]: v for v in doc["variants"]}
+    assert [by[v]["status"] for v in "abc"] == ["measured", "chosen", "measured"]
+    assert by["a"]["score"] == pytest.approx(4.0) and by["b"]["score"] == pytest.approx(3.4)
+    assert by["c"]["score"] == pytest.approx(5.0)
+    assert by["b"]["forward_s"] == pytest.approx(0.5) and by["b"]["train_s"] == pytest.approx(12.0)
+    assert by["b"]["forward_msps"] == pytest.approx(ROWS / 0.5 / 1e6)
+    assert all(v["rel_err_vs_float64"] < D.TOLERANCE["fp16"] for v in doc["variants"])
+    # each measured once, then the winner compiled afresh: its weights are the seed's, untrained
+    assert fake.compiles == {"a": 1, "b": 2, "c": 1} and model.step_count == 0
+    assert all(np.array_equal(v, CpuModel(SPEC).get_params()[k]) for k, v in model.get_params().items())
+
+
+def test_a_tie_goes_to_the_earlier_variant(tmp_path):
+    fake = FakeBackend({"first": (1.0, 1.0, "ok"), "second": (1.0, 1.0, "ok")})
+    assert fake.compile(SPEC, KernelCache(tmp_path)).variant == "first"
+
+
+def test_failing_and_wrong_variants_are_skipped_with_their_reasons(tmp_path):
+    fake = FakeBackend({"broken": (0.1, 0.1, "compile fails"), "crashes": (0.1, 0.1, "run fails"),
+                        "wrong": (0.1, 0.1, "wrong"), "slow": (3.0, 30.0, "ok")})
+    model = fake.compile(SPEC, KernelCache(tmp_path))
+    assert model.variant == "slow"
+    reasons = {v["variant"]: v.get("reason") for v in model.dispatch.to_json()["variants"]}
+    assert reasons["broken"] == "failed to compile: the broken kernels: ptxas error: too many resources requested"
+    assert reasons["crashes"] == "failed to run: RuntimeError: an illegal memory access was encountered"
+    assert reasons["wrong"].startswith("wrong result: the forward differs from the float64 oracle by ")
+    assert reasons["slow"] is None
+
+
+def test_a_non_finite_training_loss_is_a_wrong_result(tmp_path, monkeypatch):
+    fake = FakeBackend({"diverges": (0.1, 0.1, "ok"), "fine": (1.0, 1.0, "ok")})
+    build = fake.build
+
+    def build_nan(name, spec):
+        model = build(name, spec)
+        if name == "diverges":
+            model.train_step = lambda x, y, steps=1: np.array([np.nan], np.float32)
+        return model
+
+    monkeypatch.setattr(fake, "build", build_nan)
+    model = fake.compile(SPEC, KernelCache(tmp_path))
+    assert model.variant == "fine"
+    assert model.dispatch.to_json()["variants"][0]["reason"] == "wrong result: a training step's loss is nan"
+
+
+def test_no_usable_variant_is_an_error_naming_each_reason(tmp_path):
+    fake = FakeBackend({"broken": (0.1, 0.1, "compile fails"), "wrong": (0.1, 0.1, "wrong")})
+    with pytest.raises(D.DispatchFailed, match=r"no variant of the fake backend runs this model correctly: "
+                                               r"broken: failed to compile: .*; wrong: wrong result"):
+        fake.compile(SPEC, KernelCache(tmp_path))
+    with pytest.raises(D.DispatchFailed, match="no usable variant"):
+        D.dispatch(SPEC, {}, backend="fake", device="x", cache=KernelCache(tmp_path))
+
+
+def test_a_single_candidate_is_compiled_without_measuring(tmp_path):
+    fake = FakeBackend({"only": (1.0, 1.0, "ok")})
+    model = fake.compile(SPEC, KernelCache(tmp_path))
+    assert model.variant == "only" and model.dispatch is None and fake.clock.timed == 0
+    assert fake.compiles == {"only": 1}
+
+
+def test_the_decision_is_cached_per_device_and_model_shape(tmp_path):
+    first = fast_and_slow()
+    first.compile(SPEC, KernelCache(tmp_path))
+    timed = first.clock.timed
+    assert timed == 6  # forward and training step of a, b and c
+
+    again = fast_and_slow()  # a new process: a fresh backend and cache object on the same directory
+    model = again.compile(SPEC, KernelCache(tmp_path))
+    assert model.variant == "b" and model.dispatch.from_cache and again.clock.timed == 0
+    assert again.compiles == {"b": 1}
+    # the figures come back with the decision
+    assert model.dispatch.to_json()["variants"] == first.compile(SPEC, KernelCache(tmp_path)).dispatch.to_json()[
+        "variants"]
+
+    reseeded = fast_and_slow()  # the seed changes no speed: the same decision
+    reseeded.compile(SPEC.replace(seed=99), KernelCache(tmp_path))
+    assert reseeded.clock.timed == 0
+
+    for other in ({"spec": SPEC.replace(n_neurons=32)}, {"device": "Other GPU sm_80"},
+                  {"key_extra": {"graphs": False}}):
+        fake = fast_and_slow()
+        fake.compile(other.pop("spec", SPEC), KernelCache(tmp_path), **other)
+        assert fake.clock.timed == 6, other
+
+
+def test_other_candidates_are_measured_again(tmp_path):
+    fast_and_slow().compile(SPEC, KernelCache(tmp_path))
+    fewer = FakeBackend({"a": (1.0, 10.0, "ok"), "c": (2.0, 5.0, "ok")})  # b no longer usable
+    model = fewer.compile(SPEC, KernelCache(tmp_path))
+    assert fewer.clock.timed == 4 and model.variant in ("a", "c") and not model.dispatch.from_cache
+
+
+def _entries(directory):
+    return sorted(directory.glob("*/*.bin"))
+
+
+def test_a_corrupt_cache_entry_is_ignored_and_measured_again(tmp_path):
+    fast_and_slow().compile(SPEC, KernelCache(tmp_path))
+    [entry] = _entries(tmp_path)
+    raw = bytearray(entry.read_bytes())
+    raw[-5] ^= 0xFF  # a flipped byte in the payload: the checksum no longer matches
+    entry.write_bytes(bytes(raw))
+    cache, fake = KernelCache(tmp_path), fast_and_slow()
+    assert fake.compile(SPEC, cache).variant == "b"
+    assert fake.clock.timed == 6 and cache.stats.rebuilt_corrupt == 1
+    assert fast_and_slow().compile(SPEC, KernelCache(tmp_path)).dispatch.from_cache  # rewritten intact
+
+
+def test_an_intact_entry_that_is_not_a_decision_is_measured_again(tmp_path):
+    fast_and_slow().compile(SPEC, KernelCache(tmp_path))
+    [entry] = _entries(tmp_path)
+    header = json.loads(entry.read_bytes().partition(b"\n")[0])
+    cache = KernelCache(tmp_path)
+    cache.store(header["key"], b'{"format": 1, "variant": "b"}')  # checksummed, but fields missing
+    fake = fast_and_slow()
+    assert fake.compile(SPEC, cache).variant == "b" and fake.clock.timed == 6
+    assert fast_and_slow().compile(SPEC, KernelCache(tmp_path)).dispatch.from_cache
+
+
+def test_the_measurement_uses_the_real_timer_by_default(tmp_path):
+    """No timer passed: the benchmarks' median timer on the host clock (real seconds, positive)."""
+    fake = FakeBackend({"a": (0.0, 0.0, "ok"), "b": (0.0, 0.0, "ok")})
+    candidates = {name: (lambda name=name: fake.build(name, SPEC)) for name in fake.variants}
+    model = D.dispatch(SPEC, candidates, backend="fake", device="x", cache=KernelCache(tmp_path), rows=256)
+    assert all(v["forward_s"] > 0 and v["train_s"] > 0 for v in model.dispatch.to_json()["variants"])
+
+
+# -- the cuda backend's wiring, CuPy stubbed -------------------------------------------------------
+@pytest.fixture
+def stub_cuda(monkeypatch, tmp_path):
+    """CudaBackend with a stubbed CuPy and probe: mma, cublaslt usable, wgmma per ``wgmma``; the
+    variants are fake models timed by the fake clock."""
+    from mmad.backends import cuda
+    from mmad.backends.contract import ProbeRow
+
+    fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "cublaslt": (2.0, 2.0, "ok")})
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
+    monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
+    monkeypatch.setattr(cuda, "device_info", lambda cp: {"name": "NVIDIA H100 80GB HBM3", "cc": (9, 0)})
+    monkeypatch.setattr(cuda, "median_timer", lambda clock: fake.clock.timer)
+    monkeypatch.setattr(cuda.CudaBackend, "_build", staticmethod(
+        lambda variant, spec, cp, info, cache, knobs: fake.build(variant, spec)))
+    monkeypatch.setattr(cuda.CudaBackend, "_wgmma_fits", staticmethod(lambda spec: True))
+
+    def backend(wgmma_offered=False):
+        b = cuda.CudaBackend()
+        b._rows = [ProbeRow("cuda", "wgmma", wgmma_offered, reason="" if wgmma_offered else "off"),
+                   ProbeRow("cuda", "mma", True, api_version="driver 12.8"),
+                   ProbeRow("cuda", "cublaslt", True)]
+        return b
+
+    monkeypatch.setenv("MMAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MMAD_DISPATCH", raising=False)
+    return types.SimpleNamespace(fake=fake, backend=backend)
+
+
+def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub_cuda):
+    model = stub_cuda.backend().compile(SPEC)
+    assert model.variant == "mma"
+    doc = model.dispatch.to_json()
+    assert [v["variant"] for v in doc["variants"]] == ["mma", "cublaslt"]
+    assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
+    # MMAD_CUDA_WGMMA offers it (the probe's row): then it is a candidate like the others
+    offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
+    assert offered.variant == "wgmma"
+    assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == ["wgmma", "mma", "cublaslt"]
+
+
+def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monkeypatch):
+    backend = stub_cuda.backend()
+    assert backend.compile(SPEC, variant="cublaslt").variant == "cublaslt"
+    monkeypatch.setenv("MMAD_DISPATCH", "fixed")
+    model = backend.compile(SPEC)
+    assert model.variant == "mma" and model.dispatch is None
+    assert stub_cuda.backend(wgmma_offered=True).compile(SPEC).variant == "wgmma"
+    assert stub_cuda.fake.clock.timed == 0
+    with pytest.raises(SpecError, match="the cuda backend has variants wgmma, mma, cublaslt; got 'fast'"):
+        backend.compile(SPEC, variant="fast")
+
+
+def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
+    monkeypatch.setenv("MMAD_DISPATCH", "fastest")
+    with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of measure, fixed; got 'fastest'"):
+        stub_cuda.backend().compile(SPEC)
+
+
+# -- the daemon: the per-model override and the reports ----------------------------------------------
+def test_registry_compile_passes_the_override_else_the_forced_variant_else_none():
+    from mmad.server.registry import Registry
+
+    calls = []
+    stub = types.SimpleNamespace(backend=types.SimpleNamespace(compile=lambda spec, variant, device: calls.append(
+        variant)), settings=types.SimpleNamespace(backend=None))
+    Registry._compile(stub, SPEC, 0, "cublaslt")
+    Registry._compile(stub, SPEC, 0)
+    stub.settings.backend = "cuda:mma"
+    Registry._compile(stub, SPEC, 0)
+    Registry._compile(stub, SPEC, 0, "cublaslt")
+    stub.settings.backend = "cuda"
+    Registry._compile(stub, SPEC, 0)
+    assert calls == ["cublaslt", None, "mma", "cublaslt", None]
+
+
+SMALL = {"n_input_dims": 3, "n_output_dims": 2, "network": {"n_neurons": 16, "n_hidden_layers": 1}, "seed": 5}
+
+
+def test_daemon_model_variant_override_and_reports(http):
+    r = http.put("/v2/models/dispatch-override", json={"spec": SMALL, "config": {"variant": "numpy"}})
+    assert r.status_code in (200, 201), r.text
+    meta = http.get("/v2/models/dispatch-override").json()
+    assert meta["variant"] == "numpy" and meta["dispatch"] is None and meta["config"]["variant"] == "numpy"
+    assert http.get("/v2/models/dispatch-override/config").json()["parameters"]["variant"] == "numpy"
+    plain = http.put("/v2/models/dispatch-plain", json={"spec": SMALL}).json()
+    assert plain["variant"] == "numpy" and plain["config"]["variant"] is None
+    # the cpu backend chooses nothing by measurement: no decisions to report
+    assert http.get("/v2/devices").json()["dispatch"] == []
+
+    r = http.put("/v2/models/dispatch-bad", json={"spec": SMALL, "config": {"variant": "mma"}})
+    assert r.status_code == 400
+    assert r.json()["error"] == "variant: the cpu backend has one variant, 'numpy'; got 'mma'"
+    assert http.get("/v2/models/dispatch-bad").status_code == 404
+    r = http.put("/v2/models/dispatch-bad", json={"spec": SMALL, "config": {"variant": ""}})
+    assert r.status_code == 400 and r.json()["error"].startswith("config.variant: ")
+    for name in ("dispatch-override", "dispatch-plain"):
+        http.delete(f"/v2/models/{name}")
+
+
+def test_reports_carry_the_decision(tmp_path):
+    """``metadata`` and ``/v2/devices``' dispatch list, on a model the fake backend dispatched."""
+    from mmad.server.registry import ModelConfig, ModelEntry, Replica
+    from mmad.server.routers.devices import dispatch_report
+    from mmad.server.routers.models import metadata
+    from mmad.server.settings import Settings
+
+    model = fast_and_slow().compile(SPEC, KernelCache(tmp_path))
+    entry = ModelEntry("m", SPEC, ModelConfig())
+    entry.replicas = [Replica(1, model)]
+    registry = types.SimpleNamespace(models={"m": entry}, versions=lambda name: [{"version": "1", "step": 0}],
+                                     backend_label="fake:b")
+    rt = types.SimpleNamespace(registry=registry, settings=Settings())
+    meta = metadata(rt, entry)
+    assert meta["variant"] == "b" and meta["dispatch"] == model.dispatch.to_json()
+    [report] = dispatch_report(rt)
+    assert report["model"] == "m" and report["device_index"] == 1 and report["variant"] == "b"
+    assert [v["variant"] for v in report["variants"]] == ["a", "b", "c"]
+
+
+# -- mmad bench --dispatch ------------------------------------------------------------------------
+def test_bench_dispatch_writes_the_choice_the_figures_and_the_decision(tmp_path, monkeypatch, capsys):
+    """The cpu backend made to dispatch between two fake variants; ``--dispatch`` writes the report."""
+    from mmad import cli
+    from mmad.backends.cpu import CpuBackend
+
+    monkeypatch.setenv("MMAD_BACKEND", "")
+    fake = FakeBackend({"numpy": (1.0, 1.0, "ok"), "slow": (2.0, 2.0, "ok")})
+    plain = CpuBackend.compile  # the float64 oracle stays the real cpu backend
+
+    def compile(self, spec, variant=None, cache=None, device=0):
+        return plain(self, spec) if self.numerics == "float64" else fake.compile(spec, KernelCache(tmp_path / "c"))
+
+    monkeypatch.setattr(CpuBackend, "compile", compile)
+    out = tmp_path / "results" / "dispatch-cpu.json"
+    assert cli.main(["bench", "--backend", "cpu", "--models", "S", "--rows", "1024", "--repeats", "2",
+                     "--peer", "none", "--dispatch", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"] == (f"mmad bench --backend cpu --models S --rows 1024 --io fp16 --mode both --peer none "
+                              f"--repeats 2 --dispatch {out}")
+    assert doc["backend"] == "cpu" and doc["rows"] == 1024 and doc["errors"] == []
+    s = doc["models"]["S"]
+    assert s["variant"] == "numpy" and s["forward_msps"] > 0 and s["train_msps"] > 0
+    assert s["torch_forward_msps"] is None and s["torch_train_msps"] is None  # --peer none
+    assert s["dispatch"]["variant"] == "numpy"
+    assert [v["variant"] for v in s["dispatch"]["variants"]] == ["numpy", "slow"]
+    table = capsys.readouterr().out
+    assert table.count("Dispatcher: S on cpu → numpy; M samples/s forward/train at 2048 rows: numpy ") == 1
+    assert "slow " in table and "score 2.00" in table
+
+
+def test_bench_dispatch_needs_a_backend_without_a_variant(capsys, monkeypatch):
+    from mmad import cli
+
+    monkeypatch.setenv("MMAD_BACKEND", "")
+    assert cli.main(["bench", "--backend", "cpu:numpy", "--peer", "none", "--dispatch", "x.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--dispatch: reports the backend's own choice of variant: name one --backend without a variant" in err
