@@ -372,7 +372,10 @@ def check_ema_checkpoint_resumes(compile_model: Callable[[MLPSpec], CompiledMode
         np.testing.assert_array_equal(a.forward(x_new), served)  # the restored average is what a serves
         plain = CpuBackend("emulate").compile(spec.replace(optimizer=spec.optimizer.to_json()["nested"]))
         plain.set_params(new)
-        np.testing.assert_allclose(served, plain.forward(x_new), rtol=1e-2, atol=1e-2)
+        # the served outputs are a plain model's with those weights: fp16 rounding apart (one
+        # flipped ReLU moves an element by more than a per-element bound, so the norm is judged)
+        ref = plain.forward(x_new)
+        assert np.linalg.norm(served - ref) / np.linalg.norm(ref) < 1e-2
 
 
 def test_the_cpu_reference_passes_the_device_checks():
