@@ -16,15 +16,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PHASES=${*:-"env wgmma sass serve bench cublaslt tests"}
-export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
-
-# the repo is not installed there: python runs from the repository root, where ./mmad is the package
-# nvmath-python, and the daemon's own dependencies (pydantic, FastAPI, uvicorn, ...) that the image lacks
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
-fi
-export PYTHONPATH=/tmp/site:$PWD/client
+. scripts/gpu/site.sh
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 

@@ -9,12 +9,8 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache NCCL_NVLS_ENABLE=0
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
-fi
-export PYTHONPATH=/tmp/site:$PWD/client
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off (docs/multi-gpu.md)
+. scripts/gpu/site.sh
 SUMMARY="$OUT/multi-summary.txt"
 : > "$SUMMARY"
 for phase in ${PHASES:-env tests bench}; do

@@ -13,13 +13,7 @@ mkdir -p "$OUT"
 PHASES=${*:-"env tests service vulkan"}
 BACKEND=${BACKEND:-cuda:mma}
 VULKAN=${VULKAN:-vulkan:coopmat}
-export PYTHONUNBUFFERED=1 MMAD_CACHE_DIR=/tmp/mmad-cache
-
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /tmp/pip.log 2>&1 || { echo "wheel install (.whl) failed:"; tail -n 5 /tmp/pip.log; }
-fi
-export PYTHONPATH=/tmp/site:$PWD/client
+. scripts/gpu/site.sh
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 
