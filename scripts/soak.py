@@ -71,8 +71,8 @@ def serve_main(argv: list[str]) -> int:
     totals = Counter()
     compile_model = Registry._compile
 
-    def tracked_compile(self, spec, device=0):
-        compiled = compile_model(self, spec, device)
+    def tracked_compile(self, *args, **kwargs):
+        compiled = compile_model(self, *args, **kwargs)
         close = compiled.close
 
         def tracked_close() -> None:
