@@ -174,6 +174,29 @@ def test_odd_shapes_and_encodings(backend, variant, cache):
     check_grads(spec, model, x, y)
 
 
+def test_spherical_harmonics_and_triangle_wave(backend, variant, cache):
+    """tiny-cuda-nn's parameter-free encodings, computed on the host (numerics.encode) before the
+    upload as Frequency is: a direction through SphericalHarmonics degree 4 beside a triangle wave
+    of the other two inputs; forward and gradients against the float64 oracle, and training."""
+    doc = {"n_input_dims": 5, "n_output_dims": 3,
+           "network": {"n_neurons": 32, "n_hidden_layers": 2, "activation": "ReLU"},
+           "encoding": {"otype": "Composite", "nested": [
+               {"otype": "SphericalHarmonics", "degree": 4, "n_dims_to_encode": 3},
+               {"otype": "TriangleWave", "n_frequencies": 6}]}}
+    spec = MLPSpec.from_json(doc)
+    model = model_for(backend, variant, cache, spec)
+    x, y = data(spec, 400, seed=int(time.time_ns() % 2**31))
+    x = (x + 1) / 2  # SphericalHarmonics reads directions mapped into [0, 1]
+    direction = x[:, :3] * 2 - 1
+    x[:, :3] = (direction / np.linalg.norm(direction, axis=1, keepdims=True) + 1) / 2
+    assert rel(model.forward(x), CpuBackend("float64").compile(spec).forward(x)) <= FWD_TOL
+    check_grads(spec, model, x, y)
+    losses = model.train_step(x, y, 40)
+    reference = CpuBackend("float64").compile(spec).train_step(x, y, 40)  # the same initial weights
+    assert losses[-1] < 0.8 * losses[0]
+    np.testing.assert_allclose(losses, reference, rtol=0.05)
+
+
 def test_specialized_activation_and_loss_pipelines(backend, variant, cache, monkeypatch):
     """GPUs bake activations and loss into the pipeline; lavapipe reads push constants. Both
     paths run here (the one this device does not default to is forced)."""

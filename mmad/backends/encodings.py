@@ -30,14 +30,21 @@ _U32 = np.uint64(0xFFFFFFFF)
 
 # encodings whose only implementation so far is this module, on the cpu backend
 CPU_ONLY_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid", "SphericalHarmonics", "TriangleWave")
+# of those, the ones without parameters: a backend that encodes on the host (``CompiledModel.encode``
+# before the upload) runs them as it runs Frequency; the grids' tables need device kernels
+HOST_ENCODABLE_OTYPES = ("SphericalHarmonics", "TriangleWave")
 
 
-def check_backend_supports(spec: MLPSpec, backend: str) -> None:
-    """Refuse (SpecError, a 400 through the daemon) a model whose encoding only the cpu backend
-    implements, naming the encoding, the backend and where it runs; no silent fallback."""
-    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in CPU_ONLY_OTYPES]
+def check_backend_supports(spec: MLPSpec, backend: str, encodes_on_host: bool = False) -> None:
+    """Refuse (SpecError, a 400 through the daemon) a model whose encoding ``backend`` does not
+    run yet, naming the encoding, the backend and where it runs; no silent fallback.
+    ``encodes_on_host``: the backend encodes inputs on the host (the parameter-free encodings run)."""
+    allowed = HOST_ENCODABLE_OTYPES if encodes_on_host else ()
+    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims)
+             if part.otype in CPU_ONLY_OTYPES and part.otype not in allowed]
     if found:
-        raise SpecError("encoding", f"{found[0]} is implemented on the cpu backend only so far; the {backend} "
+        where = "the cpu backend" + ("" if found[0] not in HOST_ENCODABLE_OTYPES else " and vulkan")
+        raise SpecError("encoding", f"{found[0]} is implemented on {where} only so far; the {backend} "
                                     "backend cannot run this model (serve it with MMAD_BACKEND=cpu)")
 
 
