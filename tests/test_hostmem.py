@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 
 import numpy as np
-import pytest
 from fastapi.testclient import TestClient
 
 from mmad.backends.cpu import CpuBackend, CpuModel

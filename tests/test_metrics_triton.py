@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import DaemonProcess
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_api import SMALL_SPEC, binary_infer, create
+from test_server_api import binary_infer, create
 
 from mmad.server.metrics import GpuCollector
 

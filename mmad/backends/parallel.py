@@ -16,6 +16,7 @@ implementation (``mmad.backends.cuda.parallel``, NCCL all-reduce) is checked aga
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -66,7 +67,7 @@ def check_parallel_run(shards: list[Dataset], batches: list[int], steps: int,
         check_epoch_run(data, batch, steps)
 
 
-class DataParallel:
+class DataParallel(abc.ABC):
     """Data-parallel training over ``replicas`` (one per device; identical weights and
     optimizer state on entry, kept identical)."""
 
@@ -78,12 +79,12 @@ class DataParallel:
             raise InvalidInput(f"data-parallel replicas must be on different devices; got devices {devices}")
         self.replicas = replicas
 
+    @abc.abstractmethod
     def train_epochs(self, shards: list[Dataset], batches: list[int], steps: int,
                      positions: list[EpochPosition]) -> np.ndarray:
         """``steps`` optimizer steps; replica r trains on ``batches[r]`` rows a step drawn from
         ``shards[r]`` in the order of ``positions[r]`` (advanced). Returns each step's loss over
         the whole batch (the mean over every replica's rows)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release what the trainer opened (communicators); the replicas stay."""

@@ -35,7 +35,7 @@ import numpy as np
 
 from mmad.backends import select
 from mmad.backends.numerics import epoch_rows
-from mmad.backends.parallel import shard_bounds, shard_positions, split_batch
+from mmad.backends.parallel import shard_bounds, shard_positions
 from mmad.bench.service_quick import start_daemon
 from mmad.spec import bench_spec
 
