@@ -14,6 +14,7 @@
     ├── ConflictError              the request conflicts with current state (e.g. model exists)
     │   └── Diverged               training produced NaN/Inf loss or weights; nothing was published
     ├── InvalidInput               a tensor or request field is malformed (shape, dtype, NaN ...)
+    │   └── NonFiniteInput         rows given to a forward hold NaN or Inf (``check_finite=True``)
     ├── PayloadTooLarge            a body or tensor exceeds a configured limit
     ├── Overloaded                 a queue is full; try again later
     ├── NotReady                   the daemon cannot serve yet (starting or stopping)
@@ -106,6 +107,11 @@ class Diverged(ConflictError):
 
 class InvalidInput(MMADError, ValueError):
     """A request's tensors or fields are malformed."""
+
+
+class NonFiniteInput(InvalidInput):
+    """``forward_to_host(..., check_finite=True)`` was given rows holding NaN or Inf (a backend
+    that copies to a device checks there, after the upload)."""
 
 
 class PayloadTooLarge(MMADError):

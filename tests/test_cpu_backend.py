@@ -313,3 +313,25 @@ def test_forward_to_host_checks_its_buffers():
     readonly.flags.writeable = False
     with pytest.raises(InvalidInput, match="writable"):
         model.forward_to_host(x, readonly)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_forward_to_host_check_finite(dtype):
+    """check_finite refuses NaN and Inf wherever they are, passes the largest finite value, and
+    leaves unchecked calls alone (the default of every backend but a GPU's device check)."""
+    from mmad.errors import NonFiniteInput
+
+    rng = np.random.default_rng()
+    model = CpuBackend().compile(bench_spec("M"))
+    x = rng.uniform(-1, 1, (3000, 64)).astype(dtype)
+    out = np.empty((3000, 64), np.float32)
+    model.forward_to_host(x, out, check_finite=True)
+    assert np.allclose(out, model.forward(x.astype(np.float32)), rtol=1e-2, atol=1e-2)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[rng.integers(3000), rng.integers(64)] = bad
+        with pytest.raises(NonFiniteInput, match="NaN or Inf"):
+            model.forward_to_host(y, out, check_finite=True)
+        model.forward_to_host(y, out)
+    x[-1, -1] = np.finfo(dtype).max
+    model.forward_to_host(x, out, check_finite=True)

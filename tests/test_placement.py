@@ -80,7 +80,7 @@ def test_shards_and_batch_parts_cover_everything_once():
 def test_batcher_runs_up_to_one_batch_per_replica_at_once(concurrency):
     running, peak, lock = [0], [0], threading.Lock()
 
-    def run(x: np.ndarray, out: np.ndarray) -> None:
+    def run(x: np.ndarray, out: np.ndarray, check_finite: bool) -> None:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
@@ -178,11 +178,11 @@ def test_replicas_share_the_batches_and_serve_the_same_weights(three_devices):
     for replica in entry.replicas:
         forward = replica.model.forward_to_host
 
-        def counting(x, out, pool, forward=forward, device=replica.device):
+        def counting(x, out, pool, check_finite, forward=forward, device=replica.device):
             with lock:
                 served[device] += 1
             time.sleep(0.02)  # long enough for the batches to overlap
-            forward(x, out, pool)
+            forward(x, out, pool, check_finite)
         replica.model.forward_to_host = counting
 
     rng = fresh_rng()

@@ -152,6 +152,18 @@ def test_nonfinite_inputs_refused_unless_allowed(http):
     create(http, "nanok", {**SMALL_SPEC, "n_input_dims": 2}, {"allow_nonfinite": True})
     header, out = decode_binary(binary_infer(http, "nanok", np.array([[np.inf, 1.0]], np.float32)))
     assert out.shape == (1, 4)
+    # a large request (checked by the forward, not inline): NaN in its last row, FP16 and FP32
+    big = np.random.default_rng().uniform(-1, 1, (20_000, 2))
+    for dtype in (np.float16, np.float32):
+        y = big.astype(dtype)
+        y[-1, -1] = np.nan
+        wire = "FP16" if dtype == np.float16 else "FP32"
+        for version in (None, "1"):  # the batcher's forward, and a pinned version's
+            r = binary_infer(http, "demo", y, datatype=wire, version=version)
+            assert r.status_code == 400 and "input 'INPUT' holds NaN or Inf" in r.json()["error"], r.text
+        header, out = decode_binary(binary_infer(http, "nanok", y, datatype=wire))
+        assert out.shape == (20_000, 4) and np.isfinite(out[:-1]).all()
+    assert binary_infer(http, "demo", big.astype(np.float32)).status_code == 200
     assert http.delete("/v2/models/nanok").status_code == 200
 
 

@@ -117,6 +117,42 @@ def test_binary_response_buffer_is_aligned_and_decodes():
         binary_response_buffer({}, OutputChoice("OUTPUT", False, "FP32"), (1, 1))
 
 
+def test_batcher_fails_only_the_requests_that_bring_nan():
+    """A merged batch whose check finds NaN/Inf: the requests that brought it fail with
+    NonFiniteInput, the others (checked or not) get their rows from a second, unchecked run."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmad.errors import NonFiniteInput
+    from mmad.server.batcher import Batcher, BatchLimits
+
+    calls = []
+
+    def run(x, out, check_finite):
+        calls.append((x.shape[0], check_finite))
+        if check_finite and not np.isfinite(x).all():
+            raise NonFiniteInput("the input rows hold NaN or Inf")
+        out[...] = 2 * x[:, :1]
+
+    clean, bad, unchecked = (np.full((3, 2), 1, np.float32), np.full((2, 2), np.nan, np.float32),
+                             np.full((4, 2), np.inf, np.float32))
+
+    async def main():
+        with ThreadPoolExecutor(1) as pool:
+            batcher = Batcher("m", run, 1, pool, BatchLimits(1024, 50_000, 16))
+            results = await asyncio.gather(batcher.submit(clean, None, True), batcher.submit(bad, None, True),
+                                           batcher.submit(unchecked), return_exceptions=True)
+            alone = await asyncio.gather(batcher.submit(bad, None, True), return_exceptions=True)
+            await batcher.stop()
+        return results, alone[0]
+
+    (first, second, third), alone = asyncio.run(main())
+    assert calls == [(9, True), (9, False), (2, True)]
+    assert np.array_equal(first.output, np.full((3, 1), 2, np.float32)) and first.batch_requests == 3
+    assert isinstance(second, NonFiniteInput) and isinstance(alone, NonFiniteInput)
+    assert np.array_equal(third.output, np.full((4, 1), np.inf, np.float32))  # allowed: not checked
+
+
 def test_batcher_fills_given_buffers_alone_and_merged():
     """A request alone is computed straight into its buffer; merged, its rows are copied there."""
     import asyncio
@@ -126,7 +162,7 @@ def test_batcher_fills_given_buffers_alone_and_merged():
 
     calls = []
 
-    def run(x, out):
+    def run(x, out, check_finite):
         calls.append((x.shape[0], out.dtype))
         out[...] = 2 * x[:, :1].astype(np.float32)
 

@@ -37,8 +37,10 @@ from typing import Any, Callable, ClassVar, Iterable
 
 import numpy as np
 
-from mmad.backends.numerics import batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate
-from mmad.errors import InvalidInput, SpecError
+from mmad.backends.numerics import (
+    all_finite, batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate,
+)
+from mmad.errors import InvalidInput, NonFiniteInput, SpecError
 from mmad.spec import MLPSpec
 
 # Auto-selection order, highest first; software devices (lavapipe, a CPU WebGPU adapter)
@@ -198,13 +200,19 @@ class CompiledModel(abc.ABC):
         raise InvalidInput(f"the {self.backend} backend's {self.variant} variant cannot apply gradients "
                            "computed elsewhere, so it cannot train data-parallel over several devices")
 
-    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None,
+                        check_finite: bool = False) -> None:
         """``forward(x)`` for host arrays, written into the host array ``out`` in its dtype.
 
         ``out`` is rows × n_output_dims, float16 or float32 (e.g. a view of a response buffer).
         A backend may use ``executor``'s threads for host-side work; this default ignores it.
+        ``check_finite``: raise :class:`~mmad.errors.NonFiniteInput` when ``x`` holds NaN or
+        Inf (``out`` may have been written by then); a backend that copies to a device checks
+        the rows there, where it costs no host time.
         """
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
+        if check_finite:
+            check_finite_rows(np.asarray(x))
         np.copyto(out, self.download(self.forward(x, out_dtype=out.dtype)), casting="same_kind")
 
     def encode(self, x: np.ndarray) -> np.ndarray:
@@ -382,6 +390,12 @@ class Backend(abc.ABC):
 
 
 # -- helpers every backend uses -------------------------------------------------------------
+def check_finite_rows(x: np.ndarray) -> None:
+    """``forward_to_host``'s host-side ``check_finite``."""
+    if not all_finite(x):
+        raise NonFiniteInput("the input rows hold NaN or Inf")
+
+
 def output_dtype(out_dtype: Any) -> np.dtype:
     """``forward``'s ``out_dtype`` as float16 or float32; anything else is a clear error."""
     dt = np.dtype(out_dtype)

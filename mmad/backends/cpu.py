@@ -27,7 +27,8 @@ import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
-    Backend, CompiledModel, DeviceInfo, ProbeRow, check_device_index, check_host_output, check_params, init_params, optimizer_slots, output_dtype,
+    Backend, CompiledModel, DeviceInfo, ProbeRow, check_device_index, check_finite_rows, check_host_output, check_params,
+    init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
@@ -252,7 +253,8 @@ class CpuModel(CompiledModel):
             out[start:start + CHUNK_ROWS] = self._forward_chunk(x[start:start + CHUNK_ROWS], keep=False)[0]
         return out if dtype == np.float32 else out.astype(dtype)
 
-    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None) -> None:
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Executor | None = None,
+                        check_finite: bool = False) -> None:
         """``forward(x)`` written into ``out``, chunk by chunk, each chunk's casts fused with its forward.
 
         ``x`` may be float16 (the wire's FP16) or float32, ``out`` float16 or float32: no
@@ -261,6 +263,8 @@ class CpuModel(CompiledModel):
         """
         x = self.check_host_input(x)
         out = check_host_output(out, x.shape[0], self.spec.n_output_dims)
+        if check_finite:
+            check_finite_rows(x)
         starts = range(0, x.shape[0], HOST_CHUNK_ROWS)
 
         def chunk(start: int) -> None:

@@ -21,6 +21,13 @@ LOSS_EPSILON = 0.01  # tiny-cuda-nn's normaliser offset for the relative losses
 
 
 # -- activations ---------------------------------------------------------------------------
+def all_finite(array: np.ndarray) -> bool:
+    """No NaN or Inf in the float16 or float32 host array."""
+    if array.dtype == np.float16:  # the exponent test: NumPy's float16 isfinite is ~10x slower
+        return (array.view(np.uint16) & np.uint16(0x7C00)).max(initial=0) != 0x7C00
+    return bool(np.isfinite(array).all())
+
+
 def activate(name: str, z: np.ndarray) -> np.ndarray:
     if name == "None":
         return z

@@ -439,7 +439,9 @@ def run_tritonclient_shm_load(scenario: dict[str, Any]) -> dict[str, Any]:
     memory: POSIX regions (``tritonclient.utils.shared_memory``, kind ``tritonclient-shm``) or
     device regions (``tritonclient.utils.cuda_shared_memory`` on GPU 0, ``tritonclient-cudashm``).
     The input is written once; each response's output is checked (shape, finite) on the first
-    and last request only, so the clock holds the server's work."""
+    and last request only, so the clock holds the server's work. ``start_at`` (wall-clock
+    seconds, optional): the timed window starts then, so that several generator processes
+    started one after another time the same window."""
     import uuid
 
     import tritonclient.http as httpclient
@@ -483,6 +485,7 @@ def run_tritonclient_shm_load(scenario: dict[str, Any]) -> dict[str, Any]:
         for _ in range(max(1, scenario["warmup_requests"])):
             client.infer(MODEL, [inp], outputs=[out])
         check()
+        time.sleep(max(0.0, scenario.get("start_at", 0.0) - time.time()))
         start = time.perf_counter()
         deadline = start + scenario["duration_s"]
         while time.perf_counter() < deadline and len(latencies) < scenario["max_requests"]:

@@ -3,12 +3,15 @@ of issue 16, in one run, against the same run's in-process and hardware figures.
 
 * transport ceiling: host->device and device->host bandwidth of page-locked copies (CuPy, 256 MiB);
 * in-process: ``forward_to_host`` of ``--gpu-rows`` FP16 rows (65,536 and 2^20) on a thread
-  pool of one thread per CPU, as the daemon runs it, against the PCIe-bound rate (bytes in + out
-  over the mean of the two bandwidths); the kernel on device arrays at 65,536 rows (cuda);
+  pool of one thread per CPU, against the PCIe-bound rate (bytes in + out over the mean of the
+  two bandwidths), from and into page-locked host arrays (as the daemon's request and response
+  bodies and shared-memory regions are: ``Backend.page_locked_allocator``) and from and into
+  ordinary NumPy arrays (staged); the kernel on device arrays at 65,536 rows (cuda);
 * HTTP binary FP16, 65,536 rows, 1 and 8 clients (tensor GB/s and M samples/s);
-* system shared memory through ``tritonclient.utils.shared_memory`` (ratio to in-process) and,
-  on cuda, CUDA shared memory through ``tritonclient.utils.cuda_shared_memory`` (ratio to the
-  kernel's device-array rate), one client, FP16 in and out;
+* system shared memory through ``tritonclient.utils.shared_memory`` (ratio to the page-locked
+  in-process rate, the larger of the two) and, on cuda, CUDA shared memory through
+  ``tritonclient.utils.cuda_shared_memory`` (ratio to the kernel's device-array rate), 1 and 8
+  clients (a process each, timing the same window), FP16 in and out;
 * small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
 
 Every measurement runs in a fresh load-generator process (:mod:`mmad.bench.load`), timings with
@@ -62,17 +65,26 @@ def in_process(opts: argparse.Namespace, spec, bandwidth: dict[str, float] | Non
 
     backend, row = select(opts.backend)
     model = backend.compile(spec, variant=row.variant)
+    alloc = backend.page_locked_allocator()
     n_in, n_out = spec.n_input_dims, spec.n_output_dims
     rng = np.random.default_rng()
     doc: dict[str, Any] = {"backend": f"{row.backend}:{row.variant}", "device": row.device, "forward_to_host": []}
+
+    def host_rows(rows: int, cols: int, page_locked: bool) -> np.ndarray:
+        if not page_locked:
+            return np.empty((rows, cols), np.float16)
+        return alloc(rows * cols * 2).view(np.float16).reshape(rows, cols)
+
     try:
         with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="in-process-forward") as pool:
-            for rows in opts.gpu_rows:
-                x = rng.uniform(-1, 1, (rows, n_in)).astype(np.float16)
-                out = np.empty((rows, n_out), np.float16)
-                seconds = median_seconds(lambda: model.forward_to_host(x, out, pool), opts.in_process_repeats,
-                                         warmup=2)
-                point = {"rows": rows, "seconds": seconds, "M_samples_per_s": rows / seconds / 1e6,
+            for rows, page_locked in [(r, p) for r in opts.gpu_rows for p in ([True] if alloc else []) + [False]]:
+                x = host_rows(rows, n_in, page_locked)
+                x[...] = rng.uniform(-1, 1, (rows, n_in))
+                out = host_rows(rows, n_out, page_locked)
+                seconds = median_seconds(lambda: model.forward_to_host(x, out, pool, check_finite=True),
+                                         opts.in_process_repeats, warmup=2)
+                point = {"rows": rows, "host_memory": "page-locked" if page_locked else "pageable",
+                         "seconds": seconds, "M_samples_per_s": rows / seconds / 1e6,
                          "GBps_tensor": rows * (n_in + n_out) * 2 / seconds / 1e9}
                 if bandwidth:
                     bound = rows * (n_in + n_out) * 2 / ((bandwidth["h2d_GBps"] + bandwidth["d2h_GBps"]) / 2 * 1e9)
@@ -86,7 +98,8 @@ def in_process(opts: argparse.Namespace, spec, bandwidth: dict[str, float] | Non
                     if not point["rel_err_vs_float64"] <= FP16_TOLERANCE:
                         raise BenchError(f"forward_to_host is {point['rel_err_vs_float64']:.3g} from the oracle")
                 doc["forward_to_host"].append(point)
-                progress(f"in-process forward_to_host {rows} FP16 rows: {point['M_samples_per_s']:,.1f} M samples/s"
+                progress(f"in-process forward_to_host {rows} FP16 rows, {point['host_memory']}: "
+                         f"{point['M_samples_per_s']:,.1f} M samples/s"
                          + (f", {point['of_pcie_bound']:.0%} of the PCIe bound" if bandwidth else ""))
         if row.backend == "cuda":
             import cupy as cp
@@ -130,7 +143,9 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     if bandwidth:
         progress(f"page-locked copies: H2D {bandwidth['h2d_GBps']:.1f} GB/s, D2H {bandwidth['d2h_GBps']:.1f} GB/s")
     ip = doc["in_process"] = phase("in_process", lambda: in_process(opts, spec, bandwidth)) or {}
-    ip_rate = {p["rows"]: p["M_samples_per_s"] for p in ip.get("forward_to_host", [])}
+    ip_rate: dict[int, float] = {}  # the faster of page-locked and pageable: the stricter reference
+    for p in ip.get("forward_to_host", []):
+        ip_rate[p["rows"]] = max(ip_rate.get(p["rows"], 0.0), p["M_samples_per_s"])
     kernel = ip.get("kernel_device_arrays", {}).get("M_samples_per_s")
 
     with tempfile.TemporaryDirectory(prefix="mmad-load-gpu-") as tmp:
@@ -161,20 +176,19 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             if opts.backend.split(":")[0] == "cuda":
                 kinds.append(("cuda_shm", "tritonclient-cudashm", kernel))
             for key, kind, reference in kinds:
-                res = phase(key, lambda: bench.generate(
-                    {"kind": kind, "port": daemon.port, "rows": [LARGE_ROWS, LARGE_ROWS], "clients": 1,
-                     "max_requests": 2000, "duration_s": opts.large_duration_s, "warmup_s": 0.0,
-                     "warmup_requests": 3}, daemon))
-                if res:
-                    res.update(rows=LARGE_ROWS, M_samples_per_s=res["samples_per_s"] / 1e6)
-                    if reference:
-                        res["ratio_to_reference"] = res["M_samples_per_s"] / reference
-                        res["reference"] = "in-process forward_to_host" if key == "system_shm" else \
-                            "the kernel on device arrays"
-                    doc[key] = res
-                    progress(f"{key} through tritonclient: {res['M_samples_per_s']:.2f} M samples/s "
-                             f"({res.get('ratio_to_reference', float('nan')):.2f}x the reference), "
-                             f"p50 {res['p50_ms']:.2f} ms")
+                doc[key] = []
+                for clients in (1, 8):
+                    res = phase(f"{key}_{clients}", lambda: shm_clients(bench, daemon, kind, clients, opts))
+                    if res:
+                        res.update(rows=LARGE_ROWS, clients=clients, M_samples_per_s=res["samples_per_s"] / 1e6)
+                        if reference:
+                            res["ratio_to_reference"] = res["M_samples_per_s"] / reference
+                            res["reference"] = "in-process forward_to_host" if key == "system_shm" else \
+                                "the kernel on device arrays"
+                        doc[key].append(res)
+                        progress(f"{key} through tritonclient, {clients} clients: {res['M_samples_per_s']:.2f} M "
+                                 f"samples/s ({res.get('ratio_to_reference', float('nan')):.2f}x the reference), "
+                                 f"p50 {res['p50_ms']:.2f} ms")
 
             doc["small"] = []
             for wire in ("binary32", "json"):
@@ -194,23 +208,43 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def shm_clients(bench: Bench, daemon, kind: str, clients: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """``clients`` shared-memory load generators, a process each with its own regions, timing
+    the same wall-clock window; their rates added up."""
+    start_at = time.time() + 4.0 + clients * 0.5  # every process imported, registered and warm by then
+    scenario = {"kind": kind, "port": daemon.port, "rows": [LARGE_ROWS, LARGE_ROWS], "clients": 1,
+                "max_requests": 1_000_000, "duration_s": opts.large_duration_s, "warmup_s": 0.0,
+                "warmup_requests": 3, "start_at": start_at}
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda k: bench.generate({**scenario, "seed": 1 + k}),
+                                range(clients)))
+    total = {"samples_per_s": sum(r["samples_per_s"] for r in results),
+             "requests_per_s": sum(r["requests_per_s"] for r in results),
+             "p50_ms": float(np.median([r["p50_ms"] for r in results])),
+             "p99_ms": max(r["p99_ms"] for r in results), "completed": sum(r["completed"] for r in results)}
+    return total
+
+
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 16's "done when" rows: the figure, the bar, met or not (None: not measured)."""
     rows = []
     for p in doc.get("in_process", {}).get("forward_to_host", []):
-        if "of_pcie_bound" in p:
-            rows.append({"what": f"in-process forward_to_host {p['rows']} FP16 rows, of the PCIe bound",
-                         "value": p["of_pcie_bound"], "bar": 0.5, "met": p["of_pcie_bound"] >= 0.5})
+        if "of_pcie_bound" in p:  # the bar is judged on page-locked host memory, the daemon's; pageable shown
+            bar = 0.5 if p.get("host_memory") == "page-locked" else None
+            rows.append({"what": f"in-process forward_to_host {p['rows']} FP16 rows, {p['host_memory']} host "
+                                 "memory, of the PCIe bound",
+                         "value": p["of_pcie_bound"], "bar": bar, "met": None if bar is None else p["of_pcie_bound"] >= bar})
     eight = next((r for r in doc.get("http_binary16", []) if r["clients"] == 8), None)
     if eight is not None:
         bar = min(3.0, 0.6 * eight["GBps_tensor"] / eight["of_in_process"]) if eight.get("of_in_process") else 3.0
         rows.append({"what": "HTTP binary FP16 65,536 rows, 8 clients, GB/s of tensor bytes",
                      "value": eight["GBps_tensor"], "bar": bar, "met": eight["GBps_tensor"] >= bar})
     for key, bar in (("system_shm", 0.8), ("cuda_shm", 0.5)):
-        res = doc.get(key)
-        if res and "ratio_to_reference" in res:
-            rows.append({"what": f"{key} through tritonclient, ratio to {res['reference']}",
-                         "value": res["ratio_to_reference"], "bar": bar, "met": res["ratio_to_reference"] >= bar})
+        for res in doc.get(key) or []:
+            if "ratio_to_reference" in res:
+                rows.append({"what": f"{key} through tritonclient, {res['clients']} client(s), ratio to "
+                                     f"{res['reference']}",
+                             "value": res["ratio_to_reference"], "bar": bar, "met": res["ratio_to_reference"] >= bar})
     small = next((r for r in doc.get("small", []) if r["wire"] == "binary32" and r["clients"] == 64), None)
     if small is not None:
         rows.append({"what": "small binary requests, 64 clients: req/s (p99 <= 20 ms)",
@@ -222,7 +256,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
 def table(doc: dict[str, Any]) -> str:
     lines = [f"| {doc['backend']} | value | bar | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
-        lines.append(f"| {t['what']} | {t['value']:,.2f} | {t['bar']:,.2f} | {'yes' if t['met'] else 'NO'} |")
+        met = "(shown)" if t["met"] is None else "yes" if t["met"] else "NO"
+        bar = "" if t["bar"] is None else f"{t['bar']:,.2f}"
+        lines.append(f"| {t['what']} | {t['value']:,.2f} | {bar} | {met} |")
     for name, error in doc["errors"].items():
         lines.append(f"| {name} failed: {error[:160]} | | | NO |")
     return "\n".join(lines)

@@ -7,6 +7,11 @@ event loop) and hands every request its own slice of the output. A request large
 ``max_batch_rows`` runs alone (batch size is never restricted). A full queue refuses new work
 with :class:`~mmad.errors.Overloaded` (HTTP 503 with Retry-After).
 
+A request may ask for its rows to be checked finite (``submit(..., check_finite=True)``): the
+forward checks the batch (on the device, on a GPU backend); when a merged batch holds NaN or
+Inf, the requests whose rows hold them fail with :class:`~mmad.errors.NonFiniteInput` and the
+others get their rows (a row's output depends on that row alone).
+
 A request may bring its own output buffer (``submit(x, out)``, e.g. a view of its binary
 response body): a request that runs alone is computed straight into it, so the forward's
 output cast is its only pass over the data; in a merged batch its rows are copied there on
@@ -33,7 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mmad.errors import Overloaded
+from mmad.backends.numerics import all_finite
+from mmad.errors import NonFiniteInput, Overloaded
 from mmad.server import hostmem
 
 TIMER_RESOLUTION_S = 1e-3  # event-loop timers round to milliseconds: a batch this close to due is due
@@ -63,6 +69,8 @@ class _Pending:
     future: asyncio.Future
     enqueued_ns: int
     out: np.ndarray | None  # where the request wants its output rows, or None for a slice of the batch's
+    check_finite: bool = False
+    error: BaseException | None = None  # this request's own failure in a batch that ran
 
 
 def _host_array(shape: tuple[int, int], dtype: Any) -> np.ndarray:
@@ -78,9 +86,11 @@ def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class Batcher:
-    """Merges requests for one model; ``run(x, out)`` is the blocking forward of a batch into ``out``."""
+    """Merges requests for one model; ``run(x, out, check_finite)`` is the blocking forward of a
+    batch into ``out`` (raising :class:`~mmad.errors.NonFiniteInput` when asked to check and
+    the rows hold NaN or Inf)."""
 
-    def __init__(self, name: str, run: Callable[[np.ndarray, np.ndarray], None], out_cols: int,
+    def __init__(self, name: str, run: Callable[[np.ndarray, np.ndarray, bool], None], out_cols: int,
                  executor: Executor, limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None,
                  concurrency: int = 1):
         self.name = name
@@ -115,8 +125,9 @@ class Batcher:
         self._pending.clear()
         self._pending_rows = 0
 
-    async def submit(self, x: np.ndarray, out: np.ndarray | None = None) -> BatchResult:
-        """Queue ``x``; its result's ``output`` is ``out`` when given (filled), else float32 rows."""
+    async def submit(self, x: np.ndarray, out: np.ndarray | None = None, check_finite: bool = False) -> BatchResult:
+        """Queue ``x``; its result's ``output`` is ``out`` when given (filled), else float32 rows.
+        ``check_finite``: fail with :class:`~mmad.errors.NonFiniteInput` if ``x`` holds NaN or Inf."""
         if self._stopping:
             raise Overloaded(f"model {self.name!r} is being unloaded")
         if len(self._pending) >= self.limits.max_queue_requests:
@@ -126,7 +137,7 @@ class Batcher:
         if self._task is None:
             self.start()
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(x, future, time.perf_counter_ns(), out))
+        self._pending.append(_Pending(x, future, time.perf_counter_ns(), out, check_finite))
         self._pending_rows += x.shape[0]
         if len(self._pending) == 1 or self._pending_rows >= self.limits.max_batch_rows:
             self._wake.set()
@@ -191,10 +202,21 @@ class Batcher:
     def _execute(self, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
         """On a compute thread: the forward of one batch, into its requests' buffers where they gave one."""
         if len(batch) == 1 and batch[0].out is not None:
-            self._run(x, batch[0].out)
+            self._run(x, batch[0].out, batch[0].check_finite)
             return batch[0].out
         out = _host_array((x.shape[0], self._out_cols), np.float32)
-        self._run(x, out)
+        try:
+            self._run(x, out, any(p.check_finite for p in batch))
+        except NonFiniteInput:
+            if len(batch) == 1:
+                raise
+            # which requests brought the NaN or Inf: they fail, the others' rows are computed again
+            for p in batch:
+                if p.check_finite and not all_finite(p.x):
+                    p.error = NonFiniteInput("the input rows hold NaN or Inf")
+            if not any(p.error for p in batch):
+                raise
+            self._run(x, out, False)
         offset = 0
         for p in batch:
             rows = p.x.shape[0]
@@ -266,7 +288,10 @@ class Batcher:
         offset = 0
         for p in batch:
             rows = p.x.shape[0]
-            if not p.future.done():
+            if p.error is not None:
+                if not p.future.done():
+                    p.future.set_exception(p.error)
+            elif not p.future.done():
                 output = p.out if p.out is not None else out[offset:offset + rows]
                 p.future.set_result(BatchResult(output, start_ns - p.enqueued_ns, compute_ns, x.shape[0], len(batch)))
             offset += rows

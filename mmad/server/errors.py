@@ -90,7 +90,12 @@ def install_error_handlers(app) -> None:
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
-        log.exception("%s %s raised", request.method, request.url.path)
-        # an OSError's str() carries the file name: a path of the daemon's machine, not the client's business
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-        return error_response(500, f"internal error: {type(exc).__name__}: {detail}")
+        return internal_error_response(request, exc)
+
+
+def internal_error_response(request: Request, exc: Exception) -> Response:
+    """The 500 of an exception outside mmad's tree (a bug), logged with its traceback."""
+    log.exception("%s %s raised", request.method, request.url.path, exc_info=exc)
+    # an OSError's str() carries the file name: a path of the daemon's machine, not the client's business
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return error_response(500, f"internal error: {type(exc).__name__}: {detail}")

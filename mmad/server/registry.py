@@ -202,9 +202,9 @@ class ModelEntry:
     def ready(self) -> bool:
         return self.live is not None
 
-    def forward_live(self, x: np.ndarray, out: np.ndarray, pool: Executor) -> None:
+    def forward_live(self, x: np.ndarray, out: np.ndarray, pool: Executor, check_finite: bool = False) -> None:
         """The forward of ``x`` written into ``out`` (host chunks on ``pool``'s threads), on the
-        replica with the fewest forwards in flight."""
+        replica with the fewest forwards in flight (``check_finite``: as ``forward_to_host``'s)."""
         with self._pick_lock:
             replica = min(self.replicas, key=lambda r: r.in_flight)
             replica.in_flight += 1
@@ -212,7 +212,7 @@ class ModelEntry:
             with replica.lock:
                 if replica.model is None:
                     raise ModelNotReady(self.name)
-                replica.model.forward_to_host(x, out, pool)
+                replica.model.forward_to_host(x, out, pool, check_finite)
                 replica.batches += 1
                 replica.rows += x.shape[0]
         finally:
@@ -442,7 +442,7 @@ class Registry:
         """Serve ``compiled`` (one model per replica, the primary first)."""
         entry.replicas = [Replica(model.device_index, model) for model in compiled]
         entry.reason = self._damage_note(entry)
-        entry.batcher = Batcher(entry.name, lambda x, out: entry.forward_live(x, out, self.forward_pool),
+        entry.batcher = Batcher(entry.name, lambda x, out, check: entry.forward_live(x, out, self.forward_pool, check),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns),
                                 concurrency=len(compiled))
@@ -656,7 +656,8 @@ class Registry:
             self._versions_changed(entry)
             return version
 
-    def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray, out: np.ndarray,
+                       check_finite: bool = False) -> np.ndarray:
         """Forward through an immutable stored version (compiled copy cached per version) into ``out``."""
         with entry.pinned_lock:
             if not entry.ready:  # unloaded meanwhile: its pinned copies were freed, do not compile one
@@ -671,7 +672,7 @@ class Registry:
                 while len(entry.pinned) > PINNED_CACHE_SIZE:
                     entry.pinned.popitem(last=False)[1].close()
             entry.pinned.move_to_end(version)
-            compiled.forward_to_host(x, out, self.forward_pool)  # under the lock: eviction closes copies
+            compiled.forward_to_host(x, out, self.forward_pool, check_finite)  # under the lock: eviction closes copies
         return out
 
 

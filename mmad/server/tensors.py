@@ -8,17 +8,12 @@ import zlib
 import numpy as np
 from fastapi import Request, Response
 
+from mmad.backends.numerics import all_finite
 from mmad.errors import InvalidInput, PayloadTooLarge
 from mmad.server.binary import InferRequest, parse_header_length, parse_infer_request
 from mmad.server.bodies import read_tensor_body
 from mmad.server.deps import Runtime
 from mmad.server.registry import INPUT, ModelEntry
-
-
-def all_finite(array: np.ndarray) -> bool:
-    if array.dtype == np.float16:  # NumPy's float16 isfinite is ~10x slower than this exponent test
-        return (array.view(np.uint16) & np.uint16(0x7C00)).max(initial=0) != 0x7C00
-    return bool(np.isfinite(array).all())
 
 
 def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int],
@@ -51,7 +46,11 @@ def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int
 
 def check_finite_input(entry: ModelEntry, name: str, array: np.ndarray) -> None:
     if not entry.config.allow_nonfinite and not all_finite(array):
-        raise InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
+        raise nonfinite_input(name)
+
+
+def nonfinite_input(name: str) -> InvalidInput:
+    return InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
 
 
 INFLATE_STEP = 1 << 20  # inflate in steps, so a bomb costs at most the cap plus one step

@@ -21,9 +21,10 @@ from typing import Any, Callable
 import numpy as np
 
 from mmad.backends.contract import (
-    CompiledModel, Dataset, check_host_output, fill_dataset, check_rows, check_rows_shape, output_dtype,
+    CompiledModel, Dataset, check_finite_rows, check_host_output, fill_dataset, check_rows, check_rows_shape,
+    output_dtype,
 )
-from mmad.errors import BackendUnavailable, CompileError, DeviceMemoryFull, InvalidInput, LaunchError
+from mmad.errors import BackendUnavailable, CompileError, DeviceMemoryFull, InvalidInput, LaunchError, NonFiniteInput
 from mmad.spec import MLPSpec
 
 ROW_GRANULE = 128  # rows are padded to this; a multiple of every kernel's rows per warp-tile
@@ -253,15 +254,21 @@ class CudaModel(CompiledModel):
             raise InvalidInput("a training batch needs at least one row")
         return dx, dy, dx.shape[0]
 
-    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None) -> None:
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None,
+                        check_finite: bool = False) -> None:
         """``forward`` of host rows into the host array ``out``, in ``out``'s dtype: fp16 rows go
         up as fp16 and an fp16 ``out`` is produced on the device, so no side casts and half the
         bytes cross the bus. Requests of at least ``PIPELINE_MIN_BYTES`` take the pipelined
-        page-locked path (:class:`PinnedStaging`); smaller ones one plain copy each way, which
-        costs less than the pipeline's setup. Encoded models take ``forward``'s host path
-        (encoded on the host, then in fp32)."""
+        page-locked path (:class:`PinnedStaging`), which checks ``check_finite`` on the device
+        (a reduction over each uploaded chunk: the host check of 65,536 FP16 rows of model M
+        cost a compute thread ~1.4 ms a request on the H100 host, docs/gpu-notes-cuda.md);
+        smaller ones one plain copy each way, which costs less than the pipeline's setup, and
+        check on the host. Encoded models take ``forward``'s host path (encoded on the host,
+        then in fp32)."""
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
         if not self.spec.encoding.passthrough:  # forward encodes host rows itself
+            if check_finite:
+                check_finite_rows(np.asarray(x))
             np.copyto(out, self.forward(x, out_dtype=out.dtype))
             return
         if not isinstance(x, np.ndarray):
@@ -272,10 +279,12 @@ class CudaModel(CompiledModel):
         in_dtype = np.dtype(np.float16 if x.dtype == np.float16 and out.dtype == np.float16 else np.float32)
         if x.shape[0] * (x.shape[1] * in_dtype.itemsize + out.shape[1] * out.itemsize) >= PIPELINE_MIN_BYTES:
             try:
-                self._pipeline().run(self, x, out, in_dtype, executor)
+                self._pipeline().run(self, x, out, in_dtype, executor, check_finite)
             except device_errors(self.cp) as exc:
                 raise LaunchError(f"the pipelined forward of {x.shape[0]} rows failed: {exc}") from exc
             return
+        if check_finite:
+            check_finite_rows(x)
         dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=False,
                                    keep_half=out.dtype == np.float16)
         result = self.forward(dx, out_dtype=out.dtype)
@@ -425,7 +434,8 @@ class PinnedStaging:
             self._host[kind, slot] = (nbytes, mem)
         return np.frombuffer(mem, dtype, math.prod(shape)).reshape(shape)
 
-    def run(self, model: "CudaModel", x: np.ndarray, out: np.ndarray, in_dtype: np.dtype, executor: Any) -> None:
+    def run(self, model: "CudaModel", x: np.ndarray, out: np.ndarray, in_dtype: np.dtype, executor: Any,
+            check_finite: bool = False) -> None:
         cp = self.cp
         rows, n_in, n_out = x.shape[0], x.shape[1], out.shape[1]
         step = chunk_rows(rows, n_in * in_dtype.itemsize)
@@ -437,6 +447,7 @@ class PinnedStaging:
         in_bufs = None if direct_in else [self.buffer("in", s, in_dtype, (step, n_in)) for s in slots]
         out_bufs = None if direct_out else [self.buffer("out", s, out.dtype, (step, n_out)) for s in slots]
         submit = executor.submit if executor is not None else _run_now
+        nonfinite = cp.zeros(1, dtype=cp.uint32) if check_finite else None  # set by any chunk
         staged: dict[int, Future] = {}  # chunk -> its copy into its slot's input buffer
         unstaged: dict[int, Future] = {}  # chunk -> its copy out of its slot's output buffer
         downloaded: list[Any] = []  # events of downloads straight into a page-locked ``out``
@@ -470,6 +481,8 @@ class PinnedStaging:
                     src = x[lo:hi] if direct_in else staged.pop(i).result()
                     cp.cuda.runtime.memcpyAsync(dx.data.ptr, src.ctypes.data, n * n_in * in_dtype.itemsize,
                                                 _HOST_TO_DEVICE, stream.ptr)
+                    if nonfinite is not None:
+                        flag_nonfinite(cp, dx[:n], nonfinite)
                     if not direct_in and i + self.DEPTH < len(spans):  # the slot's next chunk may be staged
                         staged[i + self.DEPTH] = submit(stage_in, i + self.DEPTH, stream.record())
                     result = cp.ascontiguousarray(model.forward(dx, out_dtype=out.dtype))
@@ -487,6 +500,8 @@ class PinnedStaging:
                 future.result()
             for done in downloaded:
                 done.synchronize()
+            if nonfinite is not None and nonfinite.get()[0]:  # every stream is done: no race
+                raise NonFiniteInput("the input rows hold NaN or Inf")
         finally:
             # after a failure, nothing may still be writing a staging buffer or ``out``
             for future in [*staged.values(), *unstaged.values()]:
@@ -496,6 +511,49 @@ class PinnedStaging:
                     stream.synchronize()
                 except device_errors(cp):
                     pass  # the failure that got us here is the one raised
+
+
+FLAG_NONFINITE_SOURCE = r"""
+template <typename Bits, unsigned int Exponent>
+__device__ void flag_nonfinite(const Bits* x, unsigned long long n, unsigned int* flag) {
+    // a thread tests one 16-byte vector (the last thread of the array its scalar tail): one
+    // wide load in flight per thread, so the pass runs at memory speed, not load latency
+    constexpr int per = 16 / sizeof(Bits);
+    union { uint4 w; Bits b[per]; } v;
+    unsigned long long first = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) * per;
+    bool found = false;
+    if (first + per <= n) {
+        v.w = reinterpret_cast<const uint4*>(x)[first / per];
+        for (int k = 0; k < per; ++k) found |= (v.b[k] & Exponent) == Exponent;
+    } else {
+        for (unsigned long long i = first; i < n; ++i) found |= (x[i] & Exponent) == Exponent;
+    }
+    if (__syncthreads_or(found) && threadIdx.x == 0) atomicOr(flag, 1u);
+}
+extern "C" __global__ void mmad_flag_nonfinite_f16(const unsigned short* x, unsigned long long n, unsigned int* flag) {
+    flag_nonfinite<unsigned short, 0x7C00u>(x, n, flag);
+}
+extern "C" __global__ void mmad_flag_nonfinite_f32(const unsigned int* x, unsigned long long n, unsigned int* flag) {
+    flag_nonfinite<unsigned int, 0x7F800000u>(x, n, flag);
+}
+"""
+FLAG_THREADS = 256
+_FLAG_MODULES: dict[int, Any] = {}  # device -> the compiled module (CuPy compiles it per device)
+
+
+def flag_nonfinite(cp, a: Any, flag: Any) -> None:
+    """Set the device word ``flag`` to 1 when the contiguous fp16 or fp32 device array ``a`` holds
+    NaN or Inf, on the current stream (an exponent test on the bits; one raw launch, which
+    costs the host less than a CuPy reduction: this runs once per pipeline chunk). ``a`` starts
+    at an allocation's start (16-byte aligned), as a pipeline chunk's upload buffer does."""
+    device = cp.cuda.Device().id
+    module = _FLAG_MODULES.get(device)
+    if module is None:
+        module = _FLAG_MODULES[device] = cp.RawModule(code=FLAG_NONFINITE_SOURCE, options=("-std=c++17",))
+    name = "mmad_flag_nonfinite_f16" if a.dtype == np.float16 else "mmad_flag_nonfinite_f32"
+    vectors = -(-a.size // (16 // a.itemsize))
+    blocks = max(1, -(-vectors // FLAG_THREADS))
+    module.get_function(name)((blocks,), (FLAG_THREADS,), (a, np.uint64(a.size), flag))
 
 
 def _run_now(fn, *args):
