@@ -3,8 +3,8 @@
 A request body read off the socket and a response body the forward writes into are the host
 ends of the device copies. Where they lie in page-locked memory the cuda backend copies them
 straight to and from the device (``CudaModel.forward_to_host``: 0.33 ms for 65,536 FP16 rows of
-model M each way on an H100, against 2.9 ms through page-locked staging and 1.5 ms through the
-driver's pageable copies, docs/gpu-notes-cuda.md). Allocating page-locked memory is slow
+model M each way on an H100, against 1.45 ms through page-locked staging and 2.2 ms through the
+driver's pageable copies, docs/gpu-notes-cuda.md session 8). Allocating page-locked memory is slow
 (``cudaHostAlloc``), so :class:`PinnedPool` keeps freed buffers by size class (eight classes an
 octave: at most 1/8 wasted) up to a byte budget, and hands out each buffer as an array over its
 own small buffer object, whose collection — once no view of the body is left anywhere (the
