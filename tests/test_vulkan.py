@@ -509,3 +509,62 @@ def test_bf16_and_oversized_layers_are_refused(backend, variant, cache):
         backend.compile(bench_spec("S", precision="bf16"), variant, cache)
     with pytest.raises(SpecError):
         backend.compile(bench_spec("S", n_output_dims=4096), variant, cache)
+
+
+def test_memory_type_choice_prefers_cached_host_memory_for_staging():
+    """Staging (read back by the CPU) takes HOST_CACHED memory where a type offers it; buffers
+    that are only written by the host keep the first coherent type; device-local stays device-local.
+    The types below are NVIDIA's order: uncached host-visible memory comes before cached."""
+    from types import SimpleNamespace
+
+    from mmad.backends.vulkan.runtime import Device
+
+    fake = SimpleNamespace(memory_types=[(0x1, 0), (0x2 | 0x4, 1), (0x2 | 0x4 | 0x8, 1)],
+                           info=SimpleNamespace(name="fake"))
+    assert Device.memory_type(fake, 0b111, host_visible=True, cached=True) == 2
+    assert Device.memory_type(fake, 0b111, host_visible=True) == 1
+    assert Device.memory_type(fake, 0b111, host_visible=False) == 0
+    assert Device.memory_type(fake, 0b011, host_visible=True, cached=True) == 1  # no cached type allowed
+    with pytest.raises(LaunchError, match="no suitable memory type"):
+        Device.memory_type(fake, 0b000, host_visible=True, cached=True)
+
+
+def test_staging_buffer_is_host_cached_where_offered(backend):
+    model = backend.compile(bench_spec("S"), variant="simt")
+    with model:
+        device = model.device
+        staging = device.staging(1 << 20)
+        offered = any(flags & 0xE == 0xE for flags, _ in device.memory_types)
+        assert (device.memory_type_flags(staging) & 0xE == 0xE) == offered
+        x = np.random.default_rng().uniform(-1, 1, (5000, 32)).astype(np.float32)
+        out = np.empty((5000, 16), np.float32)
+        model.forward_to_host(x, out)  # reads back through it
+        assert np.array_equal(out, model.forward(x))
+
+
+@pytest.mark.parametrize("n_in", [3, 32])
+@pytest.mark.parametrize(("in_dtype", "out_dtype"), [(np.float16, np.float16), (np.float32, np.float32),
+                                                     (np.float16, np.float32), (np.float32, np.float16)])
+def test_forward_to_host_equals_forward(backend, variant, cache, n_in, in_dtype, out_dtype):
+    """The staged forward_to_host (rows converted straight into and out of mapped memory, padded
+    columns and rows zeroed) gives forward's result bit for bit, with and without threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = MLPSpec.from_json({**bench_spec("S").to_json(), "n_input_dims": n_in})
+    rng = np.random.default_rng()
+    with backend.compile(spec, variant=variant, cache=cache) as model:
+        for rows in (1, 1000, 9000):
+            x = rng.uniform(-1, 1, (rows, n_in)).astype(in_dtype)
+            want = model.forward(x.astype(np.float32)).astype(out_dtype)
+            out = np.full((rows, spec.n_output_dims), np.nan, out_dtype)
+            model.forward_to_host(x, out)
+            assert np.array_equal(out, want), (rows, n_in)
+            with ThreadPoolExecutor(3) as pool:
+                out[...] = np.nan
+                model.forward_to_host(x, out, pool)
+            assert np.array_equal(out, want), (rows, n_in, "threads")
+        bad = rng.uniform(-1, 1, (9000, n_in)).astype(in_dtype)
+        bad[-1, 0] = np.nan
+        from mmad.errors import NonFiniteInput
+        with pytest.raises(NonFiniteInput):
+            model.forward_to_host(bad, np.empty((9000, spec.n_output_dims), out_dtype), check_finite=True)

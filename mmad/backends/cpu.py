@@ -95,6 +95,30 @@ def float_to_half(src: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None
     np.copyto(out.view(np.uint16), mag, casting="unsafe")
 
 
+def copy_rows(src: np.ndarray, dst: np.ndarray, executor: Executor | None = None) -> None:
+    """``dst[...] = src`` for 2-D float16/float32 arrays of one shape, ``HOST_CHUNK_ROWS`` rows at
+    a time (on ``executor``'s threads where given: the casts release the GIL), FP16 converted by
+    :func:`half_to_float` / :func:`float_to_half` (bit-identical to NumPy's casts, ~2-3x faster)."""
+
+    def chunk(start: int) -> None:
+        s, d = src[start:start + HOST_CHUNK_ROWS], dst[start:start + HOST_CHUNK_ROWS]
+        contiguous = s.flags.c_contiguous and d.flags.c_contiguous
+        if contiguous and s.dtype == np.float16 and d.dtype == np.float32:
+            half_to_float(s, d)
+        elif contiguous and s.dtype == np.float32 and d.dtype == np.float16:
+            float_to_half(s, d, np.empty((2, s.size), np.uint32))
+        else:
+            np.copyto(d, s, casting="same_kind")
+
+    starts = range(0, src.shape[0], HOST_CHUNK_ROWS)
+    if executor is None or len(starts) < 2:
+        for start in starts:
+            chunk(start)
+    else:
+        for future in [executor.submit(chunk, start) for start in starts]:
+            future.result()
+
+
 class _Scratch:
     """One thread's reusable buffers, by name, grown when a larger one is needed.
 

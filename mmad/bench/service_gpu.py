@@ -122,11 +122,10 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
 
     spec = bench_spec(MODEL)
     n_in, n_out = spec.n_input_dims, spec.n_output_dims
-    started = time.time()
     doc: dict[str, Any] = {
         "benchmark": "service-gpu", "model": MODEL, "backend": opts.backend, "errors": {},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["mmad bench --service", *opts.argv]),
     }
 
@@ -203,8 +202,6 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                                  f"p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, errors {res['errors']}")
         finally:
             bench.close()
-    doc["elapsed_s"] = round(time.time() - started, 1)
-    doc["targets"] = targets(doc)
     return doc
 
 
@@ -266,7 +263,10 @@ def table(doc: dict[str, Any]) -> str:
 
 def main(opts: argparse.Namespace) -> int:
     opts.gpu_rows = [int(r) for r in opts.gpu_rows.split(",") if r.strip()]
-    doc = run(opts)
+    started = time.time()
+    doc = run(opts)  # returns early when the daemon cannot start: the table then says so
+    doc["elapsed_s"] = round(time.time() - started, 1)
+    doc["targets"] = targets(doc)
     path = Path(opts.json_path or Path(opts.out) / f"service-{opts.backend.replace(':', '-')}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")

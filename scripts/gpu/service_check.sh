@@ -42,7 +42,7 @@ for phase in $PHASES; do
       grep -E "^\|" "$OUT/service.log" | tee -a "$SUMMARY" ;;
     vulkan)
       # the same report on the Vulkan backend, shorter: no small-request sweep beyond 64 clients
-      timeout ${VULKAN_TIMEOUT:-120} python3 -m mmad.bench --service --backend "$VULKAN" --concurrency 64 \
+      timeout ${VULKAN_TIMEOUT:-200} python3 -m mmad.bench --service --backend "$VULKAN" --concurrency 64 \
         --duration-s 2 --warmup-s 0.5 --large-duration-s 2 --large-requests 20 --in-process-repeats 5 \
         --json "$OUT/service-vulkan.json" > "$OUT/service-vulkan.log" 2>&1
       echo "service bench ($VULKAN) rc=$?" | tee -a "$SUMMARY"

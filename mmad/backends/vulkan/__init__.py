@@ -38,9 +38,10 @@ from mmad.backends.cache import KernelCache
 from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
-    check_params, fill_dataset,
-    check_rows, init_params, optimizer_slots, output_dtype, param_shapes,
+    check_finite_rows, check_host_output, check_params, fill_dataset,
+    check_rows, check_rows_shape, init_params, optimizer_slots, output_dtype, param_shapes,
 )
+from mmad.backends.cpu import copy_rows
 from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
@@ -681,6 +682,43 @@ class VulkanModel(CompiledModel):
             raw = b["out"].read(x.shape[0] * self.geo.out_pad * 4)
             out = np.frombuffer(raw, np.float32).reshape(x.shape[0], self.geo.out_pad)
             return out[:, :self.spec.n_output_dims].astype(dtype)
+
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None,
+                        check_finite: bool = False) -> None:
+        """``forward`` of host rows into the host array ``out`` with no intermediate arrays: the
+        rows are converted (FP16 by the cpu backend's exact routines, chunks on ``executor``'s
+        threads) straight into the mapped staging memory, and the output from it into ``out``.
+        Through ``forward``'s host path (NumPy casts, an encoded and padded copy, a read into
+        ``bytes``, a sliced cast) 65,536 FP16 rows of model M took 29-34 ms on the H100 host, of
+        which the device work was 0.6 ms (docs/gpu-notes-vulkan.md). Encoded models take that path."""
+        out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
+        if not self.spec.encoding.passthrough or not isinstance(x, np.ndarray) or \
+                x.dtype not in (np.float16, np.float32):
+            super().forward_to_host(x, out, executor, check_finite)
+            return
+        x = check_rows_shape(x, self.spec.n_input_dims, "input")
+        if check_finite:
+            check_finite_rows(x)
+        rows, n_in, n_out = x.shape[0], self.spec.n_input_dims, self.spec.n_output_dims
+        in_pad, out_pad = self.geo.in_pad, self.geo.out_pad
+
+        def fill(raw: np.ndarray) -> None:
+            staged = raw.view(np.float32).reshape(rows_pad, in_pad)
+            copy_rows(x, staged[:rows, :n_in], executor)
+            staged[:rows, n_in:] = 0  # the padding columns, and the rows up to the tile
+            staged[rows:] = 0
+
+        def take(raw: np.ndarray) -> None:
+            copy_rows(raw.view(np.float32).reshape(rows, out_pad)[:, :n_out], out, executor)
+
+        with self._lock:
+            self._check_open()
+            self._evict_programs()
+            rows_pad = _round_up(max(rows, 1), ROW_ALIGN)
+            b = self._ensure_batch(rows_pad)
+            b["x"].write_with(fill, rows_pad * in_pad * 4)
+            self._forward_program(b["x"], b["out"], rows_pad, self._unused).run()
+            b["out"].read_with(take, rows * out_pad * 4)
 
     def forward_into(self, x: VulkanArray, out: VulkanArray, run: bool = True) -> vr.Program:
         """Forward of a device input into an existing device output (no allocation); returns
