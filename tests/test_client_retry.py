@@ -178,11 +178,17 @@ def test_503_after_the_last_attempt_is_raised_with_its_retry_after(serve):
 
 def test_jitter_is_added_to_retry_after_never_taken_from_it(serve):
     server = serve(*[unavailable("2")] * 7, OK)
-    client, sleeps = client_for(server, Retry(attempts=8, jitter=0.5, max_wait=2.25))
+    client, sleeps = client_for(server, Retry(attempts=8, jitter=0.5, max_wait=2.5))
     with client:
         client.server_metadata()
-    assert len(sleeps) == 7 and all(2.0 <= s <= 2.25 for s in sleeps), sleeps
-    assert len(set(sleeps)) > 1  # drawn, not a constant
+    assert len(sleeps) == 7 and all(2.0 <= s <= 2.5 for s in sleeps), sleeps
+    assert len(set(sleeps)) > 1  # drawn, not a constant (no cap in reach: equal draws have probability 0)
+    # max_wait cuts the jitter, never the wait the server asked for
+    server = serve(*[unavailable("2")] * 7, OK)
+    client, sleeps = client_for(server, Retry(attempts=8, jitter=0.5, max_wait=2.1))
+    with client:
+        client.server_metadata()
+    assert len(sleeps) == 7 and all(2.0 <= s <= 2.1 for s in sleeps), sleeps
 
 
 def test_a_retry_after_longer_than_max_wait_is_raised_at_once(serve):
