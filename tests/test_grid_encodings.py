@@ -113,13 +113,14 @@ def test_grid_spec_errors_name_the_field(doc, n_in, field, words):
 
 def test_other_backends_refuse_the_encodings_they_do_not_run():
     """The grids run on the cpu backend only; SphericalHarmonics and TriangleWave (no parameters)
-    also on vulkan, which encodes on the host (tests/test_vulkan.py runs them)."""
+    also on vulkan and wgpu, which encode on the host (tests/test_vulkan.py and tests/test_webgpu.py
+    run them)."""
     for doc, n_in, runs_on in (({"otype": "HashGrid", "n_levels": 2}, 2, "the cpu backend"),
-                               ({"otype": "SphericalHarmonics"}, 3, "the cpu backend and vulkan"),
-                               ({"otype": "TriangleWave"}, 2, "the cpu backend and vulkan")):
+                               ({"otype": "SphericalHarmonics"}, 3, "the cpu backend, vulkan and wgpu"),
+                               ({"otype": "TriangleWave"}, 2, "the cpu backend, vulkan and wgpu")):
         spec = grid_spec(doc, n_in=n_in)
         for name in ("cuda", "vulkan", "wgpu"):
-            if name == "vulkan" and runs_on.endswith("vulkan"):
+            if name != "cuda" and runs_on.endswith("wgpu"):
                 continue
             try:
                 backend = load_backend(name)

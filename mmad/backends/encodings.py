@@ -43,7 +43,7 @@ def check_backend_supports(spec: MLPSpec, backend: str, encodes_on_host: bool = 
     found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims)
              if part.otype in CPU_ONLY_OTYPES and part.otype not in allowed]
     if found:
-        where = "the cpu backend" + ("" if found[0] not in HOST_ENCODABLE_OTYPES else " and vulkan")
+        where = "the cpu backend" + ("" if found[0] not in HOST_ENCODABLE_OTYPES else ", vulkan and wgpu")
         raise SpecError("encoding", f"{found[0]} is implemented on {where} only so far; the {backend} "
                                     "backend cannot run this model (serve it with MMAD_BACKEND=cpu)")
 
