@@ -113,6 +113,9 @@ class NonFiniteInput(InvalidInput):
     """``forward_to_host(..., check_finite=True)`` was given rows holding NaN or Inf (a backend
     that copies to a device checks there, after the upload)."""
 
+    def __init__(self, message: str = "the input rows hold NaN or Inf"):
+        super().__init__(message)
+
 
 class PayloadTooLarge(MMADError):
     """A body or tensor exceeds a configured limit."""

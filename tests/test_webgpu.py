@@ -14,6 +14,7 @@ import pytest
 from mmad.backends.cpu import CpuBackend
 from mmad.errors import CompileError, InvalidInput, LaunchError
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec, OptimizerSpec, bench_spec
+from test_optimizers import _wgpu_backend
 
 FWD_TOL = {"fp32": 1e-5, "fp16": 3e-3, "bf16": 2e-2}
 GRAD_VS_EMULATE = 2e-3
@@ -21,13 +22,7 @@ GRAD_VS_EMULATE = 2e-3
 
 @pytest.fixture(scope="module")
 def backend():
-    pytest.importorskip("wgpu", reason="wgpu-py is not installed")
-    from mmad.backends.webgpu import WgpuBackend
-
-    be = WgpuBackend()
-    row = be.probe()[0]
-    if not row.available:
-        pytest.skip(f"no WebGPU adapter: {row.reason}")
+    be, _ = _wgpu_backend()
     yield be
     be.close()
 

@@ -213,7 +213,7 @@ class Batcher:
             # which requests brought the NaN or Inf: they fail, the others' rows are computed again
             for p in batch:
                 if p.check_finite and not all_finite(p.x):
-                    p.error = NonFiniteInput("the input rows hold NaN or Inf")
+                    p.error = NonFiniteInput()
             if not any(p.error for p in batch):
                 raise
             self._run(x, out, False)

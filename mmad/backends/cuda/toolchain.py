@@ -260,7 +260,7 @@ class CudaModel(CompiledModel):
         up as fp16 and an fp16 ``out`` is produced on the device, so no side casts and half the
         bytes cross the bus. Requests of at least ``PIPELINE_MIN_BYTES`` take the pipelined
         page-locked path (:class:`PinnedStaging`), which checks ``check_finite`` on the device
-        (a reduction over each uploaded chunk: the host check of 65,536 FP16 rows of model M
+        (a flag kernel over each uploaded chunk: the host check of 65,536 FP16 rows of model M
         cost a compute thread ~1.4 ms a request on the H100 host, docs/gpu-notes-cuda.md);
         smaller ones one plain copy each way, which costs less than the pipeline's setup, and
         check on the host. Encoded models take ``forward``'s host path (encoded on the host,
@@ -502,7 +502,7 @@ class PinnedStaging:
             for done in downloaded:
                 done.synchronize()
             if nonfinite is not None and nonfinite.get()[0]:  # every stream is done: no race
-                raise NonFiniteInput("the input rows hold NaN or Inf")
+                raise NonFiniteInput()
         finally:
             # after a failure, nothing may still be writing a staging buffer or ``out``
             for future in [*staged.values(), *unstaged.values()]:

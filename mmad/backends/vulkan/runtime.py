@@ -480,52 +480,38 @@ class Buffer:
 
     def write(self, data: np.ndarray | bytes, offset: int = 0) -> None:
         raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data)
-        n = raw.nbytes
-        if offset + n > self.size:
-            raise LaunchError(f"write of {n} bytes at {offset} overruns a {self.size}-byte buffer")
-        if self.mapped is not None:
-            self.mapped[offset:offset + n] = raw
-            return
-        with self.device.lock:
-            staging = self.device.staging(n)
-            staging.mapped[0:n] = raw
-            self.device.one_shot(lambda cb: _copy(cb, staging, self, n, 0, offset))
+        self.write_with(lambda view: view.__setitem__(slice(None), np.frombuffer(raw, np.uint8)), raw.nbytes, offset)
 
-    def write_with(self, fill: Callable[[np.ndarray], None], nbytes: int) -> None:
-        """Let ``fill`` write the buffer's first ``nbytes`` into a uint8 array over mapped memory
-        (this buffer's, or the staging buffer's, then copied in): no intermediate host array."""
-        if nbytes > self.size:
-            raise LaunchError(f"write of {nbytes} bytes overruns a {self.size}-byte buffer")
+    def write_with(self, fill: Callable[[np.ndarray], None], nbytes: int, offset: int = 0) -> None:
+        """Let ``fill`` write ``nbytes`` at ``offset`` into a uint8 array over mapped memory (this
+        buffer's, or the staging buffer's, then copied in): no intermediate host array."""
+        if offset + nbytes > self.size:
+            raise LaunchError(f"write of {nbytes} bytes at {offset} overruns a {self.size}-byte buffer")
         if self.mapped is not None:
-            fill(np.frombuffer(self.mapped, np.uint8, nbytes))
+            fill(np.frombuffer(self.mapped, np.uint8, nbytes, offset))
             return
         with self.device.lock:
             staging = self.device.staging(nbytes)
             fill(np.frombuffer(staging.mapped, np.uint8, nbytes))
-            self.device.one_shot(lambda cb: _copy(cb, staging, self, nbytes, 0, 0))
+            self.device.one_shot(lambda cb: _copy(cb, staging, self, nbytes, 0, offset))
 
-    def read_with(self, use: Callable[[np.ndarray], None], nbytes: int) -> None:
-        """Call ``use`` on a uint8 array over the buffer's first ``nbytes`` in mapped memory (read
-        back through the staging buffer for a device-local one); the array is valid during the call."""
-        if nbytes > self.size:
-            raise LaunchError(f"read of {nbytes} bytes overruns a {self.size}-byte buffer")
-        if self.mapped is not None:
-            use(np.frombuffer(self.mapped, np.uint8, nbytes))
-            return
-        with self.device.lock:
-            staging = self.device.staging(nbytes)
-            self.device.one_shot(lambda cb: _copy(cb, self, staging, nbytes, 0, 0))
-            use(np.frombuffer(staging.mapped, np.uint8, nbytes))
-
-    def read(self, nbytes: int, offset: int = 0) -> bytes:
+    def read_with(self, use: Callable[[np.ndarray], None], nbytes: int, offset: int = 0) -> None:
+        """Call ``use`` on a uint8 array over ``nbytes`` at ``offset`` in mapped memory (read back
+        through the staging buffer for a device-local one); the array is valid during the call."""
         if offset + nbytes > self.size:
             raise LaunchError(f"read of {nbytes} bytes at {offset} overruns a {self.size}-byte buffer")
         if self.mapped is not None:
-            return bytes(self.mapped[offset:offset + nbytes])
+            use(np.frombuffer(self.mapped, np.uint8, nbytes, offset))
+            return
         with self.device.lock:
             staging = self.device.staging(nbytes)
             self.device.one_shot(lambda cb: _copy(cb, self, staging, nbytes, offset, 0))
-            return bytes(staging.mapped[0:nbytes])
+            use(np.frombuffer(staging.mapped, np.uint8, nbytes))
+
+    def read(self, nbytes: int, offset: int = 0) -> bytes:
+        out: list[bytes] = []
+        self.read_with(lambda view: out.append(view.tobytes()), nbytes, offset)
+        return out[0]
 
     def fill_zero(self) -> None:
         self.device.one_shot(lambda cb: lib.vkCmdFillBuffer(cb, self.handle, 0, self.size // 4 * 4, 0))
