@@ -90,8 +90,8 @@ def serve_main(argv: list[str]) -> int:
     Registry._compile = tracked_compile
     create_app = app_module.create_app
 
-    def create_app_with_counters(settings=None):
-        app = create_app(settings)
+    def create_app_with_counters(settings=None, workers=None):
+        app = create_app(settings, workers=workers)
 
         @app.get("/soak/device", include_in_schema=False)
         async def device_counters():

@@ -127,6 +127,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["mmad bench --service", *opts.argv]),
+        "serving_processes": serving_processes(opts.server_args),
     }
 
     def phase(name: str, fn) -> Any:
@@ -250,8 +251,21 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def serving_processes(server_args: list[str]) -> int:
+    """The daemon's ``--workers`` among ``--server-arg``s (1 when not given)."""
+    workers = 1
+    for i, arg in enumerate(server_args):
+        if arg.startswith("--workers="):
+            workers = int(arg.split("=", 1)[1])
+        elif arg == "--workers" and i + 1 < len(server_args):
+            workers = int(server_args[i + 1])
+    return workers
+
+
 def table(doc: dict[str, Any]) -> str:
-    lines = [f"| {doc['backend']} | value | bar | met |", "|---|---|---|---|"]
+    processes = doc.get("serving_processes", 1)
+    label = doc["backend"] + (f", {processes} serving processes" if processes > 1 else "")
+    lines = [f"| {label} | value | bar | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
         met = "(shown)" if t["met"] is None else "yes" if t["met"] else "NO"
         bar = "" if t["bar"] is None else f"{t['bar']:,.2f}"

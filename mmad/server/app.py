@@ -57,6 +57,9 @@ async def start_runtime(rt: Runtime) -> None:
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
     rt.jobs = JobManager(rt.registry)
     rt.metrics.track(lambda: rt.registry.models)
+    if rt.workers is not None:  # what inference can see is published to the serving workers
+        rt.registry.publish = rt.workers.counter.store
+        rt.shm.on_change = rt.registry.changed
     # a daemon given a model repository serves what it holds, as Triton does: no demo model
     if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
@@ -98,9 +101,11 @@ class MMADApp(FastAPI):
         await self._front(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, workers=None) -> FastAPI:
+    """The daemon's app; ``workers``: the serving workers (:class:`~mmad.server.workers.WorkerPool`)
+    of a primary started with ``--workers``."""
     settings = settings or Settings()
-    rt = Runtime(settings=settings, metrics=Metrics(),
+    rt = Runtime(settings=settings, metrics=Metrics(), workers=workers,
                  executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                  forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
                                                  thread_name_prefix="mmad-forward"))

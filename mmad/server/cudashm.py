@@ -10,6 +10,7 @@ routes and every reference check run in CI without a GPU, with a fake opener.
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import logging
 from dataclasses import dataclass
@@ -31,11 +32,16 @@ class CudaRegion:
     device_id: int
     byte_size: int
     view: Callable[[int, np.dtype, tuple[int, ...]], Any]  # (offset, dtype, shape) -> device array
+    handle: bytes = b""  # the IPC handle it was opened from (the serving workers open it too)
 
     on_device = True
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def registration(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "cuda", "raw_handle": {"b64": base64.b64encode(self.handle).decode()},
+                "device_id": self.device_id, "byte_size": self.byte_size}
 
     def array(self, where: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
         return self.view(offset, dtype, shape)

@@ -33,6 +33,7 @@ class Runtime:
     shm: SharedMemoryRegistry = field(default_factory=SharedMemoryRegistry)  # Triton's system shared-memory regions
     ready: bool = False
     shutting_down: bool = False
+    workers: Any = None  # the serving workers (mmad.server.workers.WorkerPool) of a primary with --workers
 
 
 async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync dependencies in a thread pool

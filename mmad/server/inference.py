@@ -27,6 +27,7 @@ INLINE_COMPRESS_BYTES = 64 * 1024
 
 async def infer_request(request: Request, rt: Runtime, model: str, version: str | None) -> Response:
     registry, stats, served = rt.registry, None, None
+    rt.metrics.process_infers.inc()
     check_model_name(model)
     # series only for models that exist: labelled before the lookup, any name a client made up
     # added series for good (45k names: RSS +73 MiB, a 3 s scrape)

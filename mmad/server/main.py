@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-versions", type=int,
                    help="versions kept per model, the newest (MMAD_KEEP_VERSIONS, default 0: all)")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
+    p.add_argument("--workers", type=int,
+                   help="processes serving the port: the primary and WORKERS-1 inference workers that answer "
+                        "infer for the live weights and pass every other request to the primary "
+                        "(MMAD_WORKERS, default 1; docs/service.md)")
     p.add_argument("--pinned-body-bytes", type=int,
                    help="page-locked memory for request and response bodies on a GPU backend "
                         "(MMAD_PINNED_BODY_BYTES, default 1 GiB; 0: ordinary memory)")
@@ -159,7 +163,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmad.server.app import create_app
 
-    app = create_app(settings)
+    pool, sockets = None, None
+    if settings.workers > 1:
+        from mmad.server.workers import WorkerPool, bind_shared_port, bind_unix
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per statistics read otherwise
+
+        pool = WorkerPool(settings, settings.workers - 1)
+        public = bind_shared_port(settings.host, settings.port)
+        sockets = [public, bind_unix(pool.primary_socket)]
+    app = create_app(settings, workers=pool)
     runtime = app.state.runtime
 
     class GracefulServer(uvicorn.Server):
@@ -175,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             if runtime.jobs is not None:
                 for job in runtime.jobs.jobs.values():
                     job.cancel_reason = job.cancel_reason or "the server is shutting down"
+            if pool is not None:  # the workers drain their requests while this process drains its own
+                pool.signal_stop()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -183,7 +198,16 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=settings.graceful_timeout_s, lifespan="on",
                             access_log=settings.log_level == "debug")
     server = GracefulServer(config)
-    server.run()
+    if pool is None:
+        server.run()
+        return 0 if server.started else 1
+    # the workers start now: their imports and device set-up overlap this process's start-up,
+    # and each waits for the primary before it syncs its models and listens
+    pool.start(port=sockets[0].getsockname()[1])
+    try:
+        server.run(sockets=sockets)
+    finally:
+        pool.stop(settings.graceful_timeout_s + 10)
     return 0 if server.started else 1
 
 

@@ -33,10 +33,31 @@ SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0
 ROW_BUCKETS = tuple(float(2 ** i) for i in range(0, 21, 2))
 
 
+# families that describe the whole daemon or its training (the primary's alone): a serving
+# worker's are not added to the primary's (``Metrics.samples``)
+DAEMON_WIDE = ("mmad_models_loaded", "mmad_dataset_resident_bytes", "mmad_training_", "mmad_gpu_")
+
+
+class _Families:
+    """A registry stand-in for ``generate_latest``: families already collected."""
+
+    def __init__(self, families) -> None:
+        self._families = list(families)
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    """``process``: this serving process's number (``mmad serve --workers``; 0: the primary);
+    ``gpu``: NVML's families (read once per daemon, by the primary)."""
+
+    def __init__(self, process: int = 0, gpu: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.process_infers = Counter("mmad_process_infer_requests",
+                                      "infer requests each serving process answered itself (mmad serve --workers; "
+                                      "0 is the primary)", ("process",), registry=r).labels(str(process))
         self.requests = Counter("mmad_requests", "HTTP requests per model endpoint",
                                 LABELS + ("endpoint",), registry=r)
         self.failures = Counter("mmad_request_failures", "requests answered with an error",
@@ -65,15 +86,48 @@ class Metrics:
         r.register(self.inference)
         self.devices = DeviceCollector()
         r.register(self.devices)
-        r.register(GpuCollector())
+        if gpu:
+            r.register(GpuCollector())
 
     def track(self, models: Callable[[], dict[str, Any]]) -> None:
         """Where the daemon's models are (name -> entry), read at every scrape."""
         self.inference.track(models)
         self.devices.track(models)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def samples(self) -> list[list[Any]]:
+        """This process's samples that add up across serving processes, as JSON rows
+        ``[family, type, help, sample, labels, value]`` (a worker's, for the primary's ``render``)."""
+        rows = []
+        for family in self.registry.collect():
+            if family.name.startswith(DAEMON_WIDE):
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):  # a time, not a count
+                    rows.append([family.name, family.type, family.documentation, sample.name, sample.labels,
+                                 sample.value])
+        return rows
+
+    def render(self, others: list[list[list[Any]]] = ()) -> tuple[bytes, str]:
+        """The Prometheus text of this process, with the serving workers' ``samples()`` added:
+        a series both have is summed (counters, histogram buckets, queue gauges), one only a
+        worker has is added as it is."""
+        if not others:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        families = {family.name: family for family in self.registry.collect()}
+        where = {(s.name, tuple(sorted(s.labels.items()))): (family, i)
+                 for family in families.values() for i, s in enumerate(family.samples)}
+        for name, kind, documentation, sample, labels, value in (row for rows in others for row in rows):
+            family = families.get(name)
+            if family is None:
+                family = families[name] = Metric(name, documentation, kind)
+            key = (sample, tuple(sorted(labels.items())))
+            if key in where:
+                held, i = where[key]
+                held.samples[i] = held.samples[i]._replace(value=held.samples[i].value + value)
+            else:
+                family.add_sample(sample, labels, value)
+                where[key] = (family, len(family.samples) - 1)
+        return generate_latest(_Families(families.values())), CONTENT_TYPE_LATEST
 
 
 # The labels of Triton's per-model families, in order; the model's name comes first, the rest

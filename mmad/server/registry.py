@@ -176,6 +176,10 @@ class ModelEntry:
         self.damaged: dict[str, str] = {}  # version -> why it could not be loaded
         self.loaded_version: str | None = None  # the version the last load restored
         self.reason = ""
+        # bumped by every change inference can see (weights, versions, readiness): the serving
+        # workers (mmad/server/workers.py) re-read a model whose generation moved
+        self.generation = 0
+        self.notify: Callable[["ModelEntry"], None] = lambda entry: None
 
     @property
     def live(self) -> CompiledModel | None:
@@ -230,6 +234,7 @@ class ModelEntry:
                     replica.model.set_params(params)
                 if optimizer_state is not None:
                     replica.model.set_optimizer_state(optimizer_state)
+        self.notify(self)
 
     def sync_copies(self) -> None:
         """Bring the other replicas level with the primary after it trained alone."""
@@ -274,6 +279,13 @@ class ModelEntry:
         (and optimizer state) of before the call on each and raises Diverged, so no forward ever
         sees them."""
         held = replicas or self.replicas[:1]
+        try:
+            return self._train_holding(train, steps, done, total, held)
+        finally:
+            self.notify(self)
+
+    def _train_holding(self, train: Callable[[CompiledModel], np.ndarray], steps: int, done: int,
+                       total: int | None, held: list[Replica]) -> tuple[np.ndarray, int]:
         with contextlib.ExitStack() as stack:
             for replica in held:  # always in replica order: no two trainers wait on each other
                 stack.enter_context(replica.lock)
@@ -318,6 +330,21 @@ class Registry:
         self.train_executor = ThreadPoolExecutor(max(1, settings.compute_threads // 2),
                                                  thread_name_prefix="mmad-train")
         self.datasets = DatasetCache(self)  # datasets held by the models' backends for training
+        # what the serving workers see: bumped after every change of a model or of the
+        # shared-memory regions, before the request that made it is answered
+        self.generation = 0
+        self._generation_lock = threading.Lock()
+        self.publish: Callable[[int], None] | None = None  # the workers' shared counter, with --workers
+
+    def changed(self, entry: ModelEntry | None = None) -> None:
+        """A change inference can see (in ``entry``, or elsewhere: the regions); published to
+        the workers once made."""
+        with self._generation_lock:
+            if entry is not None:
+                entry.generation += 1
+            self.generation += 1
+            if self.publish is not None:
+                self.publish(self.generation)
 
     @property
     def backend_label(self) -> str:
@@ -442,12 +469,14 @@ class Registry:
         """Serve ``compiled`` (one model per replica, the primary first)."""
         entry.replicas = [Replica(model.device_index, model) for model in compiled]
         entry.reason = self._damage_note(entry)
+        entry.notify = self.changed
         entry.batcher = Batcher(entry.name, lambda x, out, check: entry.forward_live(x, out, self.forward_pool, check),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns),
                                 concurrency=len(compiled))
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
+        self.changed(entry)
 
     def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int,
                      version: str | None = None) -> None:
@@ -482,6 +511,7 @@ class Registry:
 
         await self.run(close_all)
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
+        self.changed(entry)
 
     async def load_all(self) -> None:
         """Load every model of the store; one that cannot be loaded stays UNAVAILABLE with its
@@ -550,6 +580,7 @@ class Registry:
                 raise ConflictError(f"model {name!r} is training (job {entry.busy_job}); cancel it first")
             await self._deactivate(entry)
             del self.models[name]
+            self.changed()
             await self.run(self.store.delete_model, name)
             self.unreadable.pop(name, None)
 
@@ -641,6 +672,7 @@ class Registry:
         with entry.pinned_lock:
             for version in [v for v in entry.pinned if v not in listed]:
                 entry.pinned.pop(version).close()
+        self.changed(entry)
 
     def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
         params = check_params(entry.spec, params)  # refuses NaN/Inf too

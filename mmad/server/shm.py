@@ -71,6 +71,11 @@ class Region:
                 doc["page_locked_error"] = self.pin_error
         return doc
 
+    def registration(self) -> dict[str, Any]:
+        """What registered it (the serving workers register the same)."""
+        return {"name": self.name, "kind": "system", "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size}
+
     def array(self, where: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         self.check_size()
         with self._exports_lock:  # one at a time with close(): an array is made before it, or refused
@@ -141,6 +146,7 @@ class SharedMemoryRegistry:
         self.cuda_open: Callable[[bytes, int, int], Any] | None = None
         self.cuda_unavailable = CUDA_NEEDS_BACKEND.format(backend="no backend yet")
         self._pin_failure_logged = False
+        self.on_change: Callable[[], None] | None = None  # after a region came or went (--workers)
 
     def use_backend(self, backend: Any, name: str) -> None:
         """Page-lock system regions through ``backend`` (its ``pin_host_memory`` hook); CUDA
@@ -165,11 +171,20 @@ class SharedMemoryRegistry:
             if name in self._regions:
                 raise InvalidInput(f"shared memory region {name!r} is already registered; unregister it first")
 
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     def _add(self, region: Any) -> None:
         with self._lock:
             if region.name not in self._regions:
                 self._regions[region.name] = region
-                return
+                added = True
+            else:
+                added = False
+        if added:
+            self._changed()
+            return
         self._retire([region])  # registered by a concurrent request meanwhile
         raise InvalidInput(f"shared memory region {region.name!r} is already registered; unregister it first")
 
@@ -242,7 +257,9 @@ class SharedMemoryRegistry:
         byte_size = _int_field(doc, "byte_size")
         if byte_size == 0:
             raise InvalidInput("byte_size must be at least 1")
-        self._add(self.cuda_open(name, handle, device_id, byte_size))
+        region = self.cuda_open(name, handle, device_id, byte_size)
+        region.handle = handle
+        self._add(region)
 
     def unregister(self, name: str | None = None, cuda: bool = False) -> None:
         """One region, or every region (``None``) of one kind; an unknown name is no error (as Triton)."""
@@ -251,6 +268,49 @@ class SharedMemoryRegistry:
             gone = [self._regions.pop(n) for n in names
                     if n in self._regions and self._regions[n].on_device == cuda]
         self._retire(gone)
+        if gone:
+            self._changed()
+
+    def registrations(self) -> list[dict[str, Any]]:
+        """Every region as it was registered (a CUDA region with its IPC handle)."""
+        with self._lock:
+            return [r.registration() for r in self._regions.values()]
+
+    def follow(self, registrations: list[dict[str, Any]]) -> None:
+        """Hold the regions ``registrations`` lists (a serving worker following the primary's):
+        unchanged ones kept, new ones opened, the others retired. One that cannot be opened here
+        is left out, logged; a request naming it is refused as unregistered."""
+        wanted = {doc["name"]: doc for doc in registrations}
+        with self._lock:
+            gone = [r for name, r in self._regions.items() if wanted.get(name) != r.registration()]
+            for region in gone:
+                del self._regions[region.name]
+            held = set(self._regions)
+        self._retire(gone)
+        for name, doc in wanted.items():
+            if name in held:
+                continue
+            try:
+                if doc["kind"] == "cuda":
+                    self.register_cuda(name, doc)
+                else:
+                    self._check_followed_size(doc)
+                    self.register(name, doc)
+            except InvalidInput as exc:
+                log.error("shared memory region %r, registered with the primary, cannot be used by this worker: %s",
+                          name, exc)
+                self._add(UnusableRegion(doc, str(exc)))
+
+    @staticmethod
+    def _check_followed_size(doc: dict[str, Any]) -> None:
+        """The primary checked the object's size when it registered the region: smaller now, it shrank."""
+        try:
+            size = os.stat(SHM_DIR + doc["key"], follow_symlinks=False).st_size
+        except OSError:
+            return  # register() says why it cannot be opened
+        if size < doc["offset"] + doc["byte_size"]:
+            raise InvalidInput(f"its object {doc['key']!r} shrank to {size} bytes since registration (the region "
+                               f"needs {doc['offset'] + doc['byte_size']}); unregister and register it again")
 
     def _retire(self, regions: list[Any]) -> None:
         with self._lock:
@@ -309,6 +369,29 @@ class SharedMemoryRegistry:
                                f"{datatype} {'needs at least' if at_least else 'is'} {needed}")
         return ShmTensor(region.array(where, offset, dtype, shape), region.name, offset, needed, region.on_device,
                          region.device_id)
+
+
+class UnusableRegion:
+    """A region the primary registered that a serving worker could not open: every request
+    naming it is refused with the reason, as the primary would refuse it."""
+
+    def __init__(self, doc: dict[str, Any], reason: str):
+        self._doc = doc
+        self.name, self.byte_size, self.reason = doc["name"], doc["byte_size"], reason
+        self.on_device = doc["kind"] == "cuda"
+        self.device_id = doc.get("device_id")
+
+    def registration(self) -> dict[str, Any]:
+        return self._doc
+
+    def status(self) -> dict[str, Any]:
+        return {k: v for k, v in self._doc.items() if k not in ("kind", "raw_handle")}
+
+    def array(self, where: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+        raise InvalidInput(f"{where}: shared memory region {self.name!r} cannot be used: {self.reason}")
+
+    def close(self) -> bool:
+        return True
 
 
 @dataclass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16 on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
 # serving report (docs/benchmarks.md, "--service on a GPU host").
-#   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] scripts/gpu/service_check.sh [phase ...]
+#   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=4] scripts/gpu/service_check.sh [phase ...]
 #   phases: env tests service vulkan (default: env tests service vulkan)
 # Expects the repository root on the GPU host with .whl carried (the daemon's dependencies and
 # tritonclient with cuda-bindings, py3.12 wheels: docs/gpu-notes-cuda.md); logs go under $OUT (or
@@ -13,6 +13,8 @@ mkdir -p "$OUT"
 PHASES=${*:-"env tests service vulkan"}
 BACKEND=${BACKEND:-cuda:mma}
 VULKAN=${VULKAN:-vulkan:coopmat}
+# the daemon's serving processes (mmad serve --workers; docs/service.md, "Several processes")
+WORKERS=${WORKERS:-4}
 . scripts/gpu/site.sh
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -32,17 +34,19 @@ for phase in $PHASES; do
       start=$(date +%s)
       timeout ${TEST_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-4} \
         tests/test_cuda_transport.py tests/test_server_cudashm.py tests/test_server_shm.py \
+        tests/test_workers.py::test_workers_serve_a_cuda_model_with_system_and_cuda_regions \
         --timeout 120 -v --tb=short -rfEs > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
       grep -E "(FAILED|ERROR) " "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY" ;;
     service)
       timeout ${SERVICE_TIMEOUT:-240} python3 -m mmad.bench --service --backend "$BACKEND" $SWEEP \
-        --json "$OUT/service.json" > "$OUT/service.log" 2>&1
-      echo "service bench ($BACKEND) rc=$?" | tee -a "$SUMMARY"
+        --server-arg=--workers=$WORKERS --json "$OUT/service.json" > "$OUT/service.log" 2>&1
+      echo "service bench ($BACKEND, $WORKERS serving processes) rc=$?" | tee -a "$SUMMARY"
       grep -E "^\|" "$OUT/service.log" | tee -a "$SUMMARY" ;;
     vulkan)
       # the same report on the Vulkan backend, shorter: no small-request sweep beyond 64 clients
       timeout ${VULKAN_TIMEOUT:-200} python3 -m mmad.bench --service --backend "$VULKAN" --concurrency 64 \
+        --server-arg=--workers=$WORKERS \
         --duration-s 2 --warmup-s 0.5 --large-duration-s 2 --large-requests 20 --in-process-repeats 5 \
         --json "$OUT/service-vulkan.json" > "$OUT/service-vulkan.log" 2>&1
       echo "service bench ($VULKAN) rc=$?" | tee -a "$SUMMARY"

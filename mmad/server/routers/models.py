@@ -14,6 +14,7 @@ from mmad.server.inference import infer_request
 from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC, TENSOR_RESPONSES
 from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
+from mmad.server.workers import worker_queued, worker_records
 from mmad.spec import MLPSpec
 
 router = APIRouter(tags=["models"], responses=ERROR_RESPONSES)
@@ -27,7 +28,8 @@ CREATE_BODY_SCHEMA = {
 }
 
 
-def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
+def metadata(rt: Runtime, entry: ModelEntry, records: list[dict] = ()) -> dict[str, Any]:
+    """The model's metadata; ``records``: the serving workers' (their queued requests count too)."""
     versions = rt.registry.versions(entry.name)
     limits = entry.config.limits(rt.settings)
     live = entry.live  # read once: an unload may clear it meanwhile
@@ -38,7 +40,8 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
         "state": "READY" if entry.ready else "UNAVAILABLE", "reason": entry.reason,
         "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"] if versions else "",
         "step": entry.live.step_count if entry.live is not None else (versions[-1]["step"] if versions else 0),
-        "queued_requests": entry.batcher.queued if entry.batcher is not None else 0,
+        "queued_requests": (entry.batcher.queued if entry.batcher is not None else 0)
+                           + worker_queued(list(records), entry.name, entry.incarnation),
         "devices": [r.device for r in entry.replicas if r.model is not None],  # the replicas', primary first
         # the variant the primary runs, and the dispatcher's figures when it was chosen by measurement
         "variant": live.variant if live is not None else None,
@@ -54,14 +57,15 @@ def metadata(rt: Runtime, entry: ModelEntry) -> dict[str, Any]:
 # -- OIP v2 ---------------------------------------------------------------------------------
 @router.get("/v2/models/{model}")
 async def model_metadata(model: str, rt: Runtime = Depends(runtime)):
-    return json_response(metadata(rt, rt.registry.get(model)))
+    entry = rt.registry.get(model)
+    return json_response(metadata(rt, entry, await worker_records(rt)))
 
 
 @router.get("/v2/models/{model}/versions/{version}")
 async def model_version_metadata(model: str, version: str, rt: Runtime = Depends(runtime)):
     entry = rt.registry.get(model)
     rt.registry.check_version(model, version)
-    return json_response(metadata(rt, entry))
+    return json_response(metadata(rt, entry, await worker_records(rt)))
 
 
 @router.get("/v2/models/{model}/ready")

@@ -1,0 +1,276 @@
+"""Several processes serving one port: ``mmad serve --workers N``.
+
+One Python process answers a 65,536-row shared-memory request in ~0.66 ms of which the device
+needs 0.34 (docs/gpu-notes-cuda.md): its event loop, not the GPU, bounds serving. With
+``--workers N`` the daemon is N processes on one port (``SO_REUSEPORT``: the kernel spreads
+connections over them):
+
+- the *primary* (this module's :class:`WorkerPool`) is the daemon as it is with one process: it
+  owns the store, the registry, training, datasets and every admin call;
+- each *worker* (:mod:`mmad.server.worker`) holds a compiled copy of every ready model with the
+  primary's live weights and answers infer requests for them itself; every other request
+  (admin, training, metadata, a pinned version, a model it does not hold) it passes to the
+  primary unchanged, bodies and responses streamed (SSE included).
+
+Consistency: the primary bumps a counter in shared memory after every change inference can see
+(weights, versions, models, shared-memory regions; :meth:`Registry.changed`) and before it
+answers the request that made it; a worker compares the counter with the one it last synced at
+the start of each infer request and re-reads what changed first. So a request sent after an
+admin call's answer sees its effect, whichever process it lands on.
+
+The primary reaches the workers (and they it) over Unix sockets in a private directory, and the
+internal routes need a token made at start (:data:`TOKEN_HEADER`). Statistics and metrics are
+read from every worker when asked for and added to the primary's (:func:`merge_stats`,
+:meth:`Metrics.render`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import mmap
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+log = logging.getLogger("mmad.server.workers")
+
+INTERNAL_PREFIX = "/_mmad/worker"
+TOKEN_HEADER = "mmad-worker-token"
+RECORDS_TIMEOUT_S = 5.0
+# a worker that exits sooner than this after its start is not started again at once
+RESTART_BACKOFF_S = (1.0, 60.0)
+
+
+class SharedCounter:
+    """One int64 in a file mapping: the primary writes it, the workers read it (an aligned
+    8-byte store is atomic on the CPUs CPython runs on)."""
+
+    def __init__(self, path: str, create: bool = False):
+        if create:
+            with open(path, "wb") as f:
+                f.write(bytes(8))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+        self._value = np.frombuffer(self._map, dtype=np.int64)
+
+    @property
+    def value(self) -> int:
+        return int(self._value[0])
+
+    def store(self, value: int) -> None:
+        self._value[0] = value
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """What a worker is given at start (pickled into the spawned process)."""
+
+    index: int  # 1..N-1; the primary is process 0
+    private_dir: str
+    token: str
+    port: int  # the public port, resolved when it was given as 0
+
+    @property
+    def primary_socket(self) -> str:
+        return os.path.join(self.private_dir, "primary.sock")
+
+    @property
+    def counter_path(self) -> str:
+        return os.path.join(self.private_dir, "generation")
+
+    def worker_socket(self, index: int | None = None) -> str:
+        return os.path.join(self.private_dir, f"worker-{self.index if index is None else index}.sock")
+
+
+def bind_shared_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound with ``SO_REUSEPORT`` (every serving process binds one; the kernel
+    spreads new connections over those listening). Not listening yet: the server listens once
+    its start-up is done, so no connection waits on a process that cannot answer."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def bind_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock.bind(path)
+    return sock
+
+
+def check_token(headers: Any, token: str) -> bool:
+    given = headers.get(TOKEN_HEADER, "")
+    return bool(given) and hmac.compare_digest(given.encode(), token.encode())
+
+
+class WorkerPool:
+    """The primary's side: the private directory, the shared counter, the worker processes
+    (started again when one dies), and reading their statistics."""
+
+    def __init__(self, settings: Any, count: int):
+        self.settings = settings
+        self.count = count  # workers besides the primary
+        self.private_dir = tempfile.mkdtemp(prefix="mmad-workers-")  # mode 0700
+        self.token = secrets.token_urlsafe(32)
+        self.port = 0
+        self.counter = SharedCounter(os.path.join(self.private_dir, "generation"), create=True)
+        self._procs: dict[int, Any] = {}
+        self._started_at: dict[int, float] = {}
+        self._failures: dict[int, int] = {}
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._context = multiprocessing.get_context("spawn")  # a fork would copy CUDA state and threads
+
+    def link(self, index: int) -> WorkerLink:
+        return WorkerLink(index, self.private_dir, self.token, self.port)
+
+    @property
+    def primary_socket(self) -> str:
+        return self.link(0).primary_socket
+
+    def start(self, port: int) -> None:
+        self.port = port
+        for index in range(1, self.count + 1):
+            self._spawn(index)
+        self._monitor = threading.Thread(target=self._watch, name="mmad-workers", daemon=True)
+        self._monitor.start()
+
+    def _spawn(self, index: int) -> None:
+        from mmad.server.worker import run_worker
+
+        proc = self._context.Process(target=run_worker, args=(self.settings, self.link(index)),
+                                     name=f"mmad-worker-{index}", daemon=False)
+        proc.start()
+        self._procs[index] = proc
+        self._started_at[index] = time.monotonic()
+        log.info("started serving worker %d (pid %d)", index, proc.pid)
+
+    def _watch(self) -> None:
+        """Start a worker again when it exits (not while the daemon stops); one that keeps dying
+        at start waits longer each time (up to a minute), logged each time."""
+        while not self._stopping.wait(0.5):
+            for index, proc in list(self._procs.items()):
+                if proc.is_alive() or self._stopping.is_set():
+                    continue
+                lived = time.monotonic() - self._started_at[index]
+                self._failures[index] = self._failures.get(index, 0) + 1 if lived < 10 else 1
+                delay = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (self._failures[index] - 1))
+                log.error("serving worker %d (pid %d) exited with %s after %.1f s; starting it again in %.0f s",
+                          index, proc.pid, proc.exitcode, lived, delay)
+                if self._stopping.wait(delay):
+                    return
+                self._spawn(index)
+
+    def signal_stop(self) -> None:
+        """Ask every worker to finish its requests and exit (SIGTERM: uvicorn's graceful path)."""
+        self._stopping.set()
+        for proc in self._procs.values():
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+
+    def stop(self, timeout_s: float) -> None:
+        self.signal_stop()
+        deadline = time.monotonic() + timeout_s
+        for index, proc in self._procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("serving worker %d did not stop in %.0f s; killed", index, timeout_s)
+                proc.kill()
+                proc.join(5)
+        shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    async def records(self) -> list[dict[str, Any]]:
+        """Every live worker's statistics and metric samples (:func:`mmad.server.worker.records`);
+        a worker that does not answer in time is left out, logged."""
+
+        async def one(index: int) -> dict[str, Any] | None:
+            transport = httpx.AsyncHTTPTransport(uds=self.link(index).worker_socket())
+            try:
+                async with httpx.AsyncClient(transport=transport, base_url="http://worker",
+                                             timeout=RECORDS_TIMEOUT_S) as client:
+                    response = await client.get(f"{INTERNAL_PREFIX}/records", headers={TOKEN_HEADER: self.token})
+                    response.raise_for_status()
+                    return response.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("serving worker %d gave no statistics (%s): they are missing from this answer",
+                            index, exc)
+                return None
+
+        answers = await asyncio.gather(*(one(i) for i, p in self._procs.items() if p.is_alive()))
+        return [a for a in answers if a is not None]
+
+
+# -- statistics --------------------------------------------------------------------------------
+async def worker_records(rt: Any) -> list[dict[str, Any]]:
+    """The serving workers' counts (``--workers``; none without), added to the primary's."""
+    return await rt.workers.records() if rt.workers is not None else []
+
+
+_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
+              "cache_hit", "cache_miss")
+
+
+def merge_stats(doc: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
+    """Triton's statistics of one model: ``doc`` (the primary's) with the workers' ``others``
+    (the same model's, same incarnation) added in."""
+    merged = {**doc, "inference_stats": {k: dict(v) for k, v in doc["inference_stats"].items()}}
+    batches = {b["batch_size"]: {k: (dict(v) if isinstance(v, dict) else v) for k, v in b.items()}
+               for b in doc["batch_stats"]}
+    for other in others:
+        merged["inference_count"] += other["inference_count"]
+        merged["execution_count"] += other["execution_count"]
+        merged["last_inference"] = max(merged["last_inference"], other["last_inference"])
+        for key in _DURATIONS:
+            for field in ("count", "ns"):
+                merged["inference_stats"][key][field] += other["inference_stats"][key][field]
+        for b in other["batch_stats"]:
+            mine = batches.setdefault(b["batch_size"], {"batch_size": b["batch_size"],
+                                                        **{k: {"count": 0, "ns": 0} for k in b if k != "batch_size"}})
+            for key, value in b.items():
+                if key != "batch_size":
+                    mine[key]["count"] += value["count"]
+                    mine[key]["ns"] += value["ns"]
+    merged["batch_stats"] = [batches[size] for size in sorted(batches)]
+    return merged
+
+
+def _held(records: list[dict[str, Any]], name: str, incarnation: str | None) -> list[dict[str, Any]]:
+    return [held for r in records for held in [r["stats"].get(name)]
+            if held is not None and held["incarnation"] == incarnation]
+
+
+def worker_stats(records: list[dict[str, Any]], name: str, incarnation: str | None) -> list[dict[str, Any]]:
+    """The workers' statistics of model ``name`` as it is now (a replaced model's are dropped)."""
+    return [held["doc"] for held in _held(records, name, incarnation)]
+
+
+def worker_queued(records: list[dict[str, Any]], name: str, incarnation: str | None) -> int:
+    """Requests waiting in the workers' batchers for model ``name``."""
+    return sum(held["queued"] for held in _held(records, name, incarnation))

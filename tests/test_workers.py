@@ -1,0 +1,332 @@
+"""``mmad serve --workers``: several processes on one port (mmad/server/workers.py).
+
+A real daemon of three processes on the cpu backend, reached over loopback with a new
+connection per request, so the kernel spreads requests over the primary and both workers: the
+API and system shared-memory suites (test_server_api.py, test_server_shm.py) run against it
+unchanged, and the tests below check what only several processes can get wrong: a change seen
+by the next request whichever process it lands on, counts added up over the processes, regions
+opened in every process, a worker dying, the daemon stopping.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import DaemonProcess
+from oracle import rel_err
+from safetensors.numpy import load as st_load, save as st_save
+
+import test_server_api
+import test_server_shm
+from mmad.backends.cpu import CpuBackend
+from mmad.server.metrics import Metrics
+from mmad.server.workers import merge_stats
+from mmad.spec import MLPSpec
+from test_server_api import SMALL_SPEC, binary_infer, create, decode_binary
+from test_server_shm import region, shm, th, triton  # noqa: F401 - fixtures of the imported suite
+
+PROCESSES = 3
+# Queue limits hold per serving process (docs/service.md, "Several processes"): with three
+# processes, two requests with max_queue_requests 1 may both queue, each in its own process,
+# where one process refuses the second; so that test of one process is not repeated here.
+ONE_PROCESS_ONLY = {"test_full_queue_is_503_with_retry_after"}
+
+
+def children(pid: int) -> set[int]:
+    """The serving workers of the primary ``pid`` (its spawned children, not the resource tracker)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.add(int(child))
+            except FileNotFoundError:  # exited meanwhile
+                pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def answered_by(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {m[0]: float(m[1]) for m in re.findall(r'mmad_process_infer_requests_total\{process="(\d+)"\} (\S+)', text)}
+
+
+def fresh_connections(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def wait_for_every_process(url: str, processes: int = PROCESSES, timeout_s: float = 60.0) -> None:
+    """Until each process has answered an infer request (a worker listens once it has synced)."""
+    with fresh_connections(url) as http:
+        deadline = time.monotonic() + timeout_s
+        x = np.zeros((1, 2), np.float32)
+        while len([v for v in answered_by(http).values() if v > 0]) < processes:
+            assert time.monotonic() < deadline, f"not every process answered: {answered_by(http)}"
+            for _ in range(10):
+                assert binary_infer(http, "demo", x).status_code == 200
+
+
+def stop_and_check(proc: DaemonProcess) -> None:
+    workers = children(proc.proc.pid)
+    proc.stop()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the stopped primary"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """test_server_api's daemon, as three processes."""
+    store = tmp_path_factory.mktemp("workers") / "store"
+    proc = DaemonProcess(store, "--max-body-bytes", str(4 * 1024 * 1024), "--workers", str(PROCESSES)).start()
+    wait_for_every_process(proc.url)
+    assert len(children(proc.proc.pid)) == PROCESSES - 1
+    yield proc
+    stop_and_check(proc)
+
+
+@pytest.fixture
+def http(daemon):
+    """A new connection per request: the kernel spreads them over the processes."""
+    with fresh_connections(daemon.url) as client:
+        yield client
+
+
+for _suite in (test_server_api, test_server_shm):
+    for _name in dir(_suite):
+        if _name.startswith("test_") and _name not in ONE_PROCESS_ONLY:
+            globals()[_name] = getattr(_suite, _name)
+
+
+def forward64(spec: dict, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+    model = CpuBackend("float64").compile(MLPSpec.from_json(spec))
+    model.set_params(params)
+    return model.forward(x)
+
+
+def infer_many(url: str, model: str, x: np.ndarray, n: int) -> list[np.ndarray]:
+    """``n`` infer requests, each on its own connection, 8 at a time."""
+    def one(_):
+        with fresh_connections(url) as client:
+            r = binary_infer(client, model, x)
+            assert r.status_code == 200, r.text
+            return decode_binary(r)[1]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def test_a_change_is_seen_by_the_next_request_on_every_process(daemon, http):
+    create(http, "follow")
+    rng = np.random.default_rng()
+    x = rng.uniform(-1, 1, (33, 5)).astype(np.float32)
+    shapes = {k: v.shape for k, v in st_load(http.get("/v2/models/follow/weights").content).items()}
+    for _ in range(3):  # new weights: every request answered after the upload computes with them
+        params = {k: (rng.standard_normal(s) * 0.3).astype(np.float32) for k, s in shapes.items()}
+        assert http.put("/v2/models/follow/weights", content=st_save(params)).status_code == 200
+        ref = forward64(SMALL_SPEC, params, x)
+        assert all(rel_err(out, ref) <= 1e-5 for out in infer_many(daemon.url, "follow", x, 24))
+    y = rng.uniform(-1, 1, (64, 4)).astype(np.float32)
+    r = http.post("/v2/models/follow/train", json={"inputs": [
+        {"name": "INPUT", "datatype": "FP32", "shape": [64, 5], "data": rng.uniform(-1, 1, (64, 5)).ravel().tolist()},
+        {"name": "TARGET", "datatype": "FP32", "shape": [64, 4], "data": y.ravel().tolist()}],
+        "parameters": {"steps": 5}})
+    assert r.status_code == 200, r.text
+    trained = st_load(http.get("/v2/models/follow/weights").content)
+    ref = forward64(SMALL_SPEC, trained, x)
+    assert all(rel_err(out, ref) <= 1e-5 for out in infer_many(daemon.url, "follow", x, 24))
+    # replaced by a model of another shape, then deleted: no process answers with the old one
+    create(http, "follow", {**SMALL_SPEC, "n_output_dims": 2})
+    assert all(out.shape == (33, 2) for out in infer_many(daemon.url, "follow", x, 24))
+    assert http.delete("/v2/models/follow").status_code == 200
+    for _ in range(24):
+        assert binary_infer(http, "follow", x).status_code == 404
+
+
+def test_counts_add_up_over_processes(daemon, http):
+    create(http, "counted")
+    x = np.random.default_rng().uniform(-1, 1, (7, 5)).astype(np.float32)
+    assert binary_infer(http, "counted", x).status_code == 200
+    before = http.get("/v2/models/counted/stats").json()["model_stats"][0]
+    served_before = answered_by(http)
+    infer_many(daemon.url, "counted", x, 30)
+    after = http.get("/v2/models/counted/stats").json()["model_stats"][0]
+    assert after["inference_count"] - before["inference_count"] == 30 * 7
+    assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == 30
+    text = http.get("/metrics").text
+    rows = re.search(r'mmad_inference_count_total\{model="counted",version="1"\} (\S+)', text)
+    assert rows is not None and float(rows[1]) == 31 * 7
+    served = answered_by(http)
+    assert sum(served.values()) - sum(served_before.values()) >= 30
+    assert http.delete("/v2/models/counted").status_code == 200
+
+
+def test_shared_memory_regions_reach_every_process(daemon, http, region):  # noqa: F811
+    x = np.random.default_rng().uniform(-1, 1, (129, 2)).astype(np.float32)
+    ref = test_server_api.oracle(http, "demo", x)
+    in_name, in_key, in_handle = region(x.nbytes)
+    out_name, out_key, out_handle = region(129 * 3 * 4)
+    shm.set_shared_memory_region(in_handle, [x])
+    host = daemon.url.removeprefix("http://")
+    admin = th.InferenceServerClient(host)
+    admin.register_system_shared_memory(in_name, in_key, x.nbytes)
+    admin.register_system_shared_memory(out_name, out_key, 129 * 3 * 4)
+    try:
+        for _ in range(12):  # a client each: a connection each
+            client = th.InferenceServerClient(host)
+            infer_input = th.InferInput("INPUT", [129, 2], "FP32")
+            infer_input.set_shared_memory(in_name, x.nbytes)
+            requested = th.InferRequestedOutput("OUTPUT")
+            requested.set_shared_memory(out_name, 129 * 3 * 4)
+            client.infer("demo", [infer_input], outputs=[requested])
+            out = shm.get_contents_as_numpy(out_handle, np.float32, [129, 3])
+            assert rel_err(out, ref) <= 1e-5
+            shm.set_shared_memory_region(out_handle, [np.zeros((129, 3), np.float32)])
+            client.close()
+    finally:
+        admin.unregister_system_shared_memory()
+        admin.close()
+    body = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [129, 2], "parameters": {
+        "shared_memory_region": in_name, "shared_memory_byte_size": x.nbytes}}]}
+    for _ in range(12):  # unregistered: refused by every process
+        r = http.post("/v2/models/demo/infer", json=body)
+        assert r.status_code == 400 and "not registered" in r.json()["error"], r.text
+
+
+def test_internal_routes_need_the_token(http):
+    for path in ("/_mmad/worker/state", "/_mmad/worker/weights/demo", "/_mmad/worker/records"):
+        for _ in range(6):
+            assert http.get(path).status_code == 404
+            assert http.get(path, headers={"mmad-worker-token": "guess"}).status_code == 404
+    assert "_mmad" not in http.get("/openapi.json").text
+
+
+def test_a_dead_worker_is_started_again_and_the_workers_follow_the_primary_out(tmp_path):
+    proc = DaemonProcess(tmp_path / "store", "--workers", "2").start()
+    try:
+        wait_for_every_process(proc.url, processes=2)
+        (first,) = children(proc.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (children(proc.proc.pid) - {first}):
+            assert time.monotonic() < deadline, "the dead worker was not started again"
+            time.sleep(0.1)
+        wait_for_every_process(proc.url, processes=2)  # the new one answers too
+        assert "serving worker 1" in proc.log() and "exited" in proc.log()
+        (second,) = children(proc.proc.pid)
+        proc.kill()  # SIGKILL: the primary cannot stop its workers; they notice and stop
+        deadline = time.monotonic() + 10
+        while alive(second):
+            assert time.monotonic() < deadline, "a worker outlived its killed primary"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+
+
+def test_merge_stats_adds_every_count():
+    def doc(n, batches):
+        stats = {k: {"count": n, "ns": 10 * n} for k in ("success", "fail", "queue", "compute_input",
+                                                         "compute_infer", "compute_output", "cache_hit",
+                                                         "cache_miss")}
+        return {"name": "m", "version": "1", "last_inference": n, "inference_count": 3 * n, "execution_count": n,
+                "inference_stats": stats,
+                "batch_stats": [{"batch_size": b, "compute_input": {"count": n, "ns": 0},
+                                 "compute_infer": {"count": n, "ns": 5}, "compute_output": {"count": n, "ns": 0}}
+                                for b in batches]}
+
+    merged = merge_stats(doc(2, [1, 4]), [doc(3, [4, 8]), doc(5, [])])
+    assert merged["inference_count"] == 30 and merged["execution_count"] == 10 and merged["last_inference"] == 5
+    assert merged["inference_stats"]["fail"] == {"count": 10, "ns": 100}
+    assert [b["batch_size"] for b in merged["batch_stats"]] == [1, 4, 8]
+    assert merged["batch_stats"][1]["compute_infer"] == {"count": 5, "ns": 10}
+    assert doc(2, [1, 4])["inference_count"] == 6  # the primary's own document is not changed
+
+
+def test_metrics_render_sums_shared_series_and_keeps_the_others():
+    primary, worker = Metrics(gpu=False), Metrics(process=1, gpu=False)
+    for m, n in ((primary, 2), (worker, 5)):
+        m.inference_samples.labels("m", "cpu:numpy").inc(n)
+        m.compute_seconds.labels("m", "cpu:numpy").observe(0.001 * n)
+        m.process_infers.inc(n)
+    worker.models_loaded.set(7)  # the primary's alone: not added
+    text = primary.render([worker.samples()])[0].decode()
+    assert 'mmad_inference_samples_total{backend="cpu:numpy",model="m"} 7.0' in text
+    assert 'mmad_compute_seconds_count{backend="cpu:numpy",model="m"} 2.0' in text
+    assert 'mmad_process_infer_requests_total{process="0"} 2.0' in text
+    assert 'mmad_process_infer_requests_total{process="1"} 5.0' in text
+    assert "mmad_models_loaded 0.0" in text
+
+
+@pytest.mark.gpu
+def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
+    """On the GPU host: model M (FP16 I/O) through three processes on the cuda backend, from the
+    body, a system region and a CUDA region (each process opens the IPC handle itself)."""
+    pytest.importorskip("cupy", reason="CuPy is not installed: the cuda backend cannot run here")
+    cudashm = pytest.importorskip("tritonclient.utils.cuda_shared_memory",
+                                  reason="tritonclient's cuda_shared_memory (cuda-bindings) is not installed")
+    from mmad.spec import bench_spec
+
+    proc = DaemonProcess(tmp_path / "store", "--workers", str(PROCESSES),
+                         env={"MMAD_BACKEND": "cuda", "MMAD_PROBE": "cuda"}).start(timeout_s=180)
+    try:
+        wait_for_every_process(proc.url, timeout_s=180)
+        with fresh_connections(proc.url) as http:
+            assert http.put("/v2/models/M", json={"spec": bench_spec("M").to_json()}).status_code == 201
+            x = np.random.default_rng().uniform(-1, 1, (4099, 64)).astype(np.float16)
+            ref = test_server_api.oracle(http, "M", x.astype(np.float32))
+
+            def one(_):
+                with fresh_connections(proc.url) as client:
+                    r = binary_infer(client, "M", x, datatype="FP16", out_datatype="FP16")
+                    assert r.status_code == 200, r.text
+                    return decode_binary(r)[1]
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                assert all(rel_err(out, ref) <= 3e-3 for out in pool.map(one, range(24)))
+            assert len([v for v in answered_by(http).values() if v > 0]) == PROCESSES
+
+            host = proc.url.removeprefix("http://")
+            tag = uuid.uuid4().hex[:8]
+            src = cudashm.create_shared_memory_region(f"in-{tag}", x.nbytes, 0)
+            dst = cudashm.create_shared_memory_region(f"out-{tag}", 4099 * 64 * 2, 0)
+            try:
+                cudashm.set_shared_memory_region(src, [x])
+                admin = th.InferenceServerClient(host)
+                for name, region, size in ((f"in-{tag}", src, x.nbytes), (f"out-{tag}", dst, 4099 * 64 * 2)):
+                    raw = cudashm.get_raw_handle(region)
+                    admin.register_cuda_shared_memory(name, raw.decode() if isinstance(raw, bytes) else raw, 0, size)
+                for _ in range(12):  # a client each: a connection each
+                    client = th.InferenceServerClient(host)
+                    inp = th.InferInput("INPUT", [4099, 64], "FP16")
+                    inp.set_shared_memory(f"in-{tag}", x.nbytes)
+                    out = th.InferRequestedOutput("OUTPUT")
+                    out.set_shared_memory(f"out-{tag}", 4099 * 64 * 2)
+                    out._parameters["output_datatype"] = "FP16"
+                    client.infer("M", [inp], outputs=[out])
+                    y = cudashm.get_contents_as_numpy(dst, np.float16, [4099, 64])
+                    assert rel_err(y, ref) <= 3e-3
+                    cudashm.set_shared_memory_region(dst, [np.zeros((4099, 64), np.float16)])
+                    client.close()
+                admin.unregister_cuda_shared_memory()
+                admin.close()
+            finally:
+                cudashm.destroy_shared_memory_region(src)
+                cudashm.destroy_shared_memory_region(dst)
+    finally:
+        stop_and_check(proc)
