@@ -19,7 +19,7 @@ from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
 from mmad.errors import CompileError, InvalidInput
-from mmad.spec import ACTIVATIONS, LOSSES, bench_spec
+from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec, bench_spec
 
 pytestmark = pytest.mark.gpu
 
@@ -241,6 +241,37 @@ def test_200_steps_follow_the_oracle(backend, cache, name, activation, optimizer
     assert abs(losses[-1] - ref[-1]) <= 0.05 * ref[-1], f"final loss {losses[-1]} vs oracle {ref[-1]}"
     state = model.get_optimizer_state()
     assert int(state["step"][0]) == 200
+
+
+@pytest.mark.parametrize("variant", ["mma", "cublaslt"])
+def test_spherical_harmonics_and_triangle_wave(backend, cache, variant):
+    """tiny-cuda-nn's parameter-free encodings, computed on the host (numerics.encode) before the
+    upload as Frequency is: a direction through SphericalHarmonics degree 4 beside a triangle wave
+    of the other two inputs; forward (host and device inputs) and gradients against the float64
+    oracle, and 40 Adam steps following its loss curve."""
+    if not {r.variant: r for r in backend.probe()}[variant].available:
+        pytest.skip(f"the cuda {variant} variant is unavailable here")
+    spec = MLPSpec.from_json({
+        "n_input_dims": 5, "n_output_dims": 3, "network": {"n_neurons": 32, "n_hidden_layers": 2, "activation": "ReLU"},
+        "encoding": {"otype": "Composite", "nested": [
+            {"otype": "SphericalHarmonics", "degree": 4, "n_dims_to_encode": 3},
+            {"otype": "TriangleWave", "n_frequencies": 6}]}})
+    rng = np.random.default_rng()
+    model, oracle = make_pair(backend, cache, spec, rng, variant=variant)
+    try:
+        x = rng.uniform(0, 1, (1000, 5)).astype(np.float32)
+        direction = x[:, :3] * 2 - 1  # SphericalHarmonics reads unit directions mapped into [0, 1]
+        x[:, :3] = (direction / np.linalg.norm(direction, axis=1, keepdims=True) + 1) / 2
+        y = rng.uniform(-1, 1, (1000, 3)).astype(np.float32)
+        ref = oracle.forward(x)
+        assert rel_err(model.forward(x), ref) <= FWD_TOL
+        assert rel_err(model.download(model.forward(model.upload(x))), ref) <= FWD_TOL
+        check_grads(model, oracle, x, y, f"SH+TriangleWave {variant}")
+        losses, reference = model.train_step(x, y, 40), oracle.train_step(x, y, 40)
+        assert losses[-1] < 0.8 * losses[0]
+        np.testing.assert_allclose(losses, reference, rtol=0.05)
+    finally:
+        model.close()
 
 
 def test_training_is_deterministic_at_2_20_rows(backend, cache):

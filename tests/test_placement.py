@@ -273,3 +273,19 @@ def test_training_one_replica_brings_the_others_level(three_devices):
     first, second = (rep.model for rep in entry.replicas)
     assert first.step_count == second.step_count == 12
     assert all(np.array_equal(v, second.get_params()[k]) for k, v in first.get_params().items())
+
+
+def test_one_request_at_a_time_takes_the_replicas_in_turn():
+    """Equally idle replicas are taken in turn: a serving process with one client (mmad serve
+    --workers) would otherwise run every request on the first device."""
+    from mmad.server.registry import ModelConfig, ModelEntry, Replica
+
+    class Counting:
+        def forward_to_host(self, x, out, pool, check_finite):
+            out[...] = 0
+
+    entry = ModelEntry("m", MLPSpec.from_json({"n_input_dims": 2, "n_output_dims": 1}), ModelConfig())
+    entry.replicas = [Replica(d, Counting()) for d in range(3)]
+    for _ in range(9):
+        entry.forward_live(np.zeros((4, 2), np.float32), np.empty((4, 1), np.float32), None)
+    assert [r.batches for r in entry.replicas] == [3, 3, 3] and [r.rows for r in entry.replicas] == [12, 12, 12]

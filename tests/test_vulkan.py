@@ -455,6 +455,7 @@ def test_fp16_conversion_probe(backend, cache):
 def test_close_frees_and_refuses_further_use(backend, variant, cache):
     spec = bench_spec("S", seed=99)
     device = backend._open_device(0)
+    device.staging(1)  # the device's staging buffer lives as long as the device (a first forward makes it)
     start = device.bytes_allocated
     model = backend.compile(spec, variant, cache)
     model.forward(data(spec, 10)[0])

@@ -28,23 +28,18 @@ HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 216
 _MAX_DENSE_BASE = {1: 0xFFFFFFFF, 2: 0xFFFF, 3: 0x659, 4: 0xFF}
 _U32 = np.uint64(0xFFFFFFFF)
 
-# encodings whose only implementation so far is this module, on the cpu backend
-CPU_ONLY_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid", "SphericalHarmonics", "TriangleWave")
-# of those, the ones without parameters: a backend that encodes on the host (``CompiledModel.encode``
-# before the upload) runs them as it runs Frequency; the grids' tables need device kernels
-HOST_ENCODABLE_OTYPES = ("SphericalHarmonics", "TriangleWave")
+# the encodings with trainable tables, which need device kernels of their own: only the cpu
+# backend has them so far (the parameter-free ones, SphericalHarmonics and TriangleWave, every
+# backend computes on the host before the upload, as it does Frequency)
+GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")
 
 
-def check_backend_supports(spec: MLPSpec, backend: str, encodes_on_host: bool = False) -> None:
-    """Refuse (SpecError, a 400 through the daemon) a model whose encoding ``backend`` does not
-    run yet, naming the encoding, the backend and where it runs; no silent fallback.
-    ``encodes_on_host``: the backend encodes inputs on the host (the parameter-free encodings run)."""
-    allowed = HOST_ENCODABLE_OTYPES if encodes_on_host else ()
-    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims)
-             if part.otype in CPU_ONLY_OTYPES and part.otype not in allowed]
+def check_backend_supports(spec: MLPSpec, backend: str) -> None:
+    """Refuse (SpecError, a 400 through the daemon) a model with a grid encoding on ``backend``,
+    naming the encoding, the backend and where it runs; no silent fallback."""
+    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in GRID_OTYPES]
     if found:
-        where = "the cpu backend" + ("" if found[0] not in HOST_ENCODABLE_OTYPES else ", vulkan and wgpu")
-        raise SpecError("encoding", f"{found[0]} is implemented on {where} only so far; the {backend} "
+        raise SpecError("encoding", f"{found[0]} is implemented on the cpu backend only so far; the {backend} "
                                     "backend cannot run this model (serve it with MMAD_BACKEND=cpu)")
 
 
@@ -214,5 +209,5 @@ def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-__all__ = ["CPU_ONLY_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
+__all__ = ["GRID_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
            "grid_forward", "grid_lookup", "spherical_harmonics", "triangle_wave"]

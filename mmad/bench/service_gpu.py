@@ -177,7 +177,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 kinds.append(("cuda_shm", "tritonclient-cudashm", kernel))
             for key, kind, reference in kinds:
                 doc[key] = []
-                for clients in (1, 8):
+                for clients in opts.shm_clients:
                     res = phase(f"{key}_{clients}", lambda: shm_clients(bench, daemon, kind, clients, opts))
                     if res:
                         res.update(rows=LARGE_ROWS, clients=clients, M_samples_per_s=res["samples_per_s"] / 1e6)
@@ -277,6 +277,7 @@ def table(doc: dict[str, Any]) -> str:
 
 def main(opts: argparse.Namespace) -> int:
     opts.gpu_rows = [int(r) for r in opts.gpu_rows.split(",") if r.strip()]
+    opts.shm_clients = [int(c) for c in opts.shm_clients.split(",") if c.strip()]
     started = time.time()
     doc = run(opts)  # returns early when the daemon cannot start: the table then says so
     doc["elapsed_s"] = round(time.time() - started, 1)

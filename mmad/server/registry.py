@@ -164,6 +164,7 @@ class ModelEntry:
         self.config = config
         self.replicas: list[Replica] = [Replica(0)]  # the first: the primary; its device set when placed
         self._pick_lock = threading.Lock()
+        self._turn = 0  # the replica that goes first among equally busy ones
         self.parallel: Any = None  # the data-parallel trainer over the replicas, made by the first job needing it
         self.checkpoint_lock = threading.Lock()  # orders snapshots with their version numbers
         self.batcher: Batcher | None = None
@@ -210,7 +211,11 @@ class ModelEntry:
         """The forward of ``x`` written into ``out`` (host chunks on ``pool``'s threads), on the
         replica with the fewest forwards in flight (``check_finite``: as ``forward_to_host``'s)."""
         with self._pick_lock:
-            replica = min(self.replicas, key=lambda r: r.in_flight)
+            # the fewest in flight; among equals, each in turn: one request at a time (a serving
+            # process with one client) would otherwise always find the first replica idle
+            n = len(self.replicas)
+            self._turn = (self._turn + 1) % n
+            replica = min((self.replicas[(self._turn + k) % n] for k in range(n)), key=lambda r: r.in_flight)
             replica.in_flight += 1
         try:
             with replica.lock:

@@ -157,6 +157,11 @@ class PrimaryLink:
                 if waited >= PRIMARY_WAIT_LOG_S and waited - 0.2 < PRIMARY_WAIT_LOG_S:
                     log.info("worker %d waits for the primary to finish its start-up", self.link.index)
 
+    async def said_ready(self) -> None:
+        response = await self.client.post(f"{INTERNAL_PREFIX}/ready/{self.link.index}",
+                                          headers={TOKEN_HEADER: self.link.token})
+        response.raise_for_status()
+
     @property
     def stale(self) -> bool:
         return self.counter.value != self.synced
@@ -386,10 +391,18 @@ def run_worker(settings: Settings, link: WorkerLink) -> None:
     _exit_with_primary()
     import uvicorn
 
-    app = BodyLimitMiddleware(WorkerApp(settings, link), max_bytes=settings.max_body_bytes)
+    worker = WorkerApp(settings, link)
+    app = BodyLimitMiddleware(worker, max_bytes=settings.max_body_bytes)
+
+    class WorkerServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:  # listening now: the primary counts this worker as serving
+                await worker.primary.said_ready()
+
     config = uvicorn.Config(app, loop=settings.loop, http=http_protocol(settings), lifespan="on",
                             timeout_keep_alive=settings.idle_timeout_s,
                             timeout_graceful_shutdown=settings.graceful_timeout_s,
                             log_level=settings.log_level, access_log=settings.log_level == "debug")
     sockets = [bind_shared_port(settings.host, link.port), bind_unix(link.worker_socket())]
-    uvicorn.Server(config).run(sockets=sockets)
+    WorkerServer(config).run(sockets=sockets)

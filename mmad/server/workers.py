@@ -141,6 +141,7 @@ class WorkerPool:
         self.port = 0
         self.counter = SharedCounter(os.path.join(self.private_dir, "generation"), create=True)
         self._procs: dict[int, Any] = {}
+        self._ready: set[int] = set()  # workers serving since their last start
         self._started_at: dict[int, float] = {}
         self._failures: dict[int, int] = {}
         self._stopping = threading.Event()
@@ -166,6 +167,7 @@ class WorkerPool:
 
         proc = self._context.Process(target=run_worker, args=(self.settings, self.link(index)),
                                      name=f"mmad-worker-{index}", daemon=False)
+        self._ready.discard(index)
         proc.start()
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()
@@ -186,6 +188,17 @@ class WorkerPool:
                 if self._stopping.wait(delay):
                     return
                 self._spawn(index)
+
+    def mark_ready(self, index: int) -> None:
+        """Worker ``index`` listens on the port (it says so once its start-up is done)."""
+        if index in self._procs:
+            self._ready.add(index)
+            log.info("serving worker %d is ready", index)
+
+    @property
+    def waiting(self) -> list[int]:
+        """The workers not serving yet (starting, or started again after they exited)."""
+        return sorted(i for i in range(1, self.count + 1) if i not in self._ready)
 
     def signal_stop(self) -> None:
         """Ask every worker to finish its requests and exit (SIGTERM: uvicorn's graceful path)."""

@@ -153,7 +153,7 @@ class CudaBackend(Backend):
         on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
         default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
         A model with tiny-cuda-nn's EMA optimizer runs on mma (the variant that keeps the average)."""
-        check_backend_supports(spec, "cuda")  # grid/SH/TriangleWave: not on cuda yet
+        check_backend_supports(spec, "cuda")
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")

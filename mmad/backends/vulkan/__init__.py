@@ -1137,7 +1137,7 @@ class VulkanBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> VulkanModel:
-        check_backend_supports(spec, "vulkan", encodes_on_host=True)  # the grids: cpu only so far
+        check_backend_supports(spec, "vulkan")
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
             variant = next((v for v in VARIANTS if rows[v].available), None)

@@ -667,7 +667,7 @@ class WgpuBackend(Backend):
         return self._device
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0) -> WgpuModel:
-        check_backend_supports(spec, "wgpu", encodes_on_host=True)  # the grids: cpu only so far
+        check_backend_supports(spec, "wgpu")
         if variant not in (None, "default"):
             raise SpecError("variant", f"the wgpu backend has one variant, 'default'; got {variant!r}")
         check_device_index(device, 1, "wgpu")  # one adapter: the one the probe chose

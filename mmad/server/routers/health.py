@@ -28,6 +28,8 @@ async def ready(request: Request):
     rt = request.app.state.runtime
     if not rt.ready or rt.shutting_down:
         raise NotReady("the daemon is not ready")
+    if rt.workers is not None and rt.workers.waiting:  # --workers: ready once every process serves
+        raise NotReady(f"serving worker(s) {', '.join(map(str, rt.workers.waiting))} are still starting")
     return json_response({"ready": True})
 
 

@@ -53,3 +53,10 @@ async def weights(model: str, rt: Runtime = Depends(runtime)):
             return tensors_to_bytes(entry.live.get_params())
 
     return Response(await rt.registry.run(snapshot), media_type="application/octet-stream")
+
+
+@router.post(INTERNAL_PREFIX + "/ready/{index}", dependencies=[Depends(worker_token)])
+async def worker_ready(index: int, rt: Runtime = Depends(runtime)):
+    """A worker listens on the port: the daemon is ready once every worker said so."""
+    rt.workers.mark_ready(index)
+    return json_response({})
