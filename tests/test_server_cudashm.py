@@ -10,8 +10,11 @@ The real opener runs on a GPU in tests/test_cuda_transport.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import os
+import types
 
 import numpy as np
 import orjson
@@ -19,9 +22,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from test_server_api import oracle, rel_err
-from mmad.errors import InvalidInput
+from mmad.errors import InvalidInput, MMADError, ModelNotFound, NotReady
 from mmad.server import Settings, create_app
 from mmad.server.cudashm import CudaRegion
+from mmad.server.region_forwards import RegionForwardClient, RegionForwardRunner
 
 API_KEY = "cudashm-test-key"
 ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
@@ -262,3 +266,89 @@ def test_register_and_unregister_need_the_api_key(client):
     assert client.post("/v2/cudasharedmemory/region/k/unregister").status_code == 401
     assert client.post("/v2/cudasharedmemory/unregister").status_code == 401
     assert client.get("/v2/cudasharedmemory/status").json() == [{"name": "k", "device_id": 0, "byte_size": 64}]
+
+
+class FakeCupy:
+    """CuPy's calls the region-forward runner makes, on NumPy arrays (the fake regions' views)."""
+
+    uint32 = np.uint32
+    zeros = staticmethod(np.zeros)
+    logical_not = staticmethod(np.logical_not)
+    isfinite = staticmethod(np.isfinite)
+    asnumpy = staticmethod(np.asarray)
+
+    class cuda:  # noqa: N801 - CuPy's name
+        @staticmethod
+        def Device(device):  # noqa: N802 - CuPy's name
+            return contextlib.nullcontext()
+
+        @staticmethod
+        def get_current_stream():
+            return types.SimpleNamespace(synchronize=lambda: None)
+
+
+def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
+    """With --workers, a worker sends a request whose tensors all lie in CUDA regions to the
+    primary (mmad/server/region_forwards.py): the forward there matches the oracle, many at once
+    run in groups, and every refusal comes back as the primary's own, in the user's terms."""
+    app, _ = app_client
+    rt = app.state.runtime
+    rows = 33
+    regions = {}
+    for name, nbytes in [("rf-in", rows * IN_COLS * 4), ("rf-nan", rows * IN_COLS * 4),
+                         *[(f"rf-out{k}", rows * OUT_COLS * 4) for k in range(12)]]:
+        b64, memory = client.fake.alloc(nbytes)
+        assert register(client, name, b64, nbytes).status_code == 200
+        regions[name] = memory
+    x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
+    np.frombuffer(regions["rf-in"], np.float32)[:] = x.ravel()
+    bad = x.copy()
+    bad[-1, 0] = np.nan
+    np.frombuffer(regions["rf-nan"], np.float32)[:] = bad.ravel()
+    ref = oracle(client, "demo", x)
+
+    def source(name, shape=(rows, IN_COLS)):
+        return {"region": name, "offset": 0, "byte_size": rows * IN_COLS * 4, "datatype": "FP32", "shape": list(shape)}
+
+    def target(k):
+        return {"region": f"rf-out{k}", "offset": 0, "byte_size": rows * OUT_COLS * 4, "datatype": "FP32",
+                "name": "OUTPUT"}
+
+    path = str(tmp_path / "rf.sock")
+    runner = RegionForwardRunner(rt, path, cp=FakeCupy)
+
+    async def scenario():
+        remote = RegionForwardClient(path)
+        try:
+            await asyncio.gather(*(remote.forward("demo", source("rf-in"), [target(k)], True) for k in range(12)))
+            outputs = [np.frombuffer(regions[f"rf-out{k}"], np.float32).reshape(rows, OUT_COLS) for k in range(12)]
+            assert all(rel_err(out, ref) <= 1e-5 for out in outputs)
+            failures = {}
+            for label, call in [
+                ("nan", remote.forward("demo", source("rf-nan"), [target(0)], True)),
+                ("unregistered", remote.forward("demo", source("rf-gone"), [target(0)], True)),
+                ("unknown model", remote.forward("nosuch", source("rf-in"), [target(0)], True)),
+                ("shape", remote.forward("demo", source("rf-in", (rows, IN_COLS + 1)), [target(0)], True)),
+            ]:
+                with pytest.raises(MMADError) as info:
+                    await call
+                failures[label] = info.value
+            await remote.forward("demo", source("rf-nan"), [target(1)], False)  # allowed: not checked
+            assert np.isnan(np.frombuffer(regions["rf-out1"], np.float32)).any()
+            pending = asyncio.ensure_future(asyncio.sleep(0))
+            runner.stop()
+            with pytest.raises(NotReady):  # the primary gone: a 503, never a hang
+                await remote.forward("demo", source("rf-in"), [target(0)], True)
+            with pytest.raises(NotReady):
+                await RegionForwardClient(path).forward("demo", source("rf-in"), [target(0)], True)
+            await pending
+            return failures
+        finally:
+            runner.stop()
+
+    failures = asyncio.run(scenario())
+    assert isinstance(failures["nan"], InvalidInput) and "holds NaN or Inf" in str(failures["nan"])
+    assert isinstance(failures["unregistered"], InvalidInput) and "'rf-gone' is not registered" in str(
+        failures["unregistered"])
+    assert isinstance(failures["unknown model"], ModelNotFound) and "nosuch" in str(failures["unknown model"])
+    assert isinstance(failures["shape"], InvalidInput) and "takes [-1, 2]" in str(failures["shape"])

@@ -1,11 +1,11 @@
 """``mmad serve --workers``: several processes on one port (mmad/server/workers.py).
 
-A real daemon of three processes on the cpu backend, reached over loopback with a new
-connection per request, so the kernel spreads requests over the primary and both workers: the
-API and system shared-memory suites (test_server_api.py, test_server_shm.py) run against it
-unchanged, and the tests below check what only several processes can get wrong: a change seen
-by the next request whichever process it lands on, counts added up over the processes, regions
-opened in every process, a worker dying, the daemon stopping.
+A real daemon of three inference workers and the primary behind them, on the cpu backend,
+reached over loopback with a new connection per request, so the kernel spreads requests over the
+workers: the API and system shared-memory suites (test_server_api.py, test_server_shm.py) run
+against it unchanged, and the tests below check what only several processes can get wrong: a
+change seen by the next request whichever worker it lands on, counts added up over the
+processes, regions opened in every worker, a worker dying, the daemon stopping.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from mmad.spec import MLPSpec
 from test_server_api import SMALL_SPEC, binary_infer, create, decode_binary
 from test_server_shm import region, shm, th, triton  # noqa: F401 - fixtures of the imported suite
 
-PROCESSES = 3
+WORKERS = 3
 # Queue limits hold per serving process (docs/service.md, "Several processes"): with three
-# processes, two requests with max_queue_requests 1 may both queue, each in its own process,
+# workers, two requests with max_queue_requests 1 may both queue, each in its own worker,
 # where one process refuses the second; so that test of one process is not repeated here.
 ONE_PROCESS_ONLY = {"test_full_queue_is_503_with_retry_after"}
 
@@ -70,12 +70,12 @@ def fresh_connections(url: str) -> httpx.Client:
     return httpx.Client(base_url=url, timeout=30.0, limits=httpx.Limits(max_keepalive_connections=0))
 
 
-def wait_for_every_process(url: str, processes: int = PROCESSES, timeout_s: float = 60.0) -> None:
-    """Until each process has answered an infer request (a worker listens once it has synced)."""
+def wait_for_every_worker(url: str, workers: int = WORKERS, timeout_s: float = 60.0) -> None:
+    """Until each worker has answered an infer request."""
     with fresh_connections(url) as http:
         deadline = time.monotonic() + timeout_s
         x = np.zeros((1, 2), np.float32)
-        while len([v for v in answered_by(http).values() if v > 0]) < processes:
+        while len([v for v in answered_by(http).values() if v > 0]) < workers:
             assert time.monotonic() < deadline, f"not every process answered: {answered_by(http)}"
             for _ in range(10):
                 assert binary_infer(http, "demo", x).status_code == 200
@@ -92,18 +92,18 @@ def stop_and_check(proc: DaemonProcess) -> None:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    """test_server_api's daemon, as three processes."""
+    """test_server_api's daemon, with three inference workers."""
     store = tmp_path_factory.mktemp("workers") / "store"
-    proc = DaemonProcess(store, "--max-body-bytes", str(4 * 1024 * 1024), "--workers", str(PROCESSES)).start()
-    wait_for_every_process(proc.url)
-    assert len(children(proc.proc.pid)) == PROCESSES - 1
+    proc = DaemonProcess(store, "--max-body-bytes", str(4 * 1024 * 1024), "--workers", str(WORKERS)).start()
+    assert len(children(proc.proc.pid)) == WORKERS
+    wait_for_every_worker(proc.url)
     yield proc
     stop_and_check(proc)
 
 
 @pytest.fixture
 def http(daemon):
-    """A new connection per request: the kernel spreads them over the processes."""
+    """A new connection per request: the kernel spreads them over the workers."""
     with fresh_connections(daemon.url) as client:
         yield client
 
@@ -174,6 +174,8 @@ def test_counts_add_up_over_processes(daemon, http):
     assert rows is not None and float(rows[1]) == 31 * 7
     served = answered_by(http)
     assert sum(served.values()) - sum(served_before.values()) >= 30
+    # live-version infers are the workers' (the primary answers those passed on: pinned versions)
+    assert served.get("0", 0) == served_before.get("0", 0)
     assert http.delete("/v2/models/counted").status_code == 200
 
 
@@ -218,16 +220,24 @@ def test_internal_routes_need_the_token(http):
 
 
 def test_a_dead_worker_is_started_again_and_the_workers_follow_the_primary_out(tmp_path):
-    proc = DaemonProcess(tmp_path / "store", "--workers", "2").start()
+    proc = DaemonProcess(tmp_path / "store", "--workers", "1").start()
     try:
-        wait_for_every_process(proc.url, processes=2)
+        wait_for_every_worker(proc.url, workers=1)
         (first,) = children(proc.proc.pid)
         os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while not (children(proc.proc.pid) - {first}):
             assert time.monotonic() < deadline, "the dead worker was not started again"
             time.sleep(0.1)
-        wait_for_every_process(proc.url, processes=2)  # the new one answers too
+        deadline = time.monotonic() + 30
+        while True:  # the port is refused until the new worker listens, then it is ready
+            try:
+                if httpx.get(f"{proc.url}/v2/health/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            assert time.monotonic() < deadline, "the daemon was not ready again"
+            time.sleep(0.1)
         assert "serving worker 1" in proc.log() and "exited" in proc.log()
         (second,) = children(proc.proc.pid)
         proc.kill()  # SIGKILL: the primary cannot stop its workers; they notice and stop
@@ -275,17 +285,18 @@ def test_metrics_render_sums_shared_series_and_keeps_the_others():
 
 @pytest.mark.gpu
 def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
-    """On the GPU host: model M (FP16 I/O) through three processes on the cuda backend, from the
-    body, a system region and a CUDA region (each process opens the IPC handle itself)."""
+    """On the GPU host: model M (FP16 I/O) through three workers on the cuda backend, from the
+    body and from CUDA regions (run by the primary for the workers: every worker opens the IPC
+    handle to check the references, the primary runs the forward)."""
     pytest.importorskip("cupy", reason="CuPy is not installed: the cuda backend cannot run here")
     cudashm = pytest.importorskip("tritonclient.utils.cuda_shared_memory",
                                   reason="tritonclient's cuda_shared_memory (cuda-bindings) is not installed")
     from mmad.spec import bench_spec
 
-    proc = DaemonProcess(tmp_path / "store", "--workers", str(PROCESSES),
+    proc = DaemonProcess(tmp_path / "store", "--workers", str(WORKERS),
                          env={"MMAD_BACKEND": "cuda", "MMAD_PROBE": "cuda"}).start(timeout_s=180)
     try:
-        wait_for_every_process(proc.url, timeout_s=180)
+        wait_for_every_worker(proc.url, timeout_s=180)
         with fresh_connections(proc.url) as http:
             assert http.put("/v2/models/M", json={"spec": bench_spec("M").to_json()}).status_code == 201
             x = np.random.default_rng().uniform(-1, 1, (4099, 64)).astype(np.float16)
@@ -299,7 +310,7 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
 
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 assert all(rel_err(out, ref) <= 3e-3 for out in pool.map(one, range(24)))
-            assert len([v for v in answered_by(http).values() if v > 0]) == PROCESSES
+            assert len([v for v in answered_by(http).values() if v > 0]) == WORKERS
 
             host = proc.url.removeprefix("http://")
             tag = uuid.uuid4().hex[:8]

@@ -50,8 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check-steps", type=int, default=60, help="steps of the loss-curve check")
     p.add_argument("--job-steps", type=int, default=2000, help="steps of each training job")
     p.add_argument("--serve-seconds", type=float, default=6.0, help="timed serving window per model")
-    p.add_argument("--workers", type=int, default=1,
-                   help="the daemon's serving processes (mmad serve --workers; default 1)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="the daemon's inference workers (mmad serve --workers; default 0)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     return p.parse_args(argv)
 
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mmad-bench-multi-") as store:
         proc, url = start_daemon(Path(store), label, ["--max-dataset-bytes", str(8 << 30),
                                                       "--workers", str(args.workers)])
-        doc["serving_processes"] = args.workers
+        doc["workers"] = args.workers
         try:
             client = Client(url, timeout=600)
             client.create_model("one", spec.to_json())

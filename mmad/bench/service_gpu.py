@@ -127,7 +127,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(["mmad bench --service", *opts.argv]),
-        "serving_processes": serving_processes(opts.server_args),
+        "workers": daemon_workers(opts.server_args),
     }
 
     def phase(name: str, fn) -> Any:
@@ -201,9 +201,21 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                         doc["small"].append(res)
                         progress(f"small {wire} {clients} clients: {res['requests_per_s']:,.0f} req/s, "
                                  f"p50 {res['p50_ms']:.2f} ms, p99 {res['p99_ms']:.2f} ms, errors {res['errors']}")
+            doc["answered_by_process"] = phase("answered_by_process", lambda: answered_by_process(daemon.url))
         finally:
             bench.close()
     return doc
+
+
+def answered_by_process(url: str) -> dict[str, int]:
+    """Infer requests each serving process answered (0: the primary; with --workers, how the
+    kernel spread the connections over the workers)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {s.labels["process"]: int(s.value) for family in text_string_to_metric_families(text)
+            if family.name == "mmad_process_infer_requests" for s in family.samples if s.name.endswith("_total")}
 
 
 def shm_clients(bench: Bench, daemon, kind: str, clients: int, opts: argparse.Namespace) -> dict[str, Any]:
@@ -251,9 +263,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def serving_processes(server_args: list[str]) -> int:
-    """The daemon's ``--workers`` among ``--server-arg``s (1 when not given)."""
-    workers = 1
+def daemon_workers(server_args: list[str]) -> int:
+    """The daemon's ``--workers`` among ``--server-arg``s (0 when not given)."""
+    workers = 0
     for i, arg in enumerate(server_args):
         if arg.startswith("--workers="):
             workers = int(arg.split("=", 1)[1])
@@ -263,8 +275,8 @@ def serving_processes(server_args: list[str]) -> int:
 
 
 def table(doc: dict[str, Any]) -> str:
-    processes = doc.get("serving_processes", 1)
-    label = doc["backend"] + (f", {processes} serving processes" if processes > 1 else "")
+    workers = doc.get("workers", 0)
+    label = doc["backend"] + (f", {workers} inference workers" if workers else "")
     lines = [f"| {label} | value | bar | met |", "|---|---|---|---|"]
     for t in doc["targets"]:
         met = "(shown)" if t["met"] is None else "yes" if t["met"] else "NO"

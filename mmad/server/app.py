@@ -60,6 +60,10 @@ async def start_runtime(rt: Runtime) -> None:
     if rt.workers is not None:  # what inference can see is published to the serving workers
         rt.registry.publish = rt.workers.counter.store
         rt.shm.on_change = rt.registry.changed
+        if rt.shm.cuda_enabled:
+            from mmad.server.region_forwards import RegionForwardRunner
+
+            rt.region_service = RegionForwardRunner(rt, rt.workers.link(0).region_forwards_socket)
     # a daemon given a model repository serves what it holds, as Triton does: no demo model
     if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
@@ -75,6 +79,8 @@ async def stop_runtime(rt: Runtime) -> None:
     if rt.jobs is not None:
         await rt.jobs.shutdown()
     rt.ready = False
+    if rt.region_service is not None:
+        rt.region_service.stop()
     if rt.registry is not None:
         await rt.registry.close()
     if rt.backend is not None:

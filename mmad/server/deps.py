@@ -34,6 +34,10 @@ class Runtime:
     ready: bool = False
     shutting_down: bool = False
     workers: Any = None  # the serving workers (mmad.server.workers.WorkerPool) of a primary with --workers
+    # --workers on the cuda backend (mmad.server.region_forwards): the primary runs its workers'
+    # forwards between CUDA regions (its RegionForwardRunner), a worker sends them (its RegionForwardClient)
+    region_service: Any = None
+    region_forwards: Any = None
 
 
 async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync dependencies in a thread pool

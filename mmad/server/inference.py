@@ -15,6 +15,7 @@ from mmad.server.binary import (
 from mmad.server.deps import Runtime
 from mmad.server.errors import internal_error_response, mmad_error_response, status_for
 from mmad.server.metrics import UNKNOWN_MODEL
+from mmad.server.region_forwards import describe
 from mmad.server.registry import INPUT, OUTPUT
 from mmad.server.shm import ShmTensor
 from mmad.server.store import check_model_name
@@ -77,8 +78,15 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                     raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
                 if out is None and any(o.shm is None for o in outputs):
                     out = np.empty(out_shape, dtype=np.float32)
-                out = await registry.run(device_forward, entry, x, list(parsed.shm_inputs.values()),
-                                        [t for _, t in targets or []], out)
+                sources, device_targets = list(parsed.shm_inputs.values()), [t for _, t in targets or []]
+                remote = rt.region_forwards  # a worker's: the primary runs forwards between CUDA regions
+                if remote is not None and remote.takes(sources, device_targets, out):
+                    await remote.forward(model, describe(parsed.shm_inputs[INPUT], shape=list(x.shape)),
+                                         [describe(t, name=o.name) for o, t in targets],
+                                         not entry.config.allow_nonfinite)
+                    out = np.broadcast_to(np.zeros((), device_targets[0].array.dtype), out_shape)  # the shape only
+                else:
+                    out = await registry.run(device_forward, entry, x, sources, device_targets, out)
                 queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
                 registry.record_batch(entry, x.shape[0], 1, compute_ns)
             elif version is None:

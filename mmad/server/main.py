@@ -51,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="versions kept per model, the newest (MMAD_KEEP_VERSIONS, default 0: all)")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
     p.add_argument("--workers", type=int,
-                   help="processes serving the port: the primary and WORKERS-1 inference workers that answer "
-                        "infer for the live weights and pass every other request to the primary "
-                        "(MMAD_WORKERS, default 1; docs/service.md)")
+                   help="inference worker processes serving the port: each answers infer for the live weights "
+                        "and passes every other request to the primary behind them (MMAD_WORKERS, default 0: "
+                        "the primary serves the port itself; docs/service.md)")
     p.add_argument("--pinned-body-bytes", type=int,
                    help="page-locked memory for request and response bodies on a GPU backend "
                         "(MMAD_PINNED_BODY_BYTES, default 1 GiB; 0: ordinary memory)")
@@ -163,15 +163,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from mmad.server.app import create_app
 
-    pool, sockets = None, None
-    if settings.workers > 1:
+    pool, sockets, reserved = None, None, None
+    if settings.workers:
         from mmad.server.workers import WorkerPool, bind_shared_port, bind_unix
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per statistics read otherwise
 
-        pool = WorkerPool(settings, settings.workers - 1)
-        public = bind_shared_port(settings.host, settings.port)
-        sockets = [public, bind_unix(pool.primary_socket)]
+        pool = WorkerPool(settings, settings.workers)
+        # the port, bound and never listened on here: it stays this daemon's (a port of 0 is
+        # resolved once) while the workers listen on it; the primary serves them on its own socket
+        reserved = bind_shared_port(settings.host, settings.port)
+        sockets = [bind_unix(pool.primary_socket)]
     app = create_app(settings, workers=pool)
     runtime = app.state.runtime
 
@@ -203,11 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if server.started else 1
     # the workers start now: their imports and device set-up overlap this process's start-up,
     # and each waits for the primary before it syncs its models and listens
-    pool.start(port=sockets[0].getsockname()[1])
+    port = reserved.getsockname()[1]
+    log.info("serving http://%s:%d through %d inference worker(s)", settings.host, port, settings.workers)
+    pool.start(port=port)
     try:
         server.run(sockets=sockets)
     finally:
         pool.stop(settings.graceful_timeout_s + 10)
+        reserved.close()
     return 0 if server.started else 1
 
 

@@ -55,8 +55,9 @@ class Settings(BaseSettings):
     keep_versions: int = Field(0, ge=0, description="versions kept per model, the newest; 0 keeps all")
     compute_threads: int = Field(4, ge=1, description="worker threads that run device work")
     # several processes on one port (mmad/server/workers.py): one event loop bounds serving
-    workers: int = Field(1, ge=1, le=64, description="processes serving the port: the primary (store, "
-                                                     "training, admin) and workers-1 inference workers")
+    workers: int = Field(0, ge=0, le=64, description="inference worker processes serving the port, the "
+                                                     "primary (store, training, admin) behind them; 0: the "
+                                                     "primary serves the port itself")
     pinned_body_bytes: int = Field(1 << 30, ge=0, description="page-locked host memory for request and response "
                                                            "bodies on a GPU backend (their device copies skip "
                                                            "staging); 0: ordinary memory")

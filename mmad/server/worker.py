@@ -328,6 +328,10 @@ class WorkerApp:
         if alloc is not None and settings.pinned_body_bytes:
             hostmem.install(hostmem.PinnedPool(alloc, settings.pinned_body_bytes))
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
+        if rt.shm.cuda_enabled:  # requests all in CUDA regions run in the primary's context
+            from mmad.server.region_forwards import RegionForwardClient
+
+            rt.region_forwards = RegionForwardClient(self.link.region_forwards_socket)
         rt.metrics.track(lambda: rt.registry.models)
         rt.ready = True
         await self.primary.sync(rt, state)
@@ -344,6 +348,8 @@ class WorkerApp:
             if self.primary.stale:
                 try:
                     await self.primary.sync(self.rt)
+                except httpx.ConnectError as exc:  # the primary stops (it stops this worker next) or restarts
+                    log.debug("worker %d could not reach the primary (%s)", self.link.index, exc)
                 except httpx.HTTPError as exc:
                     log.warning("worker %d could not follow the primary (%s)", self.link.index, exc)
                 except Exception:  # noqa: BLE001 - logged; the next infer request syncs (and reports) again
@@ -354,6 +360,8 @@ class WorkerApp:
         rt.ready = False
         if self._follower is not None:
             self._follower.cancel()
+        if rt.region_forwards is not None:
+            await rt.region_forwards.close()
         if rt.registry is not None:
             await rt.registry.close()
         if rt.backend is not None:

@@ -2,11 +2,13 @@
 
 One Python process answers a 65,536-row shared-memory request in ~0.66 ms of which the device
 needs 0.34 (docs/gpu-notes-cuda.md): its event loop, not the GPU, bounds serving. With
-``--workers N`` the daemon is N processes on one port (``SO_REUSEPORT``: the kernel spreads
-connections over them):
+``--workers N`` the port is served by N inference workers (each binds it with ``SO_REUSEPORT``;
+the kernel spreads new connections over them), with the primary behind them:
 
-- the *primary* (this module's :class:`WorkerPool`) is the daemon as it is with one process: it
-  owns the store, the registry, training, datasets and every admin call;
+- the *primary* (this module's :class:`WorkerPool`) is the daemon as it is alone, serving the
+  workers on a private socket: it owns the store, the registry, training, datasets and every
+  admin call, and (on the cuda backend) runs the forwards between CUDA regions of every worker
+  in its one CUDA context (:mod:`mmad.server.region_forwards`);
 - each *worker* (:mod:`mmad.server.worker`) holds a compiled copy of every ready model with the
   primary's live weights and answers infer requests for them itself; every other request
   (admin, training, metadata, a pinned version, a model it does not hold) it passes to the
@@ -16,11 +18,11 @@ Consistency: the primary bumps a counter in shared memory after every change inf
 (weights, versions, models, shared-memory regions; :meth:`Registry.changed`) and before it
 answers the request that made it; a worker compares the counter with the one it last synced at
 the start of each infer request and re-reads what changed first. So a request sent after an
-admin call's answer sees its effect, whichever process it lands on.
+admin call's answer sees its effect, whichever worker it lands on.
 
-The primary reaches the workers (and they it) over Unix sockets in a private directory, and the
-internal routes need a token made at start (:data:`TOKEN_HEADER`). Statistics and metrics are
-read from every worker when asked for and added to the primary's (:func:`merge_stats`,
+The primary and the workers talk over Unix sockets in a private directory, and the internal
+routes need a token made at start (:data:`TOKEN_HEADER`). Statistics and metrics are read from
+every worker when asked for and added to the primary's (:func:`merge_stats`,
 :meth:`Metrics.render`).
 """
 
@@ -82,7 +84,7 @@ class SharedCounter:
 class WorkerLink:
     """What a worker is given at start (pickled into the spawned process)."""
 
-    index: int  # 1..N-1; the primary is process 0
+    index: int  # 1..N; the primary is process 0
     private_dir: str
     token: str
     port: int  # the public port, resolved when it was given as 0
@@ -90,6 +92,10 @@ class WorkerLink:
     @property
     def primary_socket(self) -> str:
         return os.path.join(self.private_dir, "primary.sock")
+
+    @property
+    def region_forwards_socket(self) -> str:
+        return os.path.join(self.private_dir, "region-forwards.sock")
 
     @property
     def counter_path(self) -> str:
@@ -135,7 +141,7 @@ class WorkerPool:
 
     def __init__(self, settings: Any, count: int):
         self.settings = settings
-        self.count = count  # workers besides the primary
+        self.count = count  # the worker processes (the primary serves only them)
         self.private_dir = tempfile.mkdtemp(prefix="mmad-workers-")  # mode 0700
         self.token = secrets.token_urlsafe(32)
         self.port = 0

@@ -13,8 +13,8 @@ mkdir -p "$OUT"
 PHASES=${*:-"env tests service vulkan"}
 BACKEND=${BACKEND:-cuda:mma}
 VULKAN=${VULKAN:-vulkan:coopmat}
-# the daemon's serving processes (mmad serve --workers; docs/service.md, "Several processes")
-WORKERS=${WORKERS:-4}
+# the daemon's inference workers (mmad serve --workers; docs/service.md, "Several processes")
+WORKERS=${WORKERS:-8}
 . scripts/gpu/site.sh
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -41,7 +41,7 @@ for phase in $PHASES; do
     service)
       timeout ${SERVICE_TIMEOUT:-240} python3 -m mmad.bench --service --backend "$BACKEND" $SWEEP \
         --server-arg=--workers=$WORKERS --json "$OUT/service.json" > "$OUT/service.log" 2>&1
-      echo "service bench ($BACKEND, $WORKERS serving processes) rc=$?" | tee -a "$SUMMARY"
+      echo "service bench ($BACKEND, $WORKERS inference workers) rc=$?" | tee -a "$SUMMARY"
       grep -E "^\|" "$OUT/service.log" | tee -a "$SUMMARY" ;;
     vulkan)
       # the same report on the Vulkan backend, shorter: no small-request sweep beyond 64 clients
