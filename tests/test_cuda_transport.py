@@ -202,3 +202,26 @@ def test_cuda_ipc_region_opened_by_the_daemons_opener(pair):
         child.stdin.write(b"\n")
         child.stdin.close()
         child.wait(30)
+
+
+@pytest.mark.parametrize(("in_dtype", "out_dtype"), [(np.float16, np.float16), (np.float32, np.float32),
+                                                     (np.float16, np.float32), (np.float32, np.float16)])
+def test_forward_into_writes_a_device_array(pair, in_dtype, out_dtype):
+    """``forward_into`` (the forward between two CUDA regions): the kernel writes a contiguous
+    array of its output dtype itself, any other target gets the result copied in; both equal
+    ``forward`` and the oracle."""
+    import cupy as cp
+
+    model, oracle = pair
+    rows = 65_537
+    x = np.random.default_rng().uniform(-1, 1, (rows, model.spec.n_input_dims)).astype(in_dtype)
+    dx = cp.asarray(x)
+    ref = oracle.forward(x.astype(np.float32))
+    out = cp.full((rows, model.spec.n_output_dims), np.nan, dtype=out_dtype)
+    model.forward_into(dx, out)
+    wide = cp.full((rows, 2 * model.spec.n_output_dims), np.nan, dtype=out_dtype)
+    model.forward_into(dx, wide[:, ::2])  # not contiguous: copied in
+    assert rel_err(cp.asnumpy(out).astype(np.float64), ref) <= FWD_TOL
+    assert rel_err(cp.asnumpy(wide[:, ::2]).astype(np.float64), ref) <= FWD_TOL
+    assert bool(cp.isnan(wide[:, 1::2]).all())  # nothing written beside it
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(model.forward(dx, out_dtype=out_dtype)))

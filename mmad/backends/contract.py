@@ -182,6 +182,12 @@ class CompiledModel(abc.ABC):
         :func:`output_dtype` checks it). The input encoding is applied by ``encode``.
         """
 
+    def forward_into(self, x: Any, out: Any) -> None:
+        """``forward(x)`` written into ``out`` (an array on the same side, rows × n_output_dims, in
+        its dtype): what a forward between two device regions needs. A backend whose kernel can
+        write ``out`` itself skips the copy made here."""
+        out[...] = self.forward(x, out_dtype=out.dtype)
+
     @abc.abstractmethod
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32).

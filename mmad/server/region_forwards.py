@@ -234,9 +234,9 @@ class RegionForwardRunner:
                 model = replica.model
                 if model is None:
                     raise ModelNotReady(entry.name)
-                result = model.forward(source.array, out_dtype=targets[0].array.dtype)
-                for t in targets:
-                    t.array[...] = result
+                model.forward_into(source.array, targets[0].array)
+                for t in targets[1:]:
+                    t.array[...] = targets[0].array
 
 
 # -- the worker's side -------------------------------------------------------------------------

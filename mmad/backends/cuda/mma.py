@@ -297,16 +297,18 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self._launch_from(self._module, name, grid, block, args, smem)
 
     # -- compute --------------------------------------------------------------------------------
-    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+    def forward(self, x: Any, out_dtype: Any = np.float32, into: Any = None) -> Any:
         """See ``CompiledModel.forward``; ``out_dtype`` float16 gives fp16 outputs (rounded once
         from the fp32 result). fp16 device inputs with fp16 outputs run ``mlp_forward_half``,
-        which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes)."""
+        which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes). ``into``: a
+        C-contiguous device array of the kernel's output dtype the kernel writes (``forward_into``)."""
         cp = self.cp
         half_out = self._half_out(out_dtype)
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
         rows = dx.shape[0]
         half_io = half_out and dx.dtype == cp.float16
-        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float16 if half_io else cp.float32)
+        out = into if into is not None else cp.empty((rows, self.spec.n_output_dims),
+                                                     dtype=cp.float16 if half_io else cp.float32)
         if rows:
             rows_pad = self._rows_padded(rows)
             tiles = rows_pad // (16 * self.mt_fwd)
@@ -317,6 +319,20 @@ class CudaMmaModel(MmaPlan, CudaModel):
         if half_out and not half_io:
             out = out.astype(cp.float16)
         return self.download(out) if from_host else out
+
+    def forward_into(self, x: Any, out: Any) -> None:
+        """See ``CompiledModel.forward_into``: the kernel writes ``out`` itself when it is a
+        C-contiguous device array of its output dtype (fp16 for fp16 device inputs and outputs,
+        fp32 otherwise), else the result is copied in."""
+        cp = self.cp
+        shape = (x.shape[0], self.spec.n_output_dims)
+        direct = (self.is_device_array(x) and self.is_device_array(out) and out.shape == shape
+                  and out.flags.c_contiguous
+                  and out.dtype == (cp.float16 if x.dtype == cp.float16 and out.dtype == cp.float16 else cp.float32))
+        if direct:
+            self.forward(x, out_dtype=out.dtype, into=out)
+        else:
+            super().forward_into(x, out)
 
     def _inference_weights(self) -> tuple[Any, Any]:
         """(fp16 weight image, fp32 biases) the forward reads: the EMA average's under tcnn's EMA
