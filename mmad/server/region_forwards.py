@@ -161,8 +161,10 @@ class RegionForwardRunner:
         for device, count in used.items():
             try:
                 with cp.cuda.Device(device):
-                    cp.cuda.get_current_stream().synchronize()
-                    flags[device] = cp.asnumpy(self._flags[device][:count]) if count else np.zeros(0, np.uint32)
+                    if count:  # the copy back waits for the group's kernels (one stream): no synchronize first
+                        flags[device] = cp.asnumpy(self._flags[device][:count])
+                    else:
+                        cp.cuda.get_current_stream().synchronize()
             except Exception as exc:  # noqa: BLE001 - every request of the group that ran there failed
                 for work in group:
                     if device in work.devices and work.error is None:

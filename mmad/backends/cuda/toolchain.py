@@ -539,7 +539,7 @@ extern "C" __global__ void mmad_flag_nonfinite_f32(const unsigned int* x, unsign
 }
 """
 FLAG_THREADS = 256
-_FLAG_MODULES: dict[int, Any] = {}  # device -> the compiled module (CuPy compiles it per device)
+_FLAG_KERNELS: dict[tuple[int, str], Any] = {}  # (device, kernel name) -> the function (compiled per device)
 
 
 def flag_nonfinite(cp, a: Any, flag: Any) -> None:
@@ -547,14 +547,15 @@ def flag_nonfinite(cp, a: Any, flag: Any) -> None:
     NaN or Inf, on the current stream (an exponent test on the bits; one raw launch, which
     costs the host less than a CuPy reduction: this runs once per pipeline chunk). ``a`` starts
     at an allocation's start (16-byte aligned), as a pipeline chunk's upload buffer does."""
-    device = cp.cuda.Device().id
-    module = _FLAG_MODULES.get(device)
-    if module is None:
-        module = _FLAG_MODULES[device] = cp.RawModule(code=FLAG_NONFINITE_SOURCE, options=("-std=c++17",))
     name = "mmad_flag_nonfinite_f16" if a.dtype == np.float16 else "mmad_flag_nonfinite_f32"
+    key = (cp.cuda.Device().id, name)
+    kernel = _FLAG_KERNELS.get(key)
+    if kernel is None:  # looked up once: get_function asks the driver each time
+        module = cp.RawModule(code=FLAG_NONFINITE_SOURCE, options=("-std=c++17",))
+        kernel = _FLAG_KERNELS[key] = module.get_function(name)
     vectors = -(-a.size // (16 // a.itemsize))
     blocks = max(1, -(-vectors // FLAG_THREADS))
-    module.get_function(name)((blocks,), (FLAG_THREADS,), (a, np.uint64(a.size), flag))
+    kernel((blocks,), (FLAG_THREADS,), (a, np.uint64(a.size), flag))
 
 
 def _run_now(fn, *args):
