@@ -54,6 +54,25 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def orphaned_workers(test: str) -> set[int]:
+    """Worker processes left without their primary (parent 1) that this test's daemon started
+    (they inherited its PYTEST_CURRENT_TEST)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"spawn_main" not in (entry / "cmdline").read_bytes():
+                continue
+            state, ppid = (entry / "stat").read_text().rpartition(")")[2].split()[:2]
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if state != "Z" and ppid == "1" and f"PYTEST_CURRENT_TEST={test}".encode() in environ:
+            found.add(int(entry.name))
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
@@ -241,9 +260,10 @@ def test_a_dead_worker_is_started_again_and_the_workers_follow_the_primary_out(t
         assert "serving worker 1" in proc.log() and "exited" in proc.log()
         (second,) = children(proc.proc.pid)
         proc.kill()  # SIGKILL: the primary cannot stop its workers; they notice and stop
+        test = os.environ["PYTEST_CURRENT_TEST"].rpartition(" ")[0]
         deadline = time.monotonic() + 10
-        while alive(second):
-            assert time.monotonic() < deadline, "a worker outlived its killed primary"
+        while alive(second) or orphaned_workers(test):
+            assert time.monotonic() < deadline, f"workers outlived their killed primary: {orphaned_workers(test)}"
             time.sleep(0.1)
     finally:
         proc.kill()

@@ -152,6 +152,8 @@ class PrimaryLink:
             try:
                 return (await self.internal("/state")).json()
             except httpx.HTTPError:
+                if not self.link.primary_alive:
+                    raise RuntimeError("the primary process is gone") from None
                 await asyncio.sleep(0.2)
                 waited += 0.2
                 if waited >= PRIMARY_WAIT_LOG_S and waited - 0.2 < PRIMARY_WAIT_LOG_S:
@@ -373,15 +375,17 @@ class WorkerApp:
         await self.primary.client.aclose()
 
 
-def _exit_with_primary() -> None:
-    """Stop this worker when the primary is gone (killed without stopping its workers)."""
-    parent = os.getppid()
+def _exit_with_primary(link: WorkerLink, grace_s: float) -> None:
+    """Stop this worker when the primary is gone (killed without stopping its workers): the
+    graceful way first (its requests finish), then at once if that has not ended it."""
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while link.primary_alive:
             threading.Event().wait(1.0)
-        log.error("the primary process %d is gone; this worker stops", parent)
+        log.error("the primary process %d is gone; this worker stops", link.primary_pid)
         os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(grace_s)
+        os._exit(1)
 
     threading.Thread(target=watch, name="mmad-primary-watch", daemon=True).start()
 
@@ -396,7 +400,7 @@ def run_worker(settings: Settings, link: WorkerLink) -> None:
     from mmad.server.workers import bind_shared_port, bind_unix
 
     limit_blas_threads(settings.blas_threads)
-    _exit_with_primary()
+    _exit_with_primary(link, settings.graceful_timeout_s + 5)
     import uvicorn
 
     worker = WorkerApp(settings, link)

@@ -88,6 +88,11 @@ class WorkerLink:
     private_dir: str
     token: str
     port: int  # the public port, resolved when it was given as 0
+    primary_pid: int  # a worker whose parent is no longer this process stops
+
+    @property
+    def primary_alive(self) -> bool:
+        return os.getppid() == self.primary_pid
 
     @property
     def primary_socket(self) -> str:
@@ -155,7 +160,7 @@ class WorkerPool:
         self._context = multiprocessing.get_context("spawn")  # a fork would copy CUDA state and threads
 
     def link(self, index: int) -> WorkerLink:
-        return WorkerLink(index, self.private_dir, self.token, self.port)
+        return WorkerLink(index, self.private_dir, self.token, self.port, os.getpid())
 
     @property
     def primary_socket(self) -> str:
