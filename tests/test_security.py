@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save as st_save
 
 from mmad.server import Settings, create_app
+from mmad.server.workers import INTERNAL_PREFIX, TOKEN_HEADER
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -83,7 +84,7 @@ def encoded(segment: str) -> str:
 
 def fill(path: str) -> str:
     return (path.replace("{model}", "demo").replace("{version}", "1")
-            .replace("{job_id}", "0" * 32))
+            .replace("{job_id}", "0" * 32).replace("{index}", "1"))
 
 
 def test_route_enumeration_finds_the_mutating_endpoints(secured):
@@ -99,11 +100,16 @@ def test_route_enumeration_finds_the_mutating_endpoints(secured):
 
 def test_every_mutating_route_requires_the_key(secured):
     app, client, _ = secured
-    checked = []
+    checked, internal = [], []
     for method, path, _ in route_table(app):
         if method not in MUTATING_METHODS or path in READ_ONLY_POSTS:
             continue
         url = fill(path)
+        if path.startswith(INTERNAL_PREFIX):  # the primary's routes for its workers: their token, not the key
+            for headers in ({}, auth(), {TOKEN_HEADER: "guess"}):
+                assert client.request(method, url, content=b"{}", headers=headers).status_code == 404, (method, path)
+            internal.append(path)
+            continue
         missing = client.request(method, url, content=b"{}")
         assert missing.status_code == 401, f"{method} {path} without a key: {missing.status_code} {missing.text}"
         assert missing.headers.get("www-authenticate", "").lower().startswith("bearer")
@@ -116,7 +122,7 @@ def test_every_mutating_route_requires_the_key(secured):
     # read-only endpoints stay open without a key
     assert client.get("/v2/models/demo").status_code == 200
     assert client.post("/v2/repository/index").status_code == 200
-    assert len(checked) >= 10
+    assert len(checked) >= 10 and internal == [INTERNAL_PREFIX + "/ready/{index}"]
 
 
 def test_right_key_is_accepted(secured):
