@@ -361,3 +361,30 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
                 cudashm.destroy_shared_memory_region(dst)
     finally:
         stop_and_check(proc)
+
+
+def test_the_api_key_and_the_body_cap_hold_through_the_workers(tmp_path):
+    """Admin calls passed on to the primary keep its answers: 401 without the key, 413 for a
+    body past the cap (declared or streamed in chunks), and the daemon serves on."""
+    key = "workers-" + uuid.uuid4().hex
+    proc = DaemonProcess(tmp_path / "store", "--workers", "2", "--max-body-bytes", str(64 * 1024),
+                         env={"MMAD_API_KEY": key}).start()
+    try:
+        with fresh_connections(proc.url) as http:
+            for _ in range(6):  # both workers, whichever takes the connection
+                r = http.put("/v2/models/keyed", json={"spec": SMALL_SPEC})
+                assert r.status_code == 401 and "Authorization" in r.json()["error"]
+            r = http.put("/v2/models/keyed", json={"spec": SMALL_SPEC}, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 201, r.text
+            big = b"x" * (128 * 1024)
+            for _ in range(4):
+                assert http.put("/v2/models/keyed/weights", content=big,
+                                headers={"Authorization": f"Bearer {key}"}).status_code == 413
+                streamed = http.put("/v2/models/keyed/weights", content=iter([big[:65536], big[65536:]]),
+                                    headers={"Authorization": f"Bearer {key}"})
+                assert streamed.status_code == 413, streamed.text
+            x = np.random.default_rng().uniform(-1, 1, (5, 5)).astype(np.float32)
+            assert all(rel_err(out, test_server_api.oracle(http, "keyed", x)) <= 1e-5
+                       for out in infer_many(proc.url, "keyed", x, 8))
+    finally:
+        stop_and_check(proc)
