@@ -15,8 +15,6 @@ import base64
 import contextlib
 import os
 import types
-import uuid
-from multiprocessing import shared_memory
 
 import numpy as np
 import orjson
@@ -275,13 +273,6 @@ class FakeCupy:
 
     uint32 = np.uint32
     zeros = staticmethod(np.zeros)
-    empty = staticmethod(np.empty)
-    upload_async = staticmethod(np.array)  # a system region's rows "on the device": a copy
-
-    @staticmethod
-    def download_async(device, out):
-        np.copyto(out, device)
-
     logical_not = staticmethod(np.logical_not)
     isfinite = staticmethod(np.isfinite)
     asnumpy = staticmethod(np.asarray)
@@ -297,10 +288,9 @@ class FakeCupy:
 
 
 def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
-    """With --workers, a worker sends a request whose tensors all lie in shared-memory regions
-    of one kind to the primary (mmad/server/region_forwards.py): the forward there matches the
-    oracle for CUDA and system regions, many at once run in groups, and every refusal comes
-    back as the primary's own, in the user's terms."""
+    """With --workers, a worker sends a request whose tensors all lie in CUDA regions to the
+    primary (mmad/server/region_forwards.py): the forward there matches the oracle, many at once
+    run in groups, and every refusal comes back as the primary's own, in the user's terms."""
     app, _ = app_client
     rt = app.state.runtime
     rows = 33
@@ -310,15 +300,8 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
         b64, memory = client.fake.alloc(nbytes)
         assert register(client, name, b64, nbytes).status_code == 200
         regions[name] = memory
-    system = {}
-    for name, nbytes in [("rf-sys-in", rows * IN_COLS * 4), *[(f"rf-sys-out{k}", rows * OUT_COLS * 4) for k in range(3)]]:
-        system[name] = shared_memory.SharedMemory(f"mmad-{uuid.uuid4().hex[:10]}", create=True, size=nbytes)
-        r = client.post(f"/v2/systemsharedmemory/region/{name}/register", headers=AUTH,
-                        json={"key": "/" + system[name].name, "byte_size": nbytes})
-        assert r.status_code == 200, r.text
     x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
     np.frombuffer(regions["rf-in"], np.float32)[:] = x.ravel()
-    np.ndarray((rows, IN_COLS), np.float32, system["rf-sys-in"].buf)[...] = x
     bad = x.copy()
     bad[-1, 0] = np.nan
     np.frombuffer(regions["rf-nan"], np.float32)[:] = bad.ravel()
@@ -330,9 +313,6 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
     def target(k):
         return {"region": f"rf-out{k}", "offset": 0, "byte_size": rows * OUT_COLS * 4, "datatype": "FP32",
                 "name": "OUTPUT"}
-
-    def sys_target(k):
-        return {**target(k), "region": f"rf-sys-out{k}"}
 
     path = str(tmp_path / "rf.sock")
     runner = RegionForwardRunner(rt, path, cp=FakeCupy)
@@ -355,13 +335,6 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
                 failures[label] = info.value
             await remote.forward("demo", source("rf-nan"), [target(1)], False)  # allowed: not checked
             assert np.isnan(np.frombuffer(regions["rf-out1"], np.float32)).any()
-            # system regions: uploaded, computed and copied back into the primary's mappings
-            await asyncio.gather(*(remote.forward("demo", source("rf-sys-in"), [sys_target(k)], True)
-                                   for k in range(3)))
-            assert all(rel_err(np.ndarray((rows, OUT_COLS), np.float32, system[f"rf-sys-out{k}"].buf), ref) <= 1e-5
-                       for k in range(3))
-            with pytest.raises(InvalidInput, match="regions of one kind"):  # a system input, a CUDA output
-                await remote.forward("demo", source("rf-sys-in"), [target(2)], True)
             pending = asyncio.ensure_future(asyncio.sleep(0))
             runner.stop()
             with pytest.raises(NotReady):  # the primary gone: a 503, never a hang
@@ -373,13 +346,7 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
         finally:
             runner.stop()
 
-    try:
-        failures = asyncio.run(scenario())
-    finally:
-        client.post("/v2/systemsharedmemory/unregister", headers=AUTH)
-        for region in system.values():
-            region.close()
-            region.unlink()
+    failures = asyncio.run(scenario())
     assert isinstance(failures["nan"], InvalidInput) and "holds NaN or Inf" in str(failures["nan"])
     assert isinstance(failures["unregistered"], InvalidInput) and "'rf-gone' is not registered" in str(
         failures["unregistered"])

@@ -81,7 +81,6 @@ class RegionForwardRunner:
         self.rt = rt
         self.cp = cp
         self._flags: dict[int, Any] = {}  # device -> GROUP_MAX device words for the finiteness checks
-        self._turns: dict[str, int] = {}  # model -> the replica the next host-region forward takes
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(256)
@@ -199,30 +198,19 @@ class RegionForwardRunner:
         out_shape = (shape[0], spec.n_output_dims)
         targets = [shm.tensor(f"output {o['name']!r}", _params(o), WIRE_DTYPES[o["datatype"]], out_shape,
                               o["datatype"], at_least=True) for o in doc["outputs"]]
-        on_device = source.on_device
-        if any(t.on_device != on_device for t in targets):
-            raise InvalidInput("a region forward reads and writes regions of one kind: all CUDA or all system "
-                               "shared memory")
-        if on_device:
-            device = source.device
-            if any(t.device != device for t in targets):
-                raise InvalidInput(f"shared memory regions {source.region!r} and "
-                                   f"{next(t.region for t in targets if t.device != device)!r} are on different "
-                                   "GPUs; one request's regions must share a GPU")
-            replica = next((r for r in entry.replicas if r.device == device), None)
-            if replica is None:
-                raise InvalidInput(f"shared memory region {source.region!r} is on GPU {device} but model "
-                                   f"{entry.name!r} runs on GPU(s) {', '.join(str(r.device) for r in entry.replicas)}")
-        else:  # host regions: the replicas in turn
-            turn = self._turns.get(entry.name, 0)
-            self._turns[entry.name] = turn + 1
-            replica = entry.replicas[turn % len(entry.replicas)]
-            device = replica.device
+        if not source.on_device or not all(t.on_device for t in targets):
+            raise InvalidInput("a region forward reads and writes CUDA shared memory regions only")
+        device = source.device
+        if any(t.device != device for t in targets):
+            raise InvalidInput(f"shared memory regions {source.region!r} and "
+                               f"{next(t.region for t in targets if t.device != device)!r} are on different GPUs; "
+                               "one request's regions must share a GPU")
+        replica = next((r for r in entry.replicas if r.device == device), None)
+        if replica is None:
+            raise InvalidInput(f"shared memory region {source.region!r} is on GPU {device} but model {entry.name!r} "
+                               f"runs on GPU(s) {', '.join(str(r.device) for r in entry.replicas)}")
         work.devices.add(device)
         with cp.cuda.Device(device):
-            # a system region's rows go up on this device's stream (asynchronous from the
-            # region's page-locked mapping), and the outputs come back the same way
-            x = source.array if on_device else upload_async(cp, source.array)
             if doc.get("check_finite"):
                 words = self._flags.get(device)
                 if words is None:
@@ -231,6 +219,7 @@ class RegionForwardRunner:
                 if slot == 0:
                     words.fill(0)
                 used[device] = slot + 1
+                x = source.array
                 pointer = getattr(getattr(x, "data", None), "ptr", None)  # None: not a CuPy array
                 if pointer is not None and pointer % 16 == 0:  # the one-launch check reads 16-byte vectors
                     from mmad.backends.cuda.toolchain import flag_nonfinite
@@ -247,32 +236,9 @@ class RegionForwardRunner:
                 model = replica.model
                 if model is None:
                     raise ModelNotReady(entry.name)
-                if on_device:
-                    model.forward_into(x, targets[0].array)
-                    for t in targets[1:]:
-                        t.array[...] = targets[0].array
-                else:
-                    result = cp.empty(targets[0].array.shape, dtype=targets[0].array.dtype)
-                    model.forward_into(x, result)
-                    for t in targets:
-                        download_async(cp, result, t.array)
-
-
-def upload_async(cp, host: np.ndarray):
-    """``host`` on the current device, copied on its current stream (asynchronous from
-    page-locked memory); a stand-in for CuPy may offer its own."""
-    if hasattr(cp, "upload_async"):
-        return cp.upload_async(host)
-    device = cp.empty(host.shape, dtype=host.dtype)
-    device.set(host, stream=cp.cuda.get_current_stream())
-    return device
-
-
-def download_async(cp, device, out: np.ndarray) -> None:
-    """``device`` into the host array ``out`` on the current stream (done once it is synchronized)."""
-    if hasattr(cp, "download_async"):
-        return cp.download_async(device, out)
-    device.get(stream=cp.cuda.get_current_stream(), out=out, blocking=False)
+                model.forward_into(source.array, targets[0].array)
+                for t in targets[1:]:
+                    t.array[...] = targets[0].array
 
 
 # -- the worker's side -------------------------------------------------------------------------
@@ -288,13 +254,10 @@ class RegionForwardClient:
         self._connecting = asyncio.Lock()
 
     @staticmethod
-    def takes(sources: list, targets: list, outputs: list) -> bool:
-        """Whether a request is one the primary runs: its input and every output in shared-memory
-        regions of one kind (all CUDA, or all system)."""
-        if not sources or not targets or len(targets) != len(outputs):
-            return False
-        kinds = {t.on_device for t in [*sources, *targets]}
-        return len(kinds) == 1
+    def takes(sources: list, targets: list, out: Any) -> bool:
+        """Whether a request is one the primary runs: input and every output in CUDA regions."""
+        return (out is None and bool(sources) and bool(targets) and all(s.on_device for s in sources)
+                and all(t.on_device for t in targets))
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
