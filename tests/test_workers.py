@@ -339,8 +339,8 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
             try:
                 cudashm.set_shared_memory_region(src, [x])
                 admin = th.InferenceServerClient(host)
-                for name, region, size in ((f"in-{tag}", src, x.nbytes), (f"out-{tag}", dst, 4099 * 64 * 2)):
-                    raw = cudashm.get_raw_handle(region)
+                for name, allocation, size in ((f"in-{tag}", src, x.nbytes), (f"out-{tag}", dst, 4099 * 64 * 2)):
+                    raw = cudashm.get_raw_handle(allocation)
                     admin.register_cuda_shared_memory(name, raw.decode() if isinstance(raw, bytes) else raw, 0, size)
                 for _ in range(12):  # a client each: a connection each
                     client = th.InferenceServerClient(host)

@@ -43,15 +43,38 @@ def _probe_rows(settings: Settings, selected):
     return probe_all(names) if names else [selected]
 
 
-async def start_runtime(rt: Runtime) -> None:
-    settings = rt.settings
-    backend, row = select(settings.backend or "")
+def use_backend(rt: Runtime, name: str) -> None:
+    """Select the backend (``name``: forced, or '' for the best available) for the runtime: its
+    shared-memory regions and, on a GPU backend, page-locked bodies (the primary's and each
+    serving worker's start)."""
+    backend, row = select(name)
     rt.backend, rt.selected = backend, row
-    rt.probe_rows = _probe_rows(settings, row)
     rt.shm.use_backend(backend, row.backend)
     alloc = backend.page_locked_allocator()
-    if alloc is not None and settings.pinned_body_bytes:
-        hostmem.install(hostmem.PinnedPool(alloc, settings.pinned_body_bytes))
+    if alloc is not None and rt.settings.pinned_body_bytes:
+        hostmem.install(hostmem.PinnedPool(alloc, rt.settings.pinned_body_bytes))
+
+
+async def release_runtime(rt: Runtime) -> None:
+    """Close the models, the devices, the regions and the thread pools (the primary's and each
+    serving worker's stop)."""
+    if rt.registry is not None:
+        await rt.registry.close()
+    if rt.backend is not None:
+        rt.backend.close()
+    if rt.store is not None:
+        rt.store.close()
+    rt.shm.close()
+    hostmem.install(None)
+    rt.executor.shutdown(wait=True)
+    rt.forward_pool.shutdown(wait=True)
+
+
+async def start_runtime(rt: Runtime) -> None:
+    settings = rt.settings
+    use_backend(rt, settings.backend or "")
+    backend, row = rt.backend, rt.selected
+    rt.probe_rows = _probe_rows(settings, row)
     log.info("backend %s:%s on %s", row.backend, row.variant, row.device)
     rt.store = Store(settings.store_dir, keep_versions=settings.keep_versions)
     rt.registry = Registry(settings, rt.store, backend, row, rt.executor, rt.metrics, rt.forward_pool)
@@ -81,16 +104,7 @@ async def stop_runtime(rt: Runtime) -> None:
     rt.ready = False
     if rt.region_service is not None:
         rt.region_service.stop()
-    if rt.registry is not None:
-        await rt.registry.close()
-    if rt.backend is not None:
-        rt.backend.close()
-    if rt.store is not None:
-        rt.store.close()
-    rt.shm.close()
-    hostmem.install(None)
-    rt.executor.shutdown(wait=True)
-    rt.forward_pool.shutdown(wait=True)
+    await release_runtime(rt)
 
 
 class MMADApp(FastAPI):

@@ -21,9 +21,8 @@ from typing import Any, Callable
 import httpx
 from fastapi import Request
 
-from mmad.backends import select
-from mmad.errors import MMADError, NotReady
-from mmad.server import hostmem
+from mmad.errors import MMADError
+from mmad.server.app import release_runtime, use_backend
 from mmad.server.bodies import BodyLimitMiddleware, json_response
 from mmad.server.deps import Runtime
 from mmad.server.errors import error_response, internal_error_response, mmad_error_response, status_for
@@ -70,7 +69,7 @@ class WorkerRegistry(Registry):
                     continue
                 try:
                     await self._replace(doc, await weights(name))
-                except httpx.HTTPError:
+                except httpx.HTTPError:  # the primary unreachable: the whole sync fails, tried again later
                     raise
                 except Exception as exc:  # noqa: BLE001 - whatever stops one model, the others serve
                     self._failed[name] = doc["incarnation"]
@@ -323,12 +322,8 @@ class WorkerApp:
     async def start(self) -> None:
         rt, settings = self.rt, self.settings
         state = await self.primary.wait_for_primary()
-        backend, row = select(state["backend"])  # the primary's backend, whatever MMAD_BACKEND says here
-        rt.backend, rt.selected = backend, row
-        rt.shm.use_backend(backend, row.backend)
-        alloc = backend.page_locked_allocator()
-        if alloc is not None and settings.pinned_body_bytes:
-            hostmem.install(hostmem.PinnedPool(alloc, settings.pinned_body_bytes))
+        use_backend(rt, state["backend"])  # the primary's backend, whatever MMAD_BACKEND says here
+        backend, row = rt.backend, rt.selected
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
         if rt.shm.cuda_enabled:  # requests all in CUDA regions run in the primary's context
             from mmad.server.region_forwards import RegionForwardClient
@@ -364,14 +359,7 @@ class WorkerApp:
             self._follower.cancel()
         if rt.region_forwards is not None:
             await rt.region_forwards.close()
-        if rt.registry is not None:
-            await rt.registry.close()
-        if rt.backend is not None:
-            rt.backend.close()
-        rt.shm.close()
-        hostmem.install(None)
-        rt.executor.shutdown(wait=True)
-        rt.forward_pool.shutdown(wait=True)
+        await release_runtime(rt)
         await self.primary.client.aclose()
 
 

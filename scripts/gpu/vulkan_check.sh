@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Vulkan backend on an offline NVIDIA host (GPU-HOST.md): unpack the Vulkan loader + GL
+# Vulkan backend on an offline NVIDIA host (the host: docs/gpu-notes-vulkan.md): unpack the Vulkan loader + GL
 # dispatch debs and the wheels carried in .gl/ and .whl/, map the mmad package, run the vulkan
 # tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
 # benchmark vs PyTorch fp16, then (SERVE=1, the default) the daemon on the vulkan backend end to
