@@ -19,7 +19,7 @@ import pytest
 
 from mmad.backends import layouts as L
 from mmad.backends.cuda import CudaBackend
-from mmad.backends.cuda.mma import FUSED_KERNELS, MMA_KERNELS, MmaPlan, b_image_index
+from mmad.backends.cuda.mma import FUSED_KERNELS, GROUP_KERNELS, MMA_KERNELS, MmaPlan, b_image_index
 from mmad.errors import SpecError
 from mmad.spec import bench_spec
 
@@ -91,11 +91,14 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
                         done.stderr, flags=re.S)
     spills = {kernel: int(stack) + int(spill) for kernel, stack, spill in report}
     fused = set(FUSED_KERNELS) if plan.fused_wgrad else set()
-    assert set(spills) == set(MMA_KERNELS) | fused
-    # the *_rows kernels (a held dataset read in place) must spill no more than their plain twins
-    for kernel in ("mlp_train_fwd_bwd", "mlp_train_fused"):
-        if kernel in spills:
-            assert spills[kernel + "_rows"] <= spills[kernel], spills
+    group = set(GROUP_KERNELS) if plan.group_forward else set()
+    assert set(spills) == set(MMA_KERNELS) | fused | group
+    # the *_rows kernels (a held dataset read in place) must spill no more than their plain twins,
+    # nor the group forwards (several requests in one launch) than the plain forwards
+    for kernel, twin in [("mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows"), ("mlp_train_fused", "mlp_train_fused_rows"),
+                         ("mlp_forward", "mlp_forward_group"), ("mlp_forward_half", "mlp_forward_half_group")]:
+        if twin in spills:
+            assert spills[twin] <= spills[kernel], spills
     for kernel in spill_free + ("mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step"):
         assert spills[kernel] == 0, f"{kernel} uses local memory: {spills}"
 

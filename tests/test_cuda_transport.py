@@ -225,3 +225,73 @@ def test_forward_into_writes_a_device_array(pair, in_dtype, out_dtype):
     assert rel_err(cp.asnumpy(wide[:, ::2]).astype(np.float64), ref) <= FWD_TOL
     assert bool(cp.isnan(wide[:, 1::2]).all())  # nothing written beside it
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(model.forward(dx, out_dtype=out_dtype)))
+
+
+@pytest.mark.parametrize("name", ["S", "M", "L", "W"])
+def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_inputs(backend, name):
+    """``forward_group`` (the daemon's group of forwards between CUDA regions): on mma, every pair
+    of fp16 in and out runs in one launch and every pair of fp32 in and out in another, each
+    output bit-identical to the pair's own ``forward`` and within the oracle's tolerance, and
+    the NaN/Inf word of exactly the pairs whose input holds them is set (an fp32 value beyond
+    fp16's range is finite); other pairings and misaligned arrays run one at a time. W (256 wide)
+    has no group kernel: every pair one at a time, the same results."""
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    model, oracle = make_pair(backend, KernelCache(), bench_spec(name), rng, variant="mma")
+    n_in, n_out = model.spec.n_input_dims, model.spec.n_output_dims
+    cases = [(1, np.float16, np.float16, None), (7, np.float32, np.float32, None),
+             (1000, np.float16, np.float16, "nan"), (65_537, np.float16, np.float16, None),
+             (300, np.float32, np.float32, "inf"), (129, np.float32, np.float32, "big"),
+             (0, np.float16, np.float16, None), (500, np.float16, np.float16, "-inf"),
+             (77, np.float16, np.float32, "nan"), (64, np.float16, np.float16, "misaligned")]
+    pairs, hosts, expected = [], [], []
+    for rows, in_dtype, out_dtype, special in cases:
+        x = inputs(rng, rows, model.spec).astype(in_dtype)
+        if special in ("nan", "inf", "-inf", "big") and rows:
+            x[rng.integers(rows), rng.integers(n_in)] = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf,
+                                                         "big": 1e6}[special]
+        if special == "misaligned":  # 8 bytes past a 16-byte boundary: the kernel's vector loads cannot read it
+            flat = cp.zeros(rows * n_in + 4, dtype=in_dtype)
+            dx = flat[4:].reshape(rows, n_in)
+            dx[...] = cp.asarray(x)
+        else:
+            dx = cp.asarray(x)
+        pairs.append((dx, cp.full((rows, n_out), np.nan, dtype=out_dtype)))
+        hosts.append(x)
+        expected.append(special in ("nan", "inf", "-inf"))
+    words = cp.zeros(len(pairs), dtype=cp.uint32)
+    launched = []
+    launch = model._launch
+
+    def counting_launch(kernel, *args, **kwargs):
+        launched.append(kernel)
+        launch(kernel, *args, **kwargs)
+
+    model._launch = counting_launch
+    try:
+        model.forward_group(pairs, words)
+    finally:
+        del model._launch
+    cp.cuda.Device().synchronize()
+    assert [bool(w) for w in cp.asnumpy(words)] == expected
+    if name == "W":
+        assert "mlp_forward_group" not in launched and "mlp_forward_half_group" not in launched
+    else:
+        assert launched.count("mlp_forward_half_group") == 1 and launched.count("mlp_forward_group") == 1
+        # the two fallbacks: fp16 in, fp32 out (plus its finiteness check), and the misaligned input
+        assert launched.count("mlp_forward") + launched.count("mlp_forward_half") == 2
+    for (dx, out), x, flagged in zip(pairs, hosts, expected):
+        if flagged or not len(x):
+            continue
+        got = cp.asnumpy(out)
+        np.testing.assert_array_equal(got, cp.asnumpy(model.forward(dx, out_dtype=out.dtype)))
+        if np.isfinite(x.astype(np.float16)).all():
+            assert rel_err(got.astype(np.float64), oracle.forward(x.astype(np.float32))) <= FWD_TOL
+    # without the words: nothing checked, the same outputs
+    again = [(dx, cp.full_like(out, np.nan)) for dx, out in pairs]
+    model.forward_group(again, None)
+    for (_, first), (_, second), flagged in zip(pairs, again, expected):
+        if not flagged:
+            np.testing.assert_array_equal(cp.asnumpy(first), cp.asnumpy(second))
+    model.close()

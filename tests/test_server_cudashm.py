@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import os
-import types
 
 import numpy as np
 import orjson
@@ -25,7 +24,7 @@ from test_server_api import oracle, rel_err
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NotReady
 from mmad.server import Settings, create_app
 from mmad.server.cudashm import CudaRegion
-from mmad.server.region_forwards import RegionForwardClient, RegionForwardRunner
+from mmad.server.region_forwards import GROUP_MAX, RegionForwardClient, RegionForwardRunner
 
 API_KEY = "cudashm-test-key"
 ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
@@ -271,20 +270,27 @@ def test_register_and_unregister_need_the_api_key(client):
 class FakeCupy:
     """CuPy's calls the region-forward runner makes, on NumPy arrays (the fake regions' views)."""
 
-    uint32 = np.uint32
-    zeros = staticmethod(np.zeros)
-    logical_not = staticmethod(np.logical_not)
-    isfinite = staticmethod(np.isfinite)
-    asnumpy = staticmethod(np.asarray)
-
     class cuda:  # noqa: N801 - CuPy's name
         @staticmethod
         def Device(device):  # noqa: N802 - CuPy's name
             return contextlib.nullcontext()
 
-        @staticmethod
-        def get_current_stream():
-            return types.SimpleNamespace(synchronize=lambda: None)
+
+class FakeGroupSlot:
+    """CudaGroupSlot's calls on NumPy words: the forwards ran when launched."""
+
+    def __init__(self, cp, device):
+        self.device = device
+        self.words = np.zeros(GROUP_MAX, np.uint32)
+
+    def start(self):
+        self.words[:] = 0
+
+    def finish(self, count):
+        pass
+
+    def wait(self):
+        return self.words
 
 
 def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
@@ -315,7 +321,7 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
                 "name": "OUTPUT"}
 
     path = str(tmp_path / "rf.sock")
-    runner = RegionForwardRunner(rt, path, cp=FakeCupy)
+    runner = RegionForwardRunner(rt, path, cp=FakeCupy, slot_type=FakeGroupSlot)
 
     async def scenario():
         remote = RegionForwardClient(path)

@@ -188,6 +188,17 @@ class CompiledModel(abc.ABC):
         write ``out`` itself skips the copy made here."""
         out[...] = self.forward(x, out_dtype=out.dtype)
 
+    def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
+        """``forward_into(x, out)`` for every pair, launched as one unit of work where the backend
+        can (the daemon's group of forwards between shared-memory regions). ``nonfinite``: an
+        array of words on the pairs' side, one per pair, zeroed by the caller; word i is set to 1
+        when pair i's input holds NaN or Inf (its output is then unspecified). Nothing waits
+        for the device: the caller synchronizes."""
+        for i, (x, out) in enumerate(pairs):
+            if nonfinite is not None and not all_finite(x):
+                nonfinite[i] = 1
+            self.forward_into(x, out)
+
     @abc.abstractmethod
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         """``steps`` optimizer steps on the batch (x, y); returns each step's loss (fp32).

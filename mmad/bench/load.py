@@ -1224,8 +1224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", help="GPU report: write the results here (default "
                                                     "<out>/service-<backend>.json)")
     p.add_argument("--gpu-rows", default="65536,1048576", help="GPU report: rows of the in-process forward_to_host")
-    p.add_argument("--shm-clients", default="1,8",
-                   help="GPU report: shared-memory client processes, a comma list (each count one measurement)")
+    p.add_argument("--shm-clients", default="8,16,32",
+                   help="GPU report: shared-memory client processes, a comma list (each count one measurement; "
+                        "a 65,536-row CUDA-region request is mostly HTTP and Python in the client and the "
+                        "daemon, so the GPU's rate needs many clients)")
     p.add_argument("--generator", help=argparse.SUPPRESS)
     return p
 

@@ -23,6 +23,9 @@ from mmad.errors import InvalidInput
 log = logging.getLogger("mmad.server")
 
 
+VIEWS_KEPT = 64  # device-array views of one region kept for reuse
+
+
 @dataclass
 class CudaRegion:
     """A registered CUDA region: ``byte_size`` bytes on GPU ``device_id``; ``view`` makes device
@@ -43,8 +46,19 @@ class CudaRegion:
         return {"name": self.name, "kind": "cuda", "raw_handle": {"b64": base64.b64encode(self.handle).decode()},
                 "device_id": self.device_id, "byte_size": self.byte_size}
 
+    def __post_init__(self) -> None:
+        # (offset, dtype, shape) -> its view: clients name the same tensors request after request,
+        # and making a device array costs the region-forward thread more than its launch share
+        self._views: dict[tuple, Any] = {}
+
     def array(self, where: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
-        return self.view(offset, dtype, shape)
+        key = (offset, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            view = self._views[key] = self.view(offset, dtype, shape)
+        return view
 
     def close(self) -> bool:
         """Let the IPC mapping go: it is closed once no request's array uses it any more (the

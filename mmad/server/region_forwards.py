@@ -6,8 +6,9 @@ processes 6,100 together (docs/gpu-notes-cuda.md). A request whose input and out
 CUDA regions needs no host copy, so that switch is all its cost: with ``--workers`` a worker
 reads and checks such a request (HTTP, the references, the bounds) and sends only what names
 the tensors to the primary, whose one thread per daemon runs every worker's region forwards in
-its own context, a group at a time: each forward launched under its replica's lock, then one
-synchronize per device for the group, then every answer.
+its own context, a group at a time: each replica's forwards of the group launched together
+(``CompiledModel.forward_group``: one kernel for them all on the mma variant, their finiteness
+checked inside it) under its lock, then one wait per device for the group, then every answer.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
 "outputs": [{...}], "check_finite"}`` names each tensor by ``region``, ``offset``, ``byte_size``,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import selectors
 import socket
 import struct
@@ -65,22 +67,61 @@ class _Work:
     doc: dict[str, Any]
     connection: socket.socket  # the worker's, where the answer goes
     error: MMADError | None = None
-    check: Any = None  # the device word that says the input held NaN or Inf
-    devices: set = field(default_factory=set)
+    source: Any = None  # the input's ShmTensor, once resolved
+    targets: list = field(default_factory=list)  # the outputs' ShmTensors
+    device: int = -1
+
+
+class CudaGroupSlot:
+    """One group in flight on one device: its finiteness words on the device and in page-locked
+    host memory, and the event that says the group's kernels and the words' copy are done."""
+
+    def __init__(self, cp, device: int):
+        self.cp = cp
+        self.device = device
+        with cp.cuda.Device(device):
+            self.words = cp.zeros(GROUP_MAX, dtype=cp.uint32)
+            self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(GROUP_MAX * 4), np.uint32, GROUP_MAX)
+            self.event = cp.cuda.Event(disable_timing=True)
+
+    def start(self) -> None:
+        """Zero the words (on the device's current stream, as everything after)."""
+        cp = self.cp
+        cp.cuda.runtime.memsetAsync(self.words.data.ptr, 0, self.words.nbytes, cp.cuda.get_current_stream().ptr)
+
+    def finish(self, count: int) -> None:
+        """Queue the copy of the first ``count`` words back, and the event after it."""
+        cp = self.cp
+        cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.words.data.ptr, count * 4, 2,  # device to host
+                                    cp.cuda.get_current_stream().ptr)
+        self.event.record()
+
+    def wait(self) -> np.ndarray:
+        """The words, once the group is done (the wait lets go of the GIL)."""
+        self.event.synchronize()
+        return self.host
 
 
 class RegionForwardRunner:
-    """The one thread that reads the workers' requests and runs them in the primary's CUDA
-    context, a group at a time: everything it waits on (the sockets, the synchronize) lets go of
-    the GIL, and no request crosses from an event loop to another thread (through the primary's
-    event loop and a queue to this thread, 8 clients got 1,536 requests/s on the H100 host)."""
+    """Reads the workers' requests and runs them in the primary's CUDA context, a group at a
+    time: one thread reads the sockets and launches each group (``forward_group``: one kernel
+    per replica on the mma variant, the finiteness of every input checked inside it), and goes
+    on reading while the GPU runs it; another waits for each group in turn and sends its
+    answers. Up to ``SLOTS`` groups per device are in flight. Everything either thread waits on
+    (the sockets, a group's event) lets go of the GIL, and no request crosses from an event loop
+    to a thread (through the primary's event loop and a queue to a thread, 8 clients got 1,536
+    requests/s on the H100 host)."""
 
-    def __init__(self, rt, path: str, cp: Any = None):
-        """Listen on ``path``; ``cp``: CuPy (the default) or a stand-in with its API (tests:
-        NumPy arrays as the regions)."""
+    SLOTS = 4
+
+    def __init__(self, rt, path: str, cp: Any = None, slot_type: Any = CudaGroupSlot):
+        """Listen on ``path``; ``cp``: CuPy (the default) or a stand-in with its API, and
+        ``slot_type`` a stand-in for :class:`CudaGroupSlot` (tests: NumPy arrays as the regions)."""
         self.rt = rt
         self.cp = cp
-        self._flags: dict[int, Any] = {}  # device -> GROUP_MAX device words for the finiteness checks
+        self.slot_type = slot_type
+        self._free: dict[int, queue.SimpleQueue] = {}  # device -> its slots not in flight
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (slot or None, works) to answer, in order
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
         self.listener.listen(256)
@@ -90,13 +131,16 @@ class RegionForwardRunner:
         self.selector.register(self._wake_read, selectors.EVENT_READ)
         self._buffers: dict[socket.socket, bytearray] = {}
         self.thread = threading.Thread(target=self._run, name="mmad-region-forwards", daemon=True)
+        self.answers = threading.Thread(target=self._answer, name="mmad-region-answers", daemon=True)
         self.thread.start()
+        self.answers.start()
 
     def stop(self) -> None:
         """Close the socket and every worker's connection (their pending requests fail with 503)."""
         if self.thread.is_alive():
             self._wake_write.send(b"x")
             self.thread.join(30)
+        self.answers.join(30)
 
     def _run(self) -> None:
         try:
@@ -113,10 +157,11 @@ class RegionForwardRunner:
                     else:
                         group.extend(self._read(sock))
                 for start in range(0, len(group), GROUP_MAX):
-                    self._run_group(group[start:start + GROUP_MAX])
+                    self._launch_group(group[start:start + GROUP_MAX])
         finally:
             for sock in [*self._buffers, self.listener, self._wake_read, self._wake_write]:
-                sock.close()
+                self._done.put((None, [], sock))  # closed after the answers queued before
+            self._done.put(None)
             self.selector.close()
 
     def _read(self, sock: socket.socket) -> list[_Work]:
@@ -128,7 +173,9 @@ class RegionForwardRunner:
         if not data:
             self.selector.unregister(sock)
             del self._buffers[sock]
-            sock.close()
+            # closed by the answering thread once this connection's pending answers are sent (a
+            # descriptor closed here could be reused by the next connection before they are)
+            self._done.put((None, [], sock))
             return []
         buffer = self._buffers[sock]
         buffer += data
@@ -142,50 +189,113 @@ class RegionForwardRunner:
             works.append(_Work(doc, sock))
         return works
 
-    def _run_group(self, group: list[_Work]) -> None:
+    def _launch_group(self, group: list[_Work]) -> None:
         if self.cp is None:
             from mmad.backends.cuda.toolchain import cupy_module
 
             self.cp = cupy_module()
-        cp = self.cp
-        used: dict[int, int] = {}  # device -> flag words used
+        # device -> id(replica) -> (the replica, the group's forwards there in arrival order)
+        batches: dict[int, dict[int, tuple[Any, list[_Work]]]] = {}
+        refused = []
         for work in group:
             try:
-                self._launch(cp, work, used)
+                replica = self._resolve(work)
             except MMADError as exc:
                 work.error = exc
-            except Exception as exc:  # noqa: BLE001 - a CUDA failure: this request's 500, the others go on
-                log.exception("a region forward failed")
-                work.error = LaunchError(f"the forward failed on the device: {type(exc).__name__}: {exc}")
-        flags: dict[int, np.ndarray] = {}
-        for device, count in used.items():
-            try:
-                with cp.cuda.Device(device):
-                    if count:  # the copy back waits for the group's kernels (one stream): no synchronize first
-                        flags[device] = cp.asnumpy(self._flags[device][:count])
-                    else:
-                        cp.cuda.get_current_stream().synchronize()
-            except Exception as exc:  # noqa: BLE001 - every request of the group that ran there failed
-                for work in group:
-                    if device in work.devices and work.error is None:
-                        work.error = LaunchError(f"a CUDA kernel failed: {exc}")
-        for work in group:
-            if work.error is None and work.check is not None and flags[work.check[0]][work.check[1]]:
-                work.error = InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to allow "
-                                          "them)")
-            if work.error is None:
-                answer = {"id": work.doc["id"], "ok": True}
-            else:
-                answer = {"id": work.doc["id"], "status": status_for(work.error), "error": str(work.error)}
-            body = orjson.dumps(answer)
-            try:
-                work.connection.sendall(HEADER.pack(len(body)) + body)
-            except OSError:  # the worker went away: nobody waits for this answer
-                pass
+                refused.append(work)
+                continue
+            batches.setdefault(work.device, {}).setdefault(id(replica), (replica, []))[1].append(work)
+        if refused:
+            self._done.put((None, refused, None))
+        for device, by_replica in batches.items():
+            self._launch_on_device(device, by_replica)
 
-    def _launch(self, cp, work: _Work, used: dict[int, int]) -> None:
-        """Resolve the request's regions here (the primary's own mappings, every check again), and
-        launch its forward and output copies on the replica on the regions' GPU."""
+    def _slot(self, device: int) -> Any:
+        """A free slot of ``device`` (waits while all its groups are in flight)."""
+        free = self._free.get(device)
+        if free is None:
+            free = self._free[device] = queue.SimpleQueue()
+            for _ in range(self.SLOTS):
+                free.put(self.slot_type(self.cp, device))
+        return free.get()
+
+    def _launch_on_device(self, device: int, by_replica: dict[int, tuple[Any, list[_Work]]]) -> None:
+        """Launch every replica's forwards on ``device``: one ``forward_group`` each, under the
+        replica's lock, on the stream training uses too (a forward sees the weights before or
+        after a whole optimizer step); then the finiteness words' copy back and the group's
+        event, for the answering thread."""
+        cp = self.cp
+        works = [work for _, batch in by_replica.values() for work in batch]
+        slot = self._slot(device)
+        try:
+            with cp.cuda.Device(device):
+                slot.start()
+                first = 0
+                for replica, batch in by_replica.values():
+                    try:
+                        with replica.lock:
+                            model = replica.model
+                            if model is None:
+                                raise ModelNotReady(batch[0].doc["model"])
+                            model.forward_group([(work.source.array, work.targets[0].array) for work in batch],
+                                                slot.words[first:first + len(batch)])
+                            for work in batch:
+                                for t in work.targets[1:]:
+                                    t.array[...] = work.targets[0].array
+                    except MMADError as exc:
+                        for work in batch:
+                            work.error = exc
+                    except Exception as exc:  # noqa: BLE001 - a CUDA failure: these requests' 500, the others go on
+                        log.exception("a group of region forwards failed")
+                        for work in batch:
+                            work.error = LaunchError(f"the forward failed on the device: {type(exc).__name__}: {exc}")
+                    first += len(batch)
+                slot.finish(first)
+        except Exception as exc:  # noqa: BLE001 - every request of the group there failed
+            for work in works:
+                if work.error is None:
+                    work.error = LaunchError(f"a CUDA kernel failed: {exc}")
+        self._done.put((slot, works, None))
+
+    def _answer(self) -> None:
+        """Wait for each launched group in turn and send its answers, one write per worker."""
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            slot, works, closing = item
+            if closing is not None:
+                closing.close()
+                continue
+            flags = None
+            if slot is not None:
+                try:
+                    flags = slot.wait()[:len(works)].copy()  # the slot is launched again once back
+                except Exception as exc:  # noqa: BLE001 - every request that ran there failed
+                    for work in works:
+                        if work.error is None:
+                            work.error = LaunchError(f"a CUDA kernel failed: {exc}")
+                self._free[slot.device].put(slot)
+            answers: dict[socket.socket, list[bytes]] = {}
+            for i, work in enumerate(works):
+                if work.error is None and flags is not None and work.doc.get("check_finite") and flags[i]:
+                    work.error = InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to "
+                                              "allow them)")
+                if work.error is None:
+                    answer = {"id": work.doc["id"], "ok": True}
+                else:
+                    answer = {"id": work.doc["id"], "status": status_for(work.error), "error": str(work.error)}
+                body = orjson.dumps(answer)
+                answers.setdefault(work.connection, []).append(HEADER.pack(len(body)) + body)
+            for connection, bodies in answers.items():
+                try:
+                    connection.sendall(b"".join(bodies))
+                except OSError:  # the worker went away: nobody waits for these answers
+                    pass
+
+    def _resolve(self, work: _Work) -> Any:
+        """Resolve the request's regions here (the primary's own mappings, every check again);
+        the replica on the regions' GPU that runs it."""
         doc, shm = work.doc, self.rt.shm
         entry = self.rt.registry.get_ready(doc["model"])
         spec = entry.spec
@@ -209,36 +319,8 @@ class RegionForwardRunner:
         if replica is None:
             raise InvalidInput(f"shared memory region {source.region!r} is on GPU {device} but model {entry.name!r} "
                                f"runs on GPU(s) {', '.join(str(r.device) for r in entry.replicas)}")
-        work.devices.add(device)
-        with cp.cuda.Device(device):
-            if doc.get("check_finite"):
-                words = self._flags.get(device)
-                if words is None:
-                    words = self._flags[device] = cp.zeros(GROUP_MAX, dtype=cp.uint32)
-                slot = used.get(device, 0)
-                if slot == 0:
-                    words.fill(0)
-                used[device] = slot + 1
-                x = source.array
-                pointer = getattr(getattr(x, "data", None), "ptr", None)  # None: not a CuPy array
-                if pointer is not None and pointer % 16 == 0:  # the one-launch check reads 16-byte vectors
-                    from mmad.backends.cuda.toolchain import flag_nonfinite
-
-                    flag_nonfinite(cp, x, words[slot:slot + 1])
-                else:
-                    words[slot:slot + 1] = cp.logical_not(cp.isfinite(x).all())
-                work.check = (device, slot)
-            else:
-                used.setdefault(device, 0)
-            # launched under the replica's lock, on the stream training uses too: a forward sees
-            # the weights before or after a whole optimizer step
-            with replica.lock:
-                model = replica.model
-                if model is None:
-                    raise ModelNotReady(entry.name)
-                model.forward_into(source.array, targets[0].array)
-                for t in targets[1:]:
-                    t.array[...] = targets[0].array
+        work.source, work.targets, work.device = source, targets, device
+        return replica
 
 
 # -- the worker's side -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16 on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
 # serving report (docs/benchmarks.md, "--service on a GPU host").
-#   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=4] [SHM_CLIENTS=1,8] scripts/gpu/service_check.sh [phase ...]
+#   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=8] [SHM_CLIENTS=8,16,32] scripts/gpu/service_check.sh [phase ...]
 #   phases: env tests service vulkan (default: env tests service vulkan)
 # Expects the repository root on the GPU host with .whl carried (the daemon's dependencies and
 # tritonclient with cuda-bindings, py3.12 wheels: docs/gpu-notes-cuda.md); logs go under $OUT (or
@@ -21,7 +21,7 @@ SUMMARY="$OUT/summary.txt"
 
 # the small-request sweep: short points, so that the whole report fits the call
 SWEEP="--concurrency 1,8,64,256 --duration-s ${SWEEP_S:-2} --warmup-s 0.5 --large-duration-s ${LARGE_S:-3}"
-SWEEP="$SWEEP --large-requests 40 --in-process-repeats 7 --shm-clients ${SHM_CLIENTS:-1,8}"
+SWEEP="$SWEEP --large-requests 40 --in-process-repeats 7 --shm-clients ${SHM_CLIENTS:-8,16,32}"
 
 for phase in $PHASES; do
   case $phase in

@@ -34,7 +34,7 @@ from mmad.backends.contract import (
 from mmad.backends.numerics import ema_factor_table, epoch_half_bits
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.toolchain import (
-    CudaModel, LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
+    CudaModel, LoadedModule, TableUploads, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
 )
 from mmad.errors import InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
@@ -52,6 +52,8 @@ NVRTC_OPTIONS = ("-std=c++17",)
 MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
                "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
 FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
+GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # where the group forward applies
+GROUP_MAX_WIDTH = 128  # the 256-wide forward holds 254 registers: a group's per-tile pointers would spill
 CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
 GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
 FINISH_THREADS = 256  # mlp_finish_step's block
@@ -139,6 +141,7 @@ class MmaPlan:
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
         self.warps = WARPS_PER_BLOCK
         self.fused_wgrad, self.smem_fused = self._fused_plan(knobs.fused_wgrad)
+        self.group_forward = self.width <= GROUP_MAX_WIDTH
         self.cuda_graphs = knobs.cuda_graphs
         self.source = self._source()
 
@@ -166,6 +169,7 @@ class MmaPlan:
             "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
+            "GROUP_FORWARD": int(self.group_forward),
             **optimizer_defines(s),
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -196,11 +200,13 @@ class CudaMmaModel(MmaPlan, CudaModel):
         cubin = cached_cubin(cache, build, backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
                              options=NVRTC_OPTIONS, source=self.source)
         try:
-            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ()))
+            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ())
+                                  + (GROUP_KERNELS if self.group_forward else ()))
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
-                module.kernel("mlp_forward_half").max_dynamic_shared_size_bytes = self.smem_fwd
+                for name in ("mlp_forward_half",) + (GROUP_KERNELS if self.group_forward else ()):
+                    module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fwd
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 train.max_dynamic_shared_size_bytes = self.smem_train
                 module.kernel("mlp_train_fwd_bwd_rows").max_dynamic_shared_size_bytes = self.smem_train
@@ -254,6 +260,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self._workspace: dict[int, dict[str, Any]] = {}
         self._run: dict[str, Any] = {}  # per-run device tables: learning rates, losses, batch buffers
         self._graphs: dict[tuple, Any] = {}  # one captured step per key (CUDA graphs)
+        self._tables: TableUploads | None = None  # forward_group's descriptors, made on first use
 
     def _workspace_for(self, rows_pad: int) -> dict[str, Any]:
         ws = self._workspace.get(rows_pad)
@@ -333,6 +340,54 @@ class CudaMmaModel(MmaPlan, CudaModel):
             self.forward(x, out_dtype=out.dtype, into=out)
         else:
             super().forward_into(x, out)
+
+    def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
+        """See ``CompiledModel.forward_group``: the pairs that ``mlp_forward_half_group`` (fp16 in
+        and out) or ``mlp_forward_group`` (fp32 in and out) can take run in one launch each, their
+        finiteness checked as the kernel reads them; the others (another dtype pairing, an
+        encoding to apply, a misaligned region) one at a time."""
+        if not self.group_forward or not self.spec.encoding.passthrough:
+            super().forward_group(pairs, nonfinite)
+            return
+        cp = self.cp
+        by_kernel: dict[str, list[int]] = {"mlp_forward_half_group": [], "mlp_forward_group": []}
+        others = []
+        for i, (x, out) in enumerate(pairs):
+            kernel = ("mlp_forward_half_group" if x.dtype == out.dtype == cp.float16
+                      else "mlp_forward_group" if x.dtype == out.dtype == cp.float32 else None)
+            if (kernel is not None and self.is_device_array(x) and self.is_device_array(out)
+                    and x.flags.c_contiguous and out.flags.c_contiguous and x.data.ptr % 16 == 0
+                    and out.data.ptr % 16 == 0 and x.shape == (x.shape[0], self.spec.n_input_dims)
+                    and out.shape == (x.shape[0], self.spec.n_output_dims)):
+                by_kernel[kernel].append(i)
+            else:
+                others.append(i)
+        rows_per_tile = 16 * self.mt_fwd
+        flag_base = nonfinite.data.ptr if nonfinite is not None else 0  # uint32 words
+        for kernel, members in by_kernel.items():
+            if not members:
+                continue
+            table = np.zeros((len(members), 5), dtype=np.int64)  # GroupForward in mlp_mma.cu
+            tiles = 0
+            for row, i in enumerate(members):
+                x, out = pairs[i]
+                table[row] = (x.data.ptr, out.data.ptr, x.shape[0], tiles, flag_base + 4 * i if flag_base else 0)
+                tiles += -(-x.shape[0] // rows_per_tile)
+            if tiles == 0:
+                continue
+            try:
+                if self._tables is None:
+                    self._tables = TableUploads(cp)
+                group = self._tables.upload(table)
+            except device_errors(cp) as exc:
+                raise LaunchError(f"copying a group of {len(members)} forwards to the device failed: {exc}") from exc
+            grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
+            self._launch(kernel, (grid,), (self.warps * 32,),
+                         (group, np.int32(len(members)), np.int64(tiles), *self._inference_weights()),
+                         self.smem_fwd if self.w_smem_fwd else 0)
+            self._tables.used()
+        for i in others:
+            super().forward_group([pairs[i]], None if nonfinite is None else nonfinite[i:i + 1])
 
     def _inference_weights(self) -> tuple[Any, Any]:
         """(fp16 weight image, fp32 biases) the forward reads: the EMA average's under tcnn's EMA

@@ -155,7 +155,7 @@ def device_info(cp) -> dict[str, Any]:
 # the methods that touch a model's device memory: each runs with the model's device current
 # (CuPy keeps the current device per thread, and the daemon's threads serve models on every GPU)
 DEVICE_METHODS = (
-    "forward", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "get_params", "set_params",
+    "forward", "forward_group", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "get_params", "set_params",
     "get_optimizer_state", "set_optimizer_state", "put_dataset", "free_device_bytes", "take_rows", "upload",
     "download", "synchronize", "device_bytes", "close",
 )
@@ -244,6 +244,18 @@ class CudaModel(CompiledModel):
         if encoded:
             x = self.upload(self.encode(self.download(x)))
         return x, False
+
+    def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
+        """See ``CompiledModel.forward_group``: a forward and, with ``nonfinite``, a finiteness
+        check (:func:`flag_nonfinite`) launched per pair; a variant with a group kernel does better."""
+        cp = self.cp
+        for i, (x, out) in enumerate(pairs):
+            if nonfinite is not None:
+                if x.flags.c_contiguous and x.data.ptr % 16 == 0:  # the one-launch check reads 16-byte vectors
+                    flag_nonfinite(cp, x, nonfinite[i:i + 1])
+                else:
+                    nonfinite[i:i + 1] = cp.logical_not(cp.isfinite(x).all())
+            self.forward_into(x, out)
 
     def _prepare_batch(self, x: Any, y: Any) -> tuple[Any, Any, int]:
         dx, _ = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
@@ -399,6 +411,48 @@ def chunk_rows(rows: int, row_bytes: int) -> int:
     want = 1 << max(0, math.ceil(math.log2(max(1, rows / PIPELINE_CHUNKS))))
     n = min(max(want, lo), hi)
     return max(ROW_GRANULE, n // ROW_GRANULE * ROW_GRANULE)
+
+
+class TableUploads:
+    """Small host tables (a group forward's descriptors) copied to the device on the current
+    stream without the host waiting: a ring of page-locked and device buffers. ``upload`` hands
+    out the next slot; the caller marks it ``used`` once the launch that reads it is queued, and
+    a slot is written again only after that launch is done (its event), so neither a pending
+    copy's host bytes nor a running kernel's table is overwritten. (A pageable copy, what
+    ``cupy.asarray`` does, makes the host wait for it.)"""
+
+    SLOTS = 4
+
+    def __init__(self, cp):
+        self.cp = cp
+        self._slots: list[list[Any]] = []  # [bytes held, page-locked view, device buffer, event or None]
+        self._next = 0
+
+    def upload(self, table: np.ndarray) -> Any:
+        """A device uint8 buffer holding ``table``'s bytes once the current stream gets there."""
+        cp = self.cp
+        if len(self._slots) < self.SLOTS:
+            self._slots.append([0, None, None, None])
+        i = self._next
+        self._next = (i + 1) % self.SLOTS
+        slot = self._slots[i]
+        if slot[3] is not None:
+            slot[3].synchronize()
+        nbytes = table.nbytes
+        if slot[0] < nbytes:
+            held = max(nbytes, 4096)
+            slot[:3] = held, np.frombuffer(cp.cuda.alloc_pinned_memory(held), np.uint8, held), cp.empty(held, cp.uint8)
+        slot[1][:nbytes] = np.ascontiguousarray(table).view(np.uint8).reshape(-1)
+        cp.cuda.runtime.memcpyAsync(slot[2].data.ptr, slot[1].ctypes.data, nbytes, _HOST_TO_DEVICE,
+                                    cp.cuda.get_current_stream().ptr)
+        self._used = slot
+        return slot[2]
+
+    def used(self) -> None:
+        """The last uploaded table's launch is queued: its slot waits for it before reuse."""
+        if self._used[3] is None:
+            self._used[3] = self.cp.cuda.Event(disable_timing=True)
+        self._used[3].record()
 
 
 class PinnedStaging:

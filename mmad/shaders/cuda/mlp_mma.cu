@@ -13,6 +13,7 @@
 //   OPT_ADAM BETA1 BETA2 EPS L2REG MOMENTUM      optimizer (the step's rate lr_t comes from the host)
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
+//   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
 //
 // Fragment layouts are the PTX ISA's for mma.m16n8k16 .f16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row): reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][8+2t..], reg3 = A[g+8][8+2t..]
@@ -85,8 +86,11 @@ __device__ __forceinline__ i64 source_row(const int* __restrict__ row_map, i64 r
     return MAPPED ? (i64)__ldg(row_map + row) : row;
 }
 
-// x's columns col, col + 1 of row `row` (zeros where !ok: the padding rows of the last tile)
-__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, bool ok) {
+// x's columns col, col + 1 of row `row` (zeros where !ok: the padding rows of the last tile);
+// CHECK: `bad` set when either value is NaN or Inf (as given: an fp32 value beyond fp16's range
+// is finite here, though it rounds to Inf)
+template <bool CHECK>
+__device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int col, bool ok, bool& bad) {
     float a = 0.f, b = 0.f;
     if (ok) {
         const float* p = x + row * NIN + col;
@@ -97,11 +101,13 @@ __device__ __forceinline__ u32 load_x2(const float* __restrict__ x, i64 row, int
         if (col + 1 < NIN) b = __ldg(p + 1);
 #endif
     }
+    if (CHECK) bad |= !(isfinite(a) && isfinite(b));
     return pack_h2(a, b);
 }
 
 // fp16 input (u16 bits, as the caller's float16 array holds them): the pair is already packed
-__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, bool ok) {
+template <bool CHECK>
+__device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int col, bool ok, bool& bad) {
     u32 v = 0u;
     if (ok) {
         const u16* p = x + row * NIN + col;
@@ -112,6 +118,7 @@ __device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int c
         if (col + 1 < NIN) v |= (u32)__ldg(p + 1) << 16;
 #endif
     }
+    if (CHECK) bad |= (v & 0x7c00u) == 0x7c00u || (v & 0x7c000000u) == 0x7c000000u;  // exponent all ones
     return v;
 }
 
@@ -215,16 +222,32 @@ __device__ __forceinline__ void fused_store_partials(float* __restrict__ partial
     }
 }
 
+// One forward of a group (mlp_forward_group*): its rows and where they are read and written.
+// Its tiles follow the previous forward's, from first_tile on; nonfinite (or null): the word set
+// to 1 when the input holds NaN or Inf.
+struct GroupForward {
+    const void* x;
+    void* out;
+    i64 rows;
+    i64 first_tile;
+    u32* nonfinite;
+};
+
 // ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----
 // XT / OT: float, or u16 for fp16 inputs / outputs (the forward's half I/O; training reads fp32)
+// GROUPED (forward only): the tiles of several forwards in one launch, each with its own input,
+// output and rows (`group`, n_group entries; rows_pad covers all their tiles), the finiteness of
+// each input checked on the way in
 template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS, typename XT = float, typename OT = float,
-          bool MAPPED = false>
+          bool MAPPED = false, bool GROUPED = false>
 __device__ __forceinline__ void mlp_tile_loop(
-    const XT* __restrict__ x, i64 rows, i64 rows_pad, OT* __restrict__ out,
+    const XT* __restrict__ x_all, i64 rows_all, i64 rows_pad, OT* __restrict__ out_all,
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
     const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
     u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial,
-    float* __restrict__ partial = nullptr, const int* __restrict__ row_map = nullptr) {
+    float* __restrict__ partial = nullptr, const int* __restrict__ row_map = nullptr,
+    const GroupForward* __restrict__ group = nullptr, int n_group = 0) {
+    static_assert(!GROUPED || (!TRAIN && !MAPPED), "a group is forwards only");
     static_assert(!FUSED || (MT == 1 && NWARPS == FW && W_SMEM_TRAIN && !STORE_DACT), "fused training geometry");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -255,8 +278,18 @@ __device__ __forceinline__ void mlp_tile_loop(
     const i64 n_tiles = rows_pad / ROWS_PER_WARP;
     // FUSED: every warp of a block takes the same number of tiles (rows_pad is a multiple of
     // SUPER_ROWS), so the block's barriers line up; rl: a row's index within the super-tile
+    int entry = 0;  // GROUPED: the forward this tile belongs to (a warp's tiles only grow)
     for (i64 tile = (i64)blockIdx.x * NWARPS + warp; tile < n_tiles; tile += (i64)gridDim.x * NWARPS) {
-        const i64 row0 = tile * ROWS_PER_WARP;
+        const XT* __restrict__ x = x_all;
+        OT* __restrict__ out = out_all;
+        i64 rows = rows_all, row0 = tile * ROWS_PER_WARP;
+        if constexpr (GROUPED) {
+            while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
+            x = static_cast<const XT*>(group[entry].x);
+            out = static_cast<OT*>(group[entry].out);
+            rows = group[entry].rows;
+            row0 = (tile - group[entry].first_tile) * ROWS_PER_WARP;
+        }
         const int rl0 = warp * ROWS_PER_WARP;
         u32 A[MT][KCW][4];
         // layer 0: A straight from the fp32 input, rounded to fp16
@@ -279,6 +312,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                         src[mt][h] = r < rows ? source_row<MAPPED>(row_map, r) : 0;
                     }
             }
+            bool bad = false;  // GROUPED: this lane read NaN or Inf
 #pragma unroll 2
             for (int kc = 0; kc < KC0; ++kc) {
                 u32 a[MT][4];
@@ -286,10 +320,10 @@ __device__ __forceinline__ void mlp_tile_loop(
                 for (int mt = 0; mt < MT; ++mt) {
                     const i64 r = row0 + mt * 16 + g;
                     const i64 s0 = MAPPED ? src[MAPPED ? mt : 0][0] : r, s1 = MAPPED ? src[MAPPED ? mt : 0][1] : r + 8;
-                    a[mt][0] = load_x2(x, s0, kc * 16 + 2 * t, r < rows);
-                    a[mt][1] = load_x2(x, s1, kc * 16 + 2 * t, r + 8 < rows);
-                    a[mt][2] = load_x2(x, s0, kc * 16 + 8 + 2 * t, r < rows);
-                    a[mt][3] = load_x2(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows);
+                    a[mt][0] = load_x2<GROUPED>(x, s0, kc * 16 + 2 * t, r < rows, bad);
+                    a[mt][1] = load_x2<GROUPED>(x, s1, kc * 16 + 2 * t, r + 8 < rows, bad);
+                    a[mt][2] = load_x2<GROUPED>(x, s0, kc * 16 + 8 + 2 * t, r < rows, bad);
+                    a[mt][3] = load_x2<GROUPED>(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
                     if (FUSED) {
                         u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
                         const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
@@ -311,6 +345,10 @@ __device__ __forceinline__ void mlp_tile_loop(
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) mma16816(C[mt][nt], a[mt], b);
                 }
+            }
+            if constexpr (GROUPED) {
+                u32* const flag = group[entry].nonfinite;
+                if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
             }
             // epilogue of every hidden layer: bias, activation, round, chain into A
 #define HIDDEN_EPILOGUE(L)                                                                         \
@@ -584,6 +622,27 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half(
     mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16>(x, rows, rows_pad, out, wpack, bias, nullptr, 0.f,
                                                          nullptr, nullptr, nullptr, nullptr);
 }
+
+// several forwards in one launch (the daemon's group of forwards between CUDA shared-memory
+// regions): fp32 in and out, and fp16 in and out; every input checked for NaN and Inf. Only where
+// GROUP_FORWARD: a group's per-tile pointers live in registers, which the 256-wide forward lacks
+#if GROUP_FORWARD
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_group(
+    const GroupForward* __restrict__ group, int n_group, i64 n_tiles, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD, false, WARPS, float, float, false, true>(
+        nullptr, 0, n_tiles * 16 * MT_FWD, nullptr, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr,
+        nullptr, nullptr, group, n_group);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half_group(
+    const GroupForward* __restrict__ group, int n_group, i64 n_tiles, const uint2* __restrict__ wpack,
+    const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16, false, true>(
+        nullptr, 0, n_tiles * 16 * MT_FWD, nullptr, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr,
+        nullptr, nullptr, group, n_group);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
