@@ -14,6 +14,9 @@ import asyncio
 import base64
 import contextlib
 import os
+import types
+import uuid
+from multiprocessing import shared_memory
 
 import numpy as np
 import orjson
@@ -270,6 +273,8 @@ def test_register_and_unregister_need_the_api_key(client):
 class FakeCupy:
     """CuPy's calls the region-forward runner makes, on NumPy arrays (the fake regions' views)."""
 
+    empty = staticmethod(np.empty)
+
     class cuda:  # noqa: N801 - CuPy's name
         @staticmethod
         def Device(device):  # noqa: N802 - CuPy's name
@@ -286,6 +291,12 @@ class FakeGroupSlot:
     def start(self):
         self.words[:] = 0
 
+    def upload(self, host):
+        return np.array(host)  # a system region's rows "on the device": a copy
+
+    def download(self, device, host):
+        np.copyto(host, device, casting="same_kind")
+
     def finish(self, count):
         pass
 
@@ -294,9 +305,10 @@ class FakeGroupSlot:
 
 
 def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
-    """With --workers, a worker sends a request whose tensors all lie in CUDA regions to the
-    primary (mmad/server/region_forwards.py): the forward there matches the oracle, many at once
-    run in groups, and every refusal comes back as the primary's own, in the user's terms."""
+    """With --workers, a worker sends a request whose tensors all lie in shared-memory regions
+    of one kind to the primary (mmad/server/region_forwards.py): the forward there matches the
+    oracle for CUDA and system regions, many at once run in groups, and every refusal comes
+    back as the primary's own, in the user's terms."""
     app, _ = app_client
     rt = app.state.runtime
     rows = 33
@@ -306,8 +318,15 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
         b64, memory = client.fake.alloc(nbytes)
         assert register(client, name, b64, nbytes).status_code == 200
         regions[name] = memory
+    system = {}
+    for name, nbytes in [("rf-sys-in", rows * IN_COLS * 4), *[(f"rf-sys-out{k}", rows * OUT_COLS * 4) for k in range(3)]]:
+        system[name] = shared_memory.SharedMemory(f"mmad-{uuid.uuid4().hex[:10]}", create=True, size=nbytes)
+        r = client.post(f"/v2/systemsharedmemory/region/{name}/register", headers=AUTH,
+                        json={"key": "/" + system[name].name, "byte_size": nbytes})
+        assert r.status_code == 200, r.text
     x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
     np.frombuffer(regions["rf-in"], np.float32)[:] = x.ravel()
+    np.ndarray((rows, IN_COLS), np.float32, system["rf-sys-in"].buf)[...] = x
     bad = x.copy()
     bad[-1, 0] = np.nan
     np.frombuffer(regions["rf-nan"], np.float32)[:] = bad.ravel()
@@ -319,6 +338,9 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
     def target(k):
         return {"region": f"rf-out{k}", "offset": 0, "byte_size": rows * OUT_COLS * 4, "datatype": "FP32",
                 "name": "OUTPUT"}
+
+    def sys_target(k):
+        return {**target(k), "region": f"rf-sys-out{k}"}
 
     path = str(tmp_path / "rf.sock")
     runner = RegionForwardRunner(rt, path, cp=FakeCupy, slot_type=FakeGroupSlot)
@@ -341,6 +363,13 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
                 failures[label] = info.value
             await remote.forward("demo", source("rf-nan"), [target(1)], False)  # allowed: not checked
             assert np.isnan(np.frombuffer(regions["rf-out1"], np.float32)).any()
+            # system regions: copied up, computed and copied back into the primary's mappings
+            await asyncio.gather(*(remote.forward("demo", source("rf-sys-in"), [sys_target(k)], True)
+                                   for k in range(3)))
+            assert all(rel_err(np.ndarray((rows, OUT_COLS), np.float32, system[f"rf-sys-out{k}"].buf), ref) <= 1e-5
+                       for k in range(3))
+            with pytest.raises(InvalidInput, match="regions of one kind"):  # a system input, a CUDA output
+                await remote.forward("demo", source("rf-sys-in"), [target(2)], True)
             pending = asyncio.ensure_future(asyncio.sleep(0))
             runner.stop()
             with pytest.raises(NotReady):  # the primary gone: a 503, never a hang
@@ -352,9 +381,31 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
         finally:
             runner.stop()
 
-    failures = asyncio.run(scenario())
+    try:
+        failures = asyncio.run(scenario())
+    finally:
+        client.post("/v2/systemsharedmemory/unregister", headers=AUTH)
+        for region in system.values():
+            region.close()
+            region.unlink()
     assert isinstance(failures["nan"], InvalidInput) and "holds NaN or Inf" in str(failures["nan"])
     assert isinstance(failures["unregistered"], InvalidInput) and "'rf-gone' is not registered" in str(
         failures["unregistered"])
     assert isinstance(failures["unknown model"], ModelNotFound) and "nosuch" in str(failures["unknown model"])
     assert isinstance(failures["shape"], InvalidInput) and "takes [-1, 2]" in str(failures["shape"])
+
+
+def test_workers_pass_on_cuda_regions_and_a_several_replica_models_system_regions():
+    """What a worker sends to the primary's region forwards: every tensor in CUDA regions; or
+    every tensor in system regions when the model has several replicas (one context per GPU
+    spreads them); never a request with an output in the body or regions of both kinds."""
+    cuda, system = types.SimpleNamespace(on_device=True), types.SimpleNamespace(on_device=False)
+    takes = RegionForwardClient.takes
+    assert takes([cuda], [cuda], ["OUTPUT"], 1)
+    assert takes([cuda], [cuda], ["OUTPUT"], 2)
+    assert takes([system], [system], ["OUTPUT"], 2)
+    assert not takes([system], [system], ["OUTPUT"], 1)  # one replica: the worker copies it itself
+    assert not takes([system], [cuda], ["OUTPUT"], 2)
+    assert not takes([cuda], [], ["OUTPUT"], 1)  # the output goes in the body
+    assert not takes([cuda], [cuda], ["OUTPUT", "OUTPUT"], 1)
+    assert not takes([], [cuda], ["OUTPUT"], 1)

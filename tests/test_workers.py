@@ -318,7 +318,10 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
     try:
         wait_for_every_worker(proc.url, timeout_s=180)
         with fresh_connections(proc.url) as http:
-            assert http.put("/v2/models/M", json={"spec": bench_spec("M").to_json()}).status_code == 201
+            # on GPU 0, where the CUDA regions below are made (on a host of several GPUs the
+            # placement could choose another)
+            r = http.put("/v2/models/M", json={"spec": bench_spec("M").to_json(), "config": {"device": 0}})
+            assert r.status_code == 201, r.text
             x = np.random.default_rng().uniform(-1, 1, (4099, 64)).astype(np.float16)
             ref = test_server_api.oracle(http, "M", x.astype(np.float32))
 
@@ -359,6 +362,59 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
             finally:
                 cudashm.destroy_shared_memory_region(src)
                 cudashm.destroy_shared_memory_region(dst)
+    finally:
+        stop_and_check(proc)
+
+
+@pytest.mark.gpu
+def test_workers_pass_a_two_replica_models_system_regions_to_the_primary(tmp_path):
+    """On a host of two GPUs: model M with a replica on each, served through three workers
+    from system shared-memory regions (run by the primary's one context per GPU, the replicas in
+    turn): every output matches the oracle and both GPUs served."""
+    cp = pytest.importorskip("cupy", reason="CuPy is not installed: the cuda backend cannot run here")
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("one GPU here: a model's second replica needs a second GPU")
+    sysshm = pytest.importorskip("tritonclient.utils.shared_memory", reason="tritonclient is not installed")
+    from mmad.spec import bench_spec
+
+    proc = DaemonProcess(tmp_path / "store", "--workers", str(WORKERS),
+                         env={"MMAD_BACKEND": "cuda", "MMAD_PROBE": "cuda"}).start(timeout_s=180)
+    try:
+        wait_for_every_worker(proc.url, timeout_s=180)
+        with fresh_connections(proc.url) as http:
+            r = http.put("/v2/models/M", json={"spec": bench_spec("M").to_json(), "config": {"replicas": 2}})
+            assert r.status_code == 201, r.text
+            rows = 20_000
+            host = proc.url.removeprefix("http://")
+            tag = uuid.uuid4().hex[:8]
+            nbytes = rows * 64 * 2
+            regions = {name: sysshm.create_shared_memory_region(f"{name}-{tag}", f"/{name}-{tag}", nbytes)
+                       for name in ("in", "out")}
+            try:
+                admin = th.InferenceServerClient(host)
+                for name in regions:
+                    admin.register_system_shared_memory(f"{name}-{tag}", f"/{name}-{tag}", nbytes)
+                for k in range(12):  # a client each: a connection each, fresh rows each
+                    x = np.random.default_rng().uniform(-1, 1, (rows, 64)).astype(np.float16)
+                    sysshm.set_shared_memory_region(regions["in"], [x])
+                    client = th.InferenceServerClient(host)
+                    inp = th.InferInput("INPUT", [rows, 64], "FP16")
+                    inp.set_shared_memory(f"in-{tag}", nbytes)
+                    out = th.InferRequestedOutput("OUTPUT")
+                    out.set_shared_memory(f"out-{tag}", nbytes)
+                    client.infer("M", [inp], outputs=[out], parameters={"output_datatype": "FP16"})
+                    y = sysshm.get_contents_as_numpy(regions["out"], np.float16, [rows, 64])
+                    assert rel_err(y, test_server_api.oracle(http, "M", x.astype(np.float32))) <= 3e-3
+                    client.close()
+                admin.unregister_system_shared_memory()
+                admin.close()
+            finally:
+                for allocation in regions.values():
+                    sysshm.destroy_shared_memory_region(allocation)
+            served = {line.split('device="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                      for line in http.get("/metrics").text.splitlines()
+                      if line.startswith('mmad_replica_rows_total{') and 'model="M"' in line}
+            assert set(served) == {"0", "1"} and min(served.values()) >= rows, served
     finally:
         stop_and_check(proc)
 

@@ -73,20 +73,22 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
                 if len(outputs) == 1 and targets and not on_device:  # the forward writes (and casts) into the region
                     out = targets[0][1].array
             t1 = time.perf_counter_ns()
-            if on_device:
+            sources, region_targets = list(parsed.shm_inputs.values()), [t for _, t in targets or []]
+            remote = rt.region_forwards  # a worker's: the primary runs forwards between regions
+            if (remote is not None and version is None
+                    and remote.takes(sources, region_targets, outputs, len(entry.replicas))):
+                await remote.forward(model, describe(parsed.shm_inputs[INPUT], shape=list(x.shape)),
+                                     [describe(t, name=o.name) for o, t in targets], not entry.config.allow_nonfinite)
+                out = shape_only(out_shape, region_targets[0].array.dtype)
+                targets = None  # written by the primary
+                queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+                registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            elif on_device:
                 if version is not None:
                     raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
                 if out is None and any(o.shm is None for o in outputs):
                     out = np.empty(out_shape, dtype=np.float32)
-                sources, device_targets = list(parsed.shm_inputs.values()), [t for _, t in targets or []]
-                remote = rt.region_forwards  # a worker's: the primary runs forwards between CUDA regions
-                if remote is not None and remote.takes(sources, device_targets, out):
-                    await remote.forward(model, describe(parsed.shm_inputs[INPUT], shape=list(x.shape)),
-                                         [describe(t, name=o.name) for o, t in targets],
-                                         not entry.config.allow_nonfinite)
-                    out = shape_only(out_shape, device_targets[0].array.dtype)
-                else:
-                    out = await registry.run(device_forward, entry, x, sources, device_targets, out)
+                out = await registry.run(device_forward, entry, x, sources, region_targets, out)
                 queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
                 registry.record_batch(entry, x.shape[0], 1, compute_ns)
             elif version is None:

@@ -70,6 +70,8 @@ class _Work:
     source: Any = None  # the input's ShmTensor, once resolved
     targets: list = field(default_factory=list)  # the outputs' ShmTensors
     device: int = -1
+    on_host: bool = False  # the regions are system shared memory: copied up and back by the primary
+    staged: tuple = ()  # (input, output) on the device for system regions, held until answered
 
 
 class CudaGroupSlot:
@@ -88,6 +90,23 @@ class CudaGroupSlot:
         """Zero the words (on the device's current stream, as everything after)."""
         cp = self.cp
         cp.cuda.runtime.memsetAsync(self.words.data.ptr, 0, self.words.nbytes, cp.cuda.get_current_stream().ptr)
+
+    def upload(self, host: np.ndarray) -> Any:
+        """A device copy of the host array (a system region's rows), queued: asynchronous from
+        the primary's page-locked mapping of the region."""
+        cp = self.cp
+        device = cp.empty(host.shape, dtype=host.dtype)
+        cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, host.nbytes, 1,  # host to device
+                                    cp.cuda.get_current_stream().ptr)
+        return device
+
+    def download(self, device: Any, host: np.ndarray) -> None:
+        """Queue the copy of the device array into the host array (a system region), in its dtype."""
+        cp = self.cp
+        if device.dtype != host.dtype:
+            device = device.astype(host.dtype)
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, host.nbytes, 2,  # device to host
+                                    cp.cuda.get_current_stream().ptr)
 
     def finish(self, count: int) -> None:
         """Queue the copy of the first ``count`` words back, and the event after it."""
@@ -121,6 +140,7 @@ class RegionForwardRunner:
         self.cp = cp
         self.slot_type = slot_type
         self._free: dict[int, queue.SimpleQueue] = {}  # device -> its slots not in flight
+        self._turns: dict[str, int] = {}  # model -> the replica the next system-region forward takes
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (slot or None, works) to answer, in order
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
@@ -237,11 +257,22 @@ class RegionForwardRunner:
                             model = replica.model
                             if model is None:
                                 raise ModelNotReady(batch[0].doc["model"])
-                            model.forward_group([(work.source.array, work.targets[0].array) for work in batch],
-                                                slot.words[first:first + len(batch)])
                             for work in batch:
-                                for t in work.targets[1:]:
-                                    t.array[...] = work.targets[0].array
+                                if work.on_host:
+                                    work.staged = (slot.upload(work.source.array),
+                                                   cp.empty(work.targets[0].array.shape,
+                                                            dtype=work.targets[0].array.dtype))
+                            model.forward_group([work.staged or (work.source.array, work.targets[0].array)
+                                                 for work in batch], slot.words[first:first + len(batch)])
+                            for work in batch:
+                                if work.on_host:
+                                    for t in work.targets:
+                                        slot.download(work.staged[1], t.array)
+                                else:
+                                    for t in work.targets[1:]:
+                                        t.array[...] = work.targets[0].array
+                            replica.batches += len(batch)
+                            replica.rows += sum(work.source.array.shape[0] for work in batch)
                     except MMADError as exc:
                         for work in batch:
                             work.error = exc
@@ -308,17 +339,25 @@ class RegionForwardRunner:
         out_shape = (shape[0], spec.n_output_dims)
         targets = [shm.tensor(f"output {o['name']!r}", _params(o), WIRE_DTYPES[o["datatype"]], out_shape,
                               o["datatype"], at_least=True) for o in doc["outputs"]]
-        if not source.on_device or not all(t.on_device for t in targets):
-            raise InvalidInput("a region forward reads and writes CUDA shared memory regions only")
-        device = source.device
-        if any(t.device != device for t in targets):
-            raise InvalidInput(f"shared memory regions {source.region!r} and "
-                               f"{next(t.region for t in targets if t.device != device)!r} are on different GPUs; "
-                               "one request's regions must share a GPU")
-        replica = next((r for r in entry.replicas if r.device == device), None)
-        if replica is None:
-            raise InvalidInput(f"shared memory region {source.region!r} is on GPU {device} but model {entry.name!r} "
-                               f"runs on GPU(s) {', '.join(str(r.device) for r in entry.replicas)}")
+        if any(t.on_device != source.on_device for t in targets):
+            raise InvalidInput("a region forward reads and writes regions of one kind: all CUDA or all system "
+                               "shared memory")
+        if source.on_device:
+            device = source.device
+            if any(t.device != device for t in targets):
+                raise InvalidInput(f"shared memory regions {source.region!r} and "
+                                   f"{next(t.region for t in targets if t.device != device)!r} are on different "
+                                   "GPUs; one request's regions must share a GPU")
+            replica = next((r for r in entry.replicas if r.device == device), None)
+            if replica is None:
+                raise InvalidInput(f"shared memory region {source.region!r} is on GPU {device} but model "
+                                   f"{entry.name!r} runs on GPU(s) {', '.join(str(r.device) for r in entry.replicas)}")
+        else:  # system regions: the replicas in turn
+            turn = self._turns.get(entry.name, 0)
+            self._turns[entry.name] = turn + 1
+            replica = entry.replicas[turn % len(entry.replicas)]
+            device = replica.device
+            work.on_host = True
         work.source, work.targets, work.device = source, targets, device
         return replica
 
@@ -336,10 +375,16 @@ class RegionForwardClient:
         self._connecting = asyncio.Lock()
 
     @staticmethod
-    def takes(sources: list, targets: list, out: Any) -> bool:
-        """Whether a request is one the primary runs: input and every output in CUDA regions."""
-        return (out is None and bool(sources) and bool(targets) and all(s.on_device for s in sources)
-                and all(t.on_device for t in targets))
+    def takes(sources: list, targets: list, outputs: list, replicas: int) -> bool:
+        """Whether a request is one the primary runs: its input and every output in CUDA regions,
+        or all in system regions of a model with several replicas. (Each worker has a CUDA context
+        on every GPU, time-sliced with the others': with one replica the workers' own copies of
+        system regions overlap well, 1.2-1.3x in-process on the H100 host; with two, the
+        primary's one context per GPU spreads them, docs/multi-gpu.md.)"""
+        if not sources or not targets or len(targets) != len(outputs):
+            return False
+        kinds = {t.on_device for t in [*sources, *targets]}
+        return kinds == {True} or (kinds == {False} and replicas > 1)
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:
