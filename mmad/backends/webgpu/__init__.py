@@ -6,8 +6,9 @@ One variant, ``default``. Per model spec the backend generates one WGSL module
 * ``fwd_infer`` / ``fwd_train``: the fused forward pass, all layers in one dispatch. A workgroup
   owns ``R`` rows; the activations of those rows live in workgroup memory, each layer's weights
   are staged in workgroup memory in chunks of ``KC`` reduction rows (the whole layer when it fits
-  the adapter's ``max-compute-workgroup-storage-size``, streamed otherwise). The input encoding
-  runs in the kernel, so device arrays hold raw inputs. ``fwd_train`` also keeps each layer's
+  the adapter's ``max-compute-workgroup-storage-size``, streamed otherwise). The first layer reads
+  inputs the host encoded, except a grid's columns, which it interpolates from raw inputs
+  (``_kernel_input``). ``fwd_train`` also keeps each layer's
   input (compute type) and pre-activation (fp32) for the backward pass.
 * ``loss_grad`` / ``loss_reduce``: per-element loss and its gradient (× loss scale, × output
   activation derivative, rounded), the mean loss reduced in a fixed order.
@@ -15,6 +16,11 @@ One variant, ``default``. Per model spec the backend generates one WGSL module
   stored pre-activations.
 * ``wgrad_<i>``: weight and bias gradients of layer i as a split-K GEMM over the rows;
   ``grad_reduce`` sums the splits in order (deterministic, no atomics).
+* grid encodings (HashGrid, DenseGrid, TiledGrid): the first layer's load interpolates the
+  tables, ``bwd`` runs on into d loss / d encoded input, and ``grid_keys_<k>`` / ``grid_sort*`` /
+  ``grid_gather_<k>`` turn tcnn's atomic scatter into the tables' gradient as a sort of the table
+  reads and a gather (WGSL has no float atomics; wgsl._grid_wgsl). The tables follow the MLP's
+  parameters in the flat buffers; Adam's per-value step counts are in ``gsteps``.
 * ``optimize``: Adam or SGD on fp32 masters, refreshing the compute-type weight copy; with
   tcnn's EMA wrapper also the average (``ema``) and its compute-type copy (``ema_wc``), which
   ``fwd_infer`` binds where other models bind ``master`` and ``wc`` (training keeps the raw ones).

@@ -644,8 +644,9 @@ def _grid_wgsl(plan: Plan) -> str:
     Training (WGSL has no float atomics, so tcnn's scatter-add becomes a sort and a gather, with
     the same sums in a fixed order): ``grid_keys_{k}`` writes every table read of the chunk as
     (table row, read id) with its weight, read id = (row · levels + level) · corners + corner;
-    ``grid_sort`` is one compare-exchange pass of a bitonic sort of those pairs (ties ordered by
-    read id, so the sorted order is unique); ``grid_gather_{k}`` gives each table row its run of
+    ``grid_sort_block``, ``grid_sort`` and ``grid_merge_block`` bitonic-sort those pairs (ties
+    ordered by read id, so the sorted order is unique; the short passes in workgroup memory, a
+    global dispatch for each long one); ``grid_gather_{k}`` gives each table row its run of
     the sorted reads (binary search) and sums weight × d loss / d encoded input over it in read-id
     order (the order of the cpu backend's bincount) into ``grad``. A row no read touched gets
     exactly 0, which the Adam step skips as tcnn does."""
