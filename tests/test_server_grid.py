@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import pytest
 from safetensors.numpy import load as st_load, save as st_save
 from test_server_api import oracle
 
@@ -33,6 +34,29 @@ def picture(x: np.ndarray) -> np.ndarray:
 
 
 def test_hash_grid_model_serves_trains_versions_and_round_trips(http):
+    serve_train_version_and_round_trip(http)
+
+
+def test_hash_grid_model_on_wgpu_daemon(tmp_path):
+    """The same through a daemon on the wgpu backend (grid kernels on the device): the table is a
+    parameter like the layers' there too, so versions, weights and jobs work unchanged."""
+    pytest.importorskip("wgpu", reason="wgpu-py is not installed")
+    from conftest import DaemonProcess
+
+    try:
+        proc = DaemonProcess(tmp_path / "store", env={"MMAD_BACKEND": "wgpu", "MMAD_PROBE": "wgpu"}).start()
+    except RuntimeError as exc:
+        pytest.skip(f"no wgpu daemon here: {str(exc)[:200]}")
+    try:
+        with httpx.Client(base_url=proc.url, timeout=120.0) as http:
+            serve_train_version_and_round_trip(http)
+            assert http.put("/v2/models/field", json={"spec": GRID_SPEC}).status_code == 201
+            assert "wgpu" in http.get("/v2/models/field").json()["backend"]
+    finally:
+        proc.stop()
+
+
+def serve_train_version_and_round_trip(http: httpx.Client) -> None:
     r = http.put("/v2/models/field", json={"spec": GRID_SPEC})
     assert r.status_code == 201, r.text
     rng = np.random.default_rng(8)

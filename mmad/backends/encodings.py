@@ -28,19 +28,24 @@ HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 216
 _MAX_DENSE_BASE = {1: 0xFFFFFFFF, 2: 0xFFFF, 3: 0x659, 4: 0xFF}
 _U32 = np.uint64(0xFFFFFFFF)
 
-# the encodings with trainable tables, which need device kernels of their own: only the cpu
-# backend has them so far (the parameter-free ones, SphericalHarmonics and TriangleWave, every
-# backend computes on the host before the upload, as it does Frequency)
+# the encodings with trainable tables, which need device kernels of their own: the cpu backend
+# (the oracle) and the wgpu backend (WGSL kernels, webgpu/wgsl.py) have them so far; the
+# parameter-free ones, SphericalHarmonics and TriangleWave, every backend computes on the host
+# before the upload, as it does Frequency
 GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")
+GRID_BACKENDS = ("cpu", "wgpu")
 
 
 def check_backend_supports(spec: MLPSpec, backend: str) -> None:
-    """Refuse (SpecError, a 400 through the daemon) a model with a grid encoding on ``backend``,
-    naming the encoding, the backend and where it runs; no silent fallback."""
+    """Refuse (SpecError, a 400 through the daemon) a model with a grid encoding on a ``backend``
+    without grid kernels, naming the encoding, the backend and where it runs; no silent fallback."""
+    if backend in GRID_BACKENDS:
+        return
     found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in GRID_OTYPES]
     if found:
-        raise SpecError("encoding", f"{found[0]} is implemented on the cpu backend only so far; the {backend} "
-                                    "backend cannot run this model (serve it with MMAD_BACKEND=cpu)")
+        raise SpecError("encoding", f"{found[0]} is implemented on the cpu and wgpu backends only so far; the "
+                                    f"{backend} backend cannot run this model (serve it with MMAD_BACKEND=cpu "
+                                    "or MMAD_BACKEND=wgpu)")
 
 
 # -- grids -----------------------------------------------------------------------------------
@@ -65,12 +70,29 @@ def _positions(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
     return grid, pos - cell
 
 
+def grid_index_modes(part: EncodingSpec, dims: int) -> list[str]:
+    """How each level of a grid part of ``dims`` dims turns a corner into a row (tcnn's
+    grid_index): "dense" (Σ corner_d·resolution^d, wrapping at 32 bits) where the dense index fits
+    32 bits, else "zero" (tcnn's stride 2^32 − 1 leaves index 0), both replaced by "hash" in a
+    HashGrid level holding fewer rows than that stride; the row is then taken modulo the level's
+    rows. The device backends' kernels follow the same list."""
+    modes = []
+    for info in part.grid_levels(dims):
+        fits = info.resolution <= _MAX_DENSE_BASE[dims]
+        if part.grid_type == "Hash" and (not fits or info.entries < info.resolution**dims):
+            modes.append("hash")
+        else:
+            modes.append("dense" if fits else "zero")
+    return modes
+
+
 def grid_lookup(part: EncodingSpec, x: np.ndarray) -> GridLookup:
     """The table rows and weights every level of a grid part reads for the rows of ``x``
     (rows × dims, float32 or float64)."""
     rows, dims = x.shape
     corners = 1 if part.interpolation == "Nearest" else 1 << dims
     levels = part.grid_levels(dims)
+    modes = grid_index_modes(part, dims)
     index = np.empty((rows, len(levels), corners), np.int64)
     weights = np.empty((rows, len(levels), corners), x.dtype)
     one = x.dtype.type(1)
@@ -78,10 +100,8 @@ def grid_lookup(part: EncodingSpec, x: np.ndarray) -> GridLookup:
         cell, frac = _positions(x, info.scale)
         if part.interpolation == "Smoothstep":
             frac = frac * frac * (x.dtype.type(3) - x.dtype.type(2) * frac)
-        # tcnn's grid_index: the dense index where it fits 32 bits, else index 0 (stride 2^32 − 1),
-        # replaced by the hash in a HashGrid level holding fewer rows than that stride
-        fits = info.resolution <= _MAX_DENSE_BASE[dims]
-        hashed = part.grid_type == "Hash" and (not fits or info.entries < info.resolution**dims)
+        mode = modes[level]
+        hashed, fits = mode == "hash", mode == "dense"
         for corner in range(corners):
             offsets = [(corner >> d) & 1 for d in range(dims)]
             local = [cell[:, d] + np.uint64(offsets[d]) if offsets[d] else cell[:, d] for d in range(dims)]
@@ -209,5 +229,5 @@ def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-__all__ = ["GRID_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
-           "grid_forward", "grid_lookup", "spherical_harmonics", "triangle_wave"]
+__all__ = ["GRID_BACKENDS", "GRID_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
+           "grid_forward", "grid_index_modes", "grid_lookup", "spherical_harmonics", "triangle_wave"]

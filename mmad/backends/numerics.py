@@ -235,12 +235,18 @@ def _quartic_cdf(v: np.ndarray, inv_radius: int) -> np.ndarray:
 
 
 # -- optimizers ----------------------------------------------------------------------------
+def step_base_rate(opt: OptimizerSpec, step: int) -> float:
+    """The base rate of optimizer step ``step`` (from 1) times ExponentialDecay's factor after
+    ``step − 1`` completed steps (tcnn sets it on the nested optimizer before the step), without
+    Adam's bias correction (a grid table's entries apply their own, ``grid_adam_update``)."""
+    return opt.learning_rate if opt.decay is None else opt.learning_rate * opt.decay.factor(step - 1)
+
+
 def step_learning_rate(opt: OptimizerSpec, step: int) -> float:
     """The learning rate of optimizer step ``step`` (from 1), folded into one scalar as every
-    backend's kernel takes it: the base rate times ExponentialDecay's factor after ``step − 1``
-    completed steps (tcnn sets it on the nested optimizer before the step), then for Adam its
-    bias correction sqrt(1 − β2^t)/(1 − β1^t)."""
-    lr = opt.learning_rate if opt.decay is None else opt.learning_rate * opt.decay.factor(step - 1)
+    backend's kernel takes it: ``step_base_rate``, then for Adam its bias correction
+    sqrt(1 − β2^t)/(1 − β1^t)."""
+    lr = step_base_rate(opt, step)
     if opt.otype == "Adam":
         return lr * float(np.sqrt(1 - opt.beta2 ** step)) / (1 - opt.beta1 ** step)
     return lr
@@ -276,7 +282,7 @@ def grid_adam_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray
     the optimizer's, for the ExponentialDecay factor; in place on ``w``, the slots and
     ``entry_steps``."""
     touched = g != 0
-    lr = opt.learning_rate if opt.decay is None else opt.learning_rate * opt.decay.factor(step - 1)
+    lr = step_base_rate(opt, step)
     gt = g[touched]
     m = slots["m"][touched] * opt.beta1 + (1 - opt.beta1) * gt
     v = slots["v"][touched] * opt.beta2 + (1 - opt.beta2) * (gt * gt)

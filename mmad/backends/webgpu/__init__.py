@@ -6,8 +6,9 @@ One variant, ``default``. Per model spec the backend generates one WGSL module
 * ``fwd_infer`` / ``fwd_train``: the fused forward pass, all layers in one dispatch. A workgroup
   owns ``R`` rows; the activations of those rows live in workgroup memory, each layer's weights
   are staged in workgroup memory in chunks of ``KC`` reduction rows (the whole layer when it fits
-  the adapter's ``max-compute-workgroup-storage-size``, streamed otherwise). The input encoding
-  runs in the kernel, so device arrays hold raw inputs. ``fwd_train`` also keeps each layer's
+  the adapter's ``max-compute-workgroup-storage-size``, streamed otherwise). The first layer reads
+  inputs the host encoded, except a grid's columns, which it interpolates from raw inputs
+  (``_kernel_input``). ``fwd_train`` also keeps each layer's
   input (compute type) and pre-activation (fp32) for the backward pass.
 * ``loss_grad`` / ``loss_reduce``: per-element loss and its gradient (× loss scale, × output
   activation derivative, rounded), the mean loss reduced in a fixed order.
@@ -15,6 +16,11 @@ One variant, ``default``. Per model spec the backend generates one WGSL module
   stored pre-activations.
 * ``wgrad_<i>``: weight and bias gradients of layer i as a split-K GEMM over the rows;
   ``grad_reduce`` sums the splits in order (deterministic, no atomics).
+* grid encodings (HashGrid, DenseGrid, TiledGrid): the first layer's load interpolates the
+  tables, ``bwd`` runs on into d loss / d encoded input, and ``grid_keys_<k>`` / ``grid_sort*`` /
+  ``grid_gather_<k>`` turn tcnn's atomic scatter into the tables' gradient as a sort of the table
+  reads and a gather (WGSL has no float atomics; wgsl._grid_wgsl). The tables follow the MLP's
+  parameters in the flat buffers; Adam's per-value step counts are in ``gsteps``.
 * ``optimize``: Adam or SGD on fp32 masters, refreshing the compute-type weight copy; with
   tcnn's EMA wrapper also the average (``ema``) and its compute-type copy (``ema_wc``), which
   ``fwd_infer`` binds where other models bind ``master`` and ``wc`` (training keeps the raw ones).
@@ -46,7 +52,7 @@ from mmad.backends.contract import (
     Backend, CompiledModel, ProbeRow, check_device_index, check_params, check_rows, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
-from mmad.backends.webgpu.wgsl import ceil_div, generate_wgsl, make_plan
+from mmad.backends.webgpu.wgsl import SORT_BLOCK, ceil_div, generate_wgsl, make_plan
 from mmad.spec import MLPSpec
 
 SLOT_BYTES = 256           # uniform slot stride (>= every adapter's uniform offset alignment)
@@ -62,6 +68,20 @@ _LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-wo
            "max-dynamic-uniform-buffers-per-pipeline-layout")
 _INTERESTING_FEATURES = ("shader-f16", "subgroup", "subgroup-barrier", "shader-f64", "shader-int64",
                          "timestamp-query", "pipeline-cache", "immediates", "shader-float32-atomic")
+
+
+def _sort_items(reads: int) -> int:
+    """The bitonic sort's length for ``reads`` table reads: the next power of two, at least one
+    workgroup-memory block."""
+    return max(SORT_BLOCK, 1 << (reads - 1).bit_length())
+
+
+def _kernel_group(kernel: str) -> str:
+    """The bindings' name of an entry point: ``wgrad_2`` binds as ``wgrad``, ``grid_keys_0`` as ``grid_keys``."""
+    for group in ("wgrad", "grid_keys", "grid_gather"):
+        if kernel.startswith(group + "_"):
+            return group
+    return kernel
 
 
 def _import_wgpu():
@@ -106,7 +126,7 @@ class WgpuArray:
 
 # -- the compiled model ---------------------------------------------------------------------
 _BUFFER_BINDINGS = ("wc", "master", "grad", "mom1", "mom2", "hbuf", "zbuf", "dbuf", "wpart", "lpart", "losses",
-                    "ema", "ema_wc")
+                    "ema", "ema_wc", "dinbuf", "skey", "sid", "gweight", "gsteps")
 # group-0 bindings each kernel uses (binding 0, the launch uniform, is in all of them)
 _KERNEL_BINDINGS = {
     "fwd_infer": ("wc", "master"),
@@ -117,12 +137,18 @@ _KERNEL_BINDINGS = {
     "wgrad": ("hbuf", "dbuf", "wpart"),
     "grad_reduce": ("grad", "wpart"),
     "optimize": ("wc", "master", "grad", "mom1", "mom2"),
+    # grid encodings' tables (wgsl._grid_wgsl): the reads sorted by table row, then gathered
+    "grid_keys": ("skey", "sid", "gweight"),
+    "grid_sort": ("skey", "sid"),
+    "grid_sort_block": ("skey", "sid"),
+    "grid_merge_block": ("skey", "sid"),
+    "grid_gather": ("skey", "sid", "gweight", "dinbuf", "grad"),
 }
 _EMA_BINDINGS = ("ema", "ema_wc")  # what optimize binds besides, with tcnn's EMA wrapper
 # fwd_infer of an EMA model reads the average through the bindings of the training weights
 _EMA_INFERENCE = {"wc": "ema_wc", "master": "ema"}
-LAUNCH_BYTES = 40  # the WGSL Launch struct
-_KERNEL_IO = {"fwd_infer": ("x_in", "y_out"), "fwd_train": ("x_in",), "loss_grad": ("targets",)}
+LAUNCH_BYTES = 56  # the WGSL Launch struct
+_KERNEL_IO = {"fwd_infer": ("x_in", "y_out"), "fwd_train": ("x_in",), "loss_grad": ("targets",), "grid_keys": ("x_in",)}
 _IO_BINDING = {"x_in": 0, "y_out": 1, "targets": 2}
 
 
@@ -138,7 +164,11 @@ class _Recorder:
 
     def slot(self, n_rows: int, *, rows_per_split: int = 0, first: bool = False, last: bool = False,
              loss_slot: int = 0, inv_count: float = 0.0, lr_t: float = 0.0, n_splits: int = 0,
-             n_loss_wg: int = 0, ema: tuple[float, float] = (0.0, 0.0)) -> int:
+             n_loss_wg: int = 0, ema: tuple[float, float] = (0.0, 0.0), lr_base: float = 0.0,
+             sort: tuple[int, int, int] = (0, 0, 0)) -> int:
+        """A uniform slot holding these launch parameters; its offset. The offset is good for
+        dispatches recorded before the next ``slot`` call that flushes a full buffer (the slots
+        are rewritten from 0 after a flush): record the dispatches a slot serves before taking more."""
         if self.used == UNIFORM_SLOTS:
             self.flush()
         index = self.used
@@ -147,7 +177,8 @@ class _Recorder:
         row[0:4] = (n_rows, rows_per_split, int(first) | (int(last) << 1), loss_slot)
         row[4:6] = np.array([inv_count, lr_t], dtype=np.float32).view(np.uint32)
         row[6:8] = (n_splits, n_loss_wg)
-        row[8:10] = np.array(ema, dtype=np.float32).view(np.uint32)
+        row[8:11] = np.array(ema + (lr_base,), dtype=np.float32).view(np.uint32)
+        row[11:14] = sort  # sort_n, sort_j, sort_k
         return index * SLOT_BYTES
 
     def dispatch(self, kernel: str, offset: int, groups: tuple[int, int, int], io_group: Any = None) -> None:
@@ -187,6 +218,8 @@ class WgpuModel(CompiledModel):
         self.native_f16 = native_f16 and spec.precision == "fp16"
         self.storage = "f16" if self.native_f16 else "f32"
         self.plan = make_plan(spec, limits, 2 if self.native_f16 else 4, max_stage_rows)
+        # grid tables under Adam keep a step count per value (tcnn's param_steps), in ``gsteps``
+        self._grid_adam = bool(self.plan.grids) and spec.optimizer.otype == "Adam"
         self.source = generate_wgsl(spec, self.plan, self.native_f16)
         if cache is not None:
             # the generated WGSL is this backend's cached artefact (wgpu-native compiles it in-process)
@@ -224,14 +257,18 @@ class WgpuModel(CompiledModel):
                    "min_binding_size": LAUNCH_BYTES}
         binding_index = {name: i + 1 for i, name in enumerate(_BUFFER_BINDINGS)}
         pipelines, layouts = {}, {}
-        kernels = [k for k in _KERNEL_BINDINGS if k != "wgrad"] + [f"wgrad_{i}" for i in range(self.plan.n_layers)]
+        kernels = [k for k in _KERNEL_BINDINGS if not k.startswith(("wgrad", "grid_"))]
+        kernels += [f"wgrad_{i}" for i in range(self.plan.n_layers)]
+        if self.plan.grids:
+            kernels += ["grid_sort", "grid_sort_block", "grid_merge_block"]
+            kernels += [f"grid_{kind}_{g.index}" for g in self.plan.grids for kind in ("keys", "gather")]
         for kernel in kernels:
-            group = kernel.split("_")[0] if kernel.startswith("wgrad") else kernel
+            group = _kernel_group(kernel)
             entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": uniform}]
             entries += [{"binding": binding_index[n], "visibility": wgpu.ShaderStage.COMPUTE, "buffer": storage}
                         for n in self._bindings(group)]
             groups = [self.device.create_bind_group_layout(entries=entries)]
-            io = _KERNEL_IO.get(kernel, ())
+            io = _KERNEL_IO.get(group, ())
             if io:
                 groups.append(self.device.create_bind_group_layout(entries=[
                     {"binding": _IO_BINDING[n], "visibility": wgpu.ShaderStage.COMPUTE,
@@ -263,13 +300,15 @@ class WgpuModel(CompiledModel):
         import wgpu  # noqa: PLC0415
 
         plan, cb = self.plan, (2 if self.native_f16 else 4)
-        p = plan.p
+        p = plan.p_all  # the MLP's parameters, then the grid tables'
         self._buffer("wc", p * cb)
         for name in ("master", "grad", "mom1", "mom2"):
             self._buffer(name, p * 4)
         if self.spec.optimizer.ema is not None:
             self._buffer("ema", p * 4)
             self._buffer("ema_wc", p * cb)
+        if self._grid_adam:  # Adam's step count per grid table value (tcnn's param_steps)
+            self._buffer("gsteps", (plan.p_all - plan.p) * 4)
         self._scratch_rows = self._scratch_splits = 0
         self._alloc_training_scratch(256, 1)
         self._buffer("lpart", MAX_EW_WORKGROUPS * 4)
@@ -283,7 +322,7 @@ class WgpuModel(CompiledModel):
     def _alloc_training_scratch(self, rows: int, splits: int) -> None:
         """(Re)allocate the per-chunk training buffers for ``rows`` rows and ``splits`` splits."""
         plan, cb = self.plan, (2 if self.native_f16 else 4)
-        for name in ("hbuf", "zbuf", "dbuf", "wpart"):
+        for name in ("hbuf", "zbuf", "dbuf", "wpart", "dinbuf", "skey", "sid", "gweight"):
             old = self.buffers.pop(name, None)
             if old is not None:
                 old.destroy()
@@ -291,6 +330,10 @@ class WgpuModel(CompiledModel):
         self._buffer("zbuf", rows * sum(plan.op) * 4)
         self._buffer("dbuf", rows * sum(plan.op) * cb)
         self._buffer("wpart", splits * plan.p * 4)
+        if plan.grids:  # d loss / d encoded input, and every table read of a chunk for the sort
+            self._buffer("dinbuf", rows * plan.kp[0] * cb)
+            for name in ("skey", "sid", "gweight"):
+                self._buffer(name, _sort_items(rows * plan.max_lookups) * 4)
         self._scratch_rows, self._scratch_splits = rows, splits
 
     def _ensure_training_scratch(self, rows: int, splits: int) -> None:
@@ -301,13 +344,18 @@ class WgpuModel(CompiledModel):
 
     def _bindings(self, group: str) -> tuple[str, ...]:
         """The group-0 buffers kernel group ``group`` binds (by their binding's name)."""
+        names = _KERNEL_BINDINGS[group]
         if group == "optimize" and self.spec.optimizer.ema is not None:
-            return _KERNEL_BINDINGS[group] + _EMA_BINDINGS
-        return _KERNEL_BINDINGS[group]
+            names += _EMA_BINDINGS
+        if group == "optimize" and self._grid_adam:
+            names += ("gsteps",)
+        if group == "bwd" and self.plan.grids:  # the backward also writes d loss / d encoded input
+            names += ("dinbuf",)
+        return names
 
     def _model_group(self, kernel: str) -> Any:
         binding_index = {name: i + 1 for i, name in enumerate(_BUFFER_BINDINGS)}
-        group = "wgrad" if kernel.startswith("wgrad") else kernel
+        group = _kernel_group(kernel)
         swap = _EMA_INFERENCE if kernel == "fwd_infer" and self.spec.optimizer.ema is not None else {}
         entries = [{"binding": 0, "resource": {"buffer": self.buffers["uniform"], "offset": 0, "size": LAUNCH_BYTES}}]
         entries += [{"binding": binding_index[n], "resource": {"buffer": self.buffers[swap.get(n, n)], "offset": 0,
@@ -410,19 +458,36 @@ class WgpuModel(CompiledModel):
 
     def _device_rows(self, a: Any, cols: int, name: str, encode: bool = False) -> tuple[WgpuArray, bool]:
         """(the rows on the device, whether they came as a device array); with ``encode``, the
-        model's input encoding applied first (on the host: ``encode``), so the kernels read
-        encoded inputs."""
-        encoded = encode and not self.spec.encoding.passthrough
+        kernel input (``_kernel_input``): the host's part of the input encoding applied first, so
+        inputs that need none (a grid alone, or Identity) stay on the device."""
+        on_host = encode and self._encodes_on_host
         if isinstance(a, WgpuArray):
             if a.device is not self.device:
                 raise InvalidInput(f"{name} lives on another wgpu device")
             if a.shape[1] != cols:
                 raise InvalidInput(f"{name} must have shape [rows, {cols}]; got {list(a.shape)}")
-            if encoded:
-                return self._scratch_array(f"{name}.encoded", self.encode(self.download(a))), True
+            if on_host:
+                return self._scratch_array(f"{name}.encoded", self._kernel_input(self.download(a))), True
             return a, True
         host = check_rows(a, cols, name)
-        return self._scratch_array(name, self.encode(host) if encoded else host), False
+        return self._scratch_array(name, self._kernel_input(host) if on_host else host), False
+
+    @property
+    def _encodes_on_host(self) -> bool:
+        if self.plan.grids:
+            return bool(self.plan.host_parts)
+        return not self.spec.encoding.passthrough
+
+    def _kernel_input(self, x: np.ndarray) -> np.ndarray:
+        """What the kernels read for host rows ``x``: without grids the encoded input (``encode``);
+        with grids the raw input followed by the host-encoded parameter-free parts (the kernels
+        interpolate the grid columns from the raw dims, wgsl._input_layout)."""
+        if not self.plan.grids:
+            return self.encode(x)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        host = [nm.encode(part, x[:, begin:begin + dims])
+                for part, begin, dims in self.spec.encoding.parts(self.spec.n_input_dims) if not part.is_grid]
+        return np.ascontiguousarray(np.concatenate([x] + host, axis=1), dtype=np.float32)
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
@@ -455,7 +520,7 @@ class WgpuModel(CompiledModel):
         return arr
 
     def _record_step(self, rec: _Recorder, xa: WgpuArray, ya: WgpuArray, loss_slot: int, lr_t: float,
-                     optimize: bool, ema: tuple[float, float] = (0.0, 0.0)) -> None:
+                     optimize: bool, ema: tuple[float, float] = (0.0, 0.0), lr_base: float = 0.0) -> None:
         plan = self.plan
         rows = xa.shape[0]
         chunk = min(plan.chunk_rows, (rows + 255) // 256 * 256)
@@ -465,12 +530,15 @@ class WgpuModel(CompiledModel):
         inv_count = 1.0 / (rows * self.spec.n_output_dims)
         loss_wg = min(MAX_EW_WORKGROUPS, ceil_div(chunk * plan.op[-1], 256))
         ew_wg = min(MAX_EW_WORKGROUPS, ceil_div(plan.p, 256))
+        opt_wg = min(MAX_EW_WORKGROUPS, ceil_div(plan.p_all, 256))
         starts = list(range(0, rows, chunk))
         for c, start in enumerate(starts):
             n = min(chunk, rows - start)
             first, last = c == 0, c == len(starts) - 1
-            off = rec.slot(n, rows_per_split=rows_per_split, first=first, last=last, loss_slot=loss_slot,
-                           inv_count=inv_count, lr_t=lr_t, n_splits=n_splits, n_loss_wg=loss_wg, ema=ema)
+            launch = dict(rows_per_split=rows_per_split, first=first, last=last, loss_slot=loss_slot,
+                          inv_count=inv_count, lr_t=lr_t, n_splits=n_splits, n_loss_wg=loss_wg, ema=ema,
+                          lr_base=lr_base)
+            off = rec.slot(n, **launch)
             tiles = ceil_div(n, plan.rows)
             rec.dispatch("fwd_train", off, (tiles, 1, 1), self._io_group("fwd_train", start, n, {"x_in": xa}))
             rec.dispatch("loss_grad", off, (loss_wg, 1, 1), self._io_group("loss_grad", start, n, {"targets": ya}))
@@ -479,8 +547,37 @@ class WgpuModel(CompiledModel):
             for i in range(plan.n_layers):
                 rec.dispatch(f"wgrad_{i}", off, (ceil_div(plan.kp[i] + 1, 64), ceil_div(plan.op[i], 64), n_splits))
             rec.dispatch("grad_reduce", off, (ew_wg, 1, 1))
+            for grid in plan.grids:
+                self._record_grid_gradient(rec, xa, start, n, grid.index, first)
+            if plan.grids:  # the sort's slots may have filled the uniform buffer: ``off`` is stale after a flush
+                off = rec.slot(n, **launch)
             if last and optimize:
-                rec.dispatch("optimize", off, (ew_wg, 1, 1))
+                rec.dispatch("optimize", off, (opt_wg, 1, 1))
+
+    def _record_grid_gradient(self, rec: _Recorder, xa: WgpuArray, start: int, n: int, k: int, first: bool) -> None:
+        """grid{k}'s table gradient for the chunk's rows (after ``bwd`` wrote d loss / d encoded
+        input): its table reads, their bitonic sort by table row, the gather into ``grad``
+        (wgsl._grid_wgsl). Set on the step's first chunk, added after. The sort's passes of
+        distance below SORT_BLOCK run in workgroup memory, a dispatch per merge size; the longer
+        ones a global dispatch each."""
+        grid = self.plan.grids[k]
+        items = _sort_items(n * grid.lookups)
+        off = rec.slot(n, first=first, sort=(items, 0, 0))
+        rec.dispatch(f"grid_keys_{k}", off, (min(MAX_EW_WORKGROUPS, ceil_div(items, 256)), 1, 1),
+                     self._io_group(f"grid_keys_{k}", start, n, {"x_in": xa}))
+        pairs_wg = min(MAX_EW_WORKGROUPS, ceil_div(items // 2, 256))
+        blocks = (items // SORT_BLOCK, 1, 1)
+        rec.dispatch("grid_sort_block", rec.slot(n, sort=(items, 0, 0)), blocks)
+        size = 2 * SORT_BLOCK
+        while size <= items:
+            distance = size // 2
+            while distance >= SORT_BLOCK:
+                rec.dispatch("grid_sort", rec.slot(n, sort=(items, distance, size)), (pairs_wg, 1, 1))
+                distance //= 2
+            rec.dispatch("grid_merge_block", rec.slot(n, sort=(items, 0, size)), blocks)
+            size *= 2
+        rec.dispatch(f"grid_gather_{k}", rec.slot(n, first=first, sort=(items, 0, 0)),  # a fresh slot: see flush
+                     (min(MAX_EW_WORKGROUPS, ceil_div(grid.entries, 256)), 1, 1))
 
     def _train_inputs(self, x: Any, y: Any) -> tuple[WgpuArray, WgpuArray]:
         xa, _ = self._device_rows(x, self.spec.n_input_dims, "input", encode=True)
@@ -503,7 +600,8 @@ class WgpuModel(CompiledModel):
                 batch = min(STEP_SLOTS, steps - done)
                 rec = _Recorder(self)
                 for s in range(batch):
-                    self._record_step(rec, xa, ya, s, self.next_step_rate(), optimize=True, ema=self._next_ema_factors())
+                    self._record_step(rec, xa, ya, s, self.next_step_rate(), optimize=True, ema=self._next_ema_factors(),
+                                      lr_base=nm.step_base_rate(self.spec.optimizer, self.step_count + 1))
                     self.step_count += 1
                 rec.flush()
                 losses[done:done + batch] = self._read(self.buffers["losses"], batch * 4, np.float32)
@@ -522,16 +620,18 @@ class WgpuModel(CompiledModel):
             self._record_step(rec, xa, ya, 0, 0.0, optimize=False)
             rec.flush()
             loss = float(self._read(self.buffers["losses"], 4, np.float32)[0])
-            grad = self._read(self.buffers["grad"], self.plan.p * 4, np.float32) / np.float32(self.spec.loss_scale)
+            grad = self._read(self.buffers["grad"], self.plan.p_all * 4, np.float32) / np.float32(self.spec.loss_scale)
             return loss, self._unpack(grad)
 
     # -- parameters -----------------------------------------------------------------------
     def _pack(self, params: dict[str, np.ndarray]) -> np.ndarray:
-        flat = np.zeros(self.plan.p, dtype=np.float32)
+        flat = np.zeros(self.plan.p_all, dtype=np.float32)
         for i, (fan_in, fan_out) in enumerate(self.spec.layer_dims):
             w = flat[self.plan.woff[i]:self.plan.woff[i] + self.plan.op[i] * self.plan.kp[i]]
             w.reshape(self.plan.op[i], self.plan.kp[i])[:fan_out, :fan_in] = params[f"W{i}"]
             flat[self.plan.boff[i]:self.plan.boff[i] + fan_out] = params[f"b{i}"]
+        for grid in self.plan.grids:  # the tables follow the MLP, row-major as tcnn lays them out
+            flat[grid.offset:grid.offset + grid.entries * grid.features] = params[f"grid{grid.index}"].ravel()
         return flat
 
     def _unpack(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -540,6 +640,9 @@ class WgpuModel(CompiledModel):
             w = flat[self.plan.woff[i]:self.plan.woff[i] + self.plan.op[i] * self.plan.kp[i]]
             out[f"W{i}"] = np.ascontiguousarray(w.reshape(self.plan.op[i], self.plan.kp[i])[:fan_out, :fan_in])
             out[f"b{i}"] = flat[self.plan.boff[i]:self.plan.boff[i] + fan_out].copy()
+        for grid in self.plan.grids:
+            values = flat[grid.offset:grid.offset + grid.entries * grid.features]
+            out[f"grid{grid.index}"] = values.reshape(grid.entries, grid.features).copy()
         return out
 
     def _write_buffer(self, name: str, data: np.ndarray) -> None:
@@ -551,7 +654,7 @@ class WgpuModel(CompiledModel):
     def get_params(self) -> dict[str, np.ndarray]:
         self._check_open()
         with self._lock:
-            return self._unpack(self._read(self.buffers["master"], self.plan.p * 4, np.float32))
+            return self._unpack(self._read(self.buffers["master"], self.plan.p_all * 4, np.float32))
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         self._check_open()
@@ -576,7 +679,7 @@ class WgpuModel(CompiledModel):
     def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
         self._check_open()
         with self._lock:
-            return self._unpack(self._read(self.buffers[self._slot_buffers()[slot]], self.plan.p * 4, np.float32))
+            return self._unpack(self._read(self.buffers[self._slot_buffers()[slot]], self.plan.p_all * 4, np.float32))
 
     def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
         self._check_open()
@@ -586,6 +689,39 @@ class WgpuModel(CompiledModel):
                     self._write_weights("ema", "ema_wc", self._pack(values))
                 else:
                     self._write_buffer(buf, self._pack(values))
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """The contract's state plus, for grid tables under Adam, ``steps.grid{k}``: each value's
+        own step count (uint32), as the cpu backend keeps it."""
+        state = super().get_optimizer_state()
+        if self._grid_adam:
+            with self._lock:
+                steps = self._read(self.buffers["gsteps"], (self.plan.p_all - self.plan.p) * 4, np.uint32)
+            for grid in self.plan.grids:
+                begin = grid.offset - self.plan.p
+                state[f"steps.grid{grid.index}"] = steps[begin:begin + grid.entries * grid.features].reshape(
+                    grid.entries, grid.features)
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``get_optimizer_state`` returned. A state without ``steps.grid{k}`` (written
+        by a backend that keeps none) counts the optimizer's steps for every value Adam has moved
+        (v ≠ 0), as the cpu backend does."""
+        super().set_optimizer_state(state)
+        if not self._grid_adam:
+            return
+        steps = np.zeros(self.plan.p_all - self.plan.p, np.uint32)
+        for grid in self.plan.grids:
+            name, shape = f"grid{grid.index}", (grid.entries, grid.features)
+            given = state.get(f"steps.{name}")
+            if given is not None and np.shape(given) == shape:
+                values = np.asarray(given, dtype=np.uint32)
+            else:
+                values = np.where(np.asarray(state[f"v.{name}"]) != 0, self.step_count, 0).astype(np.uint32)
+            begin = grid.offset - self.plan.p
+            steps[begin:begin + values.size] = values.ravel()
+        with self._lock:
+            self._write_buffer("gsteps", steps)
 
     def device_bytes(self) -> int:
         return sum(b.size for b in self.buffers.values()) + sum(a.buffer.size for a in self._scratch.values())

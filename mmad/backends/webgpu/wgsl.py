@@ -9,13 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmad.backends import numerics as nm
+from mmad.backends.encodings import HASH_PRIMES, grid_index_modes
 from mmad.errors import SpecError
 from mmad.shaders import read_source
-from mmad.spec import MLPSpec
+from mmad.spec import GridLevel, MLPSpec
 
 THREADS = 256              # invocations of the fused forward/backward workgroups
 MAX_CHUNK_ROWS = 65536
 MAX_ACCUMULATORS = 64      # fp32 accumulators per invocation in the fused kernels
+# a grid model's training chunk holds at most this many table reads (rows × levels × corners),
+# the entries its gradient reduction sorts (webgpu/__init__.py sizes the sort buffers for it)
+MAX_GRID_LOOKUPS = 1 << 22
+SORT_BLOCK = 512           # the table reads one workgroup sorts in workgroup memory (2 per invocation)
 
 
 def pad16(n: int) -> int:
@@ -38,8 +43,44 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class GridPart:
+    """One grid part of the encoding as the kernels compute it (tcnn's grid.h, as
+    ``encodings.grid_lookup``): it reads raw input dims ``begin`` … ``begin + dims − 1`` of the
+    kernel input and fills encoded columns ``column`` … ``column + width − 1``; its table, the
+    parameter ``grid{index}``, lies at ``offset`` in the flat parameter vector (after the MLP's)."""
+
+    index: int
+    begin: int
+    dims: int
+    column: int
+    levels: tuple[GridLevel, ...]
+    modes: tuple[str, ...]   # per level: "dense", "hash" or "zero" (encodings.grid_index_modes)
+    features: int
+    interpolation: str
+    offset: int
+
+    @property
+    def corners(self) -> int:
+        return 1 if self.interpolation == "Nearest" else 1 << self.dims
+
+    @property
+    def width(self) -> int:
+        return len(self.levels) * self.features
+
+    @property
+    def lookups(self) -> int:
+        """Table reads per input row: levels × corners."""
+        return len(self.levels) * self.corners
+
+    @property
+    def entries(self) -> int:
+        """Rows of the whole table (all levels)."""
+        return self.levels[-1].offset + self.levels[-1].entries
+
+
+@dataclass(frozen=True)
 class Plan:
-    n_in: int               # columns of the kernel's input: the encoded width (encoded on the host)
+    n_in: int               # the encoded width: columns of the first layer's input
     n_out: int
     kp: tuple[int, ...]     # padded fan_in per layer
     op: tuple[int, ...]     # padded fan_out per layer
@@ -60,10 +101,22 @@ class Plan:
     p: int
     hoff: tuple[int, ...]
     zoff: tuple[int, ...]
+    # the kernel input's columns: the encoded width when the host encodes everything; with grid
+    # parts the raw input dims, then the host-encoded columns of the parameter-free parts
+    n_x: int = 0
+    grids: tuple[GridPart, ...] = ()
+    # (first encoded column, width, column in the kernel input) of each host-encoded part (grid models)
+    host_parts: tuple[tuple[int, int, int], ...] = ()
+    p_all: int = 0          # p plus the grid tables' values (they follow the MLP's parameters)
 
     @property
     def n_layers(self) -> int:
         return len(self.kp)
+
+    @property
+    def max_lookups(self) -> int:
+        """Table reads per row of the grid part that reads the most (0 without grids)."""
+        return max((g.lookups for g in self.grids), default=0)
 
 
 def _fit_stages(dims: list[tuple[int, int, int]], rows: int, act_bytes: int, budget: int, cb: int,
@@ -109,7 +162,9 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
         act_bytes = rows * hidden * ct_bytes
         fwd = _fit_stages([(i, kp[i], op[i]) for i in range(n_layers)], rows, act_bytes, budget, ct_bytes,
                           max_stage_rows)
-        bwd = _fit_stages([(i, op[i], kp[i]) for i in range(n_layers - 1, 0, -1)], rows, act_bytes, budget,
+        # with grid parts the backward also runs through the first layer: d loss / d encoded input
+        last_bwd = -1 if spec.grid_shapes else 0
+        bwd = _fit_stages([(i, op[i], kp[i]) for i in range(n_layers - 1, last_bwd, -1)], rows, act_bytes, budget,
                           ct_bytes, max_stage_rows)
         if fwd and bwd:
             break
@@ -121,16 +176,24 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
         p += op[i] * kp[i]
         boff.append(p)
         p += op[i]
+    grids, host_parts, n_x = _input_layout(spec, p)
     binding = int(limits["max-storage-buffer-binding-size"])
+    p_all = p + sum(g.entries * g.features for g in grids)
+    if p_all * 4 > binding:  # every parameter buffer (masters, gradients, moments) is bound whole
+        raise SpecError("encoding", f"the layers and grid tables hold {p_all:,} values; this adapter binds at most "
+                                    f"{binding // 4:,} fp32 values in one buffer (max-storage-buffer-binding-size): "
+                                    "use a smaller log2_hashmap_size or fewer levels on wgpu")
     per_row_z = 4 * sum(op)
+    max_lookups = max((g.lookups for g in grids), default=0)
     chunk = MAX_CHUNK_ROWS
     while chunk > 256 and (chunk * per_row_z > min(binding, 256 << 20)
-                           or chunk * 4 * max(spec.n_encoded_dims, spec.n_output_dims) > binding):
+                           or chunk * 4 * max(n_x, spec.n_output_dims) > binding
+                           or chunk * max_lookups > MAX_GRID_LOOKUPS):
         chunk //= 2
     fwd_chunk = 256
     max_groups = int(limits["max-compute-workgroups-per-dimension"])
     while (fwd_chunk * 2 <= min(1 << 20, max_groups * rows)
-           and fwd_chunk * 2 * 4 * max(spec.n_encoded_dims, spec.n_output_dims) <= binding):
+           and fwd_chunk * 2 * 4 * max(n_x, spec.n_output_dims) <= binding):
         fwd_chunk *= 2
     n_splits = max(1, min(128, chunk // 256, (64 << 20) // (4 * p)))
     # row-major scratch: row r of layer i's input at hbuf[r * HS + hoff[i]], its
@@ -139,7 +202,29 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
     zoff = [sum(op[:i]) for i in range(n_layers)]
     return Plan(spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
                  fwd[0], fwd[2], bwd[0], bwd[2], fwd[1], bwd[1], chunk, fwd_chunk, n_splits, tuple(woff), tuple(boff), p,
-                 tuple(hoff), tuple(zoff))
+                 tuple(hoff), tuple(zoff), n_x, grids, host_parts, p_all)
+
+
+def _input_layout(spec: MLPSpec, p: int) -> tuple[tuple[GridPart, ...], tuple[tuple[int, int, int], ...], int]:
+    """(grid parts, host-encoded parts, kernel input columns). Without grids the host encodes
+    everything (the kernel input is the encoded input); with grids the kernel input is the raw
+    input followed by the host-encoded columns of the parameter-free parts, and the kernels
+    compute the grid columns from the raw dims. ``p``: the MLP's parameters, which the tables follow."""
+    if not spec.grid_shapes:
+        return (), (), spec.n_encoded_dims
+    grids, host, column, host_column, offset = [], [], 0, spec.n_input_dims, p
+    for part, begin, dims in spec.encoding.parts(spec.n_input_dims):
+        width = part.n_output_dims(dims)
+        if part.is_grid:
+            grid = GridPart(len(grids), begin, dims, column, part.grid_levels(dims), tuple(grid_index_modes(part, dims)),
+                            part.n_features_per_level, part.interpolation, offset)
+            grids.append(grid)
+            offset += grid.entries * grid.features
+        else:
+            host.append((column, width, host_column))
+            host_column += width
+        column += width
+    return tuple(grids), tuple(host), host_column
 
 
 # -- WGSL generation ------------------------------------------------------------------------
@@ -245,6 +330,33 @@ def _optimizer_wgsl(spec: MLPSpec) -> str:
         "    return launch.lr_t * vel;", "}"])
 
 
+def _param_delta_wgsl(spec: MLPSpec, plan: Plan) -> str:
+    """``param_delta(p, w)``: the step ``optimize`` takes on parameter ``p`` (value ``w``). A grid
+    table's entries under Adam (p ≥ P) follow tcnn's non-matrix rules as numerics.grid_adam_update
+    does: no l2_reg, an entry whose gradient is exactly 0 is not stepped (moments and step count
+    stay), and the bias correction uses the entry's own step count (``gsteps``). SGD steps a table
+    like the layers (tcnn's SGD applies l2_reg to every parameter)."""
+    lines = []
+    opt = spec.optimizer
+    grid_adam = bool(plan.grids) and opt.otype == "Adam"
+    if grid_adam:
+        lines += [
+            "@group(0) @binding(18) var<storage, read_write> gsteps: array<u32>;  // Adam steps per grid value",
+            "fn grid_adam_delta(p: u32, g: f32) -> f32 {",
+            "    if (g == 0.0) { return 0.0; }",
+            f"    let m = {_f(opt.beta1)} * mom1[p] + {_f(1 - opt.beta1)} * g;",
+            f"    let v = {_f(opt.beta2)} * mom2[p] + {_f(1 - opt.beta2)} * (g * g);",
+            "    mom1[p] = m;", "    mom2[p] = v;",
+            "    let t = gsteps[p - P] + 1u;", "    gsteps[p - P] = t;",
+            f"    let lr_t = launch.lr_base * sqrt(1.0 - pow({_f(opt.beta2)}, f32(t))) / (1.0 - pow({_f(opt.beta1)}, f32(t)));",
+            f"    return lr_t * m / (sqrt(v) + {_f(opt.epsilon)});", "}"]
+    lines.append("fn param_delta(p: u32, w: f32) -> f32 {")
+    if grid_adam:
+        lines.append("    if (p >= P) { return grid_adam_delta(p, grad[p] / LOSS_SCALE); }")
+    lines += ["    return optimizer_delta(p, grad[p] / LOSS_SCALE + L2_REG * w);", "}"]
+    return "\n".join(lines)
+
+
 def _ema_wgsl(spec: MLPSpec, plan: Plan) -> str:
     """``ema_update(p, w)``, which ``optimize`` calls after the step: nothing without tcnn's EMA
     wrapper; with it, the debiased average of parameter ``p`` (buffer ``ema``, laid out like
@@ -275,8 +387,8 @@ def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     out_act, out_dact = _ACT[spec.output_activation]
     last = plan.n_layers - 1
     consts = {
-        "N_IN": plan.n_in, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
-        "ZS": sum(plan.op), "HS": sum(plan.kp), "Z_LAST": plan.zoff[last],
+        "N_IN": plan.n_in, "N_X": plan.n_x, "N_OUT": plan.n_out, "OP_L": plan.op[last], "P": plan.p,
+        "P_ALL": plan.p_all, "KP0": plan.kp[0], "ZS": sum(plan.op), "HS": sum(plan.kp), "Z_LAST": plan.zoff[last],
     }
     lines = ["enable f16;" if ct == "f16" else "", f"alias CT = {ct};", rnd]
     lines += [f"const {k}: u32 = {v}u;" for k, v in consts.items()]
@@ -286,7 +398,7 @@ def _prelude(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     lines.append(f"fn dact_h(z: f32) -> f32 {{ return {hidden_dact}; }}")
     lines.append(f"fn act_o(z: f32) -> f32 {{ return {out_act}; }}")
     lines.append(f"fn dact_o(z: f32) -> f32 {{ return {out_dact}; }}")
-    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _ema_wgsl(spec, plan)]
+    lines += [_loss_wgsl(spec), _optimizer_wgsl(spec), _param_delta_wgsl(spec, plan), _ema_wgsl(spec, plan)]
     return "\n".join(lines) + "\n"
 
 
@@ -334,7 +446,7 @@ def _gemm_stage(plan: Plan, st: Stage, *, backward: bool, a_global: bool, train:
             if backward:  # the last layer's output gradient, written by loss_grad
                 out.append(f"            if (row < launch.n_rows && k < {st.k}u) {{ v = dbuf[row * ZS + Z_LAST + k]; }}")
             else:
-                out.append("            if (row < n_rows && k < N_IN) { v = rnd(x_in[row * N_IN + k]); }")
+                out.append("            if (row < n_rows && k < N_IN) { v = rnd(encoded_input(row, k)); }")
                 if train:
                     out.append(f"            if (row < n_rows && k < {kp}u) {{ hbuf[row * HS + k] = v; }}")
             out.append(f"            {xsh}[e] = v;")
@@ -428,19 +540,25 @@ def _fused_kernels(spec: MLPSpec, plan: Plan) -> str:
                     "  for (var c = 0u; c < 4u; c = c + 1u) {",
                     f"    let zi = row * ZS + {plan.zoff[prev]}u + {col} + c;",
                     f"    let d = rnd({acc}[c] * dact_h(zbuf[zi]));"]
-            if prev > 0:
+            if prev > 0 or plan.grids:  # the next stage reads it (with grids: the first layer's)
                 body.append(f"    bact[lr * HIDDEN + {col} + c] = d;")
             body.append("    if (row < launch.n_rows) { dbuf[zi] = d; }")
             body += ["  }", "}"]
             return body
         return emit
 
+    def input_grad_epilogue(acc: str, lr: str, col: str) -> list[str]:
+        # d loss / d encoded input = rnd(delta_0 @ W_0), for the grid tables' gradients
+        return [f"{{ let row = row0 + {lr};",
+                "  if (row < launch.n_rows) { for (var c = 0u; c < 4u; c = c + 1u) {"
+                f" dinbuf[row * KP0 + {col} + c] = rnd({acc}[c]); }} }}", "}"]
+
     lines.append("@compute @workgroup_size(256)")
     lines.append("fn bwd(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {")
     lines.append("    let row0 = wid.x * ROWS;")
     for st in plan.bwd:
         lines += _gemm_stage(plan, st, backward=True, a_global=st.layer == L - 1, train=True,
-                             epilogue=bwd_epilogue(st.layer))
+                             epilogue=input_grad_epilogue if st.layer == 0 else bwd_epilogue(st.layer))
     lines.append("}")
     return "\n".join(lines)
 
@@ -498,7 +616,169 @@ def _wgrad_kernels(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _encoding_wgsl(plan: Plan) -> str:
+    """``encoded_input(row, k)``: column k of the first layer's input for row ``row`` of the
+    kernel input ``x_in``. Without grids the host encoded it; with grids a grid column is
+    interpolated from the table (its compute-type copy in ``wc``), the other columns were encoded
+    on the host. With grids also the training kernels of the tables' gradient: see _grid_wgsl."""
+    if not plan.grids:
+        return "fn encoded_input(row: u32, k: u32) -> f32 { return x_in[row * N_X + k]; }"
+    lines = [_grid_wgsl(plan), "fn encoded_input(row: u32, k: u32) -> f32 {"]
+    for g in plan.grids:
+        lines.append(f"    if (k >= {g.column}u && k < {g.column + g.width}u) {{"
+                     f" return grid{g.index}_value(row, k - {g.column}u); }}")
+    for column, width, host in plan.host_parts:
+        lines.append(f"    if (k >= {column}u && k < {column + width}u) {{ return x_in[row * N_X + {host}u + k - {column}u]; }}")
+    lines += ["    return 0.0;", "}"]
+    return "\n".join(lines)
+
+
+def _grid_wgsl(plan: Plan) -> str:
+    """The grid parts' kernels.
+
+    Forward: ``grid{k}_corner(row, level, corner)`` is encodings.grid_lookup for one table read
+    (tcnn's fmaf position, floor, smoothstep, dense index / coherent prime hash / index 0 per the
+    level's mode, modulo the level's rows; the weight multiplies the dims' factors in dim order)
+    and ``grid{k}_value`` interpolates one output column from the compute-type table.
+
+    Training (WGSL has no float atomics, so tcnn's scatter-add becomes a sort and a gather, with
+    the same sums in a fixed order): ``grid_keys_{k}`` writes every table read of the chunk as
+    (table row, read id) with its weight, read id = (row · levels + level) · corners + corner;
+    ``grid_sort_block``, ``grid_sort`` and ``grid_merge_block`` bitonic-sort those pairs (ties
+    ordered by read id, so the sorted order is unique; the short passes in workgroup memory, a
+    global dispatch for each long one); ``grid_gather_{k}`` gives each table row its run of
+    the sorted reads (binary search) and sums weight × d loss / d encoded input over it in read-id
+    order (the order of the cpu backend's bincount) into ``grad``. A row no read touched gets
+    exactly 0, which the Adam step skips as tcnn does."""
+    primes = ", ".join(f"{p}u" for p in HASH_PRIMES[:4])
+    mode_code = {"dense": 0, "hash": 1, "zero": 2}
+    lines = [
+        "@group(0) @binding(14) var<storage, read_write> dinbuf: array<CT>;   // d loss / d encoded input (chunk)",
+        "@group(0) @binding(15) var<storage, read_write> skey: array<u32>;    // table row of each read (sorted)",
+        "@group(0) @binding(16) var<storage, read_write> sid: array<u32>;     // read id of each read (sorted with skey)",
+        "@group(0) @binding(17) var<storage, read_write> gweight: array<f32>; // interpolation weight, by read id",
+        "struct GridCorner { entry: u32, weight: f32 }",
+        "fn lower_bound(key: u32) -> u32 {",
+        "    var lo = 0u; var hi = launch.sort_n;",
+        "    while (lo < hi) { let mid = (lo + hi) / 2u; if (skey[mid] < key) { lo = mid + 1u; } else { hi = mid; } }",
+        "    return lo;", "}",
+        # one compare-exchange pass (merge size k, distance j) over the whole array
+        "@compute @workgroup_size(256)",
+        "fn grid_sort(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {",
+        "    let j = launch.sort_j; let k = launch.sort_k;",
+        "    for (var t = gid.x; t < launch.sort_n / 2u; t = t + nwg.x * EW_WG) {",
+        "        let i = ((t & ~(j - 1u)) << 1u) | (t & (j - 1u));  // t with a 0 bit inserted at j",
+        "        let l = i | j;",
+        "        let ki = skey[i]; let kl = skey[l]; let ii = sid[i]; let il = sid[l];",
+        "        let greater = ki > kl || (ki == kl && ii > il);",
+        "        if (greater == ((i & k) == 0u)) { skey[i] = kl; skey[l] = ki; sid[i] = il; sid[l] = ii; }",
+        "    }", "}",
+        # the passes whose distance is below SORT_BLOCK stay inside aligned blocks of SORT_BLOCK
+        # pairs: a workgroup runs them in workgroup memory. grid_sort_block: every pass of the
+        # merge sizes up to SORT_BLOCK; grid_merge_block: the short passes of merge size sort_k.
+        f"const SORT_BLOCK: u32 = {SORT_BLOCK}u;",
+        f"var<workgroup> block_key: array<u32, {SORT_BLOCK}>;",
+        f"var<workgroup> block_id: array<u32, {SORT_BLOCK}>;",
+        "fn block_pass(lid: u32, base: u32, j: u32, k: u32) {",
+        "    let i = ((lid & ~(j - 1u)) << 1u) | (lid & (j - 1u));",
+        "    let l = i | j;",
+        "    let ki = block_key[i]; let kl = block_key[l]; let ii = block_id[i]; let il = block_id[l];",
+        "    let greater = ki > kl || (ki == kl && ii > il);",
+        "    if (greater == (((base + i) & k) == 0u)) { block_key[i] = kl; block_key[l] = ki; block_id[i] = il; block_id[l] = ii; }",
+        "    workgroupBarrier();", "}",
+        "fn block_load(lid: u32, base: u32) {",
+        "    block_key[lid] = skey[base + lid]; block_id[lid] = sid[base + lid];",
+        "    block_key[lid + 256u] = skey[base + lid + 256u]; block_id[lid + 256u] = sid[base + lid + 256u];",
+        "    workgroupBarrier();", "}",
+        "fn block_store(lid: u32, base: u32) {",
+        "    skey[base + lid] = block_key[lid]; sid[base + lid] = block_id[lid];",
+        "    skey[base + lid + 256u] = block_key[lid + 256u]; sid[base + lid + 256u] = block_id[lid + 256u];", "}",
+        "@compute @workgroup_size(256)",
+        "fn grid_sort_block(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {",
+        "    let base = wid.x * SORT_BLOCK;",
+        "    block_load(lid, base);",
+        "    for (var k = 2u; k <= SORT_BLOCK; k = k << 1u) {",
+        "        for (var j = k >> 1u; j > 0u; j = j >> 1u) { block_pass(lid, base, j, k); }",
+        "    }",
+        "    block_store(lid, base);", "}",
+        "@compute @workgroup_size(256)",
+        "fn grid_merge_block(@builtin(local_invocation_index) lid: u32, @builtin(workgroup_id) wid: vec3<u32>) {",
+        "    let base = wid.x * SORT_BLOCK;",
+        "    block_load(lid, base);",
+        "    for (var j = SORT_BLOCK >> 1u; j > 0u; j = j >> 1u) { block_pass(lid, base, j, launch.sort_k); }",
+        "    block_store(lid, base);", "}",
+    ]
+    for g in plan.grids:
+        n, f, c, lc = len(g.levels), g.features, g.corners, g.lookups
+        nearest = g.interpolation == "Nearest"
+        arrays = {
+            "scale": ("f32", [_f(lv.scale) for lv in g.levels]),
+            "resolution": ("u32", [f"{lv.resolution}u" for lv in g.levels]),
+            "start": ("u32", [f"{lv.offset}u" for lv in g.levels]),
+            "rows": ("u32", [f"{lv.entries}u" for lv in g.levels]),
+            "mode": ("u32", [f"{mode_code[m]}u" for m in g.modes]),
+        }
+        lines.append(f"// grid part {g.index}: input dims {g.begin}..{g.begin + g.dims - 1}, encoded columns "
+                     f"{g.column}..{g.column + g.width - 1}, table grid{g.index} at {g.offset} ({g.entries} x {f})")
+        lines.append(f"fn grid{g.index}_corner(row: u32, level: u32, corner: u32) -> GridCorner {{")
+        lines += [f"    var {name} = array<{t}, {n}>({', '.join(values)});" for name, (t, values) in arrays.items()]
+        lines += [f"    var primes = array<u32, 4>({primes});",
+                  "    var index = 0u; var stride = 1u; var weight = 1.0;",
+                  f"    for (var d = 0u; d < {g.dims}u; d = d + 1u) {{",
+                  f"        let pos = fma(x_in[row * N_X + {g.begin}u + d], scale[level], 0.5);",
+                  "        let cell = floor(pos);",
+                  "        var frac = pos - cell;"]
+        if g.interpolation == "Smoothstep":
+            lines.append("        frac = frac * frac * (3.0 - 2.0 * frac);")
+        lines += ["        let bit = (corner >> d) & 1u;",
+                  "        let c = u32(i32(cell)) + bit;  // tcnn's (uint32_t)(int)floorf(pos), wrapping",
+                  "        if (mode[level] == 1u) { index = index ^ (c * primes[d]); }",
+                  "        else { index = index + c * stride; stride = stride * resolution[level]; }"]
+        if not nearest:
+            lines.append("        weight = weight * select(1.0 - frac, frac, bit == 1u);")
+        lines += ["    }",
+                  "    if (mode[level] == 2u) { index = 0u; }",
+                  "    return GridCorner(start[level] + index % rows[level], weight);", "}"]
+        lines += [f"fn grid{g.index}_value(row: u32, j: u32) -> f32 {{",
+                  f"    let level = j / {f}u; let f = j % {f}u;",
+                  "    var acc = 0.0;",
+                  f"    for (var c = 0u; c < {c}u; c = c + 1u) {{",
+                  f"        let r = grid{g.index}_corner(row, level, c);",
+                  f"        acc = acc + r.weight * f32(wc[{g.offset}u + r.entry * {f}u + f]);",
+                  "    }", "    return acc;", "}"]
+        lines += ["@compute @workgroup_size(256)",
+                  f"fn grid_keys_{g.index}(@builtin(global_invocation_id) gid: vec3<u32>,"
+                  " @builtin(num_workgroups) nwg: vec3<u32>) {",
+                  f"    let reads = launch.n_rows * {lc}u;",
+                  "    for (var i = gid.x; i < launch.sort_n; i = i + nwg.x * EW_WG) {",
+                  "        sid[i] = i;",
+                  "        if (i < reads) {",
+                  f"            let r = grid{g.index}_corner(i / {lc}u, (i % {lc}u) / {c}u, i % {c}u);",
+                  "            skey[i] = r.entry; gweight[i] = r.weight;",
+                  "        } else { skey[i] = 0xffffffffu; }  // padding to the power of two: sorts last",
+                  "    }", "}"]
+        lines += ["@compute @workgroup_size(256)",
+                  f"fn grid_gather_{g.index}(@builtin(global_invocation_id) gid: vec3<u32>,"
+                  " @builtin(num_workgroups) nwg: vec3<u32>) {",
+                  f"    for (var e = gid.x; e < {g.entries}u; e = e + nwg.x * EW_WG) {{",
+                  f"        var acc: array<f32, {f}>;",
+                  "        let end = lower_bound(e + 1u);",
+                  "        for (var s = lower_bound(e); s < end; s = s + 1u) {",
+                  "            let id = sid[s];",
+                  f"            let base = (id / {lc}u) * KP0 + {g.column}u + (id % {lc}u) / {c}u * {f}u;",
+                  "            let w = gweight[id];",
+                  f"            for (var f = 0u; f < {f}u; f = f + 1u) {{ acc[f] = acc[f] + w * f32(dinbuf[base + f]); }}",
+                  "        }",
+                  f"        for (var f = 0u; f < {f}u; f = f + 1u) {{",
+                  f"            let p = {g.offset}u + e * {f}u + f;",
+                  "            var s = acc[f];",
+                  "            if ((launch.flags & 1u) == 0u) { s = s + grad[p]; }",
+                  "            grad[p] = s;",
+                  "        }", "    }", "}"]
+    return "\n".join(lines)
+
+
 def generate_wgsl(spec: MLPSpec, plan: Plan, native_f16: bool) -> str:
     """The whole WGSL module for one model."""
-    return "\n".join([_prelude(spec, plan, native_f16), read_source("wgsl/mlp_common.wgsl"),
+    return "\n".join([_prelude(spec, plan, native_f16), read_source("wgsl/mlp_common.wgsl"), _encoding_wgsl(plan),
                       _fused_kernels(spec, plan), _wgrad_kernels(plan)])

@@ -1,9 +1,10 @@
 // mmad wgpu backend: the kernels that are the same for every MLP shape.
 //
 // backends/webgpu.py prepends a generated prelude (the `CT` storage type, the rounding function
-// `rnd`, the activations, the loss, the input encoding and the shape constants P, N_OUT, OP_L,
-// LOSS_SCALE, the scratch row strides ZS/HS and the last layer's column Z_LAST, ...) and appends the fused forward/backward kernels and one
-// weight-gradient entry point per layer.
+// `rnd`, the activations, the loss, the optimizer step and the shape constants P, N_OUT, OP_L,
+// LOSS_SCALE, the scratch row strides ZS/HS and the last layer's column Z_LAST, ...) and appends
+// the input encoding (with grid encodings their kernels), the fused forward/backward kernels and
+// one weight-gradient entry point per layer.
 //
 // Everything is deterministic: reductions run in a fixed order, never with atomics.
 
@@ -18,6 +19,10 @@ struct Launch {
     n_loss_wg: u32,       // workgroups the loss kernel ran with
     ema_keep: f32,        // EMA models: average·ema_keep + weights·ema_take (numerics.ema_factors)
     ema_take: f32,
+    lr_base: f32,         // the step's rate without Adam's bias correction (grid tables: per-entry steps)
+    sort_n: u32,          // grid models: table reads sorted this chunk (a power of two)
+    sort_j: u32,          // grid_sort: the pass's compare distance
+    sort_k: u32,          // grid_sort: the pass's merge size
 }
 
 @group(0) @binding(0) var<uniform> launch: Launch;
@@ -131,15 +136,15 @@ fn grad_reduce(@builtin(global_invocation_id) gid: vec3<u32>,
     }
 }
 
-// One optimizer step on the fp32 masters; refreshes the compute-type copy (and, with tcnn's EMA
-// wrapper, the average and its compute-type copy: the generated ema_update).
+// One optimizer step on the fp32 masters (the MLP's, then the grid tables'); refreshes the
+// compute-type copy (and, with tcnn's EMA wrapper, the average and its compute-type copy: the
+// generated ema_update). The generated param_delta is the step of one parameter.
 @compute @workgroup_size(256)
 fn optimize(@builtin(global_invocation_id) gid: vec3<u32>,
             @builtin(num_workgroups) nwg: vec3<u32>) {
-    for (var p = gid.x; p < P; p = p + nwg.x * EW_WG) {
+    for (var p = gid.x; p < P_ALL; p = p + nwg.x * EW_WG) {
         var w = master[p];
-        let g = grad[p] / LOSS_SCALE + L2_REG * w;
-        w = w - optimizer_delta(p, g);
+        w = w - param_delta(p, w);
         master[p] = w;
         wc[p] = rnd(w);
         ema_update(p, w);
