@@ -144,8 +144,8 @@ IMAGE_CONFIG = {
 
 
 def _demo_image(args: argparse.Namespace) -> int:
-    """Fit a generated picture with the hash-grid image config on the cpu backend (grid encodings
-    run there only so far); write the reconstruction and the loss/PSNR curve as PNGs."""
+    """Fit a generated picture with the hash-grid image config on the cpu backend (the float64
+    oracle's backend: it runs everywhere); write the reconstruction and the loss/PSNR curve as PNGs."""
     import numpy as np
     from tqdm import tqdm
 
