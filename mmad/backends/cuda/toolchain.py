@@ -427,6 +427,7 @@ class TableUploads:
         self.cp = cp
         self._slots: list[list[Any]] = []  # [bytes held, page-locked view, device buffer, event or None]
         self._next = 0
+        self._used: list[Any] | None = None  # the slot of the last upload
 
     def upload(self, table: np.ndarray) -> Any:
         """A device uint8 buffer holding ``table``'s bytes once the current stream gets there."""
