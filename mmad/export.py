@@ -1,13 +1,14 @@
 """Models in and out of mmad: PyTorch, ONNX, tiny-cuda-nn parameters, ``nn.Sequential`` state dicts.
 
 * :func:`to_torch` — a ``torch.nn.Module`` computing what mmad's fp32 forward computes
-  (the spec's encoding, then ``Linear`` + activation layers), trainable further in PyTorch.
+  (the spec's encoding, a grid's tables as parameters, then ``Linear`` + activation layers),
+  trainable further in PyTorch.
 * :func:`to_onnx` — the same function as an ONNX graph, built with the ``onnx`` package alone
-  (no PyTorch needed), opset 17, a dynamic batch dimension.
+  (no PyTorch needed), opset 18, a dynamic batch dimension.
 * :func:`from_tcnn` — tiny-cuda-nn's flat parameter buffer (fp16 or fp32) of a
   ``NetworkWithInputEncoding`` with this spec's config, as mmad's ``W{i}``/``b{i}``.
 * :func:`from_state_dict` — the ``state_dict`` of a plain ``nn.Sequential`` of ``Linear``
-  layers (and activations), as mmad's parameters.
+  layers (and activations), or of a module :func:`to_torch` made, as mmad's parameters.
 * :func:`inference_params` — the weights a model infers with (the EMA average under an EMA
   optimizer), from a version's parameters and optimizer state.
 
@@ -22,11 +23,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from mmad.backends.contract import check_params, init_params, param_shapes
+from mmad.backends.encodings import GRID_OTYPES, HASH_PRIMES, grid_index_modes, spherical_harmonics
 from mmad.backends.numerics import LEAKY_SLOPE
 from mmad.errors import InvalidInput
 from mmad.spec import EncodingSpec, MLPSpec
 
-ONNX_OPSET = 17
+ONNX_OPSET = 18  # 18: BitwiseAnd and BitwiseXor, which a hash grid's index needs
 TCNN_ALIGNMENT = 16  # FullyFusedMLP's and CutlassMLP's REQUIRED_ALIGNMENT(): input and output widths pad to it
 
 
@@ -62,7 +64,8 @@ def tcnn_layer_shapes(spec: MLPSpec) -> list[tuple[int, int]]:
 
 
 def tcnn_n_params(spec: MLPSpec) -> int:
-    """tiny-cuda-nn's ``n_params()`` for this config (its encodings here hold no parameters)."""
+    """tiny-cuda-nn's ``n_params()`` for this config (its encodings here hold no parameters:
+    :func:`from_tcnn` refuses a grid)."""
     return sum(r * c for r, c in tcnn_layer_shapes(spec))
 
 
@@ -77,6 +80,11 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
     ``dtype`` (``"fp16"`` or ``"fp32"``).
     """
     check_exportable(spec)
+    grids = [part.otype for part, _, _ in spec.encoding.grid_parts(spec.n_input_dims)]
+    if grids:
+        raise InvalidInput(f"importing tiny-cuda-nn's parameters of a model with a {grids[0]} encoding is not built "
+                           "yet (its buffer holds the grid's tables after the network's); export works, and the "
+                           "encodings without parameters import")
     if isinstance(buffer, (bytes, bytearray, memoryview)):
         if dtype not in ("fp16", "fp32"):
             raise InvalidInput(f"raw tcnn parameters need their dtype, fp16 or fp32; got {dtype!r}")
@@ -109,9 +117,16 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
 def from_state_dict(spec: MLPSpec, state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """mmad's parameters from a plain ``nn.Sequential`` of ``Linear`` layers (activations between
     them hold no parameters): each ``<prefix>.weight`` (fan_out × fan_in, as mmad's ``W{i}``) in
-    the state dict's order, with its ``<prefix>.bias`` (zeros for ``bias=False``)."""
+    the state dict's order, with its ``<prefix>.bias`` (zeros for ``bias=False``); a grid's
+    tables as :func:`to_torch`'s module holds them (``grids.{k}``, mmad's ``grid{k}``)."""
     check_exportable(spec)
     arrays = {k: _to_numpy(v) for k, v in state_dict.items()}
+    tables = {f"grids.{k[len('grid'):]}": k for k in spec.grid_shapes}
+    missing = [key for key in tables if key not in arrays]
+    if missing:
+        raise InvalidInput(f"the model's grid encoding has {len(tables)} table(s); the state dict lacks {missing} "
+                           "(a module to_torch made holds them as grids.0, grids.1, ...)")
+    params = {name: arrays.pop(key) for key, name in tables.items()}
     weights = [k for k, v in arrays.items() if k.rsplit(".", 1)[-1] == "weight"]
     known = set(weights) | {w[: -len("weight")] + "bias" for w in weights}
     unknown = [k for k in arrays if k not in known]
@@ -120,7 +135,6 @@ def from_state_dict(spec: MLPSpec, state_dict: Mapping[str, Any]) -> dict[str, n
     if len(weights) != len(spec.layer_dims):
         raise InvalidInput(f"the model has {len(spec.layer_dims)} Linear layers; the state dict holds "
                            f"{len(weights)} weights ({weights[:6]})")
-    params = {}
     for i, (key, (fan_in, fan_out)) in enumerate(zip(weights, spec.layer_dims)):
         w = arrays[key]
         if w.shape != (fan_out, fan_in):
@@ -137,10 +151,13 @@ def _to_numpy(value: Any) -> np.ndarray:
     return np.asarray(value, dtype=np.float32)
 
 
+PARAMETER_FREE = ("Identity", "Frequency", "OneBlob", "SphericalHarmonics", "TriangleWave")
+
+
 def check_exportable(spec: MLPSpec) -> None:
-    """Export and import cover the encodings without parameters of their own; a model with a
-    grid (or another encoding export does not know yet) is refused, naming it."""
-    known = ("Identity", "Frequency", "OneBlob")
+    """Export and import cover every encoding mmad runs (grids' tables as parameters); one they do
+    not know is refused, naming it."""
+    known = PARAMETER_FREE + GRID_OTYPES
     found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype not in known]
     if found:
         raise InvalidInput(f"export and import of models with a {found[0]} encoding are not built yet; they cover "
@@ -164,20 +181,23 @@ def to_torch(spec: MLPSpec, params: Mapping[str, Any] | None = None):
             linear.bias.copy_(torch.from_numpy(params[f"b{i}"]))
         last = i == len(spec.layer_dims) - 1
         layers += [linear, _torch_activation(torch, spec.output_activation if last else spec.activation)]
-    return _torch_model_class(torch)(spec, torch.nn.Sequential(*layers))
+    grids = torch.nn.ParameterList([torch.nn.Parameter(torch.from_numpy(np.array(params[name], np.float32)))
+                                    for name in spec.grid_shapes])
+    return _torch_model_class(torch)(spec, torch.nn.Sequential(*layers), grids)
 
 
 def _torch_model_class(torch):
     class MMADModel(torch.nn.Module):
-        """mmad's model in PyTorch: ``encoding(x)`` then ``net``."""
+        """mmad's model in PyTorch: ``encoding(x)`` (reading the grid tables ``grids``) then ``net``."""
 
-        def __init__(self, spec: MLPSpec, net):
+        def __init__(self, spec: MLPSpec, net, grids):
             super().__init__()
             self.spec = spec
             self.net = net
+            self.grids = grids
 
         def forward(self, x):
-            return self.net(_torch_encode(torch, self.spec.encoding, x))
+            return self.net(_torch_encode(torch, self.spec.encoding, x, iter(self.grids)))
 
     return MMADModel
 
@@ -206,8 +226,17 @@ def _torch_activation(torch, name: str):
     return Activation()
 
 
-def _torch_encode(torch, enc: EncodingSpec, x):
-    """numerics.encode in torch (same operations, in x's dtype)."""
+def _torch_encode(torch, enc: EncodingSpec, x, tables):
+    """numerics.encode in torch (same operations, in x's dtype); ``tables``: an iterator over the
+    grid parts' tables, in order."""
+    if enc.is_grid:
+        return _torch_grid(torch, enc, x, next(tables))
+    if enc.otype == "SphericalHarmonics":
+        return spherical_harmonics(enc.degree, x, torch)
+    if enc.otype == "TriangleWave":  # encodings.triangle_wave: x·2^(k−1) + k/4, exact as its ldexp
+        k = np.arange(enc.n_frequencies)
+        v = x[:, :, None] * torch.from_numpy(np.ldexp(1.0, k - 1)).to(x.dtype) + torch.from_numpy(k * 0.25).to(x.dtype)
+        return (torch.abs(v - torch.floor(v) - 0.5) * 4 - 1).reshape(x.shape[0], -1)
     if enc.otype == "Identity":
         return x if enc.passthrough else x * enc.scale + enc.offset
     if enc.otype == "Frequency":
@@ -226,8 +255,58 @@ def _torch_encode(torch, enc: EncodingSpec, x):
         c = cdf(u) + cdf(u - 1) + cdf(u + 1)
         right = torch.cat([c[..., 1:], c[..., :1] + 1], dim=-1)
         return (right - c).reshape(x.shape[0], -1)
-    return torch.cat([_torch_encode(torch, part, x[:, begin:begin + dims])
+    return torch.cat([_torch_encode(torch, part, x[:, begin:begin + dims], tables)
                       for part, begin, dims in enc.parts(x.shape[1])], dim=1)
+
+
+U32 = 0xFFFFFFFF
+
+
+def _mulmod32(a, b: int):
+    """(a · b) mod 2^32 of int64 values a in [0, 2^32] and a constant b < 2^32, without the
+    int64 product overflowing: a's two 16-bit halves multiplied apart (torch tensors; the ONNX
+    graph does the same in its operators)."""
+    return ((a & 0xFFFF) * b + (((a // 65536) * b) & 0xFFFF) * 65536) & U32
+
+
+def _torch_grid(torch, part: EncodingSpec, x, table):
+    """encodings.grid_lookup + grid_forward in torch: every level's features (tcnn's order), the
+    table a parameter (its gradient is the scatter-add of the weights)."""
+    dims = x.shape[1]
+    corners = 1 if part.interpolation == "Nearest" else 1 << dims
+    outs = []
+    for info, mode in zip(part.grid_levels(dims), grid_index_modes(part, dims)):
+        if x.dtype == torch.float32:  # tcnn's fmaf: the product exact in float64, one rounding after the add
+            pos = (x.double() * info.scale + 0.5).float()
+        else:
+            pos = x * info.scale + 0.5
+        cell = torch.floor(pos)
+        frac = pos - cell
+        cell = cell.to(torch.int64) & U32  # tcnn's (uint32_t)(int)floorf
+        if part.interpolation == "Smoothstep":
+            frac = frac * frac * (3.0 - 2.0 * frac)
+        acc = None
+        for corner in range(corners):
+            offsets = [(corner >> d) & 1 for d in range(dims)]
+            local = [cell[:, d] + offsets[d] for d in range(dims)]
+            index = torch.zeros_like(local[0])
+            if mode == "hash":
+                for d in range(dims):
+                    index = index ^ _mulmod32(local[d], HASH_PRIMES[d])
+            elif mode == "dense":
+                stride = 1
+                for d in range(dims):
+                    index = (index + _mulmod32(local[d], stride)) & U32
+                    stride *= info.resolution
+            values = table[index % info.entries + info.offset]
+            if corners > 1:  # tcnn multiplies the dims' factors in dim order
+                w = torch.ones_like(frac[:, 0])
+                for d in range(dims):
+                    w = w * (frac[:, d] if offsets[d] else 1.0 - frac[:, d])
+                values = values * w[:, None]
+            acc = values if acc is None else acc + values
+        outs.append(acc)
+    return torch.cat(outs, dim=1)
 
 
 # -- ONNX ---------------------------------------------------------------------------------------------
@@ -240,7 +319,7 @@ def to_onnx(spec: MLPSpec, params: Mapping[str, Any]) -> bytes:
 
     params = check_params(spec, dict(params))
     graph = _OnnxGraph(helper, numpy_helper)
-    h = _onnx_encode(graph, spec.encoding, "INPUT", spec.n_input_dims)
+    h = _onnx_encode(graph, spec.encoding, "INPUT", spec.n_input_dims, iter([params[n] for n in spec.grid_shapes]))
     for i in range(len(spec.layer_dims)):
         z = graph.op("Gemm", h, graph.const(params[f"W{i}"]), graph.const(params[f"b{i}"]), transB=1)
         last = i == len(spec.layer_dims) - 1
@@ -297,8 +376,108 @@ def _onnx_activation(g: _OnnxGraph, name: str, z: str) -> str:
     raise ValueError(f"unknown activation {name!r}")
 
 
-def _onnx_encode(g: _OnnxGraph, enc: EncodingSpec, x: str, dims: int) -> str:
-    """numerics.encode as ONNX operators on ``x`` (batch × dims)."""
+class _OnnxValue:
+    """A float value of the graph under construction with NumPy's arithmetic and column
+    indexing, so that the oracle's own formula (encodings.spherical_harmonics) builds the graph;
+    ``full_like`` and ``stack`` make this class the formula's array namespace too."""
+
+    def __init__(self, g: _OnnxGraph, name: str):
+        self.g, self.name = g, name
+
+    def _of(self, other: Any) -> str:
+        return other.name if isinstance(other, _OnnxValue) else self.g.const(float(other))
+
+    def _op(self, op_type: str, a: str, b: str) -> "_OnnxValue":
+        return _OnnxValue(self.g, self.g.op(op_type, a, b))
+
+    def __add__(self, o): return self._op("Add", self.name, self._of(o))  # noqa: E704
+    def __radd__(self, o): return self._op("Add", self._of(o), self.name)  # noqa: E704
+    def __sub__(self, o): return self._op("Sub", self.name, self._of(o))  # noqa: E704
+    def __rsub__(self, o): return self._op("Sub", self._of(o), self.name)  # noqa: E704
+    def __mul__(self, o): return self._op("Mul", self.name, self._of(o))  # noqa: E704
+    def __rmul__(self, o): return self._op("Mul", self._of(o), self.name)  # noqa: E704
+    def __neg__(self): return _OnnxValue(self.g, self.g.op("Neg", self.name))  # noqa: E704
+
+    def __getitem__(self, key: tuple[slice, int]) -> "_OnnxValue":
+        _, column = key  # x[:, j]: column j, one value a row
+        return _OnnxValue(self.g, self.g.op("Gather", self.name, self.g.const(column, np.int64), axis=1))
+
+    @staticmethod
+    def full_like(v: "_OnnxValue", value: float) -> "_OnnxValue":
+        return _OnnxValue(v.g, v.g.op("Expand", v.g.const(value), v.g.op("Shape", v.name)))
+
+    @staticmethod
+    def stack(values: list["_OnnxValue"], axis: int) -> "_OnnxValue":
+        g = values[0].g
+        where = g.const([axis], np.int64)
+        return _OnnxValue(g, g.op("Concat", *[g.op("Unsqueeze", v.name, where) for v in values], axis=axis))
+
+
+def _onnx_mulmod32(g: _OnnxGraph, a: str, b: int) -> str:
+    """_mulmod32 in ONNX operators (int64 values)."""
+    i64 = lambda v: g.const(v, np.int64)  # noqa: E731
+    lo = g.op("Mul", g.op("BitwiseAnd", a, i64(0xFFFF)), i64(b))
+    hi = g.op("BitwiseAnd", g.op("Mul", g.op("Div", a, i64(65536)), i64(b)), i64(0xFFFF))
+    return g.op("BitwiseAnd", g.op("Add", lo, g.op("Mul", hi, i64(65536))), i64(U32))
+
+
+def _onnx_grid(g: _OnnxGraph, part: EncodingSpec, x: str, dims: int, table: np.ndarray) -> str:
+    """_torch_grid in ONNX operators: the table a constant, each corner's rows gathered from it."""
+    i64 = lambda v: g.const(v, np.int64)  # noqa: E731
+    corners = 1 if part.interpolation == "Nearest" else 1 << dims
+    values = g.const(np.asarray(table, np.float32))
+    x64 = g.op("Cast", x, to=11)  # double: tcnn's fmaf, the product exact, one rounding after the add
+    outs = []
+    for info, mode in zip(part.grid_levels(dims), grid_index_modes(part, dims)):
+        pos = g.op("Cast", g.op("Add", g.op("Mul", x64, g.const(info.scale, np.float64)), g.const(0.5, np.float64)),
+                   to=1)
+        floor = g.op("Floor", pos)
+        frac = g.op("Sub", pos, floor)
+        cell = g.op("BitwiseAnd", g.op("Cast", floor, to=7), i64(U32))
+        if part.interpolation == "Smoothstep":
+            frac = g.op("Mul", g.op("Mul", frac, frac), g.op("Sub", g.const(3.0), g.op("Mul", g.const(2.0), frac)))
+        columns = [g.op("Gather", cell, i64(d), axis=1) for d in range(dims)]
+        fracs = [g.op("Gather", frac, i64(d), axis=1) for d in range(dims)]
+        acc = None
+        for corner in range(corners):
+            offsets = [(corner >> d) & 1 for d in range(dims)]
+            local = [g.op("Add", columns[d], i64(1)) if offsets[d] else columns[d] for d in range(dims)]
+            index = g.op("Mul", local[0], i64(0))
+            if mode == "hash":
+                for d in range(dims):
+                    index = g.op("BitwiseXor", index, _onnx_mulmod32(g, local[d], HASH_PRIMES[d]))
+            elif mode == "dense":
+                stride = 1
+                for d in range(dims):
+                    index = g.op("BitwiseAnd", g.op("Add", index, _onnx_mulmod32(g, local[d], stride)), i64(U32))
+                    stride *= info.resolution
+            row = g.op("Add", g.op("Mod", index, i64(info.entries)), i64(info.offset))
+            value = g.op("Gather", values, row, axis=0)  # batch × features
+            if corners > 1:
+                w = None
+                for d in range(dims):
+                    f = fracs[d] if offsets[d] else g.op("Sub", g.const(1.0), fracs[d])
+                    w = f if w is None else g.op("Mul", w, f)
+                value = g.op("Mul", value, g.op("Unsqueeze", w, i64([1])))
+            acc = value if acc is None else g.op("Add", acc, value)
+        outs.append(acc)
+    return outs[0] if len(outs) == 1 else g.op("Concat", *outs, axis=1)
+
+
+def _onnx_encode(g: _OnnxGraph, enc: EncodingSpec, x: str, dims: int, tables) -> str:
+    """numerics.encode as ONNX operators on ``x`` (batch × dims); ``tables``: an iterator over
+    the grid parts' tables, in order."""
+    if enc.is_grid:
+        return _onnx_grid(g, enc, x, dims, next(tables))
+    if enc.otype == "SphericalHarmonics":
+        return spherical_harmonics(enc.degree, _OnnxValue(g, x), _OnnxValue).name
+    if enc.otype == "TriangleWave":
+        k = np.arange(enc.n_frequencies)
+        v = g.op("Add", g.op("Mul", g.op("Unsqueeze", x, g.const([2], np.int64)), g.const(np.ldexp(1.0, k - 1))),
+                 g.const(k * 0.25))  # batch × dims × F
+        wave = g.op("Sub", g.op("Mul", g.op("Abs", g.op("Sub", g.op("Sub", v, g.op("Floor", v)), g.const(0.5))),
+                                g.const(4.0)), g.const(1.0))
+        return g.op("Reshape", wave, g.const([0, -1], np.int64))
     if enc.otype == "Identity":
         return x if enc.passthrough else g.op("Add", g.op("Mul", x, g.const(enc.scale)), g.const(enc.offset))
     if enc.otype == "Frequency":
@@ -326,7 +505,8 @@ def _onnx_encode(g: _OnnxGraph, enc: EncodingSpec, x: str, dims: int) -> str:
         first = g.op("Add", g.op("Slice", c, g.const([0], np.int64), g.const([1], np.int64), axis), g.const(1.0))
         return g.op("Reshape", g.op("Sub", g.op("Concat", rest, first, axis=2), c), g.const([0, -1], np.int64))
     axis = g.const([1], np.int64)
-    parts = [_onnx_encode(g, part, g.op("Slice", x, g.const([begin], np.int64), g.const([begin + n], np.int64), axis), n)
+    parts = [_onnx_encode(g, part, g.op("Slice", x, g.const([begin], np.int64), g.const([begin + n], np.int64), axis), n,
+                          tables)
              for part, begin, n in enc.parts(dims)]
     return parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=1)
 

@@ -33,7 +33,19 @@ ENCODINGS = {
         {"otype": "Frequency", "n_frequencies": 3, "n_dims_to_encode": 2},
         {"otype": "OneBlob", "n_bins": 8, "n_dims_to_encode": 1},
         {"otype": "Identity", "scale": 2.0, "offset": -1.0}]},
+    "spherical": {"otype": "Composite", "nested": [
+        {"otype": "SphericalHarmonics", "degree": 8, "n_dims_to_encode": 3}, {"otype": "Identity"}]},
+    "triangle": {"otype": "TriangleWave", "n_frequencies": 6},
+    # a small table, so that the finer levels hash and collide; 4 dims
+    "hashgrid": {"otype": "HashGrid", "n_levels": 5, "n_features_per_level": 2, "log2_hashmap_size": 9,
+                 "base_resolution": 4, "per_level_scale": 1.6},
+    "grids": {"otype": "Composite", "nested": [
+        {"otype": "DenseGrid", "n_levels": 3, "n_features_per_level": 4, "base_resolution": 3, "per_level_scale": 2.0,
+         "interpolation": "Smoothstep", "n_dims_to_encode": 2},
+        {"otype": "TiledGrid", "n_levels": 3, "n_features_per_level": 1, "base_resolution": 6, "per_level_scale": 1.5,
+         "interpolation": "Nearest", "n_dims_to_encode": 2}]},
 }
+GRIDS = ("hashgrid", "grids")
 
 
 def make_spec(encoding="identity", activation="ReLU", output_activation="None", n_in=4, n_out=3,
@@ -51,11 +63,19 @@ def random_params(spec: MLPSpec, seed: int) -> dict[str, np.ndarray]:
     for i, (fan_in, fan_out) in enumerate(spec.layer_dims):
         out[f"W{i}"] = (rng.standard_normal((fan_out, fan_in)) * np.sqrt(2 / (fan_in + fan_out))).astype(np.float32)
         out[f"b{i}"] = (rng.standard_normal(fan_out) * 0.1).astype(np.float32)
+    for name, shape in spec.grid_shapes.items():  # a grid's tables: random, not tcnn's near-zero start
+        out[name] = rng.uniform(-1, 1, shape).astype(np.float32)
     return out
 
 
 def inputs(spec: MLPSpec, rows: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).uniform(0, 1, (rows, spec.n_input_dims)).astype(np.float32)
+    """Rows in [0, 1], a tenth of them in [−2, 3]: a grid's cells past its edges (negative,
+    wrapping at 32 bits) and its hashing of large cells are exercised too."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(0, 1, (rows, spec.n_input_dims))
+    wide = rng.random(rows) < 0.1
+    x[wide] = rng.uniform(-2, 3, (int(wide.sum()), spec.n_input_dims))
+    return x.astype(np.float32)
 
 
 def oracle(spec: MLPSpec, params, x) -> np.ndarray:
@@ -276,10 +296,46 @@ def test_cli_imports_a_tcnn_file(tmp_path, capsys):
     assert "tiny-cuda-nn's buffer for this config holds" in capsys.readouterr().err
 
 
-def test_models_with_a_grid_encoding_are_refused_by_name():
-    from mmad.export import check_exportable
+def test_tcnn_parameters_of_a_grid_model_are_refused_by_name():
+    spec = make_spec("hashgrid")
+    with pytest.raises(InvalidInput, match="a HashGrid encoding is not built yet"):
+        export.from_tcnn(spec, np.zeros(export.tcnn_n_params(spec), np.float32))
 
-    spec = MLPSpec.from_json({"n_input_dims": 2, "n_output_dims": 3, "encoding": {"otype": "HashGrid"},
-                              "network": {"n_neurons": 64, "n_hidden_layers": 2}})
-    with pytest.raises(InvalidInput, match="HashGrid encoding are not built yet"):
-        check_exportable(spec)
+
+def test_instant_ngp_style_model_exports_and_its_tables_train_further(ort, torch, tmp_path):
+    """tcnn's instant-NGP composite (a 3-D hash grid of the position, SphericalHarmonics of the
+    direction): ONNX and the module match the oracle; the module's tables are parameters that
+    PyTorch trains, and they come back into mmad through the state dict."""
+    spec = MLPSpec.from_json({
+        "n_input_dims": 6, "n_output_dims": 3, "precision": "fp32",
+        "network": {"otype": "FullyFusedMLP", "n_neurons": 32, "n_hidden_layers": 2, "activation": "ReLU",
+                    "output_activation": "None"},
+        "encoding": {"otype": "Composite", "nested": [
+            {"otype": "HashGrid", "n_levels": 6, "n_features_per_level": 2, "log2_hashmap_size": 10,
+             "base_resolution": 8, "per_level_scale": 1.5, "n_dims_to_encode": 3},
+            {"otype": "SphericalHarmonics", "degree": 4}]}})
+    params = random_params(spec, 21)
+    x = inputs(spec, 700, seed=22)
+    ref = oracle(spec, params, x)
+    assert rel_err(run_onnx(ort, export.to_onnx(spec, params), x), ref) <= FP32_TOL
+    module = export.to_torch(spec, params)
+    with torch.no_grad():
+        assert rel_err(module(torch.from_numpy(x)).numpy(), ref) <= FP32_TOL
+    y = torch.from_numpy(np.sin(3 * x[:, :3]).astype(np.float32))
+    before = module.grids[0].detach().clone()
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = torch.mean((module(torch.from_numpy(x)) - y) ** 2)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert not torch.equal(before, module.grids[0].detach())  # the table trained
+    back = export.from_state_dict(spec, module.state_dict())
+    fresh = inputs(spec, 300, seed=23)
+    with torch.no_grad():
+        assert rel_err(oracle(spec, back, fresh), module.double()(torch.from_numpy(fresh).double()).numpy()) <= 1e-12
+    with pytest.raises(InvalidInput, match=r"lacks \['grids.0'\]"):
+        export.from_state_dict(spec, {k: v for k, v in module.state_dict().items() if k != "grids.0"})

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 
 from mmad.errors import SpecError
@@ -147,17 +149,18 @@ def grid_backward(lookup: GridLookup, d_out: np.ndarray, entries: int) -> np.nda
 
 
 # -- spherical harmonics -------------------------------------------------------------------------
-def spherical_harmonics(degree: int, x: np.ndarray) -> np.ndarray:
+def spherical_harmonics(degree: int, x: Any, xp: Any = np) -> Any:
     """tcnn's ``sh_enc``: inputs in [0, 1]^3 mapped to directions 2x − 1, then the real spherical
     harmonics of bands 0 … degree − 1 (degree² columns), with tcnn's constants and expressions
-    (scripts/gen_sh.py there). Exact only for unit directions, like tcnn's."""
-    t = x.dtype.type
-    d = x * t(2) - t(1)
+    (scripts/gen_sh.py there). Exact only for unit directions, like tcnn's. ``xp``: the array
+    namespace (``full_like`` and ``stack``) of ``x``: NumPy here, torch or an ONNX graph's values
+    for ``mmad.export``; Python scalars keep x's dtype in each."""
+    d = x * 2.0 - 1.0
     x, y, z = d[:, 0], d[:, 1], d[:, 2]
     xy, xz, yz, x2, y2, z2 = x * y, x * z, y * z, x * x, y * y, z * z
     x4, y4, z4 = x2 * x2, y2 * y2, z2 * z2
     x6, y6, z6 = x4 * x2, y4 * y2, z4 * z2
-    c = [np.full_like(x, 0.28209479177387814)]
+    c = [xp.full_like(x, 0.28209479177387814)]
     if degree > 1:
         c += [-0.48860251190291987 * y, 0.48860251190291987 * z, -0.48860251190291987 * x]
     if degree > 2:
@@ -215,7 +218,8 @@ def spherical_harmonics(degree: int, x: np.ndarray) -> np.ndarray:
               -0.51891557872026028 * x * (13.0 * z2 - 1.0) * (-10.0 * x2 * y2 + x4 + 5.0 * y4),
               2.6459606618019 * z * (15.0 * x2 * y4 - 15.0 * x4 * y2 + x6 - y6),
               0.70716273252459627 * x * (-35.0 * x2 * y4 + 21.0 * x4 * y2 - x6 + 7.0 * y6)]
-    return np.stack(c, axis=1).astype(x.dtype, copy=False)
+    out = xp.stack(c, 1)
+    return out.astype(x.dtype, copy=False) if xp is np else out
 
 
 # -- triangle wave ---------------------------------------------------------------------------------
