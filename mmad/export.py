@@ -56,7 +56,7 @@ def inference_params(spec: MLPSpec, params: Mapping[str, Any],
 # -- tiny-cuda-nn parameters -------------------------------------------------------------------
 def tcnn_layer_shapes(spec: MLPSpec) -> list[tuple[int, int]]:
     """(rows, columns) of each weight matrix in tcnn's buffer, in order: the encoding's output
-    padded to 16 columns (the padding columns hold 1), the output layer padded to 16 rows."""
+    padded to 16 columns, the output layer padded to 16 rows."""
     pad = lambda n: -(-n // TCNN_ALIGNMENT) * TCNN_ALIGNMENT  # noqa: E731
     width = spec.n_neurons
     return ([(width, pad(spec.n_encoded_dims))] + [(width, width)] * (spec.n_hidden_layers - 1)
@@ -64,9 +64,25 @@ def tcnn_layer_shapes(spec: MLPSpec) -> list[tuple[int, int]]:
 
 
 def tcnn_n_params(spec: MLPSpec) -> int:
-    """tiny-cuda-nn's ``n_params()`` for this config (its encodings here hold no parameters:
-    :func:`from_tcnn` refuses a grid)."""
-    return sum(r * c for r, c in tcnn_layer_shapes(spec))
+    """tiny-cuda-nn's ``n_params()`` for this config: the network's matrices, then the grids'
+    tables (``NetworkWithInputEncoding`` holds the network's parameters first)."""
+    return sum(r * c for r, c in tcnn_layer_shapes(spec)) + sum(r * f for r, f in spec.grid_shapes.values())
+
+
+def _tcnn_padding_is_ones(spec: MLPSpec) -> bool:
+    """Whether the columns tcnn pads the encoded input with hold 1 (they are the last part's:
+    a grid pads with 0, every other encoding with 1). A Composite whose parts tcnn would pad
+    between (a grid after a width that is not a multiple of its features: its alignment) is
+    refused, as mmad's columns would not line up with tcnn's."""
+    width = 0
+    parts = spec.encoding.parts(spec.n_input_dims)
+    for part, _, dims in parts:
+        if part.is_grid and width % part.n_features_per_level:
+            raise InvalidInput(f"tiny-cuda-nn pads the encoded input before the {part.otype} part (its {width} columns "
+                               f"before are not a multiple of its n_features_per_level {part.n_features_per_level}); "
+                               "importing such a buffer is not built")
+        width += part.n_output_dims(dims)
+    return not parts[-1][0].is_grid
 
 
 def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.ndarray]:
@@ -76,15 +92,13 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
     (fan_out × fan_in) matrix, layers back to back, with no biases. Its input is the encoding's
     output padded with columns of 1 up to a multiple of 16, so the first layer's padding columns
     sum to a bias (``b0``); the output layer has rows up to a multiple of 16, of which the first
-    ``n_output_dims`` are used. ``buffer``: an array (fp16/fp32, any shape) or raw bytes of
-    ``dtype`` (``"fp16"`` or ``"fp32"``).
+    ``n_output_dims`` are used. A grid's tables follow the network's matrices, part after part,
+    each level's rows back to back with a row's features adjacent: mmad's ``grid{k}`` exactly;
+    a grid pads the encoded input with columns of 0, so its padding weights add nothing.
+    ``buffer``: an array (fp16/fp32, any shape) or raw bytes of ``dtype`` (``"fp16"`` or ``"fp32"``).
     """
     check_exportable(spec)
-    grids = [part.otype for part, _, _ in spec.encoding.grid_parts(spec.n_input_dims)]
-    if grids:
-        raise InvalidInput(f"importing tiny-cuda-nn's parameters of a model with a {grids[0]} encoding is not built "
-                           "yet (its buffer holds the grid's tables after the network's); export works, and the "
-                           "encodings without parameters import")
+    padding_is_ones = _tcnn_padding_is_ones(spec)
     if isinstance(buffer, (bytes, bytearray, memoryview)):
         if dtype not in ("fp16", "fp32"):
             raise InvalidInput(f"raw tcnn parameters need their dtype, fp16 or fp32; got {dtype!r}")
@@ -98,7 +112,7 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
     shapes = tcnn_layer_shapes(spec)
     expected = tcnn_n_params(spec)
     if flat.size != expected:
-        layout = " + ".join(f"{r}x{c}" for r, c in shapes)
+        layout = " + ".join([f"{r}x{c}" for r, c in shapes] + [f"{r}x{f}" for r, f in spec.grid_shapes.values()])
         raise InvalidInput(f"tiny-cuda-nn's buffer for this config holds {expected} parameters ({layout}, "
                            f"widths padded to {TCNN_ALIGNMENT}); got {flat.size}")
     params: dict[str, np.ndarray] = {}
@@ -109,7 +123,10 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
         params[f"W{i}"] = w[:fan_out, :fan_in]
         # only the first layer sees the padding columns of 1: their weights act as its bias
         # (summed in float64, rounded once to fp32 by check_params)
-        params[f"b{i}"] = w[:fan_out, fan_in:].sum(axis=1) if i == 0 else np.zeros(fan_out)
+        params[f"b{i}"] = w[:fan_out, fan_in:].sum(axis=1) if i == 0 and padding_is_ones else np.zeros(fan_out)
+    for name, (rows, features) in spec.grid_shapes.items():
+        params[name] = flat[at:at + rows * features].reshape(rows, features)
+        at += rows * features
     return check_params(spec, params)
 
 

@@ -233,10 +233,11 @@ def tcnn_buffer(spec: MLPSpec, seed: int):
     return mats, np.concatenate([m.reshape(-1) for m in mats])
 
 
-def tcnn_forward(spec: MLPSpec, mats, x: np.ndarray) -> np.ndarray:
-    """tcnn's network in float64: encoding padded with ones, bias-free layers, output rows cut."""
-    h = nm.encode(spec.encoding, x.astype(np.float64))
-    h = np.concatenate([h, np.ones((len(h), mats[0].shape[1] - h.shape[1]))], axis=1)
+def tcnn_forward(spec: MLPSpec, mats, x: np.ndarray, tables=(), pad: float = 1.0) -> np.ndarray:
+    """tcnn's network in float64: the encoding (a grid's ``tables``) padded with ``pad``, bias-free
+    layers, output rows cut."""
+    h = nm.encode(spec.encoding, x.astype(np.float64), tables)
+    h = np.concatenate([h, np.full((len(h), mats[0].shape[1] - h.shape[1]), pad)], axis=1)
     for i, m in enumerate(mats):
         last = i == len(mats) - 1
         h = nm.activate(spec.output_activation if last else spec.activation, h @ m.T)
@@ -296,9 +297,44 @@ def test_cli_imports_a_tcnn_file(tmp_path, capsys):
     assert "tiny-cuda-nn's buffer for this config holds" in capsys.readouterr().err
 
 
-def test_tcnn_parameters_of_a_grid_model_are_refused_by_name():
-    spec = make_spec("hashgrid")
-    with pytest.raises(InvalidInput, match="a HashGrid encoding is not built yet"):
+NGP = {"otype": "Composite", "nested": [
+    {"otype": "HashGrid", "n_levels": 6, "n_features_per_level": 2, "log2_hashmap_size": 10, "base_resolution": 8,
+     "per_level_scale": 1.5, "n_dims_to_encode": 3},
+    {"otype": "SphericalHarmonics", "degree": 4}]}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("encoding", ["hashgrid", "grids", "ngp"])
+def test_tcnn_buffer_of_a_grid_model_loads_its_tables(dtype, encoding):
+    """tcnn's buffer of a grid model: the network's matrices, then every grid part's table (levels
+    back to back, a row's features adjacent); a grid pads the encoded input with 0 (hashgrid: 10
+    columns to 16, grids: the TiledGrid's 3 to 16), other encodings with 1 (ngp: SphericalHarmonics
+    last)."""
+    if encoding == "ngp":
+        spec = MLPSpec.from_json({"n_input_dims": 6, "n_output_dims": 3, "precision": "fp32", "encoding": NGP,
+                                  "network": {"otype": "FullyFusedMLP", "n_neurons": 32, "n_hidden_layers": 2}})
+    else:
+        spec = make_spec(encoding)
+    mats, flat = tcnn_buffer(spec, seed=24)
+    rng = np.random.default_rng(25)
+    tables = [rng.uniform(-1, 1, shape) for shape in spec.grid_shapes.values()]
+    flat = np.concatenate([flat] + [t.reshape(-1) for t in tables]).astype(dtype)
+    mats = [m.astype(dtype).astype(np.float64) for m in mats]
+    tables = [t.astype(dtype).astype(np.float64) for t in tables]
+    assert flat.size == export.tcnn_n_params(spec)
+    params = export.from_tcnn(spec, flat)
+    x = inputs(spec, 500, seed=26)
+    pad = 1.0 if encoding == "ngp" else 0.0
+    assert rel_err(oracle(spec, params, x), tcnn_forward(spec, mats, x, tables, pad)) <= FP32_TOL
+
+
+def test_tcnn_buffer_with_padding_between_a_composites_parts_is_refused():
+    spec = MLPSpec.from_json({"n_input_dims": 3, "n_output_dims": 3, "network": {"n_neurons": 32, "n_hidden_layers": 1},
+                              "encoding": {"otype": "Composite", "nested": [
+                                  {"otype": "Identity", "n_dims_to_encode": 1},
+                                  {"otype": "HashGrid", "n_levels": 2, "n_features_per_level": 2,
+                                   "log2_hashmap_size": 8}]}})
+    with pytest.raises(InvalidInput, match="pads the encoded input before the HashGrid part"):
         export.from_tcnn(spec, np.zeros(export.tcnn_n_params(spec), np.float32))
 
 
