@@ -144,8 +144,9 @@ IMAGE_CONFIG = {
 
 
 def _demo_image(args: argparse.Namespace) -> int:
-    """Fit a generated picture with the hash-grid image config on the cpu backend (the float64
-    oracle's backend: it runs everywhere); write the reconstruction and the loss/PSNR curve as PNGs."""
+    """Fit a generated picture with the hash-grid image config on ``--backend`` (cpu by default:
+    it runs everywhere; a backend with grid kernels, wgpu, on a GPU); write the reconstruction
+    and the loss/PSNR curve as PNGs."""
     import numpy as np
     from tqdm import tqdm
 
@@ -157,21 +158,28 @@ def _demo_image(args: argparse.Namespace) -> int:
     except ImportError:
         print("mmad demo --image draws its PNGs with matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
-    from mmad.backends.cpu import CpuBackend
+    from mmad.backends import select
+    from mmad.errors import MMADError
     from mmad.spec import MLPSpec
 
     doc = {**IMAGE_CONFIG, "encoding": {**IMAGE_CONFIG["encoding"], "log2_hashmap_size": args.log2_hashmap_size}}
     spec = MLPSpec.from_json(doc)
+    try:
+        backend, row = select(args.backend)
+        model = backend.compile(spec, variant=row.variant)
+    except MMADError as exc:
+        print(f"mmad demo --image --backend {args.backend}: {exc}", file=sys.stderr)
+        return 2
     image = demo_image(args.size)
     pixels = image.reshape(-1, 3)
     centres = (np.arange(args.size, dtype=np.float32) + 0.5) / args.size
     u, v = np.meshgrid(centres, centres, indexing="xy")
     coords = np.stack([u.ravel(), v.ravel()], 1)
-    model = CpuBackend("fp32").compile(spec)
     rng = np.random.default_rng(0)
     batch = min(args.batch, len(coords))
     print(f"fitting a {args.size}x{args.size} picture: HashGrid 16 levels x 2 features, 2^{args.log2_hashmap_size} "
-          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, cpu backend, batch {batch}")
+          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, {row.backend}:{row.variant} on "
+          f"{row.device}, batch {batch}")
 
     def psnr() -> float:
         out = np.clip(model.forward(coords), 0, 1)
@@ -209,6 +217,7 @@ def _demo_image(args: argparse.Namespace) -> int:
     print(f"wrote {out_dir / 'demo-image-reconstruction.png'} and {out_dir / 'demo-image-curve.png'}")
     print(f"final PSNR {curve[-1]:.2f} dB after {args.steps} steps")
     model.close()
+    backend.close()
     return 0
 
 
@@ -342,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train a small MLP with the best available backend; --image: fit a "
-                                    "generated picture with tiny-cuda-nn's hash-grid config (cpu backend)")
+                                    "generated picture with tiny-cuda-nn's hash-grid config")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=4096)
     p.add_argument("--image", action="store_true", help="fit a picture with the HashGrid image config; writes "
@@ -350,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=128, help="--image: the picture's side in pixels")
     p.add_argument("--log2-hashmap-size", type=int, default=15, help="--image: the hash table's size (log2)")
     p.add_argument("--out", default=".", help="--image: the folder for the PNGs")
+    p.add_argument("--backend", default="cpu",
+                   help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu and wgpu)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "
