@@ -1,14 +1,17 @@
-"""Forwards between CUDA shared-memory regions, run by the primary for its serving workers.
+"""Forwards between shared-memory regions, run by the primary for its serving workers.
 
 Several processes' work on one GPU is time-sliced between their CUDA contexts: on the H100 host,
 one process ran 22,969 forwards a second of 65,536 FP16 rows on device arrays, two to eight
 processes 6,100 together (docs/gpu-notes-cuda.md). A request whose input and outputs all lie in
 CUDA regions needs no host copy, so that switch is all its cost: with ``--workers`` a worker
 reads and checks such a request (HTTP, the references, the bounds) and sends only what names
-the tensors to the primary, whose one thread per daemon runs every worker's region forwards in
-its own context, a group at a time: each replica's forwards of the group launched together
+the tensors to the primary, which runs every worker's region forwards in its own context, a
+group at a time: each replica's forwards of the group launched together
 (``CompiledModel.forward_group``: one kernel for them all on the mma variant, their finiteness
 checked inside it) under its lock, then one wait per device for the group, then every answer.
+A request all in system regions of a model with several replicas goes the same way (the
+primary copies the rows up from its page-locked mapping of the regions and back, the
+replicas in turn): each worker's contexts on every GPU would be time-sliced with the others'.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
 "outputs": [{...}], "check_finite"}`` names each tensor by ``region``, ``offset``, ``byte_size``,
