@@ -1,6 +1,6 @@
-"""A hash-grid model through the daemon (cpu backend, real HTTP): created, served against the
-float64 oracle, trained by /train and by a job, versioned, its weights (grid table included)
-downloaded and uploaded."""
+"""A hash-grid model through the daemon (cpu backend, real HTTP; then daemons on the wgpu and vulkan
+backends): created, served against the float64 oracle, trained by /train and by a job, versioned,
+its weights (grid table included) downloaded and uploaded."""
 
 from __future__ import annotations
 
@@ -37,21 +37,22 @@ def test_hash_grid_model_serves_trains_versions_and_round_trips(http):
     serve_train_version_and_round_trip(http)
 
 
-def test_hash_grid_model_on_wgpu_daemon(tmp_path):
-    """The same through a daemon on the wgpu backend (grid kernels on the device): the table is a
-    parameter like the layers' there too, so versions, weights and jobs work unchanged."""
-    pytest.importorskip("wgpu", reason="wgpu-py is not installed")
+@pytest.mark.parametrize("backend, package", [("wgpu", "wgpu"), ("vulkan", "vulkan")])
+def test_hash_grid_model_on_a_device_daemon(tmp_path, backend, package):
+    """The same through a daemon on the wgpu or the vulkan backend (grid kernels on the device): the
+    table is a parameter like the layers' there too, so versions, weights and jobs work unchanged."""
+    pytest.importorskip(package, reason=f"the {backend} backend's Python package is not installed")
     from conftest import DaemonProcess
 
     try:
-        proc = DaemonProcess(tmp_path / "store", env={"MMAD_BACKEND": "wgpu", "MMAD_PROBE": "wgpu"}).start()
+        proc = DaemonProcess(tmp_path / "store", env={"MMAD_BACKEND": backend, "MMAD_PROBE": backend}).start()
     except RuntimeError as exc:
-        pytest.skip(f"no wgpu daemon here: {str(exc)[:200]}")
+        pytest.skip(f"no {backend} daemon here: {str(exc)[:200]}")
     try:
         with httpx.Client(base_url=proc.url, timeout=120.0) as http:
             serve_train_version_and_round_trip(http)
             assert http.put("/v2/models/field", json={"spec": GRID_SPEC}).status_code == 201
-            assert "wgpu" in http.get("/v2/models/field").json()["backend"]
+            assert backend in http.get("/v2/models/field").json()["backend"]
     finally:
         proc.stop()
 

@@ -31,11 +31,12 @@ _MAX_DENSE_BASE = {1: 0xFFFFFFFF, 2: 0xFFFF, 3: 0x659, 4: 0xFF}
 _U32 = np.uint64(0xFFFFFFFF)
 
 # the encodings with trainable tables, which need device kernels of their own: the cpu backend
-# (the oracle) and the wgpu backend (WGSL kernels, webgpu/wgsl.py) have them so far; the
-# parameter-free ones, SphericalHarmonics and TriangleWave, every backend computes on the host
-# before the upload, as it does Frequency
+# (the oracle), the wgpu backend (WGSL kernels, webgpu/wgsl.py) and the vulkan backend (GLSL,
+# shaders/glsl/grid.comp; its simt variant) have them so far; the parameter-free ones,
+# SphericalHarmonics and TriangleWave, every backend computes on the host before the upload, as
+# it does Frequency
 GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")
-GRID_BACKENDS = ("cpu", "wgpu")
+GRID_BACKENDS = ("cpu", "wgpu", "vulkan")
 
 
 def check_backend_supports(spec: MLPSpec, backend: str) -> None:
@@ -45,9 +46,9 @@ def check_backend_supports(spec: MLPSpec, backend: str) -> None:
         return
     found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in GRID_OTYPES]
     if found:
-        raise SpecError("encoding", f"{found[0]} is implemented on the cpu and wgpu backends only so far; the "
-                                    f"{backend} backend cannot run this model (serve it with MMAD_BACKEND=cpu "
-                                    "or MMAD_BACKEND=wgpu)")
+        raise SpecError("encoding", f"{found[0]} is implemented on the cpu, wgpu and vulkan backends only so far; "
+                                    f"the {backend} backend cannot run this model (serve it with MMAD_BACKEND=cpu, "
+                                    "MMAD_BACKEND=wgpu or MMAD_BACKEND=vulkan)")
 
 
 # -- grids -----------------------------------------------------------------------------------

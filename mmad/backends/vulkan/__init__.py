@@ -15,8 +15,13 @@ coopmat (which needs both) stores training's activations and deltas as fp16;
 every product accumulates in fp32; bias and activation act on the fp32 accumulator; the output
 layer stays fp32. Masters and Adam/SGD state are fp32 on the device; the fp16 copies (two
 layouts: transposed for forward, plain for backward) are refreshed by the optimizer kernel.
-Encodings run on the host (``CompiledModel.encode``) before upload. Rows are padded to a multiple
-of ``ROW_ALIGN`` internally; padded rows get zero gradients and never reach the caller.
+Encodings without parameters run on the host (``CompiledModel.encode``) before upload. The grid
+encodings (HashGrid, DenseGrid, TiledGrid; simt only) run on the device (``shaders/glsl/grid.comp``):
+a kernel input of raw dims and host-encoded columns is encoded on the device before the forward,
+the backward runs on through the first layer, and the tables' gradients are a sort and a gather
+(no float atomics: deterministic); the tables follow the MLP's parameters in the flat buffers.
+Rows are padded to a multiple of ``ROW_ALIGN`` internally; padded rows get zero gradients and
+never reach the caller.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
-from mmad.backends.encodings import check_backend_supports
+from mmad.backends.encodings import check_backend_supports, grid_index_modes
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
     check_finite_rows, check_host_output, check_params, fill_dataset,
@@ -46,7 +51,7 @@ from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, GridLevel, MLPSpec, kernel_code_defines
 
 log = logging.getLogger("mmad.vulkan")
 
@@ -58,6 +63,16 @@ PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28),
 COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
 # coopmat_forward.comp's specialization constant that makes its training pipeline
 TRAINING_CONSTANT = 14
+# grid models (simt): the backward also writes d loss / d encoded input, the optimizer steps the
+# tables too; the grid kernels (grid.comp, grid_sort.comp)
+GRID_INTERFACE = {**PIPELINE_INTERFACE, "backward": (6, 44), "optimizer": (17, 20), "grid_encode": (3, 4),
+                  "grid_keys": (4, 16), "grid_gather": (5, 16), "grid_sort": (2, 12), "grid_sort_block": (2, 12)}
+# a grid model's table gradient sorts at most this many table reads (rows x levels x corners) at
+# once: the batch's rows are taken in chunks of that many reads, each chunk's sums added
+MAX_GRID_LOOKUPS = 1 << 22
+SORT_BLOCK = 512  # grid_sort.comp: the reads one workgroup sorts in shared memory (its SORT_BLOCK)
+_INTERP_CODES = {"Linear": 0, "Nearest": 1, "Smoothstep": 2}
+_MODE_CODES = {"dense": 0, "hash": 1, "zero": 2}
 # hidden activations whose derivative depends only on z > 0: the coopmat kernels then keep no
 # fp32 hidden pre-activations, only the fp16 activations with that bit (flag_nonpositive)
 SIGN_DERIVATIVE_ACTIVATIONS = ("None", "ReLU", "LeakyReLU")
@@ -86,6 +101,136 @@ def usable_coopmat_shapes(shapes: list[dict[str, Any]]) -> list[tuple[int, int, 
     return [f for f in COOPMAT_FAMILIES if f in have]
 
 
+# -- grid encodings ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GridPart:
+    """One grid part of the encoding as grid.comp computes it (``encodings.grid_lookup``): it reads
+    raw input dims ``begin`` .. ``begin + dims - 1`` of the kernel input and fills encoded columns
+    ``column`` .. ``column + width - 1``; its table, the parameter ``grid{index}``, starts at value
+    ``table`` of the tables (which follow the MLP's parameters in the flat buffers)."""
+
+    index: int
+    begin: int
+    dims: int
+    column: int
+    levels: tuple[GridLevel, ...]
+    modes: tuple[str, ...]  # per level: "dense", "hash" or "zero" (encodings.grid_index_modes)
+    features: int
+    interpolation: str
+    table: int
+
+    @property
+    def corners(self) -> int:
+        return 1 if self.interpolation == "Nearest" else 1 << self.dims
+
+    @property
+    def width(self) -> int:
+        return len(self.levels) * self.features
+
+    @property
+    def lookups(self) -> int:
+        """Table reads per input row: levels x corners."""
+        return len(self.levels) * self.corners
+
+    @property
+    def entries(self) -> int:
+        """Rows of the whole table (all levels)."""
+        return self.levels[-1].offset + self.levels[-1].entries
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """A grid model's kernel input and tables: the raw input dims, then the host-encoded columns
+    of the parameter-free parts (``host``: (first encoded column, width, column in the kernel
+    input)), ``x_cols`` columns padded to ``x_pad``; the grid parts and their tables' values."""
+
+    parts: tuple[GridPart, ...]
+    host: tuple[tuple[int, int, int], ...]
+    x_cols: int
+
+    @property
+    def x_pad(self) -> int:
+        return _round_up(self.x_cols, 4)
+
+    @property
+    def table_values(self) -> int:
+        return sum(g.entries * g.features for g in self.parts)
+
+    @property
+    def max_lookups(self) -> int:
+        return max(g.lookups for g in self.parts)
+
+    @classmethod
+    def build(cls, spec: MLPSpec) -> "GridLayout | None":
+        if not spec.grid_shapes:
+            return None
+        parts, host, column, host_column, table = [], [], 0, spec.n_input_dims, 0
+        for part, begin, dims in spec.encoding.parts(spec.n_input_dims):
+            width = part.n_output_dims(dims)
+            if part.is_grid:
+                grid = GridPart(len(parts), begin, dims, column, part.grid_levels(dims),
+                                tuple(grid_index_modes(part, dims)), part.n_features_per_level,
+                                part.interpolation, table)
+                parts.append(grid)
+                table += grid.entries * grid.features
+            else:
+                host.append((column, width, host_column))
+                host_column += width
+            column += width
+        return cls(tuple(parts), tuple(host), host_column)
+
+    def header(self, mlp_params: int) -> str:
+        """``#define``s and constant arrays of grid.comp (and GRID_PARTS / MLP_PARAMS, which the
+        backward and the optimizer test)."""
+        def array(name: str, kind: str, values: list) -> str:
+            values = values or [0]  # GLSL has no empty arrays
+            return f"const {kind} {name}[{len(values)}] = {kind}[{len(values)}]({', '.join(map(str, values))});"
+        levels = [lv for g in self.parts for lv in g.levels]
+        modes = [m for g in self.parts for m in g.modes]
+        level0 = [sum(len(g.levels) for g in self.parts[:k]) for k in range(len(self.parts))]
+        lines = [f"#define GRID_PARTS {len(self.parts)}", f"#define HOST_PARTS {len(self.host)}",
+                 f"#define MLP_PARAMS {mlp_params}", f"#define X_COLS {self.x_pad}",
+                 f"#define MAX_FEATURES {max(g.features for g in self.parts)}",
+                 array("GRID_BEGIN", "int", [g.begin for g in self.parts]),
+                 array("GRID_DIMS", "int", [g.dims for g in self.parts]),
+                 array("GRID_COLUMN", "int", [g.column for g in self.parts]),
+                 array("GRID_LEVELS", "int", [len(g.levels) for g in self.parts]),
+                 array("GRID_LEVEL0", "int", level0),
+                 array("GRID_FEATURES", "int", [g.features for g in self.parts]),
+                 array("GRID_CORNERS", "int", [g.corners for g in self.parts]),
+                 array("GRID_INTERP", "int", [_INTERP_CODES[g.interpolation] for g in self.parts]),
+                 array("GRID_TABLE", "int", [g.table for g in self.parts]),
+                 array("GRID_ENTRIES", "int", [g.entries for g in self.parts]),
+                 # the float32 scale as its exact decimal value (parsed without a second rounding)
+                 array("LV_SCALE", "float", [repr(float(np.float32(lv.scale))) for lv in levels]),
+                 array("LV_RES", "uint", [f"{lv.resolution}u" for lv in levels]),
+                 array("LV_START", "uint", [f"{lv.offset}u" for lv in levels]),
+                 array("LV_ROWS", "uint", [f"{lv.entries}u" for lv in levels]),
+                 array("LV_MODE", "uint", [f"{_MODE_CODES[m]}u" for m in modes]),
+                 array("HOST_COLUMN", "int", [h[0] for h in self.host]),
+                 array("HOST_WIDTH", "int", [h[1] for h in self.host]),
+                 array("HOST_SRC", "int", [h[2] for h in self.host])]
+        return "\n".join(lines) + "\n"
+
+
+def sort_items(reads: int) -> int:
+    """The bitonic sort's length for ``reads`` table reads: the next power of two, at least one
+    shared-memory block."""
+    return max(SORT_BLOCK, 1 << (max(reads, 1) - 1).bit_length())
+
+
+def check_tables_fit(spec: MLPSpec, geometry: "Geometry", max_storage_range: int) -> None:
+    """Every parameter buffer (masters, moments, gradients) is bound whole: refuse (SpecError, in
+    the config's terms) a model whose layers and grid tables exceed maxStorageBufferRange."""
+    if geometry.grid is None:
+        return
+    values = geometry.n_values
+    if values * 4 > max_storage_range:
+        raise SpecError("encoding", f"the layers and grid tables hold {values:,} values; this device binds at most "
+                                    f"{max_storage_range // 4:,} fp32 values in one buffer (maxStorageBufferRange): "
+                                    "use a smaller log2_hashmap_size or fewer levels on vulkan")
+
+
 # -- model geometry ------------------------------------------------------------------------
 @dataclass
 class Geometry:
@@ -107,6 +252,22 @@ class Geometry:
     micro_rows: int = 4  # simt: rows of an invocation's register tile
     act_stride: int = 0  # coopmat: row stride of the shared activation tile (fp16 elements)
     ncj: int = 0         # coopmat: column blocks per subgroup at the widest layer
+    grid: GridLayout | None = None  # grid models: the kernel input and the tables
+
+    def __post_init__(self) -> None:
+        if self.grid is None:
+            self.grid = GridLayout.build(self.spec)
+
+    @property
+    def x_pad(self) -> int:
+        """Columns of a row of the kernels' input buffer: the encoded input padded (IN_PAD), or
+        for grid models the kernel input (raw dims and host-encoded columns) padded to 4."""
+        return self.grid.x_pad if self.grid else self.in_pad
+
+    @property
+    def n_values(self) -> int:
+        """Every parameter value the flat buffers hold: the MLP's, then the grid tables'."""
+        return self.n_params + (self.grid.table_values if self.grid else 0)
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
@@ -377,7 +538,7 @@ class VulkanModel(CompiledModel):
         self._acts = (ACTIVATION_CODES[spec.activation], ACTIVATION_CODES[spec.output_activation])
         try:
             geo = geometry
-            self.n_params = geo.n_params
+            self.n_params = geo.n_values  # the flat buffers' values: the MLP's, then the grid tables'
             self._wall = self._alloc(geo.weight_floats * 4)
             # the coopmat kernels read an fp16 copy of the (already fp16-rounded) weights
             self._wall16 = self._alloc(geo.weight_floats * 2) if variant == "coopmat" else None
@@ -386,31 +547,50 @@ class VulkanModel(CompiledModel):
             self._slot_a = self._alloc(self.n_params * 4)
             self._slot_b = self._alloc(self.n_params * 4 if spec.optimizer.otype == "Adam" else 16)
             self._grad = self._alloc(self.n_params * 4)
-            # step, base, 2 pads, then HIST_CAP losses, HIST_CAP learning rates and HIST_CAP (keep,
-            # take) EMA factors (one each per step of a submission: computed on the host, in
-            # float64, the optimizer kernel reads its step's)
-            self._ctrl = self._alloc(16 + 4 * HIST_CAP * 4, host_visible=True)
+            # step, base, 2 pads, then HIST_CAP losses, HIST_CAP learning rates, HIST_CAP (keep,
+            # take) EMA factors and HIST_CAP base rates (grid tables' Adam) (one each per step of a
+            # submission: computed on the host, in float64, the optimizer kernel reads its step's)
+            self._ctrl = self._alloc(16 + 5 * HIST_CAP * 4, host_visible=True)
             for buf in (self._wall, self._bias, self._slot_a, self._slot_b):
                 buf.fill_zero()
             self._ctrl.write(np.zeros(4, np.uint32))
             self._batch: dict[str, vr.Buffer] = {}
             self._unused = self._alloc(16)  # bound where a kernel's buffer is not used (inference Z)
             self._mma_weights = self._wall16 if self._wall16 is not None else self._wall
+            self._alloc_grids(spec)
             self._alloc_ema(spec, variant)
             self.set_params(init_params(spec))
         except BaseException:
             self.close()
             raise
 
+    def _alloc_grids(self, spec: MLPSpec) -> None:
+        """Grid models: the tables' compute-type copy grid.comp interpolates (fp16-rounded values
+        in fp32 storage, as the weights), their summed gradients and, under Adam, each value's
+        step count (tcnn's param_steps)."""
+        self._grid_layout = self.geo.grid
+        self._grid_adam = self._grid_layout is not None and spec.optimizer.otype == "Adam"
+        self._table = self._ggrad = self._gsteps = None
+        if self._grid_layout is None:
+            return
+        values = self._grid_layout.table_values
+        self._table = self._alloc(values * 4)
+        self._ggrad = self._alloc(values * 4)
+        self._gsteps = self._alloc(values * 4 if self._grid_adam else 16)
+        self._gsteps.fill_zero()
+
     def _alloc_ema(self, spec: MLPSpec, variant: str) -> None:
         """With tcnn's EMA wrapper: the average (unpadded, like the masters) and the weights and
         biases inference reads, written from it by the optimizer kernel; the forward kernel
         reads only the transposed weight layout (WT_OFF: the first half of ``_wall``'s layout).
         Without EMA inference reads the training weights."""
-        self._ema = self._ewall = self._ebias = None
+        self._ema = self._ewall = self._ebias = self._etable = None
         self._infer_weights, self._infer_bias = self._mma_weights, self._bias
+        self._infer_table = self._table
         if spec.optimizer.ema is None:
             return
+        if self._grid_layout is not None:  # the averaged tables' compute-type copy inference reads
+            self._etable = self._infer_table = self._alloc(self._grid_layout.table_values * 4)
         self._ema = self._alloc(self.n_params * 4)
         half = self.geo.weight_floats // 2
         self._ewall = self._alloc(half * 2 if variant == "coopmat" else half * 4)  # fp16 for coopmat
@@ -451,7 +631,11 @@ class VulkanModel(CompiledModel):
         coopmat's fp16 activations), the per-tile losses and the weight-gradient partial sums of
         every chunk."""
         geo = self.geo
-        need = {"x": rows_pad * geo.in_pad * 4, "y": rows_pad * geo.out_pad * 4}
+        need = {"x": rows_pad * geo.x_pad * 4, "y": rows_pad * geo.out_pad * 4}
+        if geo.grid is not None:  # the encoded input (grid.comp) and, training, d loss / d encoded input
+            need["enc"] = rows_pad * geo.in_pad * 4
+            if training:
+                need["din"] = rows_pad * geo.in_pad * 4
         if training:
             chunks = self._chunks(rows_pad)
             chunk = chunks[0][1]
@@ -461,7 +645,7 @@ class VulkanModel(CompiledModel):
             need["out"] = rows_pad * geo.out_pad * 4
         for name, nbytes in need.items():
             if nbytes > self.device.info.max_storage_range:
-                cols = geo.in_pad if name == "x" else geo.out_pad
+                cols = {"x": geo.x_pad, "enc": geo.in_pad, "din": geo.in_pad}.get(name, geo.out_pad)
                 fits = self.device.info.max_storage_range // (cols * 4) // ROW_ALIGN * ROW_ALIGN
                 raise InvalidInput(f"a batch of {rows_pad} rows needs a {nbytes}-byte buffer, over this device's "
                                    f"maxStorageBufferRange ({self.device.info.max_storage_range}); send at most "
@@ -469,6 +653,9 @@ class VulkanModel(CompiledModel):
         if training:
             splits = sum(self._splits(rows)[0] for _, rows in chunks)
             need.update({"loss": rows_pad // geo.rows_per_tile * 4, "part": splits * geo.grad_floats * 4})
+            if geo.grid is not None:  # the table reads of one row chunk, sorted (grid_sort.comp)
+                items = max(sort_items(rows * g.lookups) for g in geo.grid.parts for _, rows in self._grid_chunks(rows_pad))
+                need.update({"skey": items * 4, "sid": items * 4, "gweight": items * 4})
         for name, nbytes in need.items():
             current = self._batch.get(name)
             if current is None or current.size < nbytes:
@@ -481,6 +668,25 @@ class VulkanModel(CompiledModel):
             self._untrack(old)
             old.free()
         self._batch[name] = self._alloc(nbytes)
+
+    def _ensure_encoded_input(self, rows_pad: int) -> None:
+        """A grid model's forward of ``rows_pad`` rows: the batch buffer ``enc`` grid.comp encodes
+        into (only that one: a device array's forward needs no other batch buffer)."""
+        nbytes = rows_pad * self.geo.in_pad * 4
+        if nbytes > self.device.info.max_storage_range:
+            fits = self.device.info.max_storage_range // (self.geo.in_pad * 4) // ROW_ALIGN * ROW_ALIGN
+            raise InvalidInput(f"a batch of {rows_pad} rows needs a {nbytes}-byte buffer for its encoded input, over "
+                               f"this device's maxStorageBufferRange ({self.device.info.max_storage_range}); send at "
+                               f"most {fits} rows per call")
+        current = self._batch.get("enc")
+        if current is None or current.size < nbytes:
+            self._replace_batch_buffer("enc", nbytes)
+
+    def _grid_chunks(self, n_rows: int) -> list[tuple[int, int]]:
+        """(first row, rows) of each chunk whose table reads a gradient sorts at once: at most
+        ``MAX_GRID_LOOKUPS`` reads of the grid part that reads the most."""
+        size = max(1, MAX_GRID_LOOKUPS // self.geo.grid.max_lookups)
+        return [(base, min(size, n_rows - base)) for base in range(0, n_rows, size)]
 
     @staticmethod
     def _splits(rows_pad: int) -> tuple[int, int]:
@@ -499,9 +705,24 @@ class VulkanModel(CompiledModel):
         return x, y, 1
 
     # -- host <-> device ------------------------------------------------------------------
+    def _kernel_input(self, x: np.ndarray) -> np.ndarray:
+        """What the kernels read for host rows ``x`` (unpadded): the encoded input, or for grid
+        models the raw input followed by the host-encoded columns of the parameter-free parts
+        (grid.comp computes the grid columns from the raw dims)."""
+        if self.geo.grid is None:
+            return self.encode(x)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        host = [nm.encode(part, x[:, begin:begin + dims])
+                for part, begin, dims in self.spec.encoding.parts(self.spec.n_input_dims) if not part.is_grid]
+        return np.concatenate([x] + host, axis=1).astype(np.float32, copy=False)
+
+    @property
+    def _kernel_input_cols(self) -> int:
+        return self.geo.grid.x_cols if self.geo.grid is not None else self.spec.n_encoded_dims
+
     def _encode(self, x: np.ndarray, rows_pad: int) -> np.ndarray:
-        enc = self.encode(x)
-        out = np.zeros((rows_pad, self.geo.in_pad), np.float32)
+        enc = self._kernel_input(x)
+        out = np.zeros((rows_pad, self.geo.x_pad), np.float32)
         out[:x.shape[0], :enc.shape[1]] = enc
         return out
 
@@ -516,9 +737,9 @@ class VulkanModel(CompiledModel):
             self._check_open()
             x = self.check_input(x)
             rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
-            buf = self._alloc(rows_pad * self.geo.in_pad * 4)
+            buf = self._alloc(rows_pad * self.geo.x_pad * 4)
             buf.write(self._encode(x, rows_pad))
-            return VulkanArray(buf, x.shape[0], self.spec.n_input_dims, self.geo.in_pad, "input", self)
+            return VulkanArray(buf, x.shape[0], self.spec.n_input_dims, self.geo.x_pad, "input", self)
 
     def upload_target(self, y: np.ndarray) -> VulkanArray:
         """Copy training targets to the device (a ``VulkanArray`` of kind ``target``)."""
@@ -537,8 +758,8 @@ class VulkanModel(CompiledModel):
             self._check_open()
             raw = a.buffer.read(a.rows * a.padded_cols * 4)
             full = np.frombuffer(raw, np.float32).reshape(a.rows, a.padded_cols)
-            if a.kind == "input":
-                return full[:, :self.spec.n_encoded_dims].copy()  # encoded inputs
+            if a.kind == "input":  # encoded inputs (grid models: the raw inputs, which the device encodes)
+                return full[:, :self.spec.n_input_dims if self.geo.grid else self.spec.n_encoded_dims].copy()
             return full[:, :a.cols].copy()
 
     def synchronize(self) -> None:
@@ -546,20 +767,64 @@ class VulkanModel(CompiledModel):
 
     # -- programs -------------------------------------------------------------------------
     def _forward_program(self, x_buf: vr.Buffer, out_buf: vr.Buffer, rows_pad: int, z_buf: vr.Buffer) -> vr.Program:
+        if self.geo.grid is not None:
+            self._ensure_encoded_input(rows_pad)
         key = ("forward", id(x_buf), id(out_buf), rows_pad)
         program = self._programs.get(key)
         if program is None:
             tiles = rows_pad // self.geo.rows_per_tile
             grid = self._grid(tiles)
             push = np.array([rows_pad, grid[0], 0, *self._acts, 0], np.uint32).tobytes()
+            dispatches = []
+            if self.geo.grid is not None:  # the grid columns from the raw input (inference's tables)
+                dispatches.append(self._encode_dispatch(x_buf, self._infer_table, rows_pad))
+                x_buf = self._batch["enc"]
             buffers = [x_buf, self._infer_weights, self._infer_bias, out_buf, z_buf]
             if self.variant == "coopmat":
                 buffers.append(z_buf)  # the fp16 activations, not written either
-            program = vr.Program(self.device, [vr.Dispatch(self._pipelines["forward"], buffers, push, grid)],
-                                 timestamps=self.gpu_timestamps)
+            dispatches.append(vr.Dispatch(self._pipelines["forward"], buffers, push, grid))
+            program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
             self._programs[key] = program
         self._last_run["forward"] = program
         return program
+
+    def _encode_dispatch(self, x_buf: vr.Buffer, table: vr.Buffer, rows_pad: int) -> vr.Dispatch:
+        """grid.comp's encode: the batch buffer ``enc`` (rows_pad x IN_PAD) from the kernel input."""
+        groups = min(65535, math.ceil(rows_pad * self.geo.in_pad / 256))
+        return vr.Dispatch(self._pipelines["grid_encode"], [x_buf, table, self._batch["enc"]],
+                           np.uint32(rows_pad).tobytes(), (groups, 1, 1))
+
+    def _grid_gradient_dispatches(self, x_buf: vr.Buffer, n_rows: int) -> list[vr.Dispatch]:
+        """The tables' gradients (x loss scale) into ``_ggrad`` from ``din``, which the backward
+        wrote for the whole batch: per grid part and row chunk, the chunk's table reads (keys),
+        their bitonic sort by table row (passes of distance below SORT_BLOCK in shared memory, a
+        dispatch per merge size; the longer ones a dispatch each) and the gather, which sets the
+        sums on the first chunk and adds them after."""
+        b, p = self._batch, self._pipelines
+        u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
+        dispatches = []
+        for part in self.geo.grid.parts:
+            for c, (row_base, rows) in enumerate(self._grid_chunks(n_rows)):
+                items = sort_items(rows * part.lookups)
+                dispatches.append(vr.Dispatch(p["grid_keys"], [x_buf, b["skey"], b["sid"], b["gweight"]],
+                                              u32(row_base, rows, items, part.index),
+                                              (min(65535, math.ceil(items / 256)), 1, 1)))
+                pairs = (min(65535, math.ceil(items // 2 / 256)), 1, 1)
+                blocks = (items // SORT_BLOCK, 1, 1)
+                sort = [b["skey"], b["sid"]]
+                dispatches.append(vr.Dispatch(p["grid_sort_block"], sort, u32(items, 0, 0), blocks))
+                size = 2 * SORT_BLOCK
+                while size <= items:
+                    distance = size // 2
+                    while distance >= SORT_BLOCK:
+                        dispatches.append(vr.Dispatch(p["grid_sort"], sort, u32(items, distance, size), pairs))
+                        distance //= 2
+                    dispatches.append(vr.Dispatch(p["grid_sort_block"], sort, u32(items, 0, size), blocks))
+                    size *= 2
+                dispatches.append(vr.Dispatch(
+                    p["grid_gather"], [b["skey"], b["sid"], b["gweight"], b["din"], self._ggrad],
+                    u32(row_base, items, part.index, int(c == 0)), (min(65535, math.ceil(part.entries / 256)), 1, 1)))
+        return dispatches
 
     def _training_program(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
                           update: bool) -> vr.Program:
@@ -586,6 +851,10 @@ class VulkanModel(CompiledModel):
         n_out = self.spec.n_output_dims
         dispatches = []
         split_base = 0
+        raw_x = x_buf
+        if geo.grid is not None:  # the forward and layer 0's weight gradient read the encoded input
+            dispatches.append(self._encode_dispatch(raw_x, self._table, rows_pad))
+            x_buf = b["enc"]
         for row_base, rows in self._chunks(rows_pad):
             tiles = rows // geo.rows_per_tile
             grid = self._grid(tiles)
@@ -603,6 +872,8 @@ class VulkanModel(CompiledModel):
                 forward = p["forward"]
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]]
+                if geo.grid is not None:
+                    bwd.append(b["din"])
                 wgrad = [x_buf, b["z"], b["d"], b["part"]]
             dispatches += [
                 vr.Dispatch(forward, fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
@@ -617,17 +888,22 @@ class VulkanModel(CompiledModel):
                     u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid,
                     barrier=layer == 0))
             split_base += splits
+        if geo.grid is not None:
+            dispatches += self._grid_gradient_dispatches(raw_x, n_rows)
         dispatches.append(vr.Dispatch(p["finalize"], [b["loss"], self._ctrl],
                                       u32(rows_pad // geo.rows_per_tile, n_rows, n_out, int(update)), (1, 1, 1)))
         groups = math.ceil(self.n_params / 256)
+        opt_grid = (min(groups, 32768), math.ceil(groups / 32768), 1)  # grid tables: past 65535 groups
         unused = self._unused
         ema = [unused] * 4 if self._ema is None else [
             self._ema, unused if self.variant == "coopmat" else self._ewall, self._ebias,
             self._ewall if self.variant == "coopmat" else unused]
+        if geo.grid is not None:
+            ema += [self._ggrad, self._gsteps, self._table, self._etable if self._etable is not None else unused]
         dispatches.append(vr.Dispatch(
             p["optimizer"], [b["part"], self._master, self._slot_a, self._slot_b, self._wall, self._bias,
                              self._grad, self._ctrl, self._wall16 if self._wall16 is not None else unused, *ema],
-            u32(self.n_params, split_base, geo.grad_floats, int(update), groups), (groups, 1, 1)))
+            u32(self.n_params, split_base, geo.grad_floats, int(update), opt_grid[0]), opt_grid))
         return dispatches
 
     def set_gpu_timestamps(self, on: bool) -> None:
@@ -768,6 +1044,10 @@ class VulkanModel(CompiledModel):
         if self._ema is not None:
             table = nm.ema_factor_table(self.spec.optimizer.ema, self.step_count + 1, steps)
             self._ctrl.write(table, offset=16 + 2 * HIST_CAP * 4)
+        if self._grid_adam:  # the grid tables' Adam applies each value's own bias correction
+            first = self.step_count + 1
+            base = np.array([nm.step_base_rate(self.spec.optimizer, first + k) for k in range(steps)], np.float32)
+            self._ctrl.write(base, offset=16 + 4 * HIST_CAP * 4)
 
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         if steps < 1:
@@ -820,7 +1100,7 @@ class VulkanModel(CompiledModel):
         to 4 bytes (the driver may round each allocation up further to its alignment;
         ``Dataset.nbytes`` is what was allocated)."""
         xd, yd = self._dataset_dtypes(x_dtype, y_dtype)
-        return (_dataset_buffer_bytes(rows, self.spec.n_encoded_dims, xd)
+        return (_dataset_buffer_bytes(rows, self._kernel_input_cols, xd)
                 + _dataset_buffer_bytes(rows, self.spec.n_output_dims, yd))
 
     def free_device_bytes(self) -> int | None:
@@ -839,7 +1119,7 @@ class VulkanModel(CompiledModel):
         if not 0 < rows < 2**31:
             raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
         xd, yd = self._dataset_dtypes(x_dtype, y_dtype)
-        x_cols, y_cols = self.spec.n_encoded_dims, self.spec.n_output_dims
+        x_cols, y_cols = self._kernel_input_cols, self.spec.n_output_dims
         limit = self.device.info.max_storage_range
         for cols, dt, what in ((x_cols, xd, "inputs"), (y_cols, yd, "targets")):
             if rows * cols * dt.itemsize > limit:
@@ -862,7 +1142,7 @@ class VulkanModel(CompiledModel):
         def write(at: int, cx: Any, cy: Any) -> None:
             cx = check_rows(cx, self.spec.n_input_dims, "input", keep_half=xd == np.float16)
             cy = check_rows(cy, y_cols, "target", keep_half=yd == np.float16)
-            hx = self.encode(cx) if encoded else cx.astype(xd, copy=False)
+            hx = self._kernel_input(cx) if encoded else cx.astype(xd, copy=False)
             with self._lock:
                 self._check_open()
                 bx.write(hx, offset=at * x_cols * xd.itemsize)
@@ -903,7 +1183,7 @@ class VulkanModel(CompiledModel):
             b = self._ensure_batch(rows_pad, training=True)
             grid = self._grid(rows_pad)  # a workgroup per batch row
             push = np.array([data.rows, epoch_half_bits(data.rows), batch, batches_per_epoch(data.rows, batch),
-                             seed & 0xFFFFFFFF, x.cols, int(x.dtype == np.float16), self.geo.in_pad,
+                             seed & 0xFFFFFFFF, x.cols, int(x.dtype == np.float16), self.geo.x_pad,
                              y.cols, int(y.dtype == np.float16), self.geo.out_pad, grid[0]], np.uint32).tobytes()
             gather = vr.Dispatch(self._pipelines["gather"], [x.buffer, y.buffer, b["x"], b["y"], self._ctrl],
                                  push, grid)
@@ -986,11 +1266,21 @@ class VulkanModel(CompiledModel):
             bias[off["B_OFF"][i]:off["B_OFF"][i] + fan_out] = params[f"b{i}"]
         return wall, np.tile(bias, BIAS_ROWS)
 
-    def _write_inference_images(self, wall: np.ndarray, bias: np.ndarray) -> None:
+    def _table_image(self, params: dict[str, np.ndarray]) -> np.ndarray:
+        """The grid tables as grid.comp interpolates them: rounded to the compute precision (tcnn
+        keeps them in the network's type), one after the other."""
+        precision = "fp16" if self.spec.precision != "fp32" else "fp32"
+        return np.concatenate([nm.round_to(precision, np.asarray(params[f"grid{g.index}"], np.float32)).reshape(-1)
+                               for g in self._grid_layout.parts]).astype(np.float32)
+
+    def _write_inference_images(self, wall: np.ndarray, bias: np.ndarray,
+                                params: dict[str, np.ndarray] | None = None) -> None:
         # an EMA model's inference copy: the forward layout (the first half) in its storage type
         half = wall[:self.geo.weight_floats // 2]
         self._ewall.write(half.astype(np.float16) if self.variant == "coopmat" else half)
         self._ebias.write(bias)
+        if self._etable is not None and params is not None:
+            self._etable.write(self._table_image(params))
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         params = check_params(self.spec, params)
@@ -1002,9 +1292,11 @@ class VulkanModel(CompiledModel):
             if self._wall16 is not None:
                 self._wall16.write(wall.astype(np.float16))
             self._bias.write(bias)
+            if self._table is not None:
+                self._table.write(self._table_image(params))
             if self._ema is not None:  # inference serves the weights just set, as on cpu
                 self._ema.write(self._flatten(params))
-                self._write_inference_images(wall, bias)
+                self._write_inference_images(wall, bias, params)
 
     def _slot_buffer(self, slot: int) -> vr.Buffer:
         moments = (self._slot_a, self._slot_b) if self.spec.optimizer.otype == "Adam" else (self._slot_a,)
@@ -1023,8 +1315,41 @@ class VulkanModel(CompiledModel):
             for j, values in enumerate(slots):
                 self._slot_buffer(j).write(self._flatten(values))
                 if optimizer_slots(self.spec)[j] == "ema":  # a restored average is what inference serves
-                    self._write_inference_images(*self._weight_images(values))
+                    self._write_inference_images(*self._weight_images(values), values)
             self._ctrl.write(np.array([step, step], np.uint32))
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """The contract's state plus, for grid tables under Adam, ``steps.grid{k}``: each value's
+        own step count (uint32), as the cpu backend keeps it."""
+        state = super().get_optimizer_state()
+        if self._grid_adam:
+            with self._lock:
+                self._check_open()
+                steps = np.frombuffer(self._gsteps.read(self._grid_layout.table_values * 4), np.uint32)
+            for g in self._grid_layout.parts:
+                state[f"steps.grid{g.index}"] = steps[g.table:g.table + g.entries * g.features].reshape(
+                    g.entries, g.features).copy()
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``get_optimizer_state`` returned. A state without ``steps.grid{k}`` (written
+        by a backend that keeps none) counts the optimizer's steps for every value Adam has moved
+        (v != 0), as the cpu backend does."""
+        super().set_optimizer_state(state)
+        if not self._grid_adam:
+            return
+        steps = np.zeros(self._grid_layout.table_values, np.uint32)
+        for g in self._grid_layout.parts:
+            name, shape = f"grid{g.index}", (g.entries, g.features)
+            given = state.get(f"steps.{name}")
+            if given is not None and np.shape(given) == shape:
+                values = np.asarray(given, dtype=np.uint32)
+            else:
+                values = np.where(np.asarray(state[f"v.{name}"]) != 0, self.step_count, 0).astype(np.uint32)
+            steps[g.table:g.table + values.size] = values.reshape(-1)
+        with self._lock:
+            self._check_open()
+            self._gsteps.write(steps)
 
     def device_bytes(self) -> int:
         return sum(b.allocated for b in self._buffers if b.handle is not None)
@@ -1140,9 +1465,13 @@ class VulkanBackend(Backend):
         check_backend_supports(spec, "vulkan")
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
-            variant = next((v for v in VARIANTS if rows[v].available), None)
+            # grid encodings have simt kernels only (kernel_sources): a grid model takes simt
+            choices = ("simt",) if spec.grid_shapes else VARIANTS
+            variant = next((v for v in choices if rows[v].available), None)
+            if spec.grid_shapes and rows["coopmat"].available:
+                log.info("vulkan backend: a grid-encoded model runs on the simt variant (grid kernels are simt only)")
             if variant is None:
-                raise BackendUnavailable("vulkan", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
+                raise BackendUnavailable("vulkan", "; ".join(f"{v}: {rows[v].reason}" for v in choices))
         if variant not in VARIANTS:
             raise SpecError("variant", f"the vulkan backend has variants {', '.join(VARIANTS)}; got {variant!r}")
         if not rows[variant].available:
@@ -1156,6 +1485,7 @@ class VulkanBackend(Backend):
                                      f"{vr.COOPMAT_EXT}")
         shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
+        check_tables_fit(spec, geometry, device.info.max_storage_range)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant)
         forced = os.environ.get(SPECIALIZE_ENV, "").strip()
@@ -1166,14 +1496,16 @@ class VulkanBackend(Backend):
         for name, src in sources.items():
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
             used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
-            if name == "gather":  # no header, no constants: one pipeline for every model
+            if name == "gather" or name.startswith("grid_"):  # no specialization constants
                 used = {}
             if name == "forward_train":
                 used[TRAINING_CONSTANT] = 1
             key = (index, hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
                 if key not in self._pipelines:
-                    n_bind, push = (COOPMAT_INTERFACE if variant == "coopmat" else PIPELINE_INTERFACE)[name]
+                    interface = (COOPMAT_INTERFACE if variant == "coopmat" else
+                                 GRID_INTERFACE if geometry.grid is not None else PIPELINE_INTERFACE)
+                    n_bind, push = interface[name]
                     self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
                 pipelines[name] = self._pipelines[key]
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
@@ -1285,7 +1617,20 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str,
         files["backward"] = "glsl/coopmat_backward.comp"
         files["wgrad"] = "glsl/coopmat_wgrad.comp"
         files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
-    sources = {name: shader_source(path, param_header if name == "optimizer" else header)
-               for name, path in files.items()}
+    headers = {"optimizer": param_header}
+    if geometry.grid is not None:
+        if variant == "coopmat":
+            raise SpecError("encoding", "grid encodings run on the vulkan backend's simt variant only so far (the "
+                                        "coopmat backward does not run on through the first layer into the grid "
+                                        "tables): ask for vulkan:simt, or leave the variant to the backend")
+        grid_header = geometry.grid.header(geometry.n_params)
+        headers = {"optimizer": param_header + grid_header, "backward": header + grid_header}
+        for name, stage in (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2)):
+            files[name] = "glsl/grid.comp"
+            headers[name] = header + grid_header + f"#define GRID_STAGE {stage}\n"
+    sources = {name: shader_source(path, headers.get(name, header)) for name, path in files.items()}
     sources["gather"] = read_source("glsl/gather_batch.comp")  # train_epochs: the batch drawn on the device
+    if geometry.grid is not None:  # no model header: one pipeline each for every grid model
+        sources["grid_sort"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 0\n")
+        sources["grid_sort_block"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 1\n")
     return sources

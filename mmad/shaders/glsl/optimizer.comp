@@ -4,6 +4,11 @@
 // master (mode 1), refreshing the fp16-rounded copies the kernels read (both layouts). With
 // tcnn's EMA wrapper (EMA = 1) it then updates the parameter's running average and the
 // inference copies of the forward kernel (transposed weights, row-replicated biases) from it.
+// Grid models (GRID_PARTS defined): the tables' values follow the MLP's parameters (index
+// MLP_PARAMS on); their summed gradients come from grid.comp (GGRAD), their compute-type copies
+// (TABLE, with EMA the average's ETABLE) are what grid.comp interpolates, and Adam steps them as
+// tcnn does (numerics.grid_adam_update): no l2_reg, a value whose gradient is exactly 0 is not
+// stepped, the bias correction uses the value's own step count (GSTEPS).
 #ifdef CM_M
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -31,7 +36,8 @@ layout(std430, binding = 6) writeonly buffer GradBuf { float GRAD[]; };
 // Adam's bias correction is computed once, in float64, for every backend)
 layout(std430, binding = 7) readonly buffer Control {
     uint step; uint base; uint pad0; uint pad1; float hist[HIST_CAP]; float rate[HIST_CAP];
-    float ema[];  // per step: keep, take (numerics.ema_factors, float64 on the host)
+    float ema[2 * HIST_CAP];  // per step: keep, take (numerics.ema_factors, float64 on the host)
+    float base_rate[HIST_CAP];  // per step: the rate without Adam's bias correction (grid tables)
 } ctrl;
 // EMA models: the average (unpadded like MASTER) and what inference reads; others bind a dummy
 layout(std430, binding = 9) buffer EmaBuf { float EMA_AVG[]; };
@@ -42,10 +48,57 @@ layout(std430, binding = 8) buffer Weight16Buf { float16_t WALL16[]; };  // the 
 layout(std430, binding = 12) writeonly buffer EmaWeight16Buf { float16_t EWALL16[]; };
 #endif
 layout(push_constant) uniform Push { uint n_params; uint splits; uint gsize; uint mode; uint groups_x; } pc;
+#ifdef GRID_PARTS
+layout(std430, binding = 13) readonly buffer GridGradBuf { float GGRAD[]; };
+layout(std430, binding = 14) buffer GridStepsBuf { uint GSTEPS[]; };
+layout(std430, binding = 15) writeonly buffer TableBuf { float TABLE[]; };
+layout(std430, binding = 16) writeonly buffer EmaTableBuf { float ETABLE[]; };
+
+void step_table_value(uint i) {
+    uint gi = i - uint(MLP_PARAMS);
+    float g = GGRAD[gi] / LOSS_SCALE;
+    if (pc.mode == 0u) {
+        GRAD[i] = g;
+        return;
+    }
+    uint t = ctrl.step - ctrl.base - 1u;
+    float w = MASTER[i];
+    if (OPT_ADAM != 0) {
+        if (g != 0.0) {
+            float m = BETA1 * SLOT_A[i] + (1.0 - BETA1) * g;
+            float v = BETA2 * SLOT_B[i] + (1.0 - BETA2) * g * g;
+            uint steps = GSTEPS[gi] + 1u;
+            GSTEPS[gi] = steps;
+            float lr_t = ctrl.base_rate[t] * sqrt(1.0 - pow(BETA2, float(steps))) / (1.0 - pow(BETA1, float(steps)));
+            w -= lr_t * m / (sqrt(v) + EPSILON);
+            SLOT_A[i] = m;
+            SLOT_B[i] = v;
+        }
+    } else {  // tcnn's SGD steps every parameter alike
+        g += L2_REG * w;
+        float vel = MOMENTUM * SLOT_A[i] + g;
+        w -= ctrl.rate[t] * vel;
+        SLOT_A[i] = vel;
+    }
+    MASTER[i] = w;
+    TABLE[gi] = r16(w);
+    if (EMA == 0) return;
+    float e = EMA_AVG[i] * ctrl.ema[2u * t] + r16(w) * ctrl.ema[2u * t + 1u];
+    if (EMA_FULL_PRECISION == 0) e = r16(e);
+    EMA_AVG[i] = e;
+    ETABLE[gi] = r16(e);
+}
+#endif
 
 void main() {
     uint i = gl_WorkGroupID.y * pc.groups_x * 256u + gl_GlobalInvocationID.x;
     if (i >= pc.n_params) return;
+#ifdef GRID_PARTS
+    if (i >= uint(MLP_PARAMS)) {
+        step_table_value(i);
+        return;
+    }
+#endif
     int l = 0;
     for (; l < N_LAYERS - 1; ++l)
         if (i < uint(P_OFF[l + 1])) break;

@@ -13,6 +13,11 @@ layout(std430, binding = 1) readonly buffer WeightBuf { vec4 WALL4[]; };
 layout(std430, binding = 2) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 3) writeonly buffer DBuf { vec4 D4[]; };         // deltas, layer blocks
 layout(std430, binding = 4) writeonly buffer LossBuf { float LOSS_PART[]; };
+#ifdef GRID_PARTS
+// grid models: d loss / d encoded input (x LOSS_SCALE), rows_pad x IN_PAD over the whole batch,
+// what the tables' gradients gather (grid.comp)
+layout(std430, binding = 5) writeonly buffer DinBuf { vec4 DIN4[]; };
+#endif
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
@@ -90,4 +95,18 @@ void main() {
         }
         uint t = cur; cur = nxt; nxt = t;
     }
+#ifdef GRID_PARTS
+    // on through the first layer: rnd(delta_0 . W_0), the cpu backend's d_encoded (rows past
+    // n_rows have zero deltas, so zero here)
+    tile_product(cur, LAYER_N[0], IN_PAD, uint(WR_OFF[0]), KC_BWD[0], acc);
+    [[unroll]] for (int j = 0; j < MTPT; ++j) {
+        int mt = int(tid) + j * THREADS;
+        if (mt >= (R / MR) * (IN_PAD / 4)) break;
+        int rt = mt / (IN_PAD / 4), ct = mt - rt * (IN_PAD / 4);
+        [[unroll]] for (int r = 0; r < MR; ++r) {
+            uint row = pc.row_base + row0 + uint(rt * MR + r);
+            DIN4[row * uint(IN_PAD / 4) + uint(ct)] = r16(acc[j * MR + r]);
+        }
+    }
+#endif
 }

@@ -1,0 +1,167 @@
+#version 450
+// tiny-cuda-nn's grid encodings (HashGrid, DenseGrid, TiledGrid) on the device: one source, three
+// kernels chosen by GRID_STAGE (backends/vulkan/__init__.py grid_header defines it and the parts'
+// constants: GRID_* per grid part, LV_* per level of every part, HOST_* per parameter-free part).
+//
+// GRID_STAGE 0, encode: the first layer's input, rows_pad x IN_PAD fp32, from the kernel input
+//   (rows x X_COLS: the raw input dims, then the host-encoded columns of the parameter-free parts):
+//   a grid column interpolates the table's compute-type copy (encodings.grid_lookup: tcnn's fmaf
+//   position (``position``), floor, smoothstep, dense index / coherent prime hash / index 0 per level, modulo the
+//   level's rows, the weight multiplying the dims' factors in dim order); a host column is copied;
+//   the padding columns are 0. The forward and layer 0's weight gradient read this buffer.
+// GRID_STAGE 1, keys: every table read of grid part pc.part for rows row_base .. row_base + n_rows - 1
+//   as (table row, read id) with its weight, read id = (row * levels + level) * corners + corner;
+//   padded to the power of two sort_n with key 0xffffffff (sorts last). grid_sort.comp sorts them.
+// GRID_STAGE 2, gather: each table row of part pc.part finds its run of the sorted reads (binary
+//   search) and sums weight x d loss / d encoded input over it in read-id order (the order of the
+//   cpu backend's bincount) into GGRAD (set on the first row chunk, added after). A row no read
+//   touched gets exactly 0, which tcnn's grid Adam skips. No float atomics: deterministic.
+layout(local_size_x = 256) in;
+
+const uint PRIMES[4] = uint[4](1u, 2654435761u, 805459861u, 3674653429u);
+
+#if GRID_STAGE == 0
+layout(std430, binding = 0) readonly buffer InputBuf { float X[]; };      // rows_pad x X_COLS
+layout(std430, binding = 1) readonly buffer TableBuf { float TABLE[]; };  // compute-type tables
+layout(std430, binding = 2) writeonly buffer EncBuf { float ENC[]; };     // rows_pad x IN_PAD
+layout(push_constant) uniform Push { uint rows_pad; } pc;
+#elif GRID_STAGE == 1
+layout(std430, binding = 0) readonly buffer InputBuf { float X[]; };
+layout(std430, binding = 1) writeonly buffer KeyBuf { uint SKEY[]; };
+layout(std430, binding = 2) writeonly buffer IdBuf { uint SID[]; };
+layout(std430, binding = 3) writeonly buffer WeightBuf { float GWEIGHT[]; };  // by read id
+layout(push_constant) uniform Push { uint row_base; uint n_rows; uint sort_n; uint part; } pc;
+#else
+layout(std430, binding = 0) readonly buffer KeyBuf { uint SKEY[]; };
+layout(std430, binding = 1) readonly buffer IdBuf { uint SID[]; };
+layout(std430, binding = 2) readonly buffer WeightBuf { float GWEIGHT[]; };
+layout(std430, binding = 3) readonly buffer DinBuf { float DIN[]; };      // rows_pad x IN_PAD, x LOSS_SCALE
+layout(std430, binding = 4) buffer GradBuf { float GGRAD[]; };            // the tables' gradients, x LOSS_SCALE
+layout(push_constant) uniform Push { uint row_base; uint sort_n; uint part; uint first; } pc;
+#endif
+
+#if GRID_STAGE < 2
+// tcnn's fmaf(x, scale, 0.5): x * scale + 0.5 rounded once. GLSL's fma() need not be fused (lavapipe
+// computes a multiply and an add, 0.07182813 for 0.07182801), so the product is made exact
+// instead: Dekker's product (Veltkamp splits at 2^12 + 1) gives x * scale = p + e exactly, Knuth's
+// sum p + 0.5 = s + t exactly, and s + (t + e) rounds the whole once but in rare ties. ``precise``
+// keeps every operation as written (no contraction, no reassociation).
+float position(float x, float scale) {
+    precise float cx = 4097.0 * x, xh = cx - (cx - x), xl = x - xh;
+    precise float cs = 4097.0 * scale, sh = cs - (cs - scale), sl = scale - sh;
+    precise float p = x * scale;
+    precise float e = ((xh * sh - p) + xh * sl + xl * sh) + xl * sl;
+    precise float s = p + 0.5;
+    precise float b = s - p;
+    precise float t = (p - (s - b)) + (0.5 - b);
+    precise float pos = s + (t + e);
+    return pos;
+}
+
+// (table row of the whole parameter, weight) of one read: grid part k, input row ``row``
+void grid_corner(uint k, uint row, uint level, uint corner, out uint entry, out float weight) {
+    uint lv = uint(GRID_LEVEL0[k]) + level;
+    float scale = LV_SCALE[lv];
+    uint index = 0u, stride = 1u;
+    precise float w = 1.0;
+    for (uint d = 0u; d < uint(GRID_DIMS[k]); ++d) {
+        float pos = position(X[row * uint(X_COLS) + uint(GRID_BEGIN[k]) + d], scale);
+        float cell = floor(pos);
+        precise float frac = pos - cell;
+        if (GRID_INTERP[k] == 2) frac = frac * frac * (3.0 - 2.0 * frac);  // Smoothstep
+        uint bit = (corner >> d) & 1u;
+        uint c = uint(int(cell)) + bit;  // tcnn's (uint32_t)(int)floorf(pos), wrapping
+        if (LV_MODE[lv] == 1u) {
+            index ^= c * PRIMES[d];
+        } else {
+            index += c * stride;
+            stride *= LV_RES[lv];
+        }
+        if (GRID_INTERP[k] != 1) w *= bit == 1u ? frac : 1.0 - frac;  // Nearest: weight 1
+    }
+    weight = w;
+    if (LV_MODE[lv] == 2u) index = 0u;  // tcnn's stride 2^32 - 1 past 32 bits
+    entry = LV_START[lv] + index % LV_ROWS[lv];
+}
+#endif
+
+#if GRID_STAGE == 0
+float encoded_value(uint row, uint c) {
+    for (int k = 0; k < GRID_PARTS; ++k) {
+        if (c >= uint(GRID_COLUMN[k]) && c < uint(GRID_COLUMN[k] + GRID_LEVELS[k] * GRID_FEATURES[k])) {
+            uint j = c - uint(GRID_COLUMN[k]);
+            uint level = j / uint(GRID_FEATURES[k]), f = j % uint(GRID_FEATURES[k]);
+            precise float acc = 0.0;  // no fused multiply-add: the oracle's products and sums
+            for (uint corner = 0u; corner < uint(GRID_CORNERS[k]); ++corner) {
+                uint entry;
+                float weight;
+                grid_corner(uint(k), row, level, corner, entry, weight);
+                acc += weight * TABLE[uint(GRID_TABLE[k]) + entry * uint(GRID_FEATURES[k]) + f];
+            }
+            return acc;
+        }
+    }
+    for (int h = 0; h < HOST_PARTS; ++h) {
+        if (c >= uint(HOST_COLUMN[h]) && c < uint(HOST_COLUMN[h] + HOST_WIDTH[h]))
+            return X[row * uint(X_COLS) + uint(HOST_SRC[h]) + c - uint(HOST_COLUMN[h])];
+    }
+    return 0.0;
+}
+
+void main() {
+    uint total = pc.rows_pad * uint(IN_PAD);
+    for (uint i = gl_GlobalInvocationID.x; i < total; i += gl_NumWorkGroups.x * 256u) {
+        uint row = i / uint(IN_PAD);
+        ENC[i] = encoded_value(row, i - row * uint(IN_PAD));
+    }
+}
+#elif GRID_STAGE == 1
+void main() {
+    uint k = pc.part;
+    uint lc = uint(GRID_LEVELS[k] * GRID_CORNERS[k]);
+    uint reads = pc.n_rows * lc;
+    for (uint i = gl_GlobalInvocationID.x; i < pc.sort_n; i += gl_NumWorkGroups.x * 256u) {
+        SID[i] = i;
+        if (i < reads) {
+            uint entry;
+            float weight;
+            grid_corner(k, pc.row_base + i / lc, (i % lc) / uint(GRID_CORNERS[k]), i % uint(GRID_CORNERS[k]),
+                        entry, weight);
+            SKEY[i] = entry;
+            GWEIGHT[i] = weight;
+        } else {
+            SKEY[i] = 0xffffffffu;
+        }
+    }
+}
+#else
+uint lower_bound(uint key) {
+    uint lo = 0u, hi = pc.sort_n;
+    while (lo < hi) {
+        uint mid = (lo + hi) / 2u;
+        if (SKEY[mid] < key) lo = mid + 1u; else hi = mid;
+    }
+    return lo;
+}
+
+void main() {
+    uint k = pc.part;
+    uint features = uint(GRID_FEATURES[k]), corners = uint(GRID_CORNERS[k]);
+    uint lc = uint(GRID_LEVELS[k]) * corners;
+    for (uint e = gl_GlobalInvocationID.x; e < uint(GRID_ENTRIES[k]); e += gl_NumWorkGroups.x * 256u) {
+        float acc[MAX_FEATURES];
+        for (uint f = 0u; f < features; ++f) acc[f] = 0.0;
+        uint end = lower_bound(e + 1u);
+        for (uint s = lower_bound(e); s < end; ++s) {
+            uint id = SID[s];
+            uint base = (pc.row_base + id / lc) * uint(IN_PAD) + uint(GRID_COLUMN[k]) + (id % lc) / corners * features;
+            float w = GWEIGHT[id];
+            for (uint f = 0u; f < features; ++f) acc[f] += w * DIN[base + f];
+        }
+        for (uint f = 0u; f < features; ++f) {
+            uint p = uint(GRID_TABLE[k]) + e * features + f;
+            GGRAD[p] = pc.first != 0u ? acc[f] : GGRAD[p] + acc[f];
+        }
+    }
+}
+#endif
