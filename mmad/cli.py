@@ -145,8 +145,8 @@ IMAGE_CONFIG = {
 
 def _demo_image(args: argparse.Namespace) -> int:
     """Fit a generated picture with the hash-grid image config on ``--backend`` (cpu by default:
-    it runs everywhere; a backend with grid kernels, wgpu, on a GPU); write the reconstruction
-    and the loss/PSNR curve as PNGs."""
+    it runs everywhere; a backend with grid kernels, wgpu or vulkan, on a GPU); write the
+    reconstruction and the loss/PSNR curve as PNGs."""
     import numpy as np
     from tqdm import tqdm
 
@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log2-hashmap-size", type=int, default=15, help="--image: the hash table's size (log2)")
     p.add_argument("--out", default=".", help="--image: the folder for the PNGs")
     p.add_argument("--backend", default="cpu",
-                   help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu and wgpu)")
+                   help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu, wgpu and "
+                        "vulkan)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "
