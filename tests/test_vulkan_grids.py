@@ -30,14 +30,7 @@ vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python p
 pytestmark = pytest.mark.vulkan
 
 
-@pytest.fixture(scope="module")
-def backend():
-    b = vulkan.VulkanBackend()
-    rows = {r.variant: r for r in b.probe()}
-    if not rows["simt"].available:
-        pytest.skip(f"no usable Vulkan device: {rows['simt'].reason}")
-    yield b
-    b.close()
+from test_vulkan import backend  # noqa: E402,F401 - the module's Vulkan backend (skips without a device)
 
 
 @pytest.mark.parametrize("interpolation", ["Linear", "Nearest", "Smoothstep"])

@@ -215,12 +215,7 @@ class CpuModel(CompiledModel):
         by another backend) counts the optimizer's steps for every entry Adam has moved (v ≠ 0)."""
         super().set_optimizer_state(state)
         for name, steps in self._grid_steps.items():
-            given = state.get(f"steps.{name}")
-            if given is not None and np.shape(given) == steps.shape:
-                steps[...] = np.asarray(given, dtype=np.uint32)
-            else:
-                v = self._slots[optimizer_slots(self.spec).index("v")][name]
-                steps[...] = np.where(v != 0, self.step_count, 0).astype(np.uint32)
+            steps[...] = nm.grid_steps_from_state(state, name, steps.shape, self.step_count)
 
     def device_bytes(self) -> int:
         return (sum(a.nbytes for a in self._params.values()) + sum(a.nbytes for s in self._slots for a in s.values())

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mmad.errors import SpecError
-from mmad.spec import EncodingSpec, MLPSpec
+from mmad.spec import EncodingSpec, GridLevel, MLPSpec
 
 # tcnn's coherent_prime_hash factors (the first is 1: neighbouring cells along x stay neighbours)
 HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 2165219737)
@@ -149,6 +149,64 @@ def grid_backward(lookup: GridLookup, d_out: np.ndarray, entries: int) -> np.nda
     return grad
 
 
+@dataclass(frozen=True)
+class GridPart:
+    """One grid part of an encoding as the device backends' kernels compute it (tcnn's grid.h, as
+    :func:`grid_lookup`): it reads raw input dims ``begin`` … ``begin + dims − 1`` of the kernel
+    input and fills encoded columns ``column`` … ``column + width − 1``; its table, the parameter
+    ``grid{index}``, starts at value ``offset`` of the backend's flat table values."""
+
+    index: int
+    begin: int
+    dims: int
+    column: int
+    levels: tuple[GridLevel, ...]
+    modes: tuple[str, ...]  # per level: "dense", "hash" or "zero" (grid_index_modes)
+    features: int
+    interpolation: str
+    offset: int
+
+    @property
+    def corners(self) -> int:
+        return 1 if self.interpolation == "Nearest" else 1 << self.dims
+
+    @property
+    def width(self) -> int:
+        return len(self.levels) * self.features
+
+    @property
+    def lookups(self) -> int:
+        """Table reads per input row: levels × corners."""
+        return len(self.levels) * self.corners
+
+    @property
+    def entries(self) -> int:
+        """Rows of the whole table (all levels)."""
+        return self.levels[-1].offset + self.levels[-1].entries
+
+
+def grid_input_layout(spec: MLPSpec, first_offset: int = 0
+                      ) -> tuple[tuple[GridPart, ...], tuple[tuple[int, int, int], ...], int]:
+    """How a device backend's kernels read a grid model's input: (the grid parts, their tables
+    from value ``first_offset`` on, back to back; the host-encoded parts as (first encoded
+    column, width, column in the kernel input); the kernel input's columns). The kernel input is
+    the raw input followed by the host-encoded columns of the parameter-free parts; the kernels
+    compute the grid columns from the raw dims."""
+    grids, host, column, host_column, offset = [], [], 0, spec.n_input_dims, first_offset
+    for part, begin, dims in spec.encoding.parts(spec.n_input_dims):
+        width = part.n_output_dims(dims)
+        if part.is_grid:
+            grid = GridPart(len(grids), begin, dims, column, part.grid_levels(dims), tuple(grid_index_modes(part, dims)),
+                            part.n_features_per_level, part.interpolation, offset)
+            grids.append(grid)
+            offset += grid.entries * grid.features
+        else:
+            host.append((column, width, host_column))
+            host_column += width
+        column += width
+    return tuple(grids), tuple(host), host_column
+
+
 # -- spherical harmonics -------------------------------------------------------------------------
 def spherical_harmonics(degree: int, x: Any, xp: Any = np) -> Any:
     """tcnn's ``sh_enc``: inputs in [0, 1]^3 mapped to directions 2x − 1, then the real spherical
@@ -234,5 +292,5 @@ def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-__all__ = ["GRID_BACKENDS", "GRID_OTYPES", "GridLookup", "HASH_PRIMES", "check_backend_supports", "grid_backward",
-           "grid_forward", "grid_index_modes", "grid_lookup", "spherical_harmonics", "triangle_wave"]
+__all__ = ["GRID_BACKENDS", "GRID_OTYPES", "GridLookup", "GridPart", "HASH_PRIMES", "check_backend_supports", "grid_backward",
+           "grid_forward", "grid_index_modes", "grid_input_layout", "grid_lookup", "spherical_harmonics", "triangle_wave"]

@@ -9,7 +9,7 @@ host and the tests use all of them as the definition of right.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -271,6 +271,17 @@ def optimizer_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray
         vel *= opt.momentum
         vel += g
         w -= (lr_t * vel).astype(w.dtype)
+
+
+def grid_steps_from_state(state: Mapping[str, Any], name: str, shape: tuple[int, int], step_count: int) -> np.ndarray:
+    """Adam's per-value step counts of grid table ``name`` (uint32, ``shape``) from an optimizer
+    state: its ``steps.{name}`` where it has them in that shape, else (a state written by a
+    backend that keeps none) the optimizer's ``step_count`` for every value Adam has moved
+    (``v.{name}`` ≠ 0) and 0 elsewhere."""
+    given = state.get(f"steps.{name}")
+    if given is not None and np.shape(given) == tuple(shape):
+        return np.asarray(given, dtype=np.uint32)
+    return np.where(np.asarray(state[f"v.{name}"]) != 0, step_count, 0).astype(np.uint32)
 
 
 def grid_adam_update(opt: OptimizerSpec, step: int, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray],

@@ -40,7 +40,7 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
-from mmad.backends.encodings import check_backend_supports, grid_index_modes
+from mmad.backends.encodings import GridPart, check_backend_supports, grid_input_layout
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
     check_finite_rows, check_host_output, check_params, fill_dataset,
@@ -51,7 +51,7 @@ from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
-from mmad.spec import ACTIVATION_CODES, LOSS_CODES, GridLevel, MLPSpec, kernel_code_defines
+from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 log = logging.getLogger("mmad.vulkan")
 
@@ -103,42 +103,6 @@ def usable_coopmat_shapes(shapes: list[dict[str, Any]]) -> list[tuple[int, int, 
 
 # -- grid encodings ------------------------------------------------------------------------
 @dataclass(frozen=True)
-class GridPart:
-    """One grid part of the encoding as grid.comp computes it (``encodings.grid_lookup``): it reads
-    raw input dims ``begin`` .. ``begin + dims - 1`` of the kernel input and fills encoded columns
-    ``column`` .. ``column + width - 1``; its table, the parameter ``grid{index}``, starts at value
-    ``table`` of the tables (which follow the MLP's parameters in the flat buffers)."""
-
-    index: int
-    begin: int
-    dims: int
-    column: int
-    levels: tuple[GridLevel, ...]
-    modes: tuple[str, ...]  # per level: "dense", "hash" or "zero" (encodings.grid_index_modes)
-    features: int
-    interpolation: str
-    table: int
-
-    @property
-    def corners(self) -> int:
-        return 1 if self.interpolation == "Nearest" else 1 << self.dims
-
-    @property
-    def width(self) -> int:
-        return len(self.levels) * self.features
-
-    @property
-    def lookups(self) -> int:
-        """Table reads per input row: levels x corners."""
-        return len(self.levels) * self.corners
-
-    @property
-    def entries(self) -> int:
-        """Rows of the whole table (all levels)."""
-        return self.levels[-1].offset + self.levels[-1].entries
-
-
-@dataclass(frozen=True)
 class GridLayout:
     """A grid model's kernel input and tables: the raw input dims, then the host-encoded columns
     of the parameter-free parts (``host``: (first encoded column, width, column in the kernel
@@ -164,20 +128,7 @@ class GridLayout:
     def build(cls, spec: MLPSpec) -> "GridLayout | None":
         if not spec.grid_shapes:
             return None
-        parts, host, column, host_column, table = [], [], 0, spec.n_input_dims, 0
-        for part, begin, dims in spec.encoding.parts(spec.n_input_dims):
-            width = part.n_output_dims(dims)
-            if part.is_grid:
-                grid = GridPart(len(parts), begin, dims, column, part.grid_levels(dims),
-                                tuple(grid_index_modes(part, dims)), part.n_features_per_level,
-                                part.interpolation, table)
-                parts.append(grid)
-                table += grid.entries * grid.features
-            else:
-                host.append((column, width, host_column))
-                host_column += width
-            column += width
-        return cls(tuple(parts), tuple(host), host_column)
+        return cls(*grid_input_layout(spec))
 
     def header(self, mlp_params: int) -> str:
         """``#define``s and constant arrays of grid.comp (and GRID_PARTS / MLP_PARAMS, which the
@@ -199,7 +150,7 @@ class GridLayout:
                  array("GRID_FEATURES", "int", [g.features for g in self.parts]),
                  array("GRID_CORNERS", "int", [g.corners for g in self.parts]),
                  array("GRID_INTERP", "int", [_INTERP_CODES[g.interpolation] for g in self.parts]),
-                 array("GRID_TABLE", "int", [g.table for g in self.parts]),
+                 array("GRID_TABLE", "int", [g.offset for g in self.parts]),
                  array("GRID_ENTRIES", "int", [g.entries for g in self.parts]),
                  # the float32 scale as its exact decimal value (parsed without a second rounding)
                  array("LV_SCALE", "float", [repr(float(np.float32(lv.scale))) for lv in levels]),
@@ -1327,7 +1278,7 @@ class VulkanModel(CompiledModel):
                 self._check_open()
                 steps = np.frombuffer(self._gsteps.read(self._grid_layout.table_values * 4), np.uint32)
             for g in self._grid_layout.parts:
-                state[f"steps.grid{g.index}"] = steps[g.table:g.table + g.entries * g.features].reshape(
+                state[f"steps.grid{g.index}"] = steps[g.offset:g.offset + g.entries * g.features].reshape(
                     g.entries, g.features).copy()
         return state
 
@@ -1340,13 +1291,8 @@ class VulkanModel(CompiledModel):
             return
         steps = np.zeros(self._grid_layout.table_values, np.uint32)
         for g in self._grid_layout.parts:
-            name, shape = f"grid{g.index}", (g.entries, g.features)
-            given = state.get(f"steps.{name}")
-            if given is not None and np.shape(given) == shape:
-                values = np.asarray(given, dtype=np.uint32)
-            else:
-                values = np.where(np.asarray(state[f"v.{name}"]) != 0, self.step_count, 0).astype(np.uint32)
-            steps[g.table:g.table + values.size] = values.reshape(-1)
+            values = nm.grid_steps_from_state(state, f"grid{g.index}", (g.entries, g.features), self.step_count)
+            steps[g.offset:g.offset + values.size] = values.reshape(-1)
         with self._lock:
             self._check_open()
             self._gsteps.write(steps)

@@ -481,7 +481,7 @@ class WgpuModel(CompiledModel):
     def _kernel_input(self, x: np.ndarray) -> np.ndarray:
         """What the kernels read for host rows ``x``: without grids the encoded input (``encode``);
         with grids the raw input followed by the host-encoded parameter-free parts (the kernels
-        interpolate the grid columns from the raw dims, wgsl._input_layout)."""
+        interpolate the grid columns from the raw dims, encodings.grid_input_layout)."""
         if not self.plan.grids:
             return self.encode(x)
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -712,12 +712,8 @@ class WgpuModel(CompiledModel):
             return
         steps = np.zeros(self.plan.p_all - self.plan.p, np.uint32)
         for grid in self.plan.grids:
-            name, shape = f"grid{grid.index}", (grid.entries, grid.features)
-            given = state.get(f"steps.{name}")
-            if given is not None and np.shape(given) == shape:
-                values = np.asarray(given, dtype=np.uint32)
-            else:
-                values = np.where(np.asarray(state[f"v.{name}"]) != 0, self.step_count, 0).astype(np.uint32)
+            values = nm.grid_steps_from_state(state, f"grid{grid.index}", (grid.entries, grid.features),
+                                              self.step_count)
             begin = grid.offset - self.plan.p
             steps[begin:begin + values.size] = values.ravel()
         with self._lock:

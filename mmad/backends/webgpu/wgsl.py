@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mmad.backends import numerics as nm
-from mmad.backends.encodings import HASH_PRIMES, grid_index_modes
+from mmad.backends.encodings import HASH_PRIMES, GridPart, grid_input_layout
 from mmad.errors import SpecError
 from mmad.shaders import read_source
-from mmad.spec import GridLevel, MLPSpec
+from mmad.spec import MLPSpec
 
 THREADS = 256              # invocations of the fused forward/backward workgroups
 MAX_CHUNK_ROWS = 65536
@@ -40,42 +40,6 @@ class Stage:
     k: int    # reduction size (padded to 16)
     n: int    # output width (padded to 16)
     kc: int   # reduction rows of B staged per workgroup-memory chunk
-
-
-@dataclass(frozen=True)
-class GridPart:
-    """One grid part of the encoding as the kernels compute it (tcnn's grid.h, as
-    ``encodings.grid_lookup``): it reads raw input dims ``begin`` … ``begin + dims − 1`` of the
-    kernel input and fills encoded columns ``column`` … ``column + width − 1``; its table, the
-    parameter ``grid{index}``, lies at ``offset`` in the flat parameter vector (after the MLP's)."""
-
-    index: int
-    begin: int
-    dims: int
-    column: int
-    levels: tuple[GridLevel, ...]
-    modes: tuple[str, ...]   # per level: "dense", "hash" or "zero" (encodings.grid_index_modes)
-    features: int
-    interpolation: str
-    offset: int
-
-    @property
-    def corners(self) -> int:
-        return 1 if self.interpolation == "Nearest" else 1 << self.dims
-
-    @property
-    def width(self) -> int:
-        return len(self.levels) * self.features
-
-    @property
-    def lookups(self) -> int:
-        """Table reads per input row: levels × corners."""
-        return len(self.levels) * self.corners
-
-    @property
-    def entries(self) -> int:
-        """Rows of the whole table (all levels)."""
-        return self.levels[-1].offset + self.levels[-1].entries
 
 
 @dataclass(frozen=True)
@@ -176,7 +140,8 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
         p += op[i] * kp[i]
         boff.append(p)
         p += op[i]
-    grids, host_parts, n_x = _input_layout(spec, p)
+    # without grids the host encodes everything: the kernel input is the encoded input
+    grids, host_parts, n_x = grid_input_layout(spec, p) if spec.grid_shapes else ((), (), spec.n_encoded_dims)
     binding = int(limits["max-storage-buffer-binding-size"])
     p_all = p + sum(g.entries * g.features for g in grids)
     if p_all * 4 > binding:  # every parameter buffer (masters, gradients, moments) is bound whole
@@ -203,28 +168,6 @@ def make_plan(spec: MLPSpec, limits: dict[str, int], ct_bytes: int, max_stage_ro
     return Plan(spec.n_encoded_dims, spec.n_output_dims, kp, op, hidden, ct_bytes, rows,
                  fwd[0], fwd[2], bwd[0], bwd[2], fwd[1], bwd[1], chunk, fwd_chunk, n_splits, tuple(woff), tuple(boff), p,
                  tuple(hoff), tuple(zoff), n_x, grids, host_parts, p_all)
-
-
-def _input_layout(spec: MLPSpec, p: int) -> tuple[tuple[GridPart, ...], tuple[tuple[int, int, int], ...], int]:
-    """(grid parts, host-encoded parts, kernel input columns). Without grids the host encodes
-    everything (the kernel input is the encoded input); with grids the kernel input is the raw
-    input followed by the host-encoded columns of the parameter-free parts, and the kernels
-    compute the grid columns from the raw dims. ``p``: the MLP's parameters, which the tables follow."""
-    if not spec.grid_shapes:
-        return (), (), spec.n_encoded_dims
-    grids, host, column, host_column, offset = [], [], 0, spec.n_input_dims, p
-    for part, begin, dims in spec.encoding.parts(spec.n_input_dims):
-        width = part.n_output_dims(dims)
-        if part.is_grid:
-            grid = GridPart(len(grids), begin, dims, column, part.grid_levels(dims), tuple(grid_index_modes(part, dims)),
-                            part.n_features_per_level, part.interpolation, offset)
-            grids.append(grid)
-            offset += grid.entries * grid.features
-        else:
-            host.append((column, width, host_column))
-            host_column += width
-        column += width
-    return tuple(grids), tuple(host), host_column
 
 
 # -- WGSL generation ------------------------------------------------------------------------
