@@ -18,7 +18,6 @@ import pytest
 from mmad.backends import load_backend
 from mmad.backends import numerics as nm
 from mmad.backends.contract import init_params, param_shapes
-from mmad.backends.encodings import GRID_BACKENDS, check_backend_supports
 from mmad.backends.cpu import CpuBackend
 from mmad.cli import demo_image
 from mmad.errors import SpecError
@@ -113,31 +112,23 @@ def test_grid_spec_errors_name_the_field(doc, n_in, field, words):
 
 
 @pytest.mark.parametrize("otype", ["HashGrid", "DenseGrid", "TiledGrid"])
-def test_cuda_refuses_the_grids(otype):
-    """The grids run on the cpu, wgpu and vulkan backends so far (tests/test_webgpu_grids.py,
-    test_vulkan_grids.py); cuda refuses them by name, also inside a Composite (SphericalHarmonics
-    and TriangleWave have no parameters: every backend encodes them on the host, tests/test_cuda.py,
-    test_vulkan.py and test_webgpu.py run them)."""
+def test_cuda_variants_without_grid_kernels_refuse_the_grids(otype):
+    """Grids run on every backend (the cuda one on its mma variant: tests/test_cuda_grids.py); the
+    cuda variants without grid kernels refuse a grid model by name, also inside a Composite,
+    before anything touches a GPU."""
     plain = grid_spec({"otype": otype, "n_levels": 2}, n_in=2)
     composite = grid_spec({"otype": "Composite", "nested": [{"otype": "SphericalHarmonics", "n_dims_to_encode": 3},
                                                             {"otype": otype, "n_levels": 2}]}, n_in=5)
-    for spec in (plain, composite):
-        # the check itself, whether or not this machine has the backend's packages
-        with pytest.raises(SpecError) as info:
-            check_backend_supports(spec, "cuda")
-        text = str(info.value)
-        assert f"{otype} is implemented on the cpu, wgpu and vulkan backends only so far" in text
-        assert "the cuda backend cannot run this model" in text
-        for name in GRID_BACKENDS:
-            check_backend_supports(spec, name)
-    assert set(GRID_BACKENDS) == {"cpu", "wgpu", "vulkan"}
     try:
         backend = load_backend("cuda")
     except Exception as exc:  # its Python package is not installed here
         pytest.skip(f"cuda: {exc}")
-    with pytest.raises(SpecError) as info:
-        backend.compile(plain)
-    assert f"{otype} is implemented on the cpu, wgpu and vulkan backends only so far" in str(info.value)
+    for spec in (plain, composite):
+        for variant in ("cublaslt", "wgmma"):
+            with pytest.raises(SpecError) as info:
+                backend.compile(spec, variant=variant)
+            assert info.value.field == "variant"
+            assert f"the {variant} variant has none" in str(info.value)
 
 
 # -- the grid forward against a per-sample port of tcnn -------------------------------------------

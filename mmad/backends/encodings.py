@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from mmad.errors import SpecError
 from mmad.spec import EncodingSpec, GridLevel, MLPSpec
 
 # tcnn's coherent_prime_hash factors (the first is 1: neighbouring cells along x stay neighbours)
@@ -29,27 +28,7 @@ HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 216
 # grid_index's largest resolution per dim count whose dense index cannot overflow 32 bits
 _MAX_DENSE_BASE = {1: 0xFFFFFFFF, 2: 0xFFFF, 3: 0x659, 4: 0xFF}
 _U32 = np.uint64(0xFFFFFFFF)
-
-# the encodings with trainable tables, which need device kernels of their own: the cpu backend
-# (the oracle), the wgpu backend (WGSL kernels, webgpu/wgsl.py) and the vulkan backend (GLSL,
-# shaders/glsl/grid.comp; its simt variant) have them so far; the parameter-free ones,
-# SphericalHarmonics and TriangleWave, every backend computes on the host before the upload, as
-# it does Frequency
-GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")
-GRID_BACKENDS = ("cpu", "wgpu", "vulkan")
-
-
-def check_backend_supports(spec: MLPSpec, backend: str) -> None:
-    """Refuse (SpecError, a 400 through the daemon) a model with a grid encoding on a ``backend``
-    without grid kernels, naming the encoding, the backend and where it runs; no silent fallback."""
-    if backend in GRID_BACKENDS:
-        return
-    found = [part.otype for part, _, _ in spec.encoding.parts(spec.n_input_dims) if part.otype in GRID_OTYPES]
-    if found:
-        raise SpecError("encoding", f"{found[0]} is implemented on the cpu, wgpu and vulkan backends only so far; "
-                                    f"the {backend} backend cannot run this model (serve it with MMAD_BACKEND=cpu, "
-                                    "MMAD_BACKEND=wgpu or MMAD_BACKEND=vulkan)")
-
+GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")  # the encodings with trainable tables
 
 # -- grids -----------------------------------------------------------------------------------
 @dataclass
@@ -292,5 +271,5 @@ def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-__all__ = ["GRID_BACKENDS", "GRID_OTYPES", "GridLookup", "GridPart", "HASH_PRIMES", "check_backend_supports", "grid_backward",
+__all__ = ["GRID_OTYPES", "GridLookup", "GridPart", "HASH_PRIMES", "grid_backward",
            "grid_forward", "grid_index_modes", "grid_input_layout", "grid_lookup", "spherical_harmonics", "triangle_wave"]

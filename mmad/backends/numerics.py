@@ -176,6 +176,16 @@ def encode_with_lookups(encoding: EncodingSpec, x: np.ndarray,
     return (outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)), lookups
 
 
+def grid_kernel_input(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:
+    """What a device backend's grid kernels read for host rows ``x`` of a grid model: the raw input
+    (float32) followed by the columns of its parameter-free parts, encoded here on the host (the
+    kernels interpolate the grid columns from the raw dims; encodings.grid_input_layout)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    host = [encode(part, x[:, begin:begin + dims]) for part, begin, dims in encoding.parts(x.shape[1])
+            if not part.is_grid]
+    return np.ascontiguousarray(np.concatenate([x] + host, axis=1), dtype=np.float32) if host else x
+
+
 def grid_gradients(encoding: EncodingSpec, n_input_dims: int, lookups: list[GridLookup],
                    d_encoded: np.ndarray, grids: Sequence[np.ndarray]) -> list[np.ndarray]:
     """d loss / d table of every grid part (shaped like ``grids``) from d loss / d encoded output."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests epochs jobs sass nvmath serve bench cublaslt profile ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests grids epochs jobs sass nvmath serve bench cublaslt profile ncu
 #   (`epochs`: training on the device (graph replay, device gather) against launching each step and
 #   host batches, plus test_cuda's training tests; `jobs`: `mmad bench --jobs`, training jobs through
 #   the daemon against in-process and PyTorch, JOBS_MODELS / JOBS_EXTRA, the JSON to $OUT/jobs.json)
@@ -44,6 +44,13 @@ for phase in $PHASES; do
         --timeout 200 -v --tb=short -rfEs > "$OUT/pytest_epochs.log" 2>&1
       echo "epochs pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest_epochs.log")" | tee -a "$SUMMARY"
       grep -E "(FAILED|ERROR) " "$OUT/pytest_epochs.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY" ;;
+    grids)
+      # the grid encodings on cuda (tests/test_cuda_grids.py), then the hash-grid image benchmark
+      start=$(date +%s)
+      timeout ${GRIDS_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
+        tests/test_cuda_grids.py ${GRIDS_SELECT:+-k "$GRIDS_SELECT"} --timeout 200 -v --tb=short -rfEs > "$OUT/pytest_grids.log" 2>&1
+      echo "grids pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest_grids.log")" | tee -a "$SUMMARY"
+      grep -E "(FAILED|ERROR) " "$OUT/pytest_grids.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY" ;;
     jobs)
       timeout ${JOBS_TIMEOUT:-360} python3 -m mmad.bench --jobs --backend cuda:mma --models ${JOBS_MODELS:-M} \
         --repeats ${JOBS_REPEATS:-2} --seconds ${JOBS_SECONDS:-0.6} ${JOBS_EXTRA:-} --json "$OUT/jobs.json" > "$OUT/jobs.log" 2>&1

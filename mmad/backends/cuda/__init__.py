@@ -7,6 +7,9 @@ One file per variant; ``probe()`` reports each, with the reason when it cannot r
   widths 16-256.
 * ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
 
+A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` with the grid kernels
+around its MLP kernels (:mod:`.grids`).
+
 ``compile(spec)`` without a variant measures the usable ones on the model's shapes and keeps the
 fastest (:mod:`mmad.backends.dispatch`; ``MMAD_DISPATCH=fixed``: wgmma where offered, else mma).
 
@@ -26,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.cache import KernelCache
-from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
+from mmad.backends.cuda.grids import CudaGridModel
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
 from mmad.backends.cuda.toolchain import cupy_module, device_info, find_nvcc, nvrtc_version, version_text
@@ -152,15 +155,19 @@ class CudaBackend(Backend):
         """``spec`` compiled as ``variant``; without one, the fastest usable variant for this model
         on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
         default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
-        A model with tiny-cuda-nn's EMA optimizer runs on mma (the variant that keeps the average)."""
-        check_backend_supports(spec, "cuda")
+        A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma (the variant that
+        keeps the average; the grid kernels work around its MLP kernels, :mod:`.grids`)."""
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
+        grids = bool(spec.grid_shapes)
+        if grids and variant not in (None, "mma"):
+            raise SpecError("variant", f"grid encodings run on the cuda backend's mma variant only (grid kernels "
+                                       f"around its MLP kernels); the {variant} variant has none")
         knobs = CudaKnobs.from_env()
         ema = spec.optimizer.ema is not None
-        if variant is None and knobs.dispatch == "fixed":
-            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema else "mma"
+        if variant is None and (knobs.dispatch == "fixed" or grids):
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema and not grids else "mma"
         if variant is not None and not rows[variant].available:
             raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
         # wgmma is a candidate only where MMAD_CUDA_WGMMA offers it (its training is not written)
@@ -187,7 +194,7 @@ class CudaBackend(Backend):
     def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,
                knobs: CudaKnobs) -> CompiledModel:
         if variant == "mma":
-            return CudaMmaModel(spec, cp, info, cache, knobs)
+            return (CudaGridModel if spec.grid_shapes else CudaMmaModel)(spec, cp, info, cache, knobs)
         if variant == "wgmma":
             return CudaWgmmaModel(spec, cp, info, cache, knobs)
         return CublasLtModel(spec, cp, info, cache)

@@ -116,6 +116,10 @@ def master_offsets(layers: list[tuple[int, int, int, int]]) -> tuple[list[int], 
 class MmaPlan:
     """Geometry and generated source of one spec's mma kernels (needs no GPU, no CuPy)."""
 
+    # the training kernels read an fp16 input (an encoding made on the device) and write d loss /
+    # d input (the encoding's backward reads it)
+    input_grad = False
+
     def __init__(self, spec: MLPSpec, knobs: CudaKnobs | None = None):
         knobs = knobs or CudaKnobs.from_env()
         if spec.precision != "fp16":
@@ -133,9 +137,10 @@ class MmaPlan:
         self.n_layers = len(self.layers)
         self.wf_total = sum(k * n for _, _, k, n in self.layers)
         self.wb_total = sum(k * n for _, _, k, n in self.layers[1:])
+        self.din_total = self.k_in * self.width if self.input_grad else 0  # layer 0's backward image
         self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
         self.smem_fwd = self.wf_total * 2
-        self.smem_train = (self.wf_total + self.wb_total) * 2
+        self.smem_train = (self.wf_total + self.wb_total + self.din_total) * 2
         self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
@@ -153,7 +158,7 @@ class MmaPlan:
         rows = FUSED_ROWS
         stash = sum(rows * (k + 8) for _, _, k, _ in self.layers)
         stage = rows * (max(self.width, self.n_out_pad) + 8)
-        smem = (self.wf_total + self.wb_total + stash + stage) * 2
+        smem = (self.wf_total + self.wb_total + self.din_total + stash + stage) * 2
         units = [math.ceil((n // 16) * (k // 16) / FUSED_WARPS) for _, _, k, n in self.layers]
         acc = 8 * sum(units)  # two m16n8 fragments of 4 floats per 16 x 16 unit
         fits = not self.store_dact and self.w_smem_train and acc <= FUSED_MAX_ACC and smem <= FUSED_SMEM_LIMIT
@@ -169,7 +174,8 @@ class MmaPlan:
             "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
-            "GROUP_FORWARD": int(self.group_forward),
+            "GROUP_FORWARD": int(self.group_forward), "DIN": int(self.input_grad),
+            "TRAIN_XT": "u16" if self.input_grad else "float",
             **optimizer_defines(s),
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -244,7 +250,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
             n_slots = len(optimizer_slots(self.spec))
             self.slot_w = [cp.zeros(total_w, dtype=cp.float32) for _ in range(n_slots)]
             self.slot_b = [cp.zeros(total_b, dtype=cp.float32) for _ in range(n_slots)]
-            self.wimage = cp.zeros(self.wf_total + self.wb_total, dtype=cp.uint16)
+            self.wimage = cp.zeros(self.wf_total + self.wb_total + self.din_total, dtype=cp.uint16)
             # with EMA, the forward image of the average (mlp_optimize writes it) and the average's
             # biases (its slot) are what inference reads; training reads wimage and b_all
             self.eimage = cp.zeros(self.wf_total, dtype=cp.uint16) if self.spec.optimizer.ema is not None else None
@@ -254,9 +260,10 @@ class CudaMmaModel(MmaPlan, CudaModel):
             raise LaunchError(f"allocating the model's device buffers failed: {exc}") from exc
         self.w_off, self.b_off = master_offsets(self.layers)
         # the packed fp16 images: every layer's forward image (at its master offset: same sizes),
-        # then the backward images of layers 1.. (layer 0's input gradient is never needed)
+        # then the backward images of layers 1.., then layer 0's where the input's gradient is made
         self.wf_off = list(self.w_off)
-        self.wb_off = [-1] + [self.wf_total + off - self.w_off[1] for off in self.w_off[1:]]
+        self.wb_off = ([self.wf_total + self.wb_total] if self.input_grad else [-1]) + [
+            self.wf_total + off - self.w_off[1] for off in self.w_off[1:]]
         self._workspace: dict[int, dict[str, Any]] = {}
         self._run: dict[str, Any] = {}  # per-run device tables: learning rates, losses, batch buffers
         self._graphs: dict[tuple, Any] = {}  # one captured step per key (CUDA graphs)
@@ -292,6 +299,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 "d": cp.empty(max(stored_rows * (nh * w + self.n_out_pad) // 2, 2), dtype=cp.uint32),
                 "dact": cp.empty(stored_rows * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
                 "partial": cp.empty(max_partial, dtype=cp.float32),
+                # d loss / d input (fp16, loss-scaled) where the plan makes it
+                "din": cp.empty(rows_pad * self.k_in if self.input_grad else 2, dtype=cp.uint16),
                 "loss": cp.zeros(max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS), dtype=cp.float64),
                 "chunks": chunks,
             }
@@ -416,14 +425,16 @@ class CudaMmaModel(MmaPlan, CudaModel):
             loss_slots = ws["loss"][: grid * FUSED_WARPS]
             self._launch("mlp_train_fused" if row_map is None else "mlp_train_fused_rows", (grid,), (FUSED_WARPS * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["partial"], loss_slots) + (() if row_map is None else (row_map,)), self.smem_fused)
+                          ws["partial"], loss_slots) + (() if row_map is None else (row_map,)) + (ws["din"],),
+                         self.smem_fused)
         else:
             grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / self.warps)))
             loss_slots = ws["loss"][: grid * self.warps]
             self._launch("mlp_train_fwd_bwd" if row_map is None else "mlp_train_fwd_bwd_rows", (grid,),
                          (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
-                          ws["h"], ws["d"], ws["dact"], loss_slots) + (() if row_map is None else (row_map,)),
+                          ws["h"], ws["d"], ws["dact"], loss_slots) + (() if row_map is None else (row_map,))
+                         + (ws["din"],),
                          self.smem_train if self.w_smem_train else 0)
         ws["rows_pad"] = rows_pad
         return ws, loss_slots
@@ -686,8 +697,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
         return (losses / (rows * self.spec.n_output_dims)).astype(np.float32)
 
     def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        return self._device_loss_and_grads(*self._prepare_batch(x, y))
+
+    def _device_loss_and_grads(self, dx: Any, dy: Any, rows: int) -> tuple[float, dict[str, np.ndarray]]:
+        """``loss_and_grads`` of a batch already on the device as the training kernels read it."""
         cp = self.cp
-        dx, dy, rows = self._prepare_batch(x, y)
         ws, loss_slots = self._forward_backward(dx, dy, rows)
         grads: dict[str, np.ndarray] = {}
         for i in reversed(range(self.n_layers)):

@@ -40,7 +40,7 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
 from mmad.backends.cache import KernelCache
-from mmad.backends.encodings import GridPart, check_backend_supports, grid_input_layout
+from mmad.backends.encodings import GridPart, grid_input_layout
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
     check_finite_rows, check_host_output, check_params, fill_dataset,
@@ -662,10 +662,7 @@ class VulkanModel(CompiledModel):
         (grid.comp computes the grid columns from the raw dims)."""
         if self.geo.grid is None:
             return self.encode(x)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        host = [nm.encode(part, x[:, begin:begin + dims])
-                for part, begin, dims in self.spec.encoding.parts(self.spec.n_input_dims) if not part.is_grid]
-        return np.concatenate([x] + host, axis=1).astype(np.float32, copy=False)
+        return nm.grid_kernel_input(self.spec.encoding, x)
 
     @property
     def _kernel_input_cols(self) -> int:
@@ -1408,7 +1405,6 @@ class VulkanBackend(Backend):
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0) -> VulkanModel:
-        check_backend_supports(spec, "vulkan")
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
             # grid encodings have simt kernels only (kernel_sources): a grid model takes simt

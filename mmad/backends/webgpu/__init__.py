@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 
 from mmad.backends import numerics as nm
-from mmad.backends.encodings import check_backend_supports
 from mmad.backends.contract import (
     Backend, CompiledModel, ProbeRow, check_device_index, check_params, check_rows, init_params, optimizer_slots, output_dtype,
 )
@@ -484,10 +483,7 @@ class WgpuModel(CompiledModel):
         interpolate the grid columns from the raw dims, encodings.grid_input_layout)."""
         if not self.plan.grids:
             return self.encode(x)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        host = [nm.encode(part, x[:, begin:begin + dims])
-                for part, begin, dims in self.spec.encoding.parts(self.spec.n_input_dims) if not part.is_grid]
-        return np.ascontiguousarray(np.concatenate([x] + host, axis=1), dtype=np.float32)
+        return nm.grid_kernel_input(self.spec.encoding, x)
 
     # -- compute --------------------------------------------------------------------------
     def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
@@ -799,7 +795,6 @@ class WgpuBackend(Backend):
         return self._device
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0) -> WgpuModel:
-        check_backend_supports(spec, "wgpu")
         if variant not in (None, "default"):
             raise SpecError("variant", f"the wgpu backend has one variant, 'default'; got {variant!r}")
         check_device_index(device, 1, "wgpu")  # one adapter: the one the probe chose

@@ -14,6 +14,11 @@
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
 //   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
+//   DIN                1: the training kernels also write d loss / d input (fp16, rows_pad x KIN,
+//                      loss-scaled like the deltas) for an input encoding's backward (a grid's);
+//                      layer 0's backward image follows the others (at WB0_OFF)
+//   TRAIN_XT           the training kernels' input type: float, or u16 (fp16, an encoded input
+//                      made on the device: the kernels round to fp16 as they load anyway)
 //
 // Fragment layouts are the PTX ISA's for mma.m16n8k16 .f16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row): reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][8+2t..], reg3 = A[g+8][8+2t..]
@@ -34,6 +39,8 @@
 #define KCO (NOUT_PAD / 16)
 #define WF_TOTAL (KIN * WIDTH + (NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
 #define WB_TOTAL ((NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
+#define WB0_OFF (WF_TOTAL + WB_TOTAL)
+#define WB_ALL (WB_TOTAL + (DIN ? WIDTH * KIN : 0))  // backward images in the weight image
 
 // ---- layer geometry ------------------------------------------------------------------------
 __device__ __forceinline__ int wf_off(int l) { return l == 0 ? 0 : KIN * WIDTH + (l - 1) * WIDTH * WIDTH; }
@@ -246,14 +253,14 @@ __device__ __forceinline__ void mlp_tile_loop(
     const float* __restrict__ target, float grad_scale, u32* __restrict__ hbuf,
     u32* __restrict__ dbuf, u32* __restrict__ dactbuf, double* __restrict__ loss_partial,
     float* __restrict__ partial = nullptr, const int* __restrict__ row_map = nullptr,
-    const GroupForward* __restrict__ group = nullptr, int n_group = 0) {
+    const GroupForward* __restrict__ group = nullptr, int n_group = 0, u32* __restrict__ din = nullptr) {
     static_assert(!GROUPED || (!TRAIN && !MAPPED), "a group is forwards only");
     static_assert(!FUSED || (MT == 1 && NWARPS == FW && W_SMEM_TRAIN && !STORE_DACT), "fused training geometry");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     extern __shared__ uint4 smem_w[];
     // FUSED: the h stash and the delta stage follow the weights in shared memory
-    u16* const stash = reinterpret_cast<u16*>(smem_w) + (WF_TOTAL + WB_TOTAL);
+    u16* const stash = reinterpret_cast<u16*>(smem_w) + (WF_TOTAL + WB_ALL);
     u16* const sD = stash + STASH_HALVES;
     float acc[FUSED ? ACC_FRAGS : 1][4];
     float bacc[NL];
@@ -267,7 +274,7 @@ __device__ __forceinline__ void mlp_tile_loop(
     }
     const uint2* w = wglobal;
     if (TRAIN ? W_SMEM_TRAIN : W_SMEM_FWD) {
-        const int n16 = (WF_TOTAL + (TRAIN ? WB_TOTAL : 0)) / 8;
+        const int n16 = (WF_TOTAL + (TRAIN ? WB_ALL : 0)) / 8;
         const uint4* src = reinterpret_cast<const uint4*>(wglobal);
         for (int i = threadIdx.x; i < n16; i += blockDim.x) smem_w[i] = src[i];
         __syncthreads();
@@ -582,7 +589,33 @@ __device__ __forceinline__ void mlp_tile_loop(
                 fused_wgrad(l - 1, stash, sD, acc, bacc, warp, lane);
                 __syncthreads();
             }
-            if (l == 1) break;
+            if (l == 1) {
+#if DIN
+                // d loss / d input = delta_0 @ W_0, 8 input columns at a time, rounded to fp16 as
+                // tcnn's network hands it to its encoding
+#pragma unroll 1
+                for (int nt = 0; nt < KIN / 8; ++nt) {
+                    float E[MT][4];
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) E[mt][q] = 0.f;
+#pragma unroll
+                    for (int kc = 0; kc < KCW; ++kc) {
+                        uint2 b = load_b(w, WB0_OFF, nt, kc, KCW, lane);
+#pragma unroll
+                        for (int mt = 0; mt < MT; ++mt) mma16816(E[mt], A[mt][kc], b);
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const i64 r = row0 + mt * 16 + g;
+                        din[(r * KIN + nt * 8 + 2 * t) / 2] = pack_h2(E[mt][0], E[mt][1]);
+                        din[((r + 8) * KIN + nt * 8 + 2 * t) / 2] = pack_h2(E[mt][2], E[mt][3]);
+                    }
+                }
+#endif
+                break;
+            }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -645,43 +678,45 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half_group(
 #endif
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
-    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
-    double* __restrict__ loss_partial) {
-    mlp_tile_loop<true, MT_TRAIN>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial);
+    double* __restrict__ loss_partial, u32* __restrict__ din) {
+    mlp_tile_loop<true, MT_TRAIN, false, WARPS, TRAIN_XT>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
+                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial, nullptr, nullptr, nullptr, 0, din);
 }
 
 // the same over a held dataset: batch row r is row row_map[r] of x and target
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd_rows(
-    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
-    double* __restrict__ loss_partial, const int* __restrict__ row_map) {
-    mlp_tile_loop<true, MT_TRAIN, false, WARPS, float, float, true>(
+    double* __restrict__ loss_partial, const int* __restrict__ row_map, u32* __restrict__ din) {
+    mlp_tile_loop<true, MT_TRAIN, false, WARPS, TRAIN_XT, float, true>(
         x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target, grad_scale, hbuf, dbuf, dactbuf,
-        loss_partial, nullptr, row_map);
+        loss_partial, nullptr, row_map, nullptr, 0, din);
 }
 
 #if FUSED_WGRAD
 // forward + loss + backward + weight/bias gradients of every layer in one persistent kernel; the
 // per-block sums go to `partial` (layout: partial_off), reduced by mlp_optimize in block order
 extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
-    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
-    float* __restrict__ partial, double* __restrict__ loss_partial) {
-    mlp_tile_loop<true, 1, true, FW>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial);
+    float* __restrict__ partial, double* __restrict__ loss_partial, u32* __restrict__ din) {
+    mlp_tile_loop<true, 1, true, FW, TRAIN_XT>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
+                                     grad_scale, nullptr, nullptr, nullptr, loss_partial, partial, nullptr, nullptr, 0,
+                                     din);
 }
 
 extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused_rows(
-    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
-    float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map) {
-    mlp_tile_loop<true, 1, true, FW, float, float, true>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack,
+    float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map,
+    u32* __restrict__ din) {
+    mlp_tile_loop<true, 1, true, FW, TRAIN_XT, float, true>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack,
                                                          bias, target, grad_scale, nullptr, nullptr, nullptr,
-                                                         loss_partial, partial, row_map);
+                                                         loss_partial, partial, row_map, nullptr, 0, din);
 }
 #endif
 

@@ -1,0 +1,447 @@
+"""Grid-encoded models (HashGrid, DenseGrid, TiledGrid) on the ``mma`` variant.
+
+``mmad/shaders/cuda/grid.cu``. The MLP runs on the mma kernels (:mod:`.mma`) with the encoded
+input as theirs; around them, per training step (all on the device, one captured CUDA graph):
+
+1. ``grid_encode_<k>`` interpolates each grid part's fp16 table into the encoded input (a thread
+   per row and level) and ``grid_copy_columns`` adds the columns the host encoded (the
+   parameter-free parts, :func:`mmad.backends.numerics.grid_kernel_input`);
+2. the mma training kernel (the unfused plan: it leaves the first layer's deltas in memory);
+3. ``grid_backward_<k>`` turns those deltas into d loss / d encoded input through the first
+   layer's weights and adds it into the tables' fp32 gradient with atomics (tcnn's scatter);
+4. the MLP's weight gradients and optimizer, then ``grid_optimize``: tcnn's Adam on the tables
+   (per-value step counts, zero gradients skipped; numerics.grid_adam_update) or SGD, the fp16
+   image the forward reads, the EMA average where the optimizer keeps one.
+
+The tables are the parameters ``grid{k}`` (fp32 masters), read and written like the MLP's.
+Datasets on the device hold the kernel input (fp32), so each step encodes its batch afresh.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mmad.backends.cache import KernelCache
+from mmad.backends.contract import (
+    Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape, fill_dataset,
+    optimizer_slots,
+)
+from mmad.backends.cuda.knobs import CudaKnobs
+from mmad.backends.cuda.mma import (
+    CTL_STEP, FINISH_THREADS, NVRTC_OPTIONS, CudaMmaModel, f32_literal, optimizer_defines,
+)
+from mmad.backends.cuda.toolchain import LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version
+from mmad.backends.encodings import GridPart, grid_input_layout
+from mmad.backends.numerics import epoch_half_bits, grid_kernel_input, grid_steps_from_state, step_base_rate
+from mmad.errors import DeviceMemoryFull, InvalidInput, LaunchError
+from mmad.shaders import read_source
+from mmad.spec import MLPSpec, kernel_code_defines
+
+GRID_THREADS = 128  # grid.cu's block of the encode kernels: a thread per row
+BACKWARD_THREADS = 512  # grid_backward's block (at 1024 a 4-D grid spills), two per SM: few flushes of their shared sums
+BACKWARD_SMEM_VALUES = 11776  # fp32 sums of the coarse levels a grid_backward block keeps (46 KiB, static)
+ELEMENTWISE_THREADS = 256
+MODE_CODES = {"dense": 0, "hash": 1, "zero": 2}
+INTERP_CODES = {"Linear": 0, "Nearest": 1, "Smoothstep": 2}
+BASE_KERNELS = ("grid_copy_columns", "grid_gather_targets", "grid_optimize")
+
+
+def fastmod_factor(divisor: int) -> int:
+    """Lemire's factor for ``a % divisor`` of 32-bit ``a`` as mulhi64(factor · a mod 2^64, divisor)."""
+    return ((1 << 64) // divisor + 1) & ((1 << 64) - 1)
+
+
+class GridPlan:
+    """The grid parts of a spec and the generated source of their kernels (needs no GPU)."""
+
+    def __init__(self, spec: MLPSpec):
+        self.parts, self.host_parts, self.input_cols = grid_input_layout(spec)
+        self.values = sum(p.entries * p.features for p in self.parts)
+        self.source = self._source(spec)
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return BASE_KERNELS + tuple(f"grid_{kind}_{p.index}" for p in self.parts for kind in ("encode", "backward"))
+
+    @staticmethod
+    def encode_split(p: GridPart) -> int:
+        """Threads per row of grid_encode: two (each half the levels) where the part has at least
+        8 levels in an even number, so that a row's serial chain of table reads halves."""
+        return 2 if len(p.levels) >= 8 and len(p.levels) % 2 == 0 else 1
+
+    @staticmethod
+    def shared_levels(p: GridPart) -> tuple[int, int]:
+        """(levels, values) of ``p`` whose gradient grid_backward sums in shared memory: the
+        longest run of coarse levels (the first rows of the table) within BACKWARD_SMEM_VALUES."""
+        levels = 0
+        while levels < len(p.levels) and (p.levels[levels].offset + p.levels[levels].entries) * p.features \
+                <= BACKWARD_SMEM_VALUES:
+            levels += 1
+        return levels, (p.levels[levels - 1].offset + p.levels[levels - 1].entries) * p.features if levels else 0
+
+    def _source(self, spec: MLPSpec) -> str:
+        defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f"}
+        head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        parts = "".join(self._part_source(p) for p in self.parts)
+        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/grid.cu") + parts
+
+    @staticmethod
+    def _part_source(p: GridPart) -> str:
+        levels = ",\n    ".join(
+            f"{{{fastmod_factor(lv.entries)}ull, {f32_literal(lv.scale)}, {lv.resolution}u, {lv.entries}u, {lv.offset}u, "
+            f"{MODE_CODES[mode]}, {lv.entries - 1 if lv.entries > 1 and lv.entries & (lv.entries - 1) == 0 else 0}u}}"
+            for lv, mode in zip(p.levels, p.modes))
+        k, t = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}, {len(p.levels)}"
+        split = GridPlan.encode_split(p)
+        vec = "true" if p.column % 8 == 0 and p.width // split % 8 == 0 and p.features % 2 == 0 else "false"
+        smem_levels, smem_values = GridPlan.shared_levels(p)
+        return f"""
+__device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
+    {levels}}};
+
+// 8 blocks an SM (grid_backward: 2): under these register caps ptxas 13.0 spills nothing; with only
+// the block size given it spilled a few bytes at 32-48 registers
+extern "C" __global__ void __launch_bounds__(GRID_THREADS, 8) grid_encode_{k}(
+    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out,
+    int out_half, int out_cols, const u16* __restrict__ table) {{
+    grid_encode_part<{t}, {vec}, {split}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, out_half, out_cols,
+                          table);
+}}
+
+extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backward_{k}(
+    const u16* __restrict__ din, int din_cols, const float* __restrict__ x, const int* __restrict__ row_map,
+    i64 rows, int x_cols, float* __restrict__ grad, float inv_scale) {{
+    grid_backward_part<{t}, {smem_levels}, {smem_values}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_cols, x,
+                                                          row_map, rows, x_cols, grad, inv_scale);
+}}
+"""
+
+
+class CudaGridModel(CudaMmaModel):
+    """A grid-encoded model: the mma kernels on the encoded input, the grid kernels around them."""
+
+    input_grad = True  # the training kernels write d loss / d encoded input for grid_backward
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
+                 knobs: CudaKnobs | None = None):
+        self.grid_plan = GridPlan(spec)
+        self._grid_cache = cache
+        super().__init__(spec, cp, info, cache, knobs)
+
+    # -- build and buffers ---------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        super()._allocate()
+        cp, plan = self.cp, self.grid_plan
+        what = f"grid kernels for model {self.spec.content_hash()}"
+
+        def build() -> bytes:
+            return nvrtc_compile(plan.source, self.arch_digits, NVRTC_OPTIONS, what)
+
+        cubin = cached_cubin(self._grid_cache, build, backend="cuda-grid", device=self.arch,
+                             compiler=f"nvrtc-{nvrtc_version()}", options=NVRTC_OPTIONS, source=plan.source)
+        try:
+            self._grid_module = LoadedModule(cp, cubin, plan.kernels)
+            n = plan.values
+            self.tables = cp.zeros(n, dtype=cp.float32)  # fp32 masters, every part back to back
+            self.table_grad = cp.zeros(n, dtype=cp.float32)  # zeroed again by each optimizer step
+            self.table_image = cp.zeros(n, dtype=cp.uint16)  # the fp16 tables the forward reads
+            self.table_slots = [cp.zeros(n, dtype=cp.float32) for _ in optimizer_slots(self.spec)]
+            self.table_steps = cp.zeros(n if self.spec.optimizer.otype == "Adam" else 1, dtype=cp.uint32)
+            self.table_eimage = cp.zeros(n, dtype=cp.uint16) if self.eimage is not None else None
+        except device_errors(cp) as exc:
+            raise LaunchError(f"loading or allocating the {what} failed: {exc}") from exc
+
+    def _grid_launch(self, name: str, grid, block, args, smem: int = 0) -> None:
+        self._launch_from(self._grid_module, name, grid, block, args, smem)
+
+    # -- the kernel input and the encoded input ---------------------------------------------------------
+    def _kernel_input(self, x: Any, name: str = "input") -> tuple[Any, bool]:
+        """(x as the grid kernels read it on the device: fp32 rows of the raw input and the
+        host-encoded columns, whether x came from the host)."""
+        cp = self.cp
+        if not isinstance(x, cp.ndarray):
+            return self.upload(grid_kernel_input(self.spec.encoding, check_rows(x, self.spec.n_input_dims, name))), True
+        x = check_rows_shape(x, self.spec.n_input_dims, name)
+        if self.grid_plan.host_parts:
+            return self.upload(grid_kernel_input(self.spec.encoding, self.download(x))), False
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        return (x.copy() if x.data.ptr % 16 else x), False
+
+    def _encode(self, kin: Any, rows: int, out: Any, row_map: Any = None, table: Any = None) -> None:
+        """Enqueue the encoded input of ``rows`` rows of the kernel input ``kin`` (through
+        ``row_map`` where given) into ``out`` (fp32 or fp16, rows × encoded columns) from
+        ``table`` (default: the training tables' fp16 image)."""
+        if rows == 0:
+            return
+        plan, table = self.grid_plan, self.table_image if table is None else table
+        half = np.int32(out.dtype == self.cp.float16)
+        cols, out_cols = np.int32(kin.shape[1]), np.int32(out.shape[1])
+        rmap = 0 if row_map is None else row_map
+        for p in plan.parts:
+            self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows * plan.encode_split(p) / GRID_THREADS),),
+                              (GRID_THREADS,), (kin, rmap, np.int64(rows), cols, out, half, out_cols,
+                                                table[p.offset:]))
+        for column, width, kin_column in plan.host_parts:
+            self._grid_launch("grid_copy_columns", (math.ceil(rows * width / ELEMENTWISE_THREADS),),
+                              (ELEMENTWISE_THREADS,), (kin, rmap, np.int64(rows), cols, np.int32(kin_column), out,
+                                                       half, out_cols, np.int32(column), np.int32(width)))
+
+    def _device_input(self, x: Any, cols: int, name: str, encode: bool, keep_half: bool = False) -> tuple[Any, bool]:
+        """With ``encode``: the encoded input of ``x`` made on the device (fp16 with ``keep_half``:
+        the mma kernels round their input to fp16 as they load it, so nothing is lost), from the
+        inference tables (the EMA average's where the optimizer keeps one)."""
+        if not encode:
+            return super()._device_input(x, cols, name, encode, keep_half)
+        kin, from_host = self._kernel_input(x, name)
+        cp = self.cp
+        try:
+            out = cp.empty((kin.shape[0], self.spec.n_encoded_dims), dtype=cp.float16 if keep_half else cp.float32)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"allocating the encoded input of {kin.shape[0]} rows failed: {exc}") from exc
+        self._encode(kin, kin.shape[0], out, table=self.table_image if self.table_eimage is None else self.table_eimage)
+        return out, from_host
+
+    # -- training -------------------------------------------------------------------------------------
+    def _encoded_batch(self, rows: int) -> Any:
+        """The encoded input of a training batch of ``rows`` rows (fp16: the mma plan's training
+        kernels read fp16 where it makes ``input_grad``), kept between calls (captured steps write it)."""
+        held = self._run.get("encoded")
+        if held is None or held.shape[0] != rows:
+            self._run["encoded"] = None
+            self._graphs.clear()
+            try:
+                held = self._run["encoded"] = self.cp.empty((rows, self.spec.n_encoded_dims), dtype=self.cp.float16)
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"allocating a {rows}-row encoded batch failed: {exc}") from exc
+        return held
+
+    def _start_run(self, steps: int, position: EpochPosition) -> None:
+        """The MLP's run tables, and the tables' own rates: Adam's base rate per step (each value
+        applies the bias correction of its own step count), SGD's rate."""
+        super()._start_run(steps, position)
+        run = self._run
+        if run.get("grid_lr") is None or run["grid_lr"].size < run["capacity"]:
+            try:
+                run["grid_lr"] = self.cp.zeros(run["capacity"], dtype=self.cp.float32)
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"allocating the tables of {steps} training steps failed: {exc}") from exc
+            self._graphs.clear()
+        opt, first = self.spec.optimizer, self.step_count + 1
+        rates = np.array([step_base_rate(opt, first + k) for k in range(steps)], np.float32)
+        try:
+            run["grid_lr"][:steps].set(rates)
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc
+
+    def _grid_gradients(self, ws: dict[str, Any], kin: Any, rows: int, row_map: Any = None) -> None:
+        """Enqueue d loss / d tables (added into ``table_grad``) from d loss / d encoded input, which
+        the training kernel left in ``ws`` (the mma plan's ``input_grad``)."""
+        inv_scale = np.float32(1.0 / self.spec.loss_scale)
+        blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
+        for p in self.grid_plan.parts:
+            self._grid_launch(f"grid_backward_{p.index}", (blocks,), (BACKWARD_THREADS,),
+                              (ws["din"], np.int32(self.k_in), kin, 0 if row_map is None else row_map,
+                               np.int64(rows), np.int32(kin.shape[1]), self.table_grad[p.offset:], inv_scale))
+
+    def _optimize_tables(self, mode: int) -> None:
+        """mode 0: the optimizer step at the run's rate (ctl's step); 2: the images from the
+        masters (set_params); 3: the EMA image from the average (a restored state)."""
+        d, slots = self.dummy, self.table_slots
+        second = 1 if self.spec.optimizer.otype == "Adam" else 0
+        n = self.grid_plan.values
+        ema = ((slots[-1], self.table_eimage, self._run.get("ema", d) if mode == 0 else d)
+               if self.table_eimage is not None else (d, d, d))
+        self._grid_launch("grid_optimize", (math.ceil(n / ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
+                          (np.int32(mode), np.int64(n), self.tables, self.table_grad, slots[0], slots[second],
+                           self.table_steps, self.table_image, self._run.get("grid_lr", d) if mode == 0 else d,
+                           self.ctl, *ema))
+
+    def _grid_step(self, kin: Any, row_map: Any, dy: Any, rows: int, dataset_rows: int) -> None:
+        """One optimizer step's launches, the same every step: encode the batch, the MLP's forward
+        and backward, the tables' gradient, the MLP's and the tables' updates, the bookkeeping."""
+        encoded = self._run["encoded"]
+        self._encode(kin, rows, encoded, row_map)
+        ws, loss_slots = self._forward_backward(encoded, dy, rows)
+        self._grid_gradients(ws, kin, rows, row_map)
+        for i in reversed(range(self.n_layers)):
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            self._optimize_layer(i, 0, n_chunks, pw, pb)
+        self._optimize_tables(0)
+        self._launch("mlp_finish_step", (1,), (FINISH_THREADS,),
+                     (loss_slots, np.int32(loss_slots.size), self._run["losses"], self.ctl, np.int32(rows),
+                      np.int64(dataset_rows)))
+
+    def _grid_batch(self, x: Any, y: Any) -> tuple[Any, Any, int]:
+        kin, _ = self._kernel_input(x)
+        dy, _ = super()._device_input(y, self.spec.n_output_dims, "target", encode=False)
+        if dy.shape[0] != kin.shape[0]:
+            raise InvalidInput(f"target has {dy.shape[0]} rows but input has {kin.shape[0]}")
+        if kin.shape[0] == 0:
+            raise InvalidInput("a training batch needs at least one row")
+        return kin, dy, kin.shape[0]
+
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        if steps < 1:
+            raise InvalidInput(f"steps must be at least 1; got {steps}")
+        kin, dy, rows = self._grid_batch(x, y)
+        self._start_run(steps, EpochPosition(0))
+        self._encoded_batch(rows)
+        key = ("grid-batch", rows, kin.data.ptr, dy.data.ptr)
+        self._replay(key, steps, lambda: self._grid_step(kin, None, dy, rows, 0))
+        return self._finish_run(steps, rows)
+
+    def train_epochs(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> np.ndarray:
+        """See ``CompiledModel.train_epochs``: each step draws its batch of the epoch's order
+        (``mlp_batch_rows``), encodes it from the dataset's kernel input through the row numbers
+        and gathers its targets (``grid_gather_targets``), then trains as ``train_step``."""
+        check_epoch_run(data, batch, steps)
+        if not data.on_device:
+            raise InvalidInput("this dataset is not on the cuda device (put_dataset keeps it there)")
+        half_bits = epoch_half_bits(data.rows)
+        rows_map, targets = self._epoch_buffers(batch)
+        self._start_run(steps, position)
+        self._encoded_batch(batch)
+        y_half = np.int32(data.y.dtype == self.cp.float16)
+        n_out = self.spec.n_output_dims
+
+        def step() -> None:
+            self._launch("mlp_batch_rows", (min(math.ceil(batch / 256), self.info["sm_count"] * 8),), (256,),
+                         (np.int64(data.rows), np.int32(half_bits), self.ctl, np.int32(batch), rows_map))
+            self._grid_launch("grid_gather_targets", (math.ceil(batch * n_out / ELEMENTWISE_THREADS),),
+                              (ELEMENTWISE_THREADS,), (data.y, y_half, rows_map, np.int64(batch), np.int32(n_out),
+                                                       targets))
+            self._grid_step(data.x, rows_map, targets, batch, data.rows)
+
+        key = ("grid-epochs", batch, data.rows, data.x.data.ptr, data.y.data.ptr, data.y.dtype.char)
+        self._replay(key, steps, step)
+        return self._finish_epochs(data, batch, steps, position)
+
+    def _epoch_buffers(self, batch: int) -> tuple[Any, Any]:
+        """A drawn batch's row numbers and gathered fp32 targets (one size kept at a time)."""
+        cp = self.cp
+        held = self._run.get("batch")
+        if held is None or held[0].shape != (batch,):
+            self._run["batch"] = None
+            self._graphs.clear()
+            try:
+                held = self._run["batch"] = (cp.empty(batch, dtype=cp.int32),
+                                             cp.empty((batch, self.spec.n_output_dims), dtype=cp.float32))
+            except device_errors(cp) as exc:
+                raise LaunchError(f"allocating a {batch}-row training batch failed: {exc}") from exc
+        return held
+
+    def parallel_start(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> Any:
+        raise InvalidInput("data-parallel training of a grid-encoded model is not built on the cuda backend yet: "
+                           "train it on one device")
+
+    def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
+        kin, dy, rows = self._grid_batch(x, y)
+        encoded = self._encoded_batch(rows)
+        self._encode(kin, rows, encoded)
+        loss, grads = self._device_loss_and_grads(encoded, dy, rows)
+        # the deltas and the first layer's weights are still this batch's: nothing was updated
+        self._grid_gradients(self._workspace[self._rows_padded(rows)], kin, rows)
+        values = self.download(self.table_grad)
+        self.table_grad.fill(0)
+        for p in self.grid_plan.parts:
+            grads[f"grid{p.index}"] = values[p.offset:p.offset + p.entries * p.features].reshape(p.entries, p.features)
+        return loss, grads
+
+    # -- datasets: the kernel input, encoded by each step ------------------------------------------------
+    def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
+        return rows * (self.grid_plan.input_cols * 4 + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
+
+    def put_dataset(self, chunks, rows: int, x_dtype: Any, y_dtype: Any) -> Dataset:
+        """The dataset in device memory as the grid kernels read it: the raw input (fp32: grid
+        positions need its precision) and the host-encoded columns; targets in their dtype."""
+        cp = self.cp
+        if not 0 < rows < 2**31:
+            raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
+        yd = np.dtype(y_dtype)
+        try:
+            x = cp.empty((rows, self.grid_plan.input_cols), dtype=cp.float32)
+            y = cp.empty((rows, self.spec.n_output_dims), dtype=yd)
+        except cp.cuda.memory.OutOfMemoryError as exc:
+            raise DeviceMemoryFull(f"the dataset ({self.dataset_bytes(rows, x_dtype, y_dtype) / 2**30:.2f} GiB) "
+                                   "does not fit in the cuda device's free memory") from exc
+
+        def write(at: int, cx: np.ndarray, cy: np.ndarray) -> None:
+            hx = grid_kernel_input(self.spec.encoding, cx)
+            x[at:at + len(hx)].set(hx)
+            y[at:at + len(hx)].set(np.ascontiguousarray(cy, dtype=yd))
+
+        try:
+            fill_dataset(chunks, rows, write)
+        except device_errors(cp) as exc:
+            raise LaunchError(f"copying the dataset to the device failed: {exc}") from exc
+        return Dataset(x, y, rows, int(x.nbytes + y.nbytes), on_device=True)
+
+    # -- parameters and optimizer state ------------------------------------------------------------------
+    def _tables_of(self, flat: Any) -> dict[str, np.ndarray]:
+        values = self.download(flat)
+        return {f"grid{p.index}": values[p.offset:p.offset + p.entries * p.features].reshape(p.entries, p.features)
+                for p in self.grid_plan.parts}
+
+    def _upload_tables(self, flat: Any, named: dict[str, np.ndarray], dtype: Any = np.float32) -> None:
+        host = np.empty(self.grid_plan.values, dtype=dtype)
+        for p in self.grid_plan.parts:
+            host[p.offset:p.offset + p.entries * p.features] = np.asarray(named[f"grid{p.index}"]).ravel()
+        try:
+            flat.set(host)
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"uploading the grid tables failed: {exc}") from exc
+
+    def get_params(self) -> dict[str, np.ndarray]:
+        return {**super().get_params(), **self._tables_of(self.tables)}
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        params = check_params(self.spec, params)
+        super().set_params(params)
+        self._upload_tables(self.tables, params)
+        self._optimize_tables(2)
+
+    def _read_slot(self, slot: int) -> dict[str, np.ndarray]:
+        return {**super()._read_slot(slot), **self._tables_of(self.table_slots[slot])}
+
+    def _write_slots(self, slots: list[dict[str, np.ndarray]], step: int) -> None:
+        super()._write_slots(slots, step)
+        for flat, values in zip(self.table_slots, slots):
+            self._upload_tables(flat, values)
+        if self.table_eimage is not None:
+            self._optimize_tables(3)
+
+    def get_optimizer_state(self) -> dict[str, np.ndarray]:
+        """The contract's state plus, under Adam, ``steps.grid{k}``: each table value's step count."""
+        state = super().get_optimizer_state()
+        if self.spec.optimizer.otype == "Adam":
+            steps = self.download(self.table_steps)
+            for p in self.grid_plan.parts:
+                state[f"steps.grid{p.index}"] = steps[p.offset:p.offset + p.entries * p.features].reshape(
+                    p.entries, p.features)
+        return state
+
+    def set_optimizer_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what ``get_optimizer_state`` returned; without ``steps.grid{k}`` (a state
+        another backend wrote) the counts follow from Adam's moments (grid_steps_from_state)."""
+        super().set_optimizer_state(state)
+        if self.spec.optimizer.otype == "Adam":
+            self._upload_tables(self.table_steps, {
+                f"grid{p.index}": grid_steps_from_state(state, f"grid{p.index}", (p.entries, p.features),
+                                                        self.step_count) for p in self.grid_plan.parts}, np.uint32)
+
+    def device_bytes(self) -> int:
+        arrays = [self.tables, self.table_grad, self.table_image, self.table_steps, *self.table_slots]
+        arrays += [a for a in (self.table_eimage, self._run.get("encoded"), self._run.get("grid_lr")) if a is not None]
+        return super().device_bytes() + int(sum(a.nbytes for a in arrays))
+
+    def close(self) -> None:
+        super().close()
+        for name in ("tables", "table_grad", "table_image", "table_slots", "table_steps", "table_eimage"):
+            if hasattr(self, name):
+                delattr(self, name)
+
+
+__all__ = ["CudaGridModel", "GridPlan"]

@@ -1,0 +1,306 @@
+// tiny-cuda-nn's grid encodings (HashGrid, DenseGrid, TiledGrid) on the cuda backend: the encoded
+// input of the mma kernels, the tables' gradient and their optimizer step.
+//
+// The host (mmad/backends/cuda/grids.py) prepends mlp_common.cuh's types, the optimizer's
+// #defines (mma.optimizer_defines) and, per grid part k, a __constant__ table of its levels
+// (GRID_LEVELS_k) and the wrappers grid_encode_k / grid_backward_k that instantiate the templates
+// below with the part's dims, features and interpolation. The arithmetic is
+// mmad/backends/encodings.py's (tcnn's grid.h): pos = fmaf(x, scale, 0.5), the cell floor(pos) as
+// uint32, the fraction (through smoothstep for Smoothstep), a corner's row from the dense index,
+// tcnn's coherent prime hash or 0 (the level's mode), modulo the level's rows; the weights are
+// the dims' factors multiplied in dim order. Interpolation sums in fp32 over fp16 table values.
+//
+// The kernel input holds a row's raw input dims followed by the columns the host encoded (the
+// parameter-free parts: encodings.grid_input_layout); ``row_map`` (or null) says which input row
+// each batch row reads (a dataset read through the epoch's order).
+
+#define GRID_MODE_DENSE 0
+#define GRID_MODE_HASH 1
+#define GRID_MODE_ZERO 2
+#define INTERP_LINEAR 0
+#define INTERP_NEAREST 1
+#define INTERP_SMOOTHSTEP 2
+#define GRID_THREADS 128
+
+#ifndef CTL_STEP
+#define CTL_STEP 0  // the training control block's step word (mlp_mma.cu)
+#endif
+
+struct GridLevelDesc {
+    unsigned long long fastmod;  // floor(2^64 / entries) + 1: idx % entries without a division (Lemire)
+    float scale;
+    u32 resolution;
+    u32 entries;
+    u32 offset;  // first row of the level in its part's table
+    int mode;
+    u32 mask;  // entries - 1 where entries is a power of two (above 1), else 0
+};
+
+__device__ __constant__ u32 HASH_PRIMES[7] = {1u, 2654435761u, 805459861u, 3674653429u, 2097192037u,
+                                              1434869437u, 2165219737u};
+
+template <int DIMS, int INTERP>
+struct GridCell {
+    u32 cell[DIMS];
+    float frac[DIMS];
+
+    __device__ __forceinline__ GridCell(const float (&xrow)[DIMS], const GridLevelDesc& L) {
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d) {
+            const float pos = __fmaf_rn(xrow[d], L.scale, 0.5f);
+            const float c = floorf(pos);
+            cell[d] = (u32)(int)c;
+            float f = pos - c;
+            if (INTERP == INTERP_SMOOTHSTEP) f = f * f * (3.f - 2.f * f);
+            frac[d] = f;
+        }
+    }
+
+    __device__ __forceinline__ u32 row(const GridLevelDesc& L, int corner) const {
+        u32 idx = 0;
+        if (L.mode == GRID_MODE_HASH) {
+#pragma unroll
+            for (int d = 0; d < DIMS; ++d) idx ^= (cell[d] + ((corner >> d) & 1)) * HASH_PRIMES[d];
+        } else if (L.mode == GRID_MODE_DENSE) {
+            u32 stride = 1;
+#pragma unroll
+            for (int d = 0; d < DIMS; ++d) {
+                idx += (cell[d] + ((corner >> d) & 1)) * stride;
+                stride *= L.resolution;
+            }
+        }
+        // idx % entries: a mask for a power of two (hashed levels), else the index itself where it is
+        // in range (a corner inside the grid), else Lemire's exact 32-bit remainder
+        if (L.mask != 0u) return (idx & L.mask) + L.offset;
+        return (idx < L.entries ? idx : (u32)__umul64hi(L.fastmod * idx, L.entries)) + L.offset;
+    }
+
+    __device__ __forceinline__ float weight(int corner) const {
+        float w = 1.f;
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d) w *= ((corner >> d) & 1) ? frac[d] : 1.f - frac[d];
+        return w;
+    }
+};
+
+template <int INTERP, int DIMS>
+__device__ __forceinline__ constexpr int grid_corners() { return INTERP == INTERP_NEAREST ? 1 : 1 << DIMS; }
+
+template <int F>
+__device__ __forceinline__ void add_table_row(float* acc, const u16* __restrict__ table, u32 row, float w) {
+    if (F % 2 == 0) {
+        const u32* p = reinterpret_cast<const u32*>(table + (size_t)row * F);
+#pragma unroll
+        for (int f = 0; f < F; f += 2) {
+            const float2 v = unpack_h2(__ldg(p + f / 2));
+            acc[f] = fmaf(w, v.x, acc[f]);
+            acc[f + 1] = fmaf(w, v.y, acc[f + 1]);
+        }
+    } else {
+#pragma unroll
+        for (int f = 0; f < F; ++f) acc[f] = fmaf(w, half_bits_to_float(__ldg(table + (size_t)row * F + f)), acc[f]);
+    }
+}
+
+// A thread per row, every level of the part: the row's input is read once, its levels' table reads
+// are independent (the loads of all levels in flight together), and an fp16 encoded row is written
+// with 16-byte stores where the columns allow (VEC: the part's columns start on and fill whole
+// 16-byte units of the row; F even).
+template <int DIMS, int F, int INTERP, int LEVELS, bool VEC, int SPLIT>
+__device__ __forceinline__ void grid_encode_part(
+    const GridLevelDesc* __restrict__ levels, int begin, int column, const float* __restrict__ x,
+    const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out, int out_half, int out_cols,
+    const u16* __restrict__ table) {
+    constexpr int MY_LEVELS = LEVELS / SPLIT;  // SPLIT threads share a row, each a run of levels
+    constexpr int WIDTH_P = MY_LEVELS * F;
+    const i64 item = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
+    const i64 r = item / SPLIT;
+    if (r >= rows) return;
+    const int first = (int)(item % SPLIT) * MY_LEVELS;
+    levels += first;
+    column += first * F;
+    const i64 src = row_map ? (i64)row_map[r] : r;
+    float xr[DIMS];
+#pragma unroll
+    for (int d = 0; d < DIMS; ++d) xr[d] = __ldg(x + src * x_cols + begin + d);
+    const i64 at = r * out_cols + column;
+    const bool vec = VEC && out_cols % 8 == 0;
+    u32 packed[VEC ? WIDTH_P / 2 : 1];  // VEC and fp16: the row's halves, stored 16 bytes at a time
+#pragma unroll
+    for (int level = 0; level < MY_LEVELS; ++level) {
+        const GridLevelDesc L = levels[level];
+        const GridCell<DIMS, INTERP> g(xr, L);
+        float acc[F];
+#pragma unroll
+        for (int f = 0; f < F; ++f) acc[f] = 0.f;
+#pragma unroll
+        for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
+            add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
+        if (out_half && vec) {
+#pragma unroll
+            for (int f = 0; f < F; f += 2) packed[VEC ? (level * F + f) / 2 : 0] = pack_h2(acc[f], acc[f + 1]);
+        } else if (out_half) {
+#pragma unroll
+            for (int f = 0; f < F; ++f) reinterpret_cast<u16*>(out)[at + level * F + f] = to_half_bits(acc[f]);
+        } else {
+#pragma unroll
+            for (int f = 0; f < F; ++f) reinterpret_cast<float*>(out)[at + level * F + f] = acc[f];
+        }
+    }
+    if (VEC && out_half && vec) {
+        uint4* o = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + at);
+#pragma unroll
+        for (int i = 0; i < WIDTH_P / 8; ++i) o[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+    }
+}
+
+__device__ __forceinline__ void red_add(float* p, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" :: "l"(p), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {  // sm_90: one 8-byte reduction
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// d loss / d table of one grid part: a thread per row (grid-stride), every level. The row's
+// d loss / d encoded input comes from the training kernel (``din``: fp16, rows_pad x din_cols,
+// loss-scaled: ``inv_scale`` undoes it); each corner gets weight x gradient (tcnn's scatter).
+// The first SMEM_LEVELS levels (the coarse ones, SMEM_VALUES values: their rows are the first of
+// the table) add into shared memory and the block adds its sums to ``grad`` once at the end:
+// thousands of rows share each of their few rows, which as global atomics would queue on the
+// same addresses. The others add into ``grad`` directly (8-byte reductions for pairs).
+template <int DIMS, int F, int INTERP, int LEVELS, int SMEM_LEVELS, int SMEM_VALUES>
+__device__ __forceinline__ void grid_backward_part(
+    const GridLevelDesc* __restrict__ levels, int begin, int column, const u16* __restrict__ din, int din_cols,
+    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, float* __restrict__ grad,
+    float inv_scale) {
+    __shared__ float sgrad[SMEM_VALUES > 0 ? SMEM_VALUES : 1];
+    for (int i = threadIdx.x; i < SMEM_VALUES; i += blockDim.x) sgrad[i] = 0.f;
+    __syncthreads();
+    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (i64)gridDim.x * blockDim.x) {
+        const i64 src = row_map ? (i64)row_map[r] : r;
+        float xr[DIMS];
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d) xr[d] = __ldg(x + src * x_cols + begin + d);
+        const u16* dr = din + r * din_cols + column;
+        // not unrolled: the reductions need no registers in flight, and unrolled a 3-D part spills
+#pragma unroll 1
+        for (int level = 0; level < LEVELS; ++level) {
+            float dl[F];
+#pragma unroll
+            for (int f = 0; f < F; ++f) dl[f] = half_bits_to_float(__ldg(dr + level * F + f)) * inv_scale;
+            const GridLevelDesc L = levels[level];
+            const GridCell<DIMS, INTERP> g(xr, L);
+#pragma unroll
+            for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner) {
+                const float w = INTERP == INTERP_NEAREST ? 1.f : g.weight(corner);
+                const u32 row = g.row(L, corner);
+                if (level < SMEM_LEVELS) {
+#pragma unroll
+                    for (int f = 0; f < F; ++f) atomicAdd(sgrad + row * F + f, w * dl[f]);
+                } else if (F % 2 == 0) {
+#pragma unroll
+                    for (int f = 0; f < F; f += 2) red_add2(grad + (size_t)row * F + f, w * dl[f], w * dl[f + 1]);
+                } else {
+#pragma unroll
+                    for (int f = 0; f < F; ++f) red_add(grad + (size_t)row * F + f, w * dl[f]);
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (F % 2 == 0) {
+        for (int i = 2 * threadIdx.x; i < SMEM_VALUES; i += 2 * blockDim.x)
+            if (sgrad[i] != 0.f || sgrad[i + 1] != 0.f) red_add2(grad + i, sgrad[i], sgrad[i + 1]);
+    } else {
+        for (int i = threadIdx.x; i < SMEM_VALUES; i += blockDim.x)
+            if (sgrad[i] != 0.f) red_add(grad + i, sgrad[i]);
+    }
+}
+
+// The host-encoded columns of the kernel input copied into the encoded input (fp32 or fp16).
+extern "C" __global__ void grid_copy_columns(const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
+                                             int x_cols, int x_col, void* __restrict__ out, int out_half,
+                                             int out_cols, int out_col, int width) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * width) return;
+    const i64 r = i / width;
+    const int c = (int)(i % width);
+    const i64 src = row_map ? (i64)row_map[r] : r;
+    const float v = x[src * x_cols + x_col + c];
+    if (out_half) reinterpret_cast<u16*>(out)[r * out_cols + out_col + c] = to_half_bits(v);
+    else reinterpret_cast<float*>(out)[r * out_cols + out_col + c] = v;
+}
+
+// A batch's targets gathered through the epoch order's row numbers, as fp32 (the training
+// kernels' type) from an fp32 or fp16 dataset.
+extern "C" __global__ void grid_gather_targets(const void* __restrict__ y, int y_half, const int* __restrict__ row_map,
+                                               i64 rows, int cols, float* __restrict__ out) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    const i64 src = (i64)row_map[i / cols] * cols + i % cols;
+    out[i] = y_half ? half_bits_to_float(reinterpret_cast<const u16*>(y)[src]) : reinterpret_cast<const float*>(y)[src];
+}
+
+// One optimizer step on every table value (all grid parts), then the fp16 image the forward
+// reads; ``grad`` is zeroed for the next step's atomics. Adam as tcnn steps non-matrix parameters
+// (numerics.grid_adam_update): a value whose gradient is exactly 0 is skipped, the bias
+// correction uses its own step count, no L2. SGD as the MLP's (numerics.optimizer_update).
+// ``lr_table``: the run's base rate per step (Adam) or rate (SGD), indexed by ctl[CTL_STEP].
+// mode 0: step; 2: refresh the images (and the EMA average) from ``w`` only (set_params); 3: the
+// EMA image from the average only (a restored optimizer state).
+extern "C" __global__ void grid_optimize(int mode, i64 n, float* __restrict__ w, float* __restrict__ grad,
+                                         float* __restrict__ s1, float* __restrict__ s2, u32* __restrict__ steps,
+                                         u16* __restrict__ image, const float* __restrict__ lr_table,
+                                         const int* __restrict__ ctl, float* __restrict__ ema,
+                                         u16* __restrict__ eimage, const float2* __restrict__ ema_table) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+#if EMA
+    if (mode == 3) {
+        eimage[i] = to_half_bits(ema[i]);
+        return;
+    }
+#endif
+#if OPT_ADAM && !EMA
+    // a value no row read keeps everything (its image included): only its gradient is read
+    if (mode == 0 && grad[i] == 0.f) return;
+#endif
+    float p = w[i];
+    if (mode == 0) {
+        const float g = grad[i];
+        const float lr = lr_table[ctl[CTL_STEP]];
+#if OPT_ADAM
+        if (g != 0.f) {
+            grad[i] = 0.f;
+            const float mn = BETA1 * s1[i] + (1.f - BETA1) * g;
+            const float vn = BETA2 * s2[i] + (1.f - BETA2) * (g * g);
+            s1[i] = mn;
+            s2[i] = vn;
+            const u32 t = steps[i] + 1;
+            steps[i] = t;
+            const float lr_t = lr * sqrtf(1.f - powf(BETA2, (float)t)) / (1.f - powf(BETA1, (float)t));
+            p -= lr_t * mn / (sqrtf(vn) + EPS);
+            w[i] = p;
+        }
+#else
+        grad[i] = 0.f;
+        const float gl = g + L2REG * p;
+        const float vn = MOMENTUM * s1[i] + gl;
+        s1[i] = vn;
+        p -= lr * vn;
+        w[i] = p;
+#endif
+    }
+    image[i] = to_half_bits(p);
+#if EMA
+    float e = p;
+    if (mode == 0) {
+        const float2 f = ema_table[ctl[CTL_STEP]];
+        e = ema[i] * f.x + half_bits_to_float(to_half_bits(p)) * f.y;
+        if (!EMA_FULL) e = half_bits_to_float(to_half_bits(e));
+    }
+    ema[i] = e;
+    eimage[i] = to_half_bits(e);
+#endif
+}
