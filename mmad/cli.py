@@ -7,6 +7,7 @@ one line (``mmad: error: ...``) with status 2, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -314,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "times training jobs through the daemon against in-process training and "
                                    "PyTorch (docs/benchmarks.md); `mmad bench --jobs --help` lists its options. "
                                    "`mmad bench --multi-gpu [options]` times replicas and data-parallel training "
-                                   "over two devices (docs/multi-gpu.md).")
+                                   "over two devices (docs/multi-gpu.md). `mmad bench --hashgrid [options]` times "
+                                   "tiny-cuda-nn's hash-grid image config against PyTorch and tiny-cuda-nn's "
+                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options.")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
@@ -392,23 +395,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `mmad bench FLAG [options]`: a benchmark with options of its own, parsed by its module's main
+BENCH_COMMANDS = {"--service": "mmad.bench.load", "--jobs": "mmad.bench.jobs", "--multi-gpu": "mmad.bench.multi_gpu",
+                  "--hashgrid": "mmad.bench.hashgrid"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] == "serve":
             return _serve(argv[1:])
-        if argv[:1] == ["bench"] and "--service" in argv[1:]:
-            from mmad.bench.load import main as service_bench
-
-            return service_bench([a for a in argv[1:] if a != "--service"])
-        if argv[:1] == ["bench"] and "--jobs" in argv[1:]:
-            from mmad.bench.jobs import main as jobs_bench
-
-            return jobs_bench([a for a in argv[1:] if a != "--jobs"])
-        if argv[:1] == ["bench"] and "--multi-gpu" in argv[1:]:
-            from mmad.bench.multi_gpu import main as multi_gpu_bench
-
-            return multi_gpu_bench([a for a in argv[1:] if a != "--multi-gpu"])
+        for flag, module in BENCH_COMMANDS.items():
+            if argv[:1] == ["bench"] and flag in argv[1:]:
+                return importlib.import_module(module).main([a for a in argv[1:] if a != flag])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except MMADError as exc:

@@ -1,4 +1,5 @@
-"""Comparison helper shared by the tests: relative error against the float64 oracle."""
+"""Comparison helpers shared by the tests: relative error against the float64 oracle, and a cpu
+backend made wrong everywhere but in the oracle."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ def rel_err(out, ref) -> float:
     if not np.isfinite(out).all():
         return float("inf")
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def wrong_cpu_forward(monkeypatch, factor: float) -> None:
+    """Scale the cpu backend's outputs by ``factor`` in every mode but float64: the float64 oracle
+    stays right, so every check against it must fail."""
+    from mmad.backends.cpu import CpuModel
+
+    forward = CpuModel.forward
+
+    def wrong(self, x, out_dtype=np.float32):
+        out = forward(self, x, out_dtype)
+        return out if self.numerics == "float64" else out * factor
+
+    monkeypatch.setattr(CpuModel, "forward", wrong)
 
 
 def grad_errors(grads, spec, params, x, y, ref64=None) -> dict[str, tuple[float, float, float]]:

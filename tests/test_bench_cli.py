@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from oracle import wrong_cpu_forward
 
 from mmad import cli
 from mmad.bench import kernels, timing
@@ -51,18 +51,10 @@ def test_module_entry_point_is_mmad_bench():
 
 
 def test_wrong_output_is_refused_before_timing(tmp_path, monkeypatch, capsys):
-    from mmad.backends.cpu import CpuModel
-
-    forward = CpuModel.forward
-
-    def wrong(self, x, out_dtype=np.float32):  # the float64 oracle stays right
-        out = forward(self, x, out_dtype)
-        return out if self.numerics == "float64" else out * 1.5
-
     def timed(*a, **kw):
         raise AssertionError("a model whose output failed the check was timed")
 
-    monkeypatch.setattr(CpuModel, "forward", wrong)
+    wrong_cpu_forward(monkeypatch, 1.5)
     monkeypatch.setattr(kernels, "_measure_host", timed)
     monkeypatch.setenv("MMAD_BACKEND", "")
     out = tmp_path / "r.json"
@@ -136,6 +128,7 @@ def test_gpu_floor_without_torch_or_cupy_is_a_clear_error(monkeypatch):
 def test_gpu_paths_import_without_cupy_or_torch():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['torch'] = None; sys.modules['nvmath'] = None\n"
             "import mmad.bench.kernels, mmad.bench.cuda_tools, mmad.bench.daemon_check, mmad.bench.torch_peer\n"
+            "import mmad.bench.hashgrid\n"
             "from mmad import cli\n"
             "sys.exit(cli.main(['bench', '--run-forward', 'S:mma', '--rows', '64']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV)

@@ -114,7 +114,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 def parse_options(args: argparse.Namespace) -> Options:
     """The options checked and the backends resolved; every mistake is a one-line error."""
-    from mmad.backends import BACKENDS, parse_forced, select
+    from mmad.backends import BACKENDS
 
     models = [n.strip().upper() for n in args.models.split(",") if n.strip()]
     if not models:
@@ -145,20 +145,10 @@ def parse_options(args: argparse.Namespace) -> Options:
     targets: list[Target] = []
     try:
         for arg in wanted:
-            try:
-                backend, row = select(arg)
-            except SpecError as exc:  # select() names MMAD_BACKEND, the usual source of a choice
-                raise SpecError("--backend", str(exc).removeprefix(f"{exc.field}: ")) from exc
-            if arg is None:  # MMAD_BACKEND's variant, else the backend's choice, as the daemon's
-                forced = parse_forced()
-                variant = forced[1] if forced else None
-            else:
-                variant = arg.partition(":")[2] or None
-            if args.profile and row.backend not in PROFILED:
+            targets.append(resolve_target(arg))
+            if args.profile and targets[-1].row.backend not in PROFILED:
                 raise SpecError("--profile", f"per-op GPU times exist for {' and '.join(PROFILED)} only; "
-                                             f"the default backend here is {row.backend}")
-            targets.append(Target(arg or (f"{row.backend}:{variant}" if variant else row.backend), backend, row,
-                                  variant))
+                                             f"the default backend here is {targets[-1].row.backend}")
         io: dict[str, str] = {}
         for t in targets:
             name = t.row.backend
@@ -179,6 +169,23 @@ def parse_options(args: argparse.Namespace) -> Options:
     return Options(targets, models, rows, io, MODES[args.mode], args.peer, args.repeats,
                    Path(args.json) if args.json else None, Path(args.markdown) if args.markdown else None,
                    args.profile, Path(args.dispatch) if args.dispatch else None)
+
+
+def resolve_target(arg: str | None) -> Target:
+    """One ``--backend`` argument (None: MMAD_BACKEND, else the best available) resolved; a backend
+    that cannot run here raises BackendUnavailable, a name or variant that does not exist SpecError."""
+    from mmad.backends import parse_forced, select
+
+    try:
+        backend, row = select(arg)
+    except SpecError as exc:  # select() names MMAD_BACKEND, the usual source of a choice
+        raise SpecError("--backend", str(exc).removeprefix(f"{exc.field}: ")) from exc
+    if arg is None:  # MMAD_BACKEND's variant, else the backend's choice, as the daemon's
+        forced = parse_forced()
+        variant = forced[1] if forced else None
+    else:
+        variant = arg.partition(":")[2] or None
+    return Target(arg or (f"{row.backend}:{variant}" if variant else row.backend), backend, row, variant)
 
 
 def run_checks(args: argparse.Namespace) -> int:
@@ -377,9 +384,10 @@ def _device_input(model: Any, x_in: np.ndarray) -> Any:
 
 
 def _input_sets(model: Any, x_in: np.ndarray, dev_in: Any, rng: np.random.Generator) -> list[Any]:
-    """Several input sets, so that repeated calls do not time an input resident in a cache."""
-    extra = [_device_input(model, rng.standard_normal(x_in.shape, dtype=np.float32).astype(x_in.dtype))
-             for _ in range(INPUT_SETS - 1)]
+    """Several input sets, so that repeated calls do not time an input resident in a cache: the
+    others are row permutations of ``x_in``, drawn as it was whatever that is (positions in
+    [0, 1) for a grid: normal draws would land outside the grid's domain)."""
+    extra = [_device_input(model, rng.permutation(x_in)) for _ in range(INPUT_SETS - 1)]
     return [dev_in, *extra]
 
 
@@ -582,14 +590,19 @@ def dispatch_report(opts: Options, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_outputs(opts: Options, doc: dict[str, Any]) -> None:
-    table = markdown_table(doc)
     if opts.dispatch:
         opts.dispatch.parent.mkdir(parents=True, exist_ok=True)
         opts.dispatch.write_text(json.dumps(dispatch_report(opts, doc), indent=2))
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(doc, indent=2, default=str))
-    if opts.markdown:
-        opts.markdown.parent.mkdir(parents=True, exist_ok=True)
-        opts.markdown.write_text(f"# {doc['host']}, {doc['when']}\n\n{table}\n")
+    write_report(doc, markdown_table(doc), opts.json, opts.markdown)
+
+
+def write_report(doc: dict[str, Any], table: str, json_path: Path | None, markdown_path: Path | None) -> None:
+    """``doc`` as JSON and ``table`` as markdown under a heading of host and time, where asked
+    for; the table printed either way."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(doc, indent=2, default=str))
+    if markdown_path:
+        markdown_path.parent.mkdir(parents=True, exist_ok=True)
+        markdown_path.write_text(f"# {doc['host']}, {doc['when']}\n\n{table}\n")
     print(table, flush=True)
