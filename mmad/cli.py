@@ -146,8 +146,8 @@ IMAGE_CONFIG = {
 
 def _demo_image(args: argparse.Namespace) -> int:
     """Fit a generated picture with the hash-grid image config on ``--backend`` (cpu by default:
-    it runs everywhere; a backend with grid kernels, wgpu or vulkan, on a GPU); write the
-    reconstruction and the loss/PSNR curve as PNGs."""
+    it runs everywhere; cuda, vulkan or wgpu on a GPU); write the reconstruction and the loss/PSNR
+    curve as PNGs."""
     import numpy as np
     from tqdm import tqdm
 
@@ -164,9 +164,11 @@ def _demo_image(args: argparse.Namespace) -> int:
     from mmad.spec import MLPSpec
 
     doc = {**IMAGE_CONFIG, "encoding": {**IMAGE_CONFIG["encoding"], "log2_hashmap_size": args.log2_hashmap_size}}
-    spec = MLPSpec.from_json(doc)
     try:
         backend, row = select(args.backend)
+        if row.backend == "cuda":  # its mma variant computes in fp16 (tcnn's own precision for this config)
+            doc["precision"] = "fp16"
+        spec = MLPSpec.from_json(doc)
         model = backend.compile(spec, variant=row.variant)
     except MMADError as exc:
         print(f"mmad demo --image --backend {args.backend}: {exc}", file=sys.stderr)
@@ -363,8 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log2-hashmap-size", type=int, default=15, help="--image: the hash table's size (log2)")
     p.add_argument("--out", default=".", help="--image: the folder for the PNGs")
     p.add_argument("--backend", default="cpu",
-                   help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu, wgpu and "
-                        "vulkan)")
+                   help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu, cuda, wgpu "
+                        "and vulkan)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "

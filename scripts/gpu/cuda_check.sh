@@ -52,7 +52,7 @@ for phase in $PHASES; do
       echo "grids pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest_grids.log")" | tee -a "$SUMMARY"
       grep -E "(FAILED|ERROR) " "$OUT/pytest_grids.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 | tee -a "$SUMMARY"
       timeout ${HASHGRID_TIMEOUT:-240} python3 -m mmad.cli bench --hashgrid --backend ${HASHGRID_BACKENDS:-cuda,vulkan:coopmat} \
-        --json "$OUT/hashgrid.json" --markdown "$OUT/hashgrid.md" > "$OUT/hashgrid.log" 2>&1
+        ${HASHGRID_ARGS:-} --json "$OUT/hashgrid.json" --markdown "$OUT/hashgrid.md" > "$OUT/hashgrid.log" 2>&1
       echo "hashgrid bench rc=$?" | tee -a "$SUMMARY"; tail -n 12 "$OUT/hashgrid.log" | tee -a "$SUMMARY" ;;
     jobs)
       timeout ${JOBS_TIMEOUT:-360} python3 -m mmad.bench --jobs --backend cuda:mma --models ${JOBS_MODELS:-M} \

@@ -67,12 +67,6 @@ class GridPlan:
         return BASE_KERNELS + tuple(f"grid_{kind}_{p.index}" for p in self.parts for kind in ("encode", "backward"))
 
     @staticmethod
-    def encode_split(p: GridPart) -> int:
-        """Threads per row of grid_encode: two (each half the levels) where the part has at least
-        8 levels in an even number, so that a row's serial chain of table reads halves."""
-        return 2 if len(p.levels) >= 8 and len(p.levels) % 2 == 0 else 1
-
-    @staticmethod
     def shared_levels(p: GridPart) -> tuple[int, int]:
         """(levels, values) of ``p`` whose gradient grid_backward sums in shared memory: the
         longest run of coarse levels (the first rows of the table) within BACKWARD_SMEM_VALUES."""
@@ -95,8 +89,7 @@ class GridPlan:
             f"{MODE_CODES[mode]}, {lv.entries - 1 if lv.entries > 1 and lv.entries & (lv.entries - 1) == 0 else 0}u}}"
             for lv, mode in zip(p.levels, p.modes))
         k, t = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}, {len(p.levels)}"
-        split = GridPlan.encode_split(p)
-        vec = "true" if p.column % 8 == 0 and p.width // split % 8 == 0 and p.features % 2 == 0 else "false"
+        vec = "true" if p.column % 8 == 0 and p.width % 8 == 0 and p.features % 2 == 0 else "false"
         smem_levels, smem_values = GridPlan.shared_levels(p)
         return f"""
 __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
@@ -107,7 +100,7 @@ __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
 extern "C" __global__ void __launch_bounds__(GRID_THREADS, 8) grid_encode_{k}(
     const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out,
     int out_half, int out_cols, const u16* __restrict__ table) {{
-    grid_encode_part<{t}, {vec}, {split}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, out_half, out_cols,
+    grid_encode_part<{t}, {vec}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, out_half, out_cols,
                           table);
 }}
 
@@ -181,7 +174,7 @@ class CudaGridModel(CudaMmaModel):
         cols, out_cols = np.int32(kin.shape[1]), np.int32(out.shape[1])
         rmap = 0 if row_map is None else row_map
         for p in plan.parts:
-            self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows * plan.encode_split(p) / GRID_THREADS),),
+            self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows / GRID_THREADS),),
                               (GRID_THREADS,), (kin, rmap, np.int64(rows), cols, out, half, out_cols,
                                                 table[p.offset:]))
         for column, width, kin_column in plan.host_parts:

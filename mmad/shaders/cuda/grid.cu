@@ -106,19 +106,14 @@ __device__ __forceinline__ void add_table_row(float* acc, const u16* __restrict_
 // are independent (the loads of all levels in flight together), and an fp16 encoded row is written
 // with 16-byte stores where the columns allow (VEC: the part's columns start on and fill whole
 // 16-byte units of the row; F even).
-template <int DIMS, int F, int INTERP, int LEVELS, bool VEC, int SPLIT>
+template <int DIMS, int F, int INTERP, int LEVELS, bool VEC>
 __device__ __forceinline__ void grid_encode_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const float* __restrict__ x,
     const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out, int out_half, int out_cols,
     const u16* __restrict__ table) {
-    constexpr int MY_LEVELS = LEVELS / SPLIT;  // SPLIT threads share a row, each a run of levels
-    constexpr int WIDTH_P = MY_LEVELS * F;
-    const i64 item = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
-    const i64 r = item / SPLIT;
+    constexpr int WIDTH_P = LEVELS * F;
+    const i64 r = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
     if (r >= rows) return;
-    const int first = (int)(item % SPLIT) * MY_LEVELS;
-    levels += first;
-    column += first * F;
     const i64 src = row_map ? (i64)row_map[r] : r;
     float xr[DIMS];
 #pragma unroll
@@ -127,7 +122,7 @@ __device__ __forceinline__ void grid_encode_part(
     const bool vec = VEC && out_cols % 8 == 0;
     u32 packed[VEC ? WIDTH_P / 2 : 1];  // VEC and fp16: the row's halves, stored 16 bytes at a time
 #pragma unroll
-    for (int level = 0; level < MY_LEVELS; ++level) {
+    for (int level = 0; level < LEVELS; ++level) {
         const GridLevelDesc L = levels[level];
         const GridCell<DIMS, INTERP> g(xr, L);
         float acc[F];
