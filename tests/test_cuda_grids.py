@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from mmad.backends.contract import EpochPosition
-from mmad.backends.cuda.grids import GridPlan
+from mmad.backends.cuda.grids import CudaGridModel, GridPlan
+from mmad.backends.cuda.mma import MmaPlan
 from mmad.backends.numerics import epoch_rows
 from mmad.cli import IMAGE_CONFIG
 from mmad.errors import InvalidInput, SpecError
@@ -251,3 +252,28 @@ def test_grid_source_builds_with_nvcc_without_spills(tmp_path):
                             done.stderr, flags=re.S)
         assert {kernel for kernel, _, _ in report} == set(plan.kernels)
         assert all(int(stack) + int(spill) == 0 for _, stack, spill in report), report
+
+
+class EncodedInputPlan(MmaPlan):
+    encoded_input = CudaGridModel.encoded_input
+
+
+@pytest.mark.parametrize("case", ["image", "instant_ngp"])
+def test_mma_source_of_a_grid_model_builds_with_nvcc_without_spills(tmp_path, case):
+    """A grid model's mma kernels (pair-major input, d loss / d input from the training kernels),
+    built by nvcc for sm_90: the pair forwards and the training kernels use no local memory."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
+    spec = grid_spec(IMAGE, 2) if case == "image" else grid_spec(INSTANT_NGP, 6, n_out=4)
+    plan = EncodedInputPlan(spec)
+    src = tmp_path / "mma.cu"
+    src.write_text(plan.source)
+    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
+                           "-o", str(tmp_path / "mma.cubin")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = dict((k, int(a) + int(b)) for k, a, b in re.findall(
+        r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill", done.stderr, flags=re.S))
+    kernels = ["mlp_forward_pairs", "mlp_forward_pairs_half", "mlp_train_fwd_bwd"] + (
+        ["mlp_train_fused"] if plan.fused_wgrad else [])
+    assert all(report[k] == 0 for k in kernels), report

@@ -4,11 +4,13 @@
 input as theirs; around them, per training step (all on the device, one captured CUDA graph):
 
 1. ``grid_encode_<k>`` interpolates each grid part's fp16 table into the encoded input (a thread
-   per row and level) and ``grid_copy_columns`` adds the columns the host encoded (the
-   parameter-free parts, :func:`mmad.backends.numerics.grid_kernel_input`);
-2. the mma training kernel (the unfused plan: it leaves the first layer's deltas in memory);
-3. ``grid_backward_<k>`` turns those deltas into d loss / d encoded input through the first
-   layer's weights and adds it into the tables' fp32 gradient with atomics (tcnn's scatter);
+   per row and level; pair-major fp16, the layout the mma kernels read with ``ENCODED_INPUT``) and
+   ``grid_copy_columns`` adds the columns the host encoded (the parameter-free parts,
+   :func:`mmad.backends.numerics.grid_kernel_input`);
+2. the mma training kernel (fused where the plan allows), which also writes d loss / d encoded
+   input (delta_0 @ W_0, fp16);
+3. ``grid_backward_<k>`` adds weight x that gradient into the tables' fp32 gradient (tcnn's
+   scatter: the coarse levels summed in shared memory first, the others with global atomics);
 4. the MLP's weight gradients and optimizer, then ``grid_optimize``: tcnn's Adam on the tables
    (per-value step counts, zero gradients skipped; numerics.grid_adam_update) or SGD, the fp16
    image the forward reads, the EMA average where the optimizer keeps one.
@@ -26,7 +28,7 @@ import numpy as np
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape, fill_dataset,
+    CompiledModel, Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape, fill_dataset,
     optimizer_slots,
 )
 from mmad.backends.cuda.knobs import CudaKnobs
@@ -40,7 +42,7 @@ from mmad.errors import DeviceMemoryFull, InvalidInput, LaunchError
 from mmad.shaders import read_source
 from mmad.spec import MLPSpec, kernel_code_defines
 
-GRID_THREADS = 128  # grid.cu's block of the encode kernels: a thread per row
+GRID_THREADS = 256  # grid.cu's block of the encode kernels: a thread per row of one level
 BACKWARD_THREADS = 512  # grid_backward's block (at 1024 a 4-D grid spills), two per SM: few flushes of their shared sums
 BACKWARD_SMEM_VALUES = 11776  # fp32 sums of the coarse levels a grid_backward block keeps (46 KiB, static)
 ELEMENTWISE_THREADS = 256
@@ -88,26 +90,24 @@ class GridPlan:
             f"{{{fastmod_factor(lv.entries)}ull, {f32_literal(lv.scale)}, {lv.resolution}u, {lv.entries}u, {lv.offset}u, "
             f"{MODE_CODES[mode]}, {lv.entries - 1 if lv.entries > 1 and lv.entries & (lv.entries - 1) == 0 else 0}u}}"
             for lv, mode in zip(p.levels, p.modes))
-        k, t = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}, {len(p.levels)}"
-        vec = "true" if p.column % 8 == 0 and p.width % 8 == 0 and p.features % 2 == 0 else "false"
+        k, t = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}"
         smem_levels, smem_values = GridPlan.shared_levels(p)
         return f"""
 __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
     {levels}}};
 
-// 8 blocks an SM (grid_backward: 2): under these register caps ptxas 13.0 spills nothing; with only
-// the block size given it spilled a few bytes at 32-48 registers
-extern "C" __global__ void __launch_bounds__(GRID_THREADS, 8) grid_encode_{k}(
-    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out,
-    int out_half, int out_cols, const u16* __restrict__ table) {{
-    grid_encode_part<{t}, {vec}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, out_half, out_cols,
-                          table);
+extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_encode_{k}(
+    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, u16* __restrict__ out,
+    const u16* __restrict__ table) {{
+    grid_encode_part<{t}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, table);
 }}
 
+// 2 blocks an SM: under this register cap ptxas 13.0 spills nothing (with only the block size given
+// it spilled a few bytes of a 3-D part at 32-48 registers)
 extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backward_{k}(
     const u16* __restrict__ din, int din_cols, const float* __restrict__ x, const int* __restrict__ row_map,
     i64 rows, int x_cols, float* __restrict__ grad, float inv_scale) {{
-    grid_backward_part<{t}, {smem_levels}, {smem_values}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_cols, x,
+    grid_backward_part<{t}, {len(p.levels)}, {smem_levels}, {smem_values}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_cols, x,
                                                           row_map, rows, x_cols, grad, inv_scale);
 }}
 """
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backwar
 class CudaGridModel(CudaMmaModel):
     """A grid-encoded model: the mma kernels on the encoded input, the grid kernels around them."""
 
-    input_grad = True  # the training kernels write d loss / d encoded input for grid_backward
+    encoded_input = True  # the mma kernels read the pair-major encoded input and write d loss / d it
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
                  knobs: CudaKnobs | None = None):
@@ -163,52 +163,73 @@ class CudaGridModel(CudaMmaModel):
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         return (x.copy() if x.data.ptr % 16 else x), False
 
+    def _new_encoded(self, rows: int) -> Any:
+        """An encoded input of ``rows`` rows: pair-major fp16 (grid.cu's ``pair_major``)."""
+        try:
+            return self.cp.empty(((self.spec.n_encoded_dims + 1) // 2, rows, 2), dtype=self.cp.float16)
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"allocating the encoded input of {rows} rows failed: {exc}") from exc
+
     def _encode(self, kin: Any, rows: int, out: Any, row_map: Any = None, table: Any = None) -> None:
         """Enqueue the encoded input of ``rows`` rows of the kernel input ``kin`` (through
-        ``row_map`` where given) into ``out`` (fp32 or fp16, rows × encoded columns) from
-        ``table`` (default: the training tables' fp16 image)."""
+        ``row_map`` where given) into ``out`` (``_new_encoded``) from ``table`` (default: the
+        training tables' fp16 image)."""
         if rows == 0:
             return
         plan, table = self.grid_plan, self.table_image if table is None else table
-        half = np.int32(out.dtype == self.cp.float16)
-        cols, out_cols = np.int32(kin.shape[1]), np.int32(out.shape[1])
+        cols = np.int32(kin.shape[1])
         rmap = 0 if row_map is None else row_map
         for p in plan.parts:
-            self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows / GRID_THREADS),),
-                              (GRID_THREADS,), (kin, rmap, np.int64(rows), cols, out, half, out_cols,
-                                                table[p.offset:]))
+            self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows / GRID_THREADS), len(p.levels)),
+                              (GRID_THREADS,), (kin, rmap, np.int64(rows), cols, out, table[p.offset:]))
         for column, width, kin_column in plan.host_parts:
             self._grid_launch("grid_copy_columns", (math.ceil(rows * width / ELEMENTWISE_THREADS),),
                               (ELEMENTWISE_THREADS,), (kin, rmap, np.int64(rows), cols, np.int32(kin_column), out,
-                                                       half, out_cols, np.int32(column), np.int32(width)))
+                                                       np.int32(column), np.int32(width)))
 
-    def _device_input(self, x: Any, cols: int, name: str, encode: bool, keep_half: bool = False) -> tuple[Any, bool]:
-        """With ``encode``: the encoded input of ``x`` made on the device (fp16 with ``keep_half``:
-        the mma kernels round their input to fp16 as they load it, so nothing is lost), from the
-        inference tables (the EMA average's where the optimizer keeps one)."""
-        if not encode:
-            return super()._device_input(x, cols, name, encode, keep_half)
-        kin, from_host = self._kernel_input(x, name)
+    def forward(self, x: Any, out_dtype: Any = np.float32, into: Any = None) -> Any:
+        """See ``CompiledModel.forward``: the encoded input made on the device from the inference
+        tables (the EMA average's where the optimizer keeps one), then ``mlp_forward_pairs``
+        (fp32 out) or ``mlp_forward_pairs_half`` (fp16 out). ``into``: a C-contiguous device array
+        of the output dtype the kernel writes (``forward_into``)."""
         cp = self.cp
+        half = self._half_out(out_dtype)
+        kin, from_host = self._kernel_input(x)
+        rows = kin.shape[0]
         try:
-            out = cp.empty((kin.shape[0], self.spec.n_encoded_dims), dtype=cp.float16 if keep_half else cp.float32)
+            out = into if into is not None else cp.empty((rows, self.spec.n_output_dims),
+                                                         dtype=cp.float16 if half else cp.float32)
         except device_errors(cp) as exc:
-            raise LaunchError(f"allocating the encoded input of {kin.shape[0]} rows failed: {exc}") from exc
-        self._encode(kin, kin.shape[0], out, table=self.table_image if self.table_eimage is None else self.table_eimage)
-        return out, from_host
+            raise LaunchError(f"allocating the output of {rows} rows failed: {exc}") from exc
+        if rows:
+            encoded = self._new_encoded(rows)
+            self._encode(kin, rows, encoded, table=self.table_image if self.table_eimage is None else self.table_eimage)
+            rows_pad = self._rows_padded(rows)
+            grid = max(1, min(self.grid_fwd, math.ceil(rows_pad // (16 * self.mt_fwd) / self.warps)))
+            self._launch("mlp_forward_pairs_half" if half else "mlp_forward_pairs", (grid,), (self.warps * 32,),
+                         (encoded, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
+                         self.smem_fwd if self.w_smem_fwd else 0)
+        return self.download(out) if from_host else out
+
+    def forward_into(self, x: Any, out: Any) -> None:
+        """See ``CompiledModel.forward_into``: the kernel writes ``out`` itself when it is a
+        C-contiguous fp32 or fp16 device array of the output's shape, else the result is copied in."""
+        cp = self.cp
+        if (self.is_device_array(out) and out.flags.c_contiguous and out.dtype in (cp.float16, cp.float32)
+                and out.shape == (x.shape[0], self.spec.n_output_dims)):
+            self.forward(x, out_dtype=out.dtype, into=out)
+        else:
+            CompiledModel.forward_into(self, x, out)
 
     # -- training -------------------------------------------------------------------------------------
     def _encoded_batch(self, rows: int) -> Any:
-        """The encoded input of a training batch of ``rows`` rows (fp16: the mma plan's training
-        kernels read fp16 where it makes ``input_grad``), kept between calls (captured steps write it)."""
+        """The encoded input of a training batch of ``rows`` rows, kept between calls (captured
+        steps write it)."""
         held = self._run.get("encoded")
-        if held is None or held.shape[0] != rows:
+        if held is None or held.shape[1] != rows:
             self._run["encoded"] = None
             self._graphs.clear()
-            try:
-                held = self._run["encoded"] = self.cp.empty((rows, self.spec.n_encoded_dims), dtype=self.cp.float16)
-            except device_errors(self.cp) as exc:
-                raise LaunchError(f"allocating a {rows}-row encoded batch failed: {exc}") from exc
+            held = self._run["encoded"] = self._new_encoded(rows)
         return held
 
     def _start_run(self, steps: int, position: EpochPosition) -> None:
@@ -231,7 +252,7 @@ class CudaGridModel(CudaMmaModel):
 
     def _grid_gradients(self, ws: dict[str, Any], kin: Any, rows: int, row_map: Any = None) -> None:
         """Enqueue d loss / d tables (added into ``table_grad``) from d loss / d encoded input, which
-        the training kernel left in ``ws`` (the mma plan's ``input_grad``)."""
+        the training kernel left in ``ws`` (the mma plan's ``encoded_input``)."""
         inv_scale = np.float32(1.0 / self.spec.loss_scale)
         blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
         for p in self.grid_plan.parts:

@@ -53,6 +53,7 @@ MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_trai
                "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
 FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
 GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # where the group forward applies
+PAIRS_KERNELS = ("mlp_forward_pairs", "mlp_forward_pairs_half")  # where the input is encoded on the device
 GROUP_MAX_WIDTH = 128  # the 256-wide forward holds 254 registers: a group's per-tile pointers would spill
 CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
 GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
@@ -116,9 +117,9 @@ def master_offsets(layers: list[tuple[int, int, int, int]]) -> tuple[list[int], 
 class MmaPlan:
     """Geometry and generated source of one spec's mma kernels (needs no GPU, no CuPy)."""
 
-    # the training kernels read an fp16 input (an encoding made on the device) and write d loss /
-    # d input (the encoding's backward reads it)
-    input_grad = False
+    # the input is an encoding made on the device (pair-major fp16, mlp_mma.cu's ENCODED_INPUT): the
+    # training kernels read it and write d loss / d input (the encoding's backward reads it)
+    encoded_input = False
 
     def __init__(self, spec: MLPSpec, knobs: CudaKnobs | None = None):
         knobs = knobs or CudaKnobs.from_env()
@@ -137,7 +138,7 @@ class MmaPlan:
         self.n_layers = len(self.layers)
         self.wf_total = sum(k * n for _, _, k, n in self.layers)
         self.wb_total = sum(k * n for _, _, k, n in self.layers[1:])
-        self.din_total = self.k_in * self.width if self.input_grad else 0  # layer 0's backward image
+        self.din_total = self.k_in * self.width if self.encoded_input else 0  # layer 0's backward image
         self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
         self.smem_fwd = self.wf_total * 2
         self.smem_train = (self.wf_total + self.wb_total + self.din_total) * 2
@@ -174,8 +175,7 @@ class MmaPlan:
             "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
-            "GROUP_FORWARD": int(self.group_forward), "DIN": int(self.input_grad),
-            "TRAIN_XT": "u16" if self.input_grad else "float",
+            "GROUP_FORWARD": int(self.group_forward), "ENCODED_INPUT": int(self.encoded_input),
             **optimizer_defines(s),
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -207,11 +207,13 @@ class CudaMmaModel(MmaPlan, CudaModel):
                              options=NVRTC_OPTIONS, source=self.source)
         try:
             module = LoadedModule(self.cp, cubin, MMA_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ())
-                                  + (GROUP_KERNELS if self.group_forward else ()))
+                                  + (GROUP_KERNELS if self.group_forward else ())
+                                  + (PAIRS_KERNELS if self.encoded_input else ()))
             fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.smem_fwd
-                for name in ("mlp_forward_half",) + (GROUP_KERNELS if self.group_forward else ()):
+                for name in (("mlp_forward_half",) + (GROUP_KERNELS if self.group_forward else ())
+                             + (PAIRS_KERNELS if self.encoded_input else ())):
                     module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fwd
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 train.max_dynamic_shared_size_bytes = self.smem_train
@@ -262,7 +264,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         # the packed fp16 images: every layer's forward image (at its master offset: same sizes),
         # then the backward images of layers 1.., then layer 0's where the input's gradient is made
         self.wf_off = list(self.w_off)
-        self.wb_off = ([self.wf_total + self.wb_total] if self.input_grad else [-1]) + [
+        self.wb_off = ([self.wf_total + self.wb_total] if self.encoded_input else [-1]) + [
             self.wf_total + off - self.w_off[1] for off in self.w_off[1:]]
         self._workspace: dict[int, dict[str, Any]] = {}
         self._run: dict[str, Any] = {}  # per-run device tables: learning rates, losses, batch buffers
@@ -300,7 +302,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 "dact": cp.empty(stored_rows * nh * w // 2 if self.store_dact else 2, dtype=cp.uint32),
                 "partial": cp.empty(max_partial, dtype=cp.float32),
                 # d loss / d input (fp16, loss-scaled) where the plan makes it
-                "din": cp.empty(rows_pad * self.k_in if self.input_grad else 2, dtype=cp.uint16),
+                "din": cp.empty(rows_pad * self.k_in if self.encoded_input else 2, dtype=cp.uint16),
                 "loss": cp.zeros(max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS), dtype=cp.float64),
                 "chunks": chunks,
             }

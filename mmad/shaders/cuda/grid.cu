@@ -102,50 +102,42 @@ __device__ __forceinline__ void add_table_row(float* acc, const u16* __restrict_
     }
 }
 
-// A thread per row, every level of the part: the row's input is read once, its levels' table reads
-// are independent (the loads of all levels in flight together), and an fp16 encoded row is written
-// with 16-byte stores where the columns allow (VEC: the part's columns start on and fill whole
-// 16-byte units of the row; F even).
-template <int DIMS, int F, int INTERP, int LEVELS, bool VEC>
+// The encoded input in pair-major fp16 (what mlp_mma.cu's ENCODED_INPUT kernels read): element
+// (r, c) of a batch of `rows` rows at half (c / 2 · rows + r) · 2 + c % 2, so the pair of columns
+// 2p, 2p + 1 of consecutive rows are consecutive words.
+__device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64)(c >> 1) * rows + r) * 2 + (c & 1); }
+
+// A thread per (row, level), blockIdx.y the level: the blocks resident on an SM at once work on
+// one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
+// per row and every level, docs/gpu-notes-cuda.md); the row's features go out as one word per
+// pair, coalesced over the block's rows.
+template <int DIMS, int F, int INTERP>
 __device__ __forceinline__ void grid_encode_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const float* __restrict__ x,
-    const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ out, int out_half, int out_cols,
-    const u16* __restrict__ table) {
-    constexpr int WIDTH_P = LEVELS * F;
+    const int* __restrict__ row_map, i64 rows, int x_cols, u16* __restrict__ out, const u16* __restrict__ table) {
     const i64 r = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
     if (r >= rows) return;
+    const int level = blockIdx.y;
+    const GridLevelDesc L = levels[level];
     const i64 src = row_map ? (i64)row_map[r] : r;
     float xr[DIMS];
 #pragma unroll
     for (int d = 0; d < DIMS; ++d) xr[d] = __ldg(x + src * x_cols + begin + d);
-    const i64 at = r * out_cols + column;
-    const bool vec = VEC && out_cols % 8 == 0;
-    u32 packed[VEC ? WIDTH_P / 2 : 1];  // VEC and fp16: the row's halves, stored 16 bytes at a time
+    const GridCell<DIMS, INTERP> g(xr, L);
+    float acc[F];
 #pragma unroll
-    for (int level = 0; level < LEVELS; ++level) {
-        const GridLevelDesc L = levels[level];
-        const GridCell<DIMS, INTERP> g(xr, L);
-        float acc[F];
+    for (int f = 0; f < F; ++f) acc[f] = 0.f;
 #pragma unroll
-        for (int f = 0; f < F; ++f) acc[f] = 0.f;
+    for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
+        add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
+    const int c0 = column + level * F;
+    if (F % 2 == 0 && c0 % 2 == 0) {
 #pragma unroll
-        for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
-            add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
-        if (out_half && vec) {
+        for (int f = 0; f < F; f += 2)
+            reinterpret_cast<u32*>(out)[pair_major(rows, r, c0 + f) / 2] = pack_h2(acc[f], acc[f + 1]);
+    } else {
 #pragma unroll
-            for (int f = 0; f < F; f += 2) packed[VEC ? (level * F + f) / 2 : 0] = pack_h2(acc[f], acc[f + 1]);
-        } else if (out_half) {
-#pragma unroll
-            for (int f = 0; f < F; ++f) reinterpret_cast<u16*>(out)[at + level * F + f] = to_half_bits(acc[f]);
-        } else {
-#pragma unroll
-            for (int f = 0; f < F; ++f) reinterpret_cast<float*>(out)[at + level * F + f] = acc[f];
-        }
-    }
-    if (VEC && out_half && vec) {
-        uint4* o = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + at);
-#pragma unroll
-        for (int i = 0; i < WIDTH_P / 8; ++i) o[i] = make_uint4(packed[4 * i], packed[4 * i + 1], packed[4 * i + 2], packed[4 * i + 3]);
+        for (int f = 0; f < F; ++f) out[pair_major(rows, r, c0 + f)] = to_half_bits(acc[f]);
     }
 }
 
@@ -213,18 +205,15 @@ __device__ __forceinline__ void grid_backward_part(
     }
 }
 
-// The host-encoded columns of the kernel input copied into the encoded input (fp32 or fp16).
+// The host-encoded columns of the kernel input copied into the encoded input (pair-major fp16).
 extern "C" __global__ void grid_copy_columns(const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
-                                             int x_cols, int x_col, void* __restrict__ out, int out_half,
-                                             int out_cols, int out_col, int width) {
+                                             int x_cols, int x_col, u16* __restrict__ out, int out_col, int width) {
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * width) return;
-    const i64 r = i / width;
-    const int c = (int)(i % width);
+    const i64 r = i % rows;  // consecutive threads: consecutive rows of one column
+    const int c = (int)(i / rows);
     const i64 src = row_map ? (i64)row_map[r] : r;
-    const float v = x[src * x_cols + x_col + c];
-    if (out_half) reinterpret_cast<u16*>(out)[r * out_cols + out_col + c] = to_half_bits(v);
-    else reinterpret_cast<float*>(out)[r * out_cols + out_col + c] = v;
+    out[pair_major(rows, r, out_col + c)] = to_half_bits(x[src * x_cols + x_col + c]);
 }
 
 // A batch's targets gathered through the epoch order's row numbers, as fp32 (the training

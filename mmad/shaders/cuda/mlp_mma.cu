@@ -14,11 +14,12 @@
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
 //   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
-//   DIN                1: the training kernels also write d loss / d input (fp16, rows_pad x KIN,
-//                      loss-scaled like the deltas) for an input encoding's backward (a grid's);
-//                      layer 0's backward image follows the others (at WB0_OFF)
-//   TRAIN_XT           the training kernels' input type: float, or u16 (fp16, an encoded input
-//                      made on the device: the kernels round to fp16 as they load anyway)
+//   ENCODED_INPUT      1: the input is an encoding made on the device (a grid's, grid.cu): fp16 in
+//                      pair-major layout (the pair of columns 2p, 2p + 1 of row r at word p·rows + r;
+//                      ``x_pairs``), read by mlp_forward_pairs(_half) and the plain training kernels,
+//                      which also write d loss / d input (fp16, rows_pad x KIN, loss-scaled like the
+//                      deltas) for the encoding's backward; layer 0's backward image follows the
+//                      others (at WB0_OFF)
 //
 // Fragment layouts are the PTX ISA's for mma.m16n8k16 .f16 (g = lane / 4, t = lane % 4):
 //   A (16x16, row): reg0 = A[g][2t..2t+1], reg1 = A[g+8][2t..], reg2 = A[g][8+2t..], reg3 = A[g+8][8+2t..]
@@ -40,7 +41,12 @@
 #define WF_TOTAL (KIN * WIDTH + (NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
 #define WB_TOTAL ((NHID - 1) * WIDTH * WIDTH + WIDTH * NOUT_PAD)
 #define WB0_OFF (WF_TOTAL + WB_TOTAL)
-#define WB_ALL (WB_TOTAL + (DIN ? WIDTH * KIN : 0))  // backward images in the weight image
+#define WB_ALL (WB_TOTAL + (ENCODED_INPUT ? WIDTH * KIN : 0))  // backward images in the weight image
+#if ENCODED_INPUT
+#define TRAIN_XT u16
+#else
+#define TRAIN_XT float
+#endif
 
 // ---- layer geometry ------------------------------------------------------------------------
 __device__ __forceinline__ int wf_off(int l) { return l == 0 ? 0 : KIN * WIDTH + (l - 1) * WIDTH * WIDTH; }
@@ -127,6 +133,14 @@ __device__ __forceinline__ u32 load_x2(const u16* __restrict__ x, i64 row, int c
     }
     if (CHECK) bad |= (v & 0x7c00u) == 0x7c00u || (v & 0x7c000000u) == 0x7c000000u;  // exponent all ones
     return v;
+}
+
+// a pair-major fp16 input (ENCODED_INPUT): columns col, col + 1 of row `row` are word col / 2 of
+// the column pair's run of `rows` words; the padding columns of KIN read as 0
+__device__ __forceinline__ u32 load_pair(const u16* __restrict__ x, i64 rows, i64 row, int col, bool ok) {
+    if (!ok || col >= NIN) return 0u;
+    const u32 v = __ldg(reinterpret_cast<const u32*>(x) + (i64)(col >> 1) * rows + row);
+    return col + 1 < NIN ? v : (v & 0xFFFFu);
 }
 
 // two adjacent output values, fp32 or (u16 output) rounded to fp16
@@ -246,7 +260,7 @@ struct GroupForward {
 // output and rows (`group`, n_group entries; rows_pad covers all their tiles), the finiteness of
 // each input checked on the way in
 template <bool TRAIN, int MT, bool FUSED = false, int NWARPS = WARPS, typename XT = float, typename OT = float,
-          bool MAPPED = false, bool GROUPED = false>
+          bool MAPPED = false, bool GROUPED = false, bool PAIRS = false>
 __device__ __forceinline__ void mlp_tile_loop(
     const XT* __restrict__ x_all, i64 rows_all, i64 rows_pad, OT* __restrict__ out_all,
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
@@ -327,10 +341,18 @@ __device__ __forceinline__ void mlp_tile_loop(
                 for (int mt = 0; mt < MT; ++mt) {
                     const i64 r = row0 + mt * 16 + g;
                     const i64 s0 = MAPPED ? src[MAPPED ? mt : 0][0] : r, s1 = MAPPED ? src[MAPPED ? mt : 0][1] : r + 8;
-                    a[mt][0] = load_x2<GROUPED>(x, s0, kc * 16 + 2 * t, r < rows, bad);
-                    a[mt][1] = load_x2<GROUPED>(x, s1, kc * 16 + 2 * t, r + 8 < rows, bad);
-                    a[mt][2] = load_x2<GROUPED>(x, s0, kc * 16 + 8 + 2 * t, r < rows, bad);
-                    a[mt][3] = load_x2<GROUPED>(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
+                    if constexpr (PAIRS) {
+                        const u16* xh = reinterpret_cast<const u16*>(x);
+                        a[mt][0] = load_pair(xh, rows, s0, kc * 16 + 2 * t, r < rows);
+                        a[mt][1] = load_pair(xh, rows, s1, kc * 16 + 2 * t, r + 8 < rows);
+                        a[mt][2] = load_pair(xh, rows, s0, kc * 16 + 8 + 2 * t, r < rows);
+                        a[mt][3] = load_pair(xh, rows, s1, kc * 16 + 8 + 2 * t, r + 8 < rows);
+                    } else {
+                        a[mt][0] = load_x2<GROUPED>(x, s0, kc * 16 + 2 * t, r < rows, bad);
+                        a[mt][1] = load_x2<GROUPED>(x, s1, kc * 16 + 2 * t, r + 8 < rows, bad);
+                        a[mt][2] = load_x2<GROUPED>(x, s0, kc * 16 + 8 + 2 * t, r < rows, bad);
+                        a[mt][3] = load_x2<GROUPED>(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
+                    }
                     if (FUSED) {
                         u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
                         const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
@@ -590,7 +612,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                 __syncthreads();
             }
             if (l == 1) {
-#if DIN
+#if ENCODED_INPUT
                 // d loss / d input = delta_0 @ W_0, 8 input columns at a time, rounded to fp16 as
                 // tcnn's network hands it to its encoding
 #pragma unroll 1
@@ -656,6 +678,23 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half(
                                                          nullptr, nullptr, nullptr, nullptr);
 }
 
+#if ENCODED_INPUT
+// the forward of a pair-major fp16 encoded input (grid.cu), fp32 or fp16 out
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_pairs(
+    const u16* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
+    const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD, false, WARPS, u16, float, false, false, true>(
+        x, rows, rows_pad, out, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_pairs_half(
+    const u16* __restrict__ x, i64 rows, i64 rows_pad, u16* __restrict__ out,
+    const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+    mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16, false, false, true>(
+        x, rows, rows_pad, out, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr);
+}
+#endif
+
 // several forwards in one launch (the daemon's group of forwards between CUDA shared-memory
 // regions): fp32 in and out, and fp16 in and out; every input checked for NaN and Inf. Only where
 // GROUP_FORWARD: a group's per-tile pointers live in registers, which the 256-wide forward lacks
@@ -682,17 +721,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
     double* __restrict__ loss_partial, u32* __restrict__ din) {
-    mlp_tile_loop<true, MT_TRAIN, false, WARPS, TRAIN_XT>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
-                                  grad_scale, hbuf, dbuf, dactbuf, loss_partial, nullptr, nullptr, nullptr, 0, din);
+    mlp_tile_loop<true, MT_TRAIN, false, WARPS, TRAIN_XT, float, false, false, ENCODED_INPUT>(
+        x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target, grad_scale, hbuf, dbuf, dactbuf,
+        loss_partial, nullptr, nullptr, nullptr, 0, din);
 }
 
 // the same over a held dataset: batch row r is row row_map[r] of x and target
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd_rows(
-    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     u32* __restrict__ hbuf, u32* __restrict__ dbuf, u32* __restrict__ dactbuf,
     double* __restrict__ loss_partial, const int* __restrict__ row_map, u32* __restrict__ din) {
-    mlp_tile_loop<true, MT_TRAIN, false, WARPS, TRAIN_XT, float, true>(
+    mlp_tile_loop<true, MT_TRAIN, false, WARPS, float, float, true>(
         x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target, grad_scale, hbuf, dbuf, dactbuf,
         loss_partial, nullptr, row_map, nullptr, 0, din);
 }
@@ -704,17 +744,17 @@ extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
     const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     float* __restrict__ partial, double* __restrict__ loss_partial, u32* __restrict__ din) {
-    mlp_tile_loop<true, 1, true, FW, TRAIN_XT>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
+    mlp_tile_loop<true, 1, true, FW, TRAIN_XT, float, false, false, ENCODED_INPUT>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack, bias, target,
                                      grad_scale, nullptr, nullptr, nullptr, loss_partial, partial, nullptr, nullptr, 0,
                                      din);
 }
 
 extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused_rows(
-    const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
+    const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map,
     u32* __restrict__ din) {
-    mlp_tile_loop<true, 1, true, FW, TRAIN_XT, float, true>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack,
+    mlp_tile_loop<true, 1, true, FW, float, float, true>(x, rows, rows_pad, static_cast<float*>(nullptr), wpack,
                                                          bias, target, grad_scale, nullptr, nullptr, nullptr,
                                                          loss_partial, partial, row_map, nullptr, 0, din);
 }
