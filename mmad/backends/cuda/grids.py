@@ -79,7 +79,7 @@ class GridPlan:
         return levels, (p.levels[levels - 1].offset + p.levels[levels - 1].entries) * p.features if levels else 0
 
     def _source(self, spec: MLPSpec) -> str:
-        defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f"}
+        defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f", "GRID_THREADS": GRID_THREADS}
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         parts = "".join(self._part_source(p) for p in self.parts)
         return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/grid.cu") + parts
