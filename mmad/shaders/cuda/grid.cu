@@ -4,8 +4,7 @@
 // The host (mmad/backends/cuda/grids.py) prepends mlp_common.cuh's types, the optimizer's
 // #defines (mma.optimizer_defines) and, per grid part k, a __constant__ table of its levels
 // (GRID_LEVELS_k) and the wrappers grid_encode_k / grid_backward_k that instantiate the templates
-// (and GRID_THREADS, the encode kernels' block)
-// below with the part's dims, features and interpolation. The arithmetic is
+// below with the part's dims, features and interpolation (and GRID_THREADS, the encode block). The arithmetic is
 // mmad/backends/encodings.py's (tcnn's grid.h): pos = fmaf(x, scale, 0.5), the cell floor(pos) as
 // uint32, the fraction (through smoothstep for Smoothstep), a corner's row from the dense index,
 // tcnn's coherent prime hash or 0 (the level's mode), modulo the level's rows; the weights are
