@@ -37,6 +37,12 @@ TWO_GRIDS = {"otype": "Composite", "nested": [
     {"otype": "HashGrid", "n_dims_to_encode": 2, "n_levels": 4, "log2_hashmap_size": 7, "base_resolution": 4,
      "interpolation": "Smoothstep"}]}
 SGD = {"otype": "SGD", "learning_rate": 0.1, "momentum": 0.9, "l2_reg": 1e-3}
+# the gradients' bound against the emulating oracle: the device sums in another order (mma
+# accumulators, fp32 atomics), so a delta's fp16 rounding lands an ulp apart on some rows and the
+# sum of hundreds of rows into a coarse table's values moves by more than on the wgpu and vulkan
+# backends, which emulate the oracle's order (H100: up to 4.5e-3 with a 128-wide first layer, 1 run in
+# ~6 of test_two_grids_with_sgd_and_wide_mlp); the float64 bound applies unchanged
+CUDA_GRAD_VS_EMULATE = 1e-2
 IMAGE = IMAGE_CONFIG["encoding"]
 
 
@@ -69,7 +75,7 @@ def test_grid_forward_gradients_and_adam(backend, case, interpolation):
     with backend.compile(spec) as m:
         assert m.variant == "mma"
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
 
 
@@ -84,7 +90,7 @@ def test_hash_grid_4d_one_feature(backend):
     y = targets(rng, x)
     with backend.compile(spec) as m:
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
 
 
@@ -102,7 +108,7 @@ def test_instant_ngp_composite(backend):
     with backend.compile(spec) as m:
         assert m.grid_plan.host_parts == ((12, 16, 6),)
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
 
 
@@ -120,7 +126,7 @@ def test_two_grids_with_sgd_and_wide_mlp(backend):
     with backend.compile(spec) as m:
         assert len(m.grid_plan.parts) == 2
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
 
 

@@ -68,9 +68,11 @@ def oracle(spec: MLPSpec, params: dict, mode: str = "float64"):
     return model
 
 
-def check_forward_and_gradients(m, spec: MLPSpec, params: dict, x: np.ndarray, y: np.ndarray) -> dict:
+def check_forward_and_gradients(m, spec: MLPSpec, params: dict, x: np.ndarray, y: np.ndarray,
+                                grad_vs_emulate: float = GRAD_VS_EMULATE) -> dict:
     """Forward, loss and every gradient (the MLP's and the tables') against the oracles; returns
-    the measured errors for the report."""
+    the measured errors for the report. ``grad_vs_emulate``: the bound against the emulating
+    oracle (a device that sums in another order than it lands further from it: cuda)."""
     tol = FWD_TOL[spec.precision]
     ref = oracle(spec, params)
     forward_err = rel_err(m.forward(x), ref.forward(x))
@@ -84,7 +86,7 @@ def check_forward_and_gradients(m, spec: MLPSpec, params: dict, x: np.ndarray, y
     for name, (vs64, vs_emu, inherent) in errors.items():
         assert vs64 <= tol + 1.25 * inherent, (name, vs64, inherent)
         if spec.precision != "fp32":
-            assert vs_emu <= GRAD_VS_EMULATE, (name, vs_emu)
+            assert vs_emu <= grad_vs_emulate, (name, vs_emu)
     # the values no sample read have exactly 0 (Adam skips them); against the oracle with the same
     # rounding points (a contribution fp16 rounds to 0 is 0 in both)
     exact = ref_grads if spec.precision == "fp32" else emu_grads
