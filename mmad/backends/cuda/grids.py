@@ -84,22 +84,21 @@ class GridPlan:
         parts = "".join(self._part_source(p) for p in self.parts)
         return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/grid.cu") + parts
 
-    @staticmethod
-    def _part_source(p: GridPart) -> str:
+    def _part_source(self, p: GridPart) -> str:
         levels = ",\n    ".join(
             f"{{{fastmod_factor(lv.entries)}ull, {f32_literal(lv.scale)}, {lv.resolution}u, {lv.entries}u, {lv.offset}u, "
             f"{MODE_CODES[mode]}, {lv.entries - 1 if lv.entries > 1 and lv.entries & (lv.entries - 1) == 0 else 0}u}}"
             for lv, mode in zip(p.levels, p.modes))
-        k, t = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}"
+        k, t, x_cols = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}", self.input_cols
         smem_levels, smem_values = GridPlan.shared_levels(p)
         return f"""
 __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
     {levels}}};
 
 extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_encode_{k}(
-    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, u16* __restrict__ out,
+    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, u16* __restrict__ out,
     const u16* __restrict__ table) {{
-    grid_encode_part<{t}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, x, row_map, rows, x_cols, out, table);
+    grid_encode_part<{t}, {p.begin}, {p.column}, {x_cols}>(GRID_LEVELS_{k}, x, row_map, rows, out, table);
 }}
 
 // 2 blocks an SM: under this register cap ptxas 13.0 spills nothing (with only the block size given
@@ -181,7 +180,7 @@ class CudaGridModel(CudaMmaModel):
         rmap = 0 if row_map is None else row_map
         for p in plan.parts:
             self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows / GRID_THREADS), len(p.levels)),
-                              (GRID_THREADS,), (kin, rmap, np.int64(rows), cols, out, table[p.offset:]))
+                              (GRID_THREADS,), (kin, rmap, np.int64(rows), out, table[p.offset:]))
         for column, width, kin_column in plan.host_parts:
             self._grid_launch("grid_copy_columns", (math.ceil(rows * width / ELEMENTWISE_THREADS),),
                               (ELEMENTWISE_THREADS,), (kin, rmap, np.int64(rows), cols, np.int32(kin_column), out,

@@ -110,18 +110,27 @@ __device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64
 // one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
 // per row and every level, docs/gpu-notes-cuda.md); the row's features go out as one word per
 // pair, coalesced over the block's rows.
-template <int DIMS, int F, int INTERP>
+template <int DIMS, int F, int INTERP, int BEGIN, int COLUMN, int X_COLS>
 __device__ __forceinline__ void grid_encode_part(
-    const GridLevelDesc* __restrict__ levels, int begin, int column, const float* __restrict__ x,
-    const int* __restrict__ row_map, i64 rows, int x_cols, u16* __restrict__ out, const u16* __restrict__ table) {
+    const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
+    u16* __restrict__ out, const u16* __restrict__ table) {
     const i64 r = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
     if (r >= rows) return;
     const int level = blockIdx.y;
     const GridLevelDesc L = levels[level];
-    const i64 src = row_map ? (i64)row_map[r] : r;
+    const float* xs = x + (row_map ? (i64)row_map[r] : r) * X_COLS + BEGIN;
     float xr[DIMS];
+    if constexpr (DIMS % 2 == 0 && BEGIN % 2 == 0 && X_COLS % 2 == 0) {  // 8-byte loads of the position
 #pragma unroll
-    for (int d = 0; d < DIMS; ++d) xr[d] = __ldg(x + src * x_cols + begin + d);
+        for (int d = 0; d < DIMS; d += 2) {
+            const float2 v = __ldg(reinterpret_cast<const float2*>(xs + d));
+            xr[d] = v.x;
+            xr[d + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d) xr[d] = __ldg(xs + d);
+    }
     const GridCell<DIMS, INTERP> g(xr, L);
     float acc[F];
 #pragma unroll
@@ -129,8 +138,8 @@ __device__ __forceinline__ void grid_encode_part(
 #pragma unroll
     for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
         add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
-    const int c0 = column + level * F;
-    if (F % 2 == 0 && c0 % 2 == 0) {
+    const int c0 = COLUMN + level * F;
+    if constexpr (F % 2 == 0 && COLUMN % 2 == 0) {  // whole pairs: one word each
 #pragma unroll
         for (int f = 0; f < F; f += 2)
             reinterpret_cast<u32*>(out)[pair_major(rows, r, c0 + f) / 2] = pack_h2(acc[f], acc[f + 1]);
