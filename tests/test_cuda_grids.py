@@ -26,6 +26,7 @@ from mmad.cli import IMAGE_CONFIG
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
 from oracle import rel_err
+from test_cuda import _cuda_backend
 from test_webgpu_grids import (
     ADAM, CASES, FWD_TOL, HASH_2D, INSTANT_NGP, check_forward_and_gradients, check_training, grid_inputs, grid_spec,
     oracle, random_params, targets,
@@ -48,18 +49,7 @@ IMAGE = IMAGE_CONFIG["encoding"]
 
 @pytest.fixture(scope="module")
 def backend():
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        pytest.skip("CuPy is not installed: the cuda backend cannot run here")
-    from mmad.backends.cuda import CudaBackend
-
-    be = CudaBackend()
-    rows = {r.variant: r for r in be.probe()}
-    if not rows["mma"].available:
-        pytest.skip(f"the cuda mma variant is unavailable here: {rows['mma'].reason}")
-    yield be
-    be.close()
+    return _cuda_backend()
 
 
 @pytest.mark.gpu

@@ -28,17 +28,17 @@ import numpy as np
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    CompiledModel, Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape, fill_dataset,
+    CompiledModel, Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape,
     optimizer_slots,
 )
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import (
-    CTL_STEP, FINISH_THREADS, NVRTC_OPTIONS, CudaMmaModel, f32_literal, optimizer_defines,
+    FINISH_THREADS, NVRTC_OPTIONS, CudaMmaModel, f32_literal, optimizer_defines,
 )
 from mmad.backends.cuda.toolchain import LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version
 from mmad.backends.encodings import GridPart, grid_input_layout
 from mmad.backends.numerics import epoch_half_bits, grid_kernel_input, grid_steps_from_state, step_base_rate
-from mmad.errors import DeviceMemoryFull, InvalidInput, LaunchError
+from mmad.errors import InvalidInput, LaunchError
 from mmad.shaders import read_source
 from mmad.spec import MLPSpec, kernel_code_defines
 
@@ -364,33 +364,13 @@ class CudaGridModel(CudaMmaModel):
         return loss, grads
 
     # -- datasets: the kernel input, encoded by each step ------------------------------------------------
-    def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
-        return rows * (self.grid_plan.input_cols * 4 + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
+    def _dataset_input_layout(self, x_dtype: Any) -> tuple[int, np.dtype]:
+        """The kernel input: the raw input (fp32: grid positions need its precision) and the
+        host-encoded columns."""
+        return self.grid_plan.input_cols, np.dtype(np.float32)
 
-    def put_dataset(self, chunks, rows: int, x_dtype: Any, y_dtype: Any) -> Dataset:
-        """The dataset in device memory as the grid kernels read it: the raw input (fp32: grid
-        positions need its precision) and the host-encoded columns; targets in their dtype."""
-        cp = self.cp
-        if not 0 < rows < 2**31:
-            raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
-        yd = np.dtype(y_dtype)
-        try:
-            x = cp.empty((rows, self.grid_plan.input_cols), dtype=cp.float32)
-            y = cp.empty((rows, self.spec.n_output_dims), dtype=yd)
-        except cp.cuda.memory.OutOfMemoryError as exc:
-            raise DeviceMemoryFull(f"the dataset ({self.dataset_bytes(rows, x_dtype, y_dtype) / 2**30:.2f} GiB) "
-                                   "does not fit in the cuda device's free memory") from exc
-
-        def write(at: int, cx: np.ndarray, cy: np.ndarray) -> None:
-            hx = grid_kernel_input(self.spec.encoding, cx)
-            x[at:at + len(hx)].set(hx)
-            y[at:at + len(hx)].set(np.ascontiguousarray(cy, dtype=yd))
-
-        try:
-            fill_dataset(chunks, rows, write)
-        except device_errors(cp) as exc:
-            raise LaunchError(f"copying the dataset to the device failed: {exc}") from exc
-        return Dataset(x, y, rows, int(x.nbytes + y.nbytes), on_device=True)
+    def _dataset_inputs(self, cx: np.ndarray, xd: np.dtype) -> np.ndarray:
+        return grid_kernel_input(self.spec.encoding, cx)
 
     # -- parameters and optimizer state ------------------------------------------------------------------
     def _tables_of(self, flat: Any) -> dict[str, np.ndarray]:

@@ -314,9 +314,21 @@ class CudaModel(CompiledModel):
         return staging
 
     # -- datasets on the device ------------------------------------------------------------------
+    def _dataset_input_layout(self, x_dtype: Any) -> tuple[int, np.dtype]:
+        """(columns, dtype) of a held dataset's inputs: the encoded input, fp32 where an encoding
+        was applied on the host, else in the dtype given."""
+        encoded = not self.spec.encoding.passthrough
+        return self.spec.n_encoded_dims, np.dtype(np.float32 if encoded else x_dtype)
+
+    def _dataset_inputs(self, cx: np.ndarray, xd: np.dtype) -> np.ndarray:
+        """A chunk of a dataset's inputs as the device holds them (``_dataset_input_layout``)."""
+        if not self.spec.encoding.passthrough:
+            return self.encode(np.asarray(cx, dtype=np.float32))
+        return np.ascontiguousarray(cx, dtype=xd)
+
     def dataset_bytes(self, rows: int, x_dtype: Any, y_dtype: Any) -> int:
-        x_item = np.dtype(x_dtype).itemsize if self.spec.encoding.passthrough else 4  # encoded: fp32
-        return rows * (self.spec.n_encoded_dims * x_item + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
+        cols, xd = self._dataset_input_layout(x_dtype)
+        return rows * (cols * xd.itemsize + self.spec.n_output_dims * np.dtype(y_dtype).itemsize)
 
     def free_device_bytes(self) -> int | None:
         cp = self.cp
@@ -324,23 +336,23 @@ class CudaModel(CompiledModel):
         return int(free) + int(cp.get_default_memory_pool().free_bytes())  # the pool's cached blocks are free too
 
     def put_dataset(self, chunks, rows: int, x_dtype: Any, y_dtype: Any) -> Dataset:
-        """The dataset in device memory, allocated once and filled chunk by chunk (inputs
-        encoded on the host first where the model has an encoding; fp16 kept as fp16)."""
+        """The dataset in device memory, allocated once and filled chunk by chunk (inputs as
+        ``_dataset_inputs`` makes them: encoded on the host first where the model has an encoding;
+        fp16 kept as fp16)."""
         cp = self.cp
         if not 0 < rows < 2**31:
             raise InvalidInput(f"a dataset holds 1 to {2**31 - 1} rows; got {rows}")
-        encoded = not self.spec.encoding.passthrough
-        xd = np.dtype(np.float32 if encoded else x_dtype)
+        cols, xd = self._dataset_input_layout(x_dtype)
         yd = np.dtype(y_dtype)
         try:
-            x = cp.empty((rows, self.spec.n_encoded_dims), dtype=xd)
+            x = cp.empty((rows, cols), dtype=xd)
             y = cp.empty((rows, self.spec.n_output_dims), dtype=yd)
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise DeviceMemoryFull(f"the dataset ({self.dataset_bytes(rows, x_dtype, y_dtype) / 2**30:.2f} GiB) "
                                    "does not fit in the cuda device's free memory") from exc
 
         def write(at: int, cx: np.ndarray, cy: np.ndarray) -> None:
-            hx = self.encode(np.asarray(cx, dtype=np.float32)) if encoded else np.ascontiguousarray(cx, dtype=xd)
+            hx = self._dataset_inputs(cx, xd)
             x[at:at + len(hx)].set(hx)
             y[at:at + len(hx)].set(np.ascontiguousarray(cy, dtype=yd))
 
