@@ -1,8 +1,8 @@
 """``mmad serve --workers``: several processes on one port (mmad/server/workers.py).
 
 A real daemon of three inference workers and the primary behind them, on the cpu backend,
-reached over loopback with a new connection per request, so the kernel spreads requests over the
-workers: the API and system shared-memory suites (test_server_api.py, test_server_shm.py) run
+reached over loopback with a new connection per request, so the primary's dealer spreads requests
+over the workers: the API and system shared-memory suites (test_server_api.py, test_server_shm.py) run
 against it unchanged, and the tests below check what only several processes can get wrong: a
 change seen by the next request whichever worker it lands on, counts added up over the
 processes, regions opened in every worker, a worker dying, the daemon stopping.
@@ -122,7 +122,7 @@ def daemon(tmp_path_factory):
 
 @pytest.fixture
 def http(daemon):
-    """A new connection per request: the kernel spreads them over the workers."""
+    """A new connection per request: the primary passes each to the least loaded worker."""
     with fresh_connections(daemon.url) as client:
         yield client
 
@@ -267,6 +267,45 @@ def test_a_dead_worker_is_started_again_and_the_workers_follow_the_primary_out(t
             time.sleep(0.1)
     finally:
         proc.kill()
+
+
+def test_persistent_connections_are_spread_evenly_over_the_workers(tmp_path):
+    """Each connection goes to the worker with the fewest open ones: 8 clients that keep their
+    connections get 4 each on 2 workers (a hash of each connection, as SO_REUSEPORT spreads
+    them, puts all 8 on one worker 1 time in 128 and leaves them 4 : 4 only 27 times in 100),
+    and the clients that close theirs free their workers' share for the next."""
+    proc = DaemonProcess(tmp_path / "store", "--workers", "2").start()
+    x = np.random.default_rng().uniform(-1, 1, (3, 2)).astype(np.float32)
+    try:
+        wait_for_every_worker(proc.url, workers=2)
+
+        def answered_per_worker(clients: list[httpx.Client]) -> dict[str, float]:
+            with fresh_connections(proc.url) as probe:
+                before = answered_by(probe)
+            for client in clients:  # one request each, on the connection the client keeps
+                assert binary_infer(client, "demo", x).status_code == 200
+            with fresh_connections(proc.url) as probe:
+                after = answered_by(probe)
+            return {k: after[k] - before.get(k, 0.0) for k in after if k != "0"}
+
+        clients = [httpx.Client(base_url=proc.url, timeout=30.0) for _ in range(8)]
+        try:
+            assert answered_per_worker(clients) == {"1": 4.0, "2": 4.0}
+            first = answered_per_worker(clients[:1])  # which worker holds client 0's connection
+            (holder,) = [k for k, v in first.items() if v == 1.0]
+            same = [c for c in clients if answered_per_worker([c])[holder] == 1.0]
+            assert len(same) == 4
+            for client in same[:3]:  # that worker is left with one open connection, the other four
+                client.close()
+            time.sleep(0.5)  # the worker counts each closed connection as its loop sees it go
+            newcomers = [httpx.Client(base_url=proc.url, timeout=30.0) for _ in range(3)]
+            clients += newcomers
+            assert answered_per_worker(newcomers) == {holder: 3.0, ({"1", "2"} - {holder}).pop(): 0.0}
+        finally:
+            for client in clients:
+                client.close()
+    finally:
+        stop_and_check(proc)
 
 
 def test_merge_stats_adds_every_count():

@@ -227,7 +227,8 @@ def serve_shm_rate(url: str, spec, name: str, seconds: float, clients: int = 8, 
     return {"requests": done, "samples_per_s": done * rows / seconds,
             "tensor_gb_per_s": done * (in_bytes + out_bytes) / seconds / 1e9,
             "p50_ms": float(np.median(latencies) * 1e3) if latencies else None,
-            "p99_ms": float(np.percentile(latencies, 99) * 1e3) if latencies else None, "errors": errors}
+            "p99_ms": float(np.percentile(latencies, 99) * 1e3) if latencies else None, "errors": errors,
+            "per_client_requests": [len(r["latencies"]) for r in results]}
 
 
 def main(argv: list[str] | None = None) -> int:

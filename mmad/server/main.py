@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per statistics read otherwise
 
         pool = WorkerPool(settings, settings.workers)
-        # the port, bound and never listened on here: it stays this daemon's (a port of 0 is
-        # resolved once) while the workers listen on it; the primary serves them on its own socket
+        # the port, bound and never listened on: it stays this daemon's (a port of 0 is resolved
+        # once) while the pool's dealer listens beside it only when a worker is ready to take
+        # connections; the primary serves the workers on its own socket
         reserved = bind_shared_port(settings.host, settings.port)
         sockets = [bind_unix(pool.primary_socket)]
     app = create_app(settings, workers=pool)

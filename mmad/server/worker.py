@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -379,14 +380,83 @@ def _exit_with_primary(link: WorkerLink, grace_s: float) -> None:
     threading.Thread(target=watch, name="mmad-primary-watch", daemon=True).start()
 
 
-def run_worker(settings: Settings, link: WorkerLink) -> None:
-    """The spawned process: uvicorn serving :class:`WorkerApp` on the shared port and on its own
-    Unix socket (the primary reads its statistics there)."""
+class DealtConnections:
+    """The worker's end of the primary's dealer (:class:`~mmad.server.workers.WorkerPool`): the
+    connections it passes arrive as descriptors on ``channel`` and are served by the same
+    protocol as a listening server's; each one closed is counted in this worker's slot of the
+    shared ``closed`` counter, which the dealer reads to find the least loaded worker."""
+
+    RECEIVE_BYTES, RECEIVE_FDS = 1024, 256
+
+    def __init__(self, channel: socket.socket, link: WorkerLink):
+        self.channel = channel
+        self.index = link.index
+        self.closed = SharedCounter(link.closed_path, slots=link.index + 1)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.protocol: Callable[[], asyncio.BaseProtocol] | None = None
+
+    def start(self, server: Any) -> None:
+        """Serve each passed connection as ``server`` (a started uvicorn server) would an accepted one."""
+        config, loop, dealt = server.config, asyncio.get_running_loop(), self
+
+        class DealtConnection(config.http_protocol_class):
+            def connection_lost(self, exc: Exception | None) -> None:
+                try:
+                    super().connection_lost(exc)
+                finally:
+                    dealt.closed_one()
+
+        def protocol() -> asyncio.BaseProtocol:  # as uvicorn's Server.startup makes its protocols
+            return DealtConnection(config=config, server_state=server.server_state, app_state=server.lifespan.state,
+                                   _loop=loop)
+
+        self.loop, self.protocol = loop, protocol
+        self.channel.setblocking(False)
+        loop.add_reader(self.channel.fileno(), self._receive)
+
+    def stop(self) -> None:
+        """No more connections (the daemon stops); those open are uvicorn's to drain."""
+        if self.loop is not None:
+            self.loop.remove_reader(self.channel.fileno())
+            self.loop = None
+        self.channel.close()
+
+    def closed_one(self) -> None:
+        self.closed.store(self.closed.get(self.index) + 1, self.index)
+
+    def _receive(self) -> None:
+        try:
+            message, fds, _, _ = socket.recv_fds(self.channel, self.RECEIVE_BYTES, self.RECEIVE_FDS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            message, fds = b"", []
+            log.error("worker %d: the primary's connections channel failed (%s)", self.index, exc)
+        if not message and not fds:  # the primary closed its end: it stops (and stops this worker)
+            self.stop()
+            return
+        for fd in fds:
+            conn = socket.socket(fileno=fd)
+            conn.setblocking(False)
+            asyncio.ensure_future(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(self.protocol, conn)
+        except Exception as exc:  # noqa: BLE001 - this connection only; the client sees it closed
+            log.warning("worker %d could not serve a connection (%s)", self.index, exc)
+            conn.close()
+            self.closed_one()
+
+
+def run_worker(settings: Settings, link: WorkerLink, channel: socket.socket) -> None:
+    """The spawned process: uvicorn serving :class:`WorkerApp` on the connections the primary
+    passes over ``channel`` and on its own Unix socket (the primary reads its statistics there)."""
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {link.index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request otherwise
     from mmad.server.main import http_protocol, limit_blas_threads
-    from mmad.server.workers import bind_shared_port, bind_unix
+    from mmad.server.workers import bind_unix
 
     limit_blas_threads(settings.blas_threads)
     _exit_with_primary(link, settings.graceful_timeout_s + 5)
@@ -394,16 +464,21 @@ def run_worker(settings: Settings, link: WorkerLink) -> None:
 
     worker = WorkerApp(settings, link)
     app = BodyLimitMiddleware(worker, max_bytes=settings.max_body_bytes)
+    dealt = DealtConnections(channel, link)
 
     class WorkerServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
-            if self.started:  # listening now: the primary counts this worker as serving
+            if self.started:  # serving now: the primary passes this worker connections from here on
+                dealt.start(self)
                 await worker.primary.said_ready()
+
+        async def shutdown(self, sockets=None) -> None:
+            dealt.stop()
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(app, loop=settings.loop, http=http_protocol(settings), lifespan="on",
                             timeout_keep_alive=settings.idle_timeout_s,
                             timeout_graceful_shutdown=settings.graceful_timeout_s,
                             log_level=settings.log_level, access_log=settings.log_level == "debug")
-    sockets = [bind_shared_port(settings.host, link.port), bind_unix(link.worker_socket())]
-    WorkerServer(config).run(sockets=sockets)
+    WorkerServer(config).run(sockets=[bind_unix(link.worker_socket())])

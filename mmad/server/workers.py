@@ -2,8 +2,7 @@
 
 One Python process answers a 65,536-row shared-memory request in ~0.66 ms of which the device
 needs 0.34 (docs/gpu-notes-cuda.md): its event loop, not the GPU, bounds serving. With
-``--workers N`` the port is served by N inference workers (each binds it with ``SO_REUSEPORT``;
-the kernel spreads new connections over them), with the primary behind them:
+``--workers N`` the port is served by N inference workers, with the primary behind them:
 
 - the *primary* (this module's :class:`WorkerPool`) is the daemon as it is alone, serving the
   workers on a private socket: it owns the store, the registry, training, datasets and every
@@ -13,6 +12,15 @@ the kernel spreads new connections over them), with the primary behind them:
   primary's live weights and answers infer requests for them itself; every other request
   (admin, training, metadata, a pinned version, a model it does not hold) it passes to the
   primary unchanged, bodies and responses streamed (SSE included).
+
+Connections: the primary listens on the port and passes each connection it accepts to the
+ready worker with the fewest open connections (:class:`WorkerPool`'s dealer thread, the
+descriptor sent over a Unix socket pair). A client's requests all go to the worker that holds
+its connection, so the spread of connections is the spread of the load; the kernel's own
+spreading (``SO_REUSEPORT``, a hash of each connection) left one of 8 workers with three of 8
+persistent clients and three with none on the H100 host (docs/gpu-notes-cuda.md). The port
+refuses connections while no worker is ready (at start, and while every worker is being
+started again).
 
 Consistency: the primary bumps a counter in shared memory after every change inference can see
 (weights, versions, models, shared-memory regions; :meth:`Registry.changed`) and before it
@@ -31,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import mmap
 import multiprocessing
@@ -55,29 +64,35 @@ TOKEN_HEADER = "mmad-worker-token"
 RECORDS_TIMEOUT_S = 5.0
 # a worker that exits sooner than this after its start is not started again at once
 RESTART_BACKOFF_S = (1.0, 60.0)
+LISTEN_BACKLOG = 2048  # uvicorn's default
+DEAL_POLL_S = 0.1  # how soon the dealer notices a worker ready or gone, or the daemon stopping
+DEAL_SEND_TIMEOUT_S = 5.0  # a worker whose loop takes no descriptor in this long is passed over
 
 
 class SharedCounter:
-    """One int64 in a file mapping: the primary writes it, the workers read it (an aligned
-    8-byte store is atomic on the CPUs CPython runs on)."""
+    """int64 slots in a file mapping, each written by one process and read by the others (an
+    aligned 8-byte store is atomic on the CPUs CPython runs on)."""
 
-    def __init__(self, path: str, create: bool = False):
+    def __init__(self, path: str, create: bool = False, slots: int = 1):
         if create:
             with open(path, "wb") as f:
-                f.write(bytes(8))
+                f.write(bytes(8 * slots))
         fd = os.open(path, os.O_RDWR)
         try:
-            self._map = mmap.mmap(fd, 8)
+            self._map = mmap.mmap(fd, 8 * slots)
         finally:
             os.close(fd)
-        self._value = np.frombuffer(self._map, dtype=np.int64)
+        self._values = np.frombuffer(self._map, dtype=np.int64)
 
     @property
     def value(self) -> int:
-        return int(self._value[0])
+        return int(self._values[0])
 
-    def store(self, value: int) -> None:
-        self._value[0] = value
+    def get(self, slot: int) -> int:
+        return int(self._values[slot])
+
+    def store(self, value: int, slot: int = 0) -> None:
+        self._values[slot] = value
 
 
 @dataclass(frozen=True)
@@ -106,14 +121,18 @@ class WorkerLink:
     def counter_path(self) -> str:
         return os.path.join(self.private_dir, "generation")
 
+    @property
+    def closed_path(self) -> str:
+        """Each worker's count of the dealt connections it has closed (slot = its index)."""
+        return os.path.join(self.private_dir, "closed-connections")
+
     def worker_socket(self, index: int | None = None) -> str:
         return os.path.join(self.private_dir, f"worker-{self.index if index is None else index}.sock")
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:
-    """A TCP socket bound with ``SO_REUSEPORT`` (every serving process binds one; the kernel
-    spreads new connections over those listening). Not listening yet: the server listens once
-    its start-up is done, so no connection waits on a process that cannot answer."""
+    """A TCP socket bound with ``SO_REUSEPORT``, not listening: the primary holds the port with
+    one for the daemon's life, and its dealer binds another beside it while it listens."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -142,7 +161,8 @@ def check_token(headers: Any, token: str) -> bool:
 
 class WorkerPool:
     """The primary's side: the private directory, the shared counter, the worker processes
-    (started again when one dies), and reading their statistics."""
+    (started again when one dies), the dealer of the port's connections, and reading the
+    workers' statistics."""
 
     def __init__(self, settings: Any, count: int):
         self.settings = settings
@@ -151,12 +171,19 @@ class WorkerPool:
         self.token = secrets.token_urlsafe(32)
         self.port = 0
         self.counter = SharedCounter(os.path.join(self.private_dir, "generation"), create=True)
+        self.closed = SharedCounter(self.link(0).closed_path, create=True, slots=count + 1)
         self._procs: dict[int, Any] = {}
         self._ready: set[int] = set()  # workers serving since their last start
         self._started_at: dict[int, float] = {}
         self._failures: dict[int, int] = {}
+        self._channels: dict[int, socket.socket] = {}  # the primary's end of each worker's pair
+        self._dealt: dict[int, int] = {}  # connections passed to each worker since its start
+        self._last_dealt: dict[int, int] = {}  # when each worker was last passed one (ties go round)
+        self._deals = itertools.count()
+        self._lock = threading.Lock()  # the ready set and the channels: the loop, monitor and dealer
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
+        self._dealer: threading.Thread | None = None
         self._context = multiprocessing.get_context("spawn")  # a fork would copy CUDA state and threads
 
     def link(self, index: int) -> WorkerLink:
@@ -172,14 +199,27 @@ class WorkerPool:
             self._spawn(index)
         self._monitor = threading.Thread(target=self._watch, name="mmad-workers", daemon=True)
         self._monitor.start()
+        self._dealer = threading.Thread(target=self._deal, name="mmad-connections", daemon=True)
+        self._dealer.start()
 
     def _spawn(self, index: int) -> None:
         from mmad.server.worker import run_worker
 
-        proc = self._context.Process(target=run_worker, args=(self.settings, self.link(index)),
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(DEAL_SEND_TIMEOUT_S)
+        with self._lock:
+            self._ready.discard(index)
+            previous = self._channels.pop(index, None)
+            self._dealt[index] = 0
+            self.closed.store(0, index)
+        if previous is not None:
+            previous.close()
+        proc = self._context.Process(target=run_worker, args=(self.settings, self.link(index), theirs),
                                      name=f"mmad-worker-{index}", daemon=False)
-        self._ready.discard(index)
         proc.start()
+        theirs.close()
+        with self._lock:
+            self._channels[index] = ours
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()
         log.info("started serving worker %d (pid %d)", index, proc.pid)
@@ -191,6 +231,8 @@ class WorkerPool:
             for index, proc in list(self._procs.items()):
                 if proc.is_alive() or self._stopping.is_set():
                     continue
+                with self._lock:
+                    self._ready.discard(index)  # no more connections for it
                 lived = time.monotonic() - self._started_at[index]
                 self._failures[index] = self._failures.get(index, 0) + 1 if lived < 10 else 1
                 delay = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (self._failures[index] - 1))
@@ -201,9 +243,10 @@ class WorkerPool:
                 self._spawn(index)
 
     def mark_ready(self, index: int) -> None:
-        """Worker ``index`` listens on the port (it says so once its start-up is done)."""
+        """Worker ``index`` takes connections (it says so once its start-up is done)."""
         if index in self._procs:
-            self._ready.add(index)
+            with self._lock:
+                self._ready.add(index)
             log.info("serving worker %d is ready", index)
 
     @property
@@ -211,8 +254,88 @@ class WorkerPool:
         """The workers not serving yet (starting, or started again after they exited)."""
         return sorted(i for i in range(1, self.count + 1) if i not in self._ready)
 
+    def open_connections(self) -> dict[int, int]:
+        """Each ready worker's open connections (passed to it and not yet closed)."""
+        with self._lock:
+            return {i: self._dealt[i] - self.closed.get(i) for i in sorted(self._ready)}
+
+    # -- the port's connections ----------------------------------------------------------------
+    def _deal(self) -> None:
+        """Listen while a worker is ready, and pass each accepted connection on."""
+        listener: socket.socket | None = None
+        try:
+            while not self._stopping.is_set():
+                with self._lock:
+                    serving = bool(self._ready)
+                if not serving:
+                    if listener is not None:
+                        log.warning("no serving worker is ready: the port refuses connections until one is")
+                        listener.close()
+                        listener = None
+                    self._stopping.wait(DEAL_POLL_S)
+                    continue
+                if listener is None:
+                    try:
+                        listener = self._listen()
+                    except OSError as exc:
+                        log.error("could not listen on port %d (%s); trying again", self.port, exc)
+                        self._stopping.wait(1.0)
+                        continue
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError as exc:  # out of descriptors, or the peer gone before the accept
+                    log.warning("accepting a connection failed (%s)", exc)
+                    self._stopping.wait(DEAL_POLL_S)
+                    continue
+                with conn:
+                    self._pass_on(conn)
+        finally:
+            if listener is not None:
+                listener.close()
+
+    def _listen(self) -> socket.socket:
+        listener = bind_shared_port(self.settings.host, self.port)
+        listener.listen(LISTEN_BACKLOG)
+        listener.settimeout(DEAL_POLL_S)
+        return listener
+
+    def _pass_on(self, conn: socket.socket) -> None:
+        """To the ready worker with the fewest open connections (of equals, the one passed one
+        longest ago). A worker whose end of the pair is closed has died (the monitor starts it
+        again); one whose loop takes nothing within :data:`DEAL_SEND_TIMEOUT_S` is passed over
+        for this connection only."""
+        passed_over: set[int] = set()
+        while True:
+            with self._lock:
+                ready = [i for i in self._ready if i in self._channels and i not in passed_over]
+                if not ready:
+                    log.warning("a connection was closed unanswered: no serving worker took it")
+                    return
+                index = min(ready, key=lambda i: (self._dealt[i] - self.closed.get(i), self._last_dealt.get(i, -1)))
+                channel = self._channels[index]
+            try:
+                socket.send_fds(channel, [b"c"], [conn.fileno()])
+            except TimeoutError:
+                log.warning("serving worker %d took no connection in %.0f s: passed over for this one",
+                            index, DEAL_SEND_TIMEOUT_S)
+                passed_over.add(index)
+                continue
+            except OSError as exc:
+                log.warning("serving worker %d took no connection (%s): passed over until it is started again",
+                            index, exc)
+                with self._lock:
+                    self._ready.discard(index)
+                continue
+            with self._lock:
+                self._dealt[index] += 1
+                self._last_dealt[index] = next(self._deals)
+            return
+
     def signal_stop(self) -> None:
-        """Ask every worker to finish its requests and exit (SIGTERM: uvicorn's graceful path)."""
+        """Ask every worker to finish its requests and exit (SIGTERM: uvicorn's graceful path);
+        the port stops taking connections."""
         self._stopping.set()
         for proc in self._procs.values():
             if proc.is_alive():
@@ -228,6 +351,10 @@ class WorkerPool:
                 log.warning("serving worker %d did not stop in %.0f s; killed", index, timeout_s)
                 proc.kill()
                 proc.join(5)
+        if self._dealer is not None:
+            self._dealer.join(5)
+        for channel in self._channels.values():
+            channel.close()
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
     async def records(self) -> list[dict[str, Any]]:
