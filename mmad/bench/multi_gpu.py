@@ -1,13 +1,13 @@
 """Several GPUs of one host through one daemon: replicas serving, data-parallel training.
 
-``mmad bench --multi-gpu [--backend cuda:mma] [--json PATH]``, model M, on a host with two or
-more devices (the first two are used). In one run:
+``mmad bench --multi-gpu [--backend cuda:mma] [--parts ...] [--json PATH]``, model M, on a host
+with two or more devices (the first two are used). In one run (``--parts`` picks some):
 
-* ``loss curve``: in process, a data-parallel run over two replicas (each its shard and half of
+* ``loss-curve``: in process, a data-parallel run over two replicas (each its shard and half of
   each batch, gradients all-reduced) against one device trained on the same global batches
   assembled on the host: the largest relative difference of the step losses and of the final
   weights, and whether the replicas' weights are bitwise identical afterwards;
-* ``in-process training``: ``train_epochs`` on one device at the per-device batch and at the
+* ``in-process``: ``train_epochs`` on one device at the per-device batch and at the
   global batch, against the data-parallel run at the per-device batch on each device;
 * ``jobs``: training jobs through the daemon on a model with one replica and on one with a
   replica on each device (``config.device``), the same dataset and global batch; the rate is the
@@ -40,6 +40,9 @@ from mmad.bench.service_quick import start_daemon
 from mmad.spec import bench_spec
 
 
+PARTS = ("loss-curve", "in-process", "jobs", "serving")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mmad bench --multi-gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="cuda:mma", help="NAME[:VARIANT] (default cuda:mma)")
@@ -52,8 +55,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-seconds", type=float, default=6.0, help="timed serving window per model")
     p.add_argument("--workers", type=int, default=0,
                    help="the daemon's inference workers (mmad serve --workers; default 0)")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"what to run, comma-separated among {','.join(PARTS)} (default all)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        p.error(f"--parts: {', '.join(unknown) or 'none given'}; choose among {', '.join(PARTS)}")
+    return args
 
 
 def loss_curve_check(backend, variant: str, spec, args) -> dict[str, Any]:
@@ -243,78 +253,95 @@ def main(argv: list[str] | None = None) -> int:
     spec = bench_spec(args.model)
     doc: dict[str, Any] = {"kind": "multi-gpu", "host": platform.node(), "backend": label, "model": args.model,
                            "devices": [d.to_json() for d in devices[:2]], "command": " ".join(sys.argv)}
-    doc["loss_curve"] = loss_curve_check(backend, row.variant, spec, args)
-    lc = doc["loss_curve"]
-    print(f"loss curve: {lc['steps']} steps, max rel. loss diff {lc['max_loss_rel_diff']:.2e}, weights "
-          f"{lc['max_weight_rel_diff']:.2e}, replicas identical: {lc['replica_weights_identical']}", flush=True)
+    if "loss-curve" in args.parts:
+        doc["loss_curve"] = loss_curve_check(backend, row.variant, spec, args)
+        lc = doc["loss_curve"]
+        print(f"loss curve: {lc['steps']} steps, max rel. loss diff {lc['max_loss_rel_diff']:.2e}, weights "
+              f"{lc['max_weight_rel_diff']:.2e}, replicas identical: {lc['replica_weights_identical']}", flush=True)
     rng = np.random.default_rng()
     rows = 1 << args.rows_log2
     x = rng.uniform(-1, 1, (rows, spec.n_input_dims)).astype(np.float16)
     y = rng.uniform(-1, 1, (rows, spec.n_output_dims)).astype(np.float16)
-    doc["in_process"] = in_process_rates(backend, row.variant, spec, x, y, args)
-    print("in-process M samples/s:", {k: round(v / 1e6, 1) if k != "parallel_vs_single" else round(v, 3)
-                                      for k, v in doc["in_process"].items()}, flush=True)
+    if "in-process" in args.parts:
+        doc["in_process"] = in_process_rates(backend, row.variant, spec, x, y, args)
+        print("in-process M samples/s:", {k: round(v / 1e6, 1) if k != "parallel_vs_single" else round(v, 3)
+                                          for k, v in doc["in_process"].items()}, flush=True)
     part = 1 << args.batch_log2
-    with tempfile.TemporaryDirectory(prefix="mmad-bench-multi-") as store:
-        proc, url = start_daemon(Path(store), label, ["--max-dataset-bytes", str(8 << 30),
-                                                      "--workers", str(args.workers)])
-        doc["workers"] = args.workers
-        try:
-            client = Client(url, timeout=600)
-            client.create_model("one", spec.to_json())
-            meta = client.create_model("two", spec.to_json(), config={"device": [0, 1]})
-            if meta.get("devices") != [0, 1]:
-                raise SystemExit(f"the two-replica model was placed on {meta.get('devices')}, not devices 0 and 1")
-            datasets = {name: client.upload_dataset(name, x, y, progress=False) for name in ("one", "two")}
-            jobs = {"one_per_device_batch": job_rate(client, "one", datasets["one"], part, args.job_steps),
-                    "one_global_batch": job_rate(client, "one", datasets["one"], 2 * part, args.job_steps),
-                    "two_global_batch": job_rate(client, "two", datasets["two"], 2 * part, args.job_steps)}
-            jobs["two_vs_one_global"] = jobs["two_global_batch"]["samples_per_s"] / jobs["one_global_batch"]["samples_per_s"]
-            jobs["two_vs_one_per_device"] = (jobs["two_global_batch"]["samples_per_s"]
-                                             / jobs["one_per_device_batch"]["samples_per_s"])
-            doc["jobs"] = jobs
-            print("jobs:", json.dumps(jobs), flush=True)
-            serving = {name: serve_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
-            serving["two_vs_one"] = serving["two"]["samples_per_s"] / serving["one"]["samples_per_s"]
-            shm_serving = {name: serve_shm_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
-            for figures in shm_serving.values():
-                if figures["errors"] or not figures["requests"]:
-                    raise SystemExit(f"system shared-memory serving failed: {figures['errors'][:3]}")
-            shm_serving["two_vs_one"] = shm_serving["two"]["samples_per_s"] / shm_serving["one"]["samples_per_s"]
-            doc["serving"], doc["serving_system_shm"] = serving, shm_serving
-            print(f"system shared memory, 8 clients: one replica {shm_serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
-                  f"two {shm_serving['two']['samples_per_s'] / 1e6:.2f} M/s ({shm_serving['two_vs_one']:.2f}x) "
-                  f"{shm_serving['one']['errors'] + shm_serving['two']['errors']}", flush=True)
-            doc["two_replicas_devices"] = meta["devices"]
-            print(f"serving 8 clients x 65,536 rows FP16: one replica {serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
-                  f"two {serving['two']['samples_per_s'] / 1e6:.2f} M/s ({serving['two_vs_one']:.2f}x)", flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    if "jobs" in args.parts or "serving" in args.parts:
+        with tempfile.TemporaryDirectory(prefix="mmad-bench-multi-") as store:
+            proc, url = start_daemon(Path(store), label, ["--max-dataset-bytes", str(8 << 30),
+                                                          "--workers", str(args.workers)])
+            doc["workers"] = args.workers
+            try:
+                daemon_parts(doc, Client(url, timeout=600), url, spec, x, y, part, args)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
     print(table(doc))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
 
+def daemon_parts(doc: dict[str, Any], client, url: str, spec, x, y, part: int, args) -> None:
+    """Training jobs and serving through the daemon, on a model with one replica and on one with
+    a replica on each of devices 0 and 1."""
+    client.create_model("one", spec.to_json())
+    meta = client.create_model("two", spec.to_json(), config={"device": [0, 1]})
+    if meta.get("devices") != [0, 1]:
+        raise SystemExit(f"the two-replica model was placed on {meta.get('devices')}, not devices 0 and 1")
+    doc["two_replicas_devices"] = meta["devices"]
+    if "jobs" in args.parts:
+        datasets = {name: client.upload_dataset(name, x, y, progress=False) for name in ("one", "two")}
+        jobs = {"one_per_device_batch": job_rate(client, "one", datasets["one"], part, args.job_steps),
+                "one_global_batch": job_rate(client, "one", datasets["one"], 2 * part, args.job_steps),
+                "two_global_batch": job_rate(client, "two", datasets["two"], 2 * part, args.job_steps)}
+        jobs["two_vs_one_global"] = jobs["two_global_batch"]["samples_per_s"] / jobs["one_global_batch"]["samples_per_s"]
+        jobs["two_vs_one_per_device"] = (jobs["two_global_batch"]["samples_per_s"]
+                                         / jobs["one_per_device_batch"]["samples_per_s"])
+        doc["jobs"] = jobs
+        print("jobs:", json.dumps(jobs), flush=True)
+    if "serving" in args.parts:
+        serving = {name: serve_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
+        serving["two_vs_one"] = serving["two"]["samples_per_s"] / serving["one"]["samples_per_s"]
+        shm_serving = {name: serve_shm_rate(url, spec, name, args.serve_seconds) for name in ("one", "two")}
+        for figures in shm_serving.values():
+            if figures["errors"] or not figures["requests"]:
+                raise SystemExit(f"system shared-memory serving failed: {figures['errors'][:3]}")
+        shm_serving["two_vs_one"] = shm_serving["two"]["samples_per_s"] / shm_serving["one"]["samples_per_s"]
+        doc["serving"], doc["serving_system_shm"] = serving, shm_serving
+        print(f"system shared memory, 8 clients: one replica {shm_serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
+              f"two {shm_serving['two']['samples_per_s'] / 1e6:.2f} M/s ({shm_serving['two_vs_one']:.2f}x)", flush=True)
+        print(f"serving 8 clients x 65,536 rows FP16: one replica {serving['one']['samples_per_s'] / 1e6:.2f} M/s, "
+              f"two {serving['two']['samples_per_s'] / 1e6:.2f} M/s ({serving['two_vs_one']:.2f}x)", flush=True)
+
+
 def table(doc: dict[str, Any]) -> str:
-    lc, ip, jobs, serving = doc["loss_curve"], doc["in_process"], doc["jobs"], doc["serving"]
-    lines = ["| what | figure |", "|---|---|",
-             f"| loss curve, 2 devices vs 1 on the same global batches | max rel. diff {lc['max_loss_rel_diff']:.2e} "
-             f"({lc['steps']} steps); replicas identical: {lc['replica_weights_identical']} |",
-             f"| in-process train_epochs, 1 device, global batch | {ip['single_global_batch'] / 1e6:.1f} M samples/s |",
-             f"| in-process data-parallel, 2 devices | {ip['parallel_2_devices'] / 1e6:.1f} M samples/s "
-             f"({ip['parallel_vs_single']:.2f}x) |",
-             f"| job, 1 replica, global batch | {jobs['one_global_batch']['samples_per_s'] / 1e6:.1f} M samples/s |",
-             f"| job, 2 replicas (data-parallel) | {jobs['two_global_batch']['samples_per_s'] / 1e6:.1f} M samples/s "
-             f"({jobs['two_vs_one_global']:.2f}x) |",
-             f"| serving, 8 clients, 1 replica | {serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
-             f"| serving, 8 clients, 2 replicas | {serving['two']['samples_per_s'] / 1e6:.2f} M samples/s "
-             f"({serving['two_vs_one']:.2f}x) |"]
-    shm_serving = doc["serving_system_shm"]
-    lines += [f"| system shared memory, 8 clients, 1 replica | {shm_serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
-              f"| system shared memory, 8 clients, 2 replicas | {shm_serving['two']['samples_per_s'] / 1e6:.2f} M "
-              f"samples/s ({shm_serving['two_vs_one']:.2f}x) |"]
+    lines = ["| what | figure |", "|---|---|"]
+    if "loss_curve" in doc:
+        lc = doc["loss_curve"]
+        lines.append(f"| loss curve, 2 devices vs 1 on the same global batches | max rel. diff "
+                     f"{lc['max_loss_rel_diff']:.2e} ({lc['steps']} steps); replicas identical: "
+                     f"{lc['replica_weights_identical']} |")
+    if "in_process" in doc:
+        ip = doc["in_process"]
+        lines += [f"| in-process train_epochs, 1 device, global batch | {ip['single_global_batch'] / 1e6:.1f} M samples/s |",
+                  f"| in-process data-parallel, 2 devices | {ip['parallel_2_devices'] / 1e6:.1f} M samples/s "
+                  f"({ip['parallel_vs_single']:.2f}x) |"]
+    if "jobs" in doc:
+        jobs = doc["jobs"]
+        lines += [f"| job, 1 replica, global batch | {jobs['one_global_batch']['samples_per_s'] / 1e6:.1f} M samples/s |",
+                  f"| job, 2 replicas (data-parallel) | {jobs['two_global_batch']['samples_per_s'] / 1e6:.1f} M "
+                  f"samples/s ({jobs['two_vs_one_global']:.2f}x) |"]
+    if "serving" in doc:
+        serving, shm_serving = doc["serving"], doc["serving_system_shm"]
+        lines += [f"| serving, 8 clients, 1 replica | {serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
+                  f"| serving, 8 clients, 2 replicas | {serving['two']['samples_per_s'] / 1e6:.2f} M samples/s "
+                  f"({serving['two_vs_one']:.2f}x) |",
+                  f"| system shared memory, 8 clients, 1 replica | {shm_serving['one']['samples_per_s'] / 1e6:.2f} M "
+                  f"samples/s |",
+                  f"| system shared memory, 8 clients, 2 replicas | {shm_serving['two']['samples_per_s'] / 1e6:.2f} M "
+                  f"samples/s ({shm_serving['two_vs_one']:.2f}x) |"]
     return "\n".join(lines)
 
 
