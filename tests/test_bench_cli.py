@@ -99,6 +99,9 @@ def test_median_timer_host_and_device_clocks():
     samples = iter([0.3, 0.1, 0.2, 9.0])
     assert timing.median_seconds(lambda: None, 3, clock="gpu", gpu_seconds=lambda: next(samples),
                                  warmup=0, calls=2) == pytest.approx(0.1)
+    made = []
+    timing.median_seconds(timing.back_to_back(lambda: made.append(1), 4), 2, warmup=1, calls=4)
+    assert len(made) == 12  # (1 warm-up + 2 samples) x 4 back-to-back calls
     with pytest.raises(ValueError, match="clock"):
         timing.median_seconds(lambda: None, 1, clock="sundial")
     with pytest.raises(ValueError, match="gpu_seconds"):

@@ -48,7 +48,7 @@ CHECK_ROWS = 4096  # rows compared with the float64 oracle (rows are independent
 # relative L2 error against float64 that a correct variant stays within; fp32 models are read
 # back as fp16 here, so their bound is the fp16 output's rounding, not fp32's
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2, "fp32": 1e-3}
-DECISION_FORMAT = 1  # bump when the stored decision's fields change
+DECISION_FORMAT = 2  # bump when the stored decision's fields or their timing change
 SCORE_RULE = "forward / best forward + train / best train; lowest wins"
 
 Timer = Callable[[Callable[[], Any], Callable[[], None]], float]  # (fn, sync) -> seconds per call
@@ -61,11 +61,14 @@ class DispatchFailed(MMADError):
 
 def median_timer(clock: str = "host", repeats: int = 10) -> Timer:
     """The benchmarks' median timer (mmad.bench.timing) as a dispatch timer: ``clock`` "host"
-    (perf_counter around ``fn`` and ``sync``) or a device's events ("cupy")."""
-    from mmad.bench.timing import median_seconds
+    (perf_counter around ``fn`` and ``sync``, one call a sample) or a device's events ("cupy",
+    around the benchmarks' ``GPU_CALLS_PER_SAMPLE`` back-to-back calls a sample)."""
+    from mmad.bench.timing import GPU_CALLS_PER_SAMPLE, back_to_back, median_seconds
+
+    calls = 1 if clock == "host" else GPU_CALLS_PER_SAMPLE
 
     def timer(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
-        return median_seconds(fn, repeats, sync=sync, clock=clock)
+        return median_seconds(back_to_back(fn, calls), repeats, sync=sync, clock=clock, calls=calls)
 
     return timer
 

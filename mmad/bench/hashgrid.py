@@ -318,7 +318,8 @@ def time_torch_peer(spec: MLPSpec, params: dict[str, np.ndarray], x: np.ndarray,
     tx, ty = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
     # a module each: the forward's graph reads its weights in place, and training changes the other's
     forward = forward_fn(to_torch(spec, params).to(device), tx, autocast=True)
-    infer_s = timing.median_seconds(forward, opts.repeats, clock=clock)
+    calls = timing.GPU_CALLS_PER_SAMPLE if on_gpu else 1  # as mmad's cuda forward is timed
+    infer_s = timing.median_seconds(timing.back_to_back(forward, calls), opts.repeats, clock=clock, calls=calls)
     step = train_step_fn(to_torch(spec, params).to(device), tx, ty, lr=PEER_LR)
 
     def steps() -> None:

@@ -398,16 +398,20 @@ def _train_losses_finite(model: Any, dx: Any, dy: Any, **kw: Any) -> None:
 
 
 def _measure_cuda(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
+    """CUDA events around ``timing.GPU_CALLS_PER_SAMPLE`` back-to-back calls a sample."""
+    calls = timing.GPU_CALLS_PER_SAMPLE
     if mode == "forward":
         xs = _input_sets(model, x_in, dev_in, rng)
         it = count()
-        seconds = timing.median_seconds(lambda: model.forward(xs[next(it) % len(xs)], out_dtype=out_dtype),
-                                        opts.repeats, clock="cupy")
-        return {"seconds": seconds, "clock": "cuda events"}
+        seconds = timing.median_seconds(
+            timing.back_to_back(lambda: model.forward(xs[next(it) % len(xs)], out_dtype=out_dtype), calls),
+            opts.repeats, clock="cupy", calls=calls)
+        return {"seconds": seconds, "clock": "cuda events", "calls_per_sample": calls}
     dx, dy = model.upload(x), model.upload(y)
     _train_losses_finite(model, dx, dy)
-    return {"seconds": timing.median_seconds(lambda: model.train_step(dx, dy), opts.repeats, clock="cupy"),
-            "clock": "cuda events"}
+    seconds = timing.median_seconds(timing.back_to_back(lambda: model.train_step(dx, dy), calls), opts.repeats,
+                                    clock="cupy", calls=calls)
+    return {"seconds": seconds, "clock": "cuda events", "calls_per_sample": calls}
 
 
 def _measure_host(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict[str, Any]:
@@ -512,9 +516,10 @@ def time_torch_peer(name: str, opts: Options, kind: str) -> list[dict[str, Any]]
     y = torch.randn(opts.rows, spec.n_output_dims, device=device, generator=gen)
     label = f"torch-{torch.__version__}-{device} ({'fp16' if on_gpu else 'float32'})"
     out = []
+    calls = timing.GPU_CALLS_PER_SAMPLE if on_gpu else 1  # as the cuda backend's calls are timed
     for mode in opts.modes:
         fn = forward_fn(net, x) if mode == "forward" else train_step_fn(net, x, y)
-        seconds = timing.median_seconds(fn, opts.repeats, clock=clock)
+        seconds = timing.median_seconds(timing.back_to_back(fn, calls), opts.repeats, clock=clock, calls=calls)
         out.append({"model": name, "peer": label, "mode": mode, "rows": opts.rows, "seconds": seconds,
                     "samples_per_s": opts.rows / seconds})
     del net, x, y

@@ -12,6 +12,10 @@ sample read from one clock:
 
 ``calls`` is how many calls ``fn`` makes per sample (back-to-back launches or ``steps=``): the
 result is per call, so a fixed cost per sample (a read-back to synchronise) is spread over them.
+On CUDA every timer makes :data:`GPU_CALLS_PER_SAMPLE` calls a sample (:func:`back_to_back`): the
+throughput of a queue of calls. With one call a sample the GPU idled from the start event until
+the host had launched the call's first kernel (Python and the launch, 5-15 µs), inside a 60-80 µs
+forward of model S or of the hash-grid image config (docs/gpu-notes-cuda.md, session 12).
 
 ``measure_ceilings`` measures, now and here, the copy bandwidth and the matmul rate the floor
 divides by: on the GPU host a 1 GiB device-to-device copy and an 8192² fp16 matmul (PyTorch,
@@ -32,6 +36,16 @@ from mmad.errors import MMADError
 from mmad.spec import MLPSpec
 
 CLOCKS = ("host", "cupy", "torch", "gpu")
+GPU_CALLS_PER_SAMPLE = 10
+
+
+def back_to_back(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
+    """``fn`` called ``calls`` times: one sample of ``median_seconds(..., calls=calls)``."""
+    def sample() -> None:
+        for _ in range(calls):
+            fn()
+
+    return sample
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int, *, sync: Callable[[], None] | None = None,
