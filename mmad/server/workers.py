@@ -254,11 +254,6 @@ class WorkerPool:
         """The workers not serving yet (starting, or started again after they exited)."""
         return sorted(i for i in range(1, self.count + 1) if i not in self._ready)
 
-    def open_connections(self) -> dict[int, int]:
-        """Each ready worker's open connections (passed to it and not yet closed)."""
-        with self._lock:
-            return {i: self._dealt[i] - self.closed.get(i) for i in sorted(self._ready)}
-
     # -- the port's connections ----------------------------------------------------------------
     def _deal(self) -> None:
         """Listen while a worker is ready, and pass each accepted connection on."""
