@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import gzip
 import hashlib
+import re
 import threading
 import time
 
@@ -409,6 +410,8 @@ def test_repository_stats_devices_metrics(http):
                    "mmad_inference_samples_total", "mmad_queue_seconds_count", "mmad_request_failures_total"):
         assert series in text, series
     assert 'model="demo"' in text and 'backend="cpu:numpy"' in text
+    # this request's own connection is open in the process that holds it
+    assert re.search(r'mmad_process_connections\{process="\d+"\} [1-9]', text), text[-2000:]
     assert "/v2/models/{model}" in http.get("/openapi.json").text
 
 

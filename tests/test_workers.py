@@ -291,6 +291,10 @@ def test_persistent_connections_are_spread_evenly_over_the_workers(tmp_path):
         clients = [httpx.Client(base_url=proc.url, timeout=30.0) for _ in range(8)]
         try:
             assert answered_per_worker(clients) == {"1": 4.0, "2": 4.0}
+            with fresh_connections(proc.url) as probe:  # one more connection, to one of the two
+                text = probe.get("/metrics").text
+            held = {m[0]: float(m[1]) for m in re.findall(r'mmad_process_connections\{process="(\d+)"\} (\S+)', text)}
+            assert sorted([held["1"], held["2"]]) == [4.0, 5.0], held
             first = answered_per_worker(clients[:1])  # which worker holds client 0's connection
             (holder,) = [k for k, v in first.items() if v == 1.0]
             same = [c for c in clients if answered_per_worker([c])[holder] == 1.0]

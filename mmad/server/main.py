@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     class GracefulServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
+            runtime.metrics.process_connections.set_function(lambda: len(self.server_state.connections))
             # what start-up loaded (modules, the app, the models) lives as long as the daemon;
             # frozen, the collector's full passes skip it: they paused requests ~50 ms before
             gc.freeze()

@@ -58,6 +58,9 @@ class Metrics:
         self.process_infers = Counter("mmad_process_infer_requests",
                                       "infer requests each serving process answered itself (mmad serve --workers; "
                                       "0 is the primary)", ("process",), registry=r).labels(str(process))
+        self.process_connections = Gauge("mmad_process_connections",
+                                         "HTTP connections each serving process holds open now (mmad serve --workers; "
+                                         "0 is the primary)", ("process",), registry=r).labels(str(process))
         self.requests = Counter("mmad_requests", "HTTP requests per model endpoint",
                                 LABELS + ("endpoint",), registry=r)
         self.failures = Counter("mmad_request_failures", "requests answered with an error",

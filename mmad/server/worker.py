@@ -384,7 +384,8 @@ class DealtConnections:
     """The worker's end of the primary's dealer (:class:`~mmad.server.workers.WorkerPool`): the
     connections it passes arrive as descriptors on ``channel`` and are served by the same
     protocol as a listening server's; each one closed is counted in this worker's slot of the
-    shared ``closed`` counter, which the dealer reads to find the least loaded worker."""
+    shared ``closed`` counter, which the dealer reads to find the least loaded worker. ``open``:
+    the passed connections open now (``mmad_process_connections``)."""
 
     RECEIVE_BYTES, RECEIVE_FDS = 1024, 256
 
@@ -394,6 +395,7 @@ class DealtConnections:
         self.closed = SharedCounter(link.closed_path, slots=link.index + 1)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.protocol: Callable[[], asyncio.BaseProtocol] | None = None
+        self.open = 0
 
     def start(self, server: Any) -> None:
         """Serve each passed connection as ``server`` (a started uvicorn server) would an accepted one."""
@@ -422,6 +424,7 @@ class DealtConnections:
         self.channel.close()
 
     def closed_one(self) -> None:
+        self.open -= 1
         self.closed.store(self.closed.get(self.index) + 1, self.index)
 
     def _receive(self) -> None:
@@ -436,6 +439,7 @@ class DealtConnections:
             self.stop()
             return
         for fd in fds:
+            self.open += 1
             conn = socket.socket(fileno=fd)
             conn.setblocking(False)
             asyncio.ensure_future(self._serve(conn))
@@ -470,6 +474,7 @@ def run_worker(settings: Settings, link: WorkerLink, channel: socket.socket) -> 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:  # serving now: the primary passes this worker connections from here on
+                worker.rt.metrics.process_connections.set_function(lambda: dealt.open)
                 dealt.start(self)
                 await worker.primary.said_ready()
 
