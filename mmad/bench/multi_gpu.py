@@ -296,7 +296,8 @@ def daemon_parts(doc: dict[str, Any], client, url: str, spec, x, y, part: int, a
         jobs = {"one_per_device_batch": job_rate(client, "one", datasets["one"], part, args.job_steps),
                 "one_global_batch": job_rate(client, "one", datasets["one"], 2 * part, args.job_steps),
                 "two_global_batch": job_rate(client, "two", datasets["two"], 2 * part, args.job_steps)}
-        jobs["two_vs_one_global"] = jobs["two_global_batch"]["samples_per_s"] / jobs["one_global_batch"]["samples_per_s"]
+        jobs["two_vs_one_global"] = (jobs["two_global_batch"]["samples_per_s"]
+                                     / jobs["one_global_batch"]["samples_per_s"])
         jobs["two_vs_one_per_device"] = (jobs["two_global_batch"]["samples_per_s"]
                                          / jobs["one_per_device_batch"]["samples_per_s"])
         doc["jobs"] = jobs
@@ -325,12 +326,14 @@ def table(doc: dict[str, Any]) -> str:
                      f"{lc['replica_weights_identical']} |")
     if "in_process" in doc:
         ip = doc["in_process"]
-        lines += [f"| in-process train_epochs, 1 device, global batch | {ip['single_global_batch'] / 1e6:.1f} M samples/s |",
+        lines += [f"| in-process train_epochs, 1 device, global batch | {ip['single_global_batch'] / 1e6:.1f} M "
+                  "samples/s |",
                   f"| in-process data-parallel, 2 devices | {ip['parallel_2_devices'] / 1e6:.1f} M samples/s "
                   f"({ip['parallel_vs_single']:.2f}x) |"]
     if "jobs" in doc:
         jobs = doc["jobs"]
-        lines += [f"| job, 1 replica, global batch | {jobs['one_global_batch']['samples_per_s'] / 1e6:.1f} M samples/s |",
+        lines += [f"| job, 1 replica, global batch | {jobs['one_global_batch']['samples_per_s'] / 1e6:.1f} M "
+                  "samples/s |",
                   f"| job, 2 replicas (data-parallel) | {jobs['two_global_batch']['samples_per_s'] / 1e6:.1f} M "
                   f"samples/s ({jobs['two_vs_one_global']:.2f}x) |"]
     if "serving" in doc:
