@@ -337,14 +337,10 @@ def table(doc: dict[str, Any]) -> str:
                   f"| job, 2 replicas (data-parallel) | {jobs['two_global_batch']['samples_per_s'] / 1e6:.1f} M "
                   f"samples/s ({jobs['two_vs_one_global']:.2f}x) |"]
     if "serving" in doc:
-        serving, shm_serving = doc["serving"], doc["serving_system_shm"]
-        lines += [f"| serving, 8 clients, 1 replica | {serving['one']['samples_per_s'] / 1e6:.2f} M samples/s |",
-                  f"| serving, 8 clients, 2 replicas | {serving['two']['samples_per_s'] / 1e6:.2f} M samples/s "
-                  f"({serving['two_vs_one']:.2f}x) |",
-                  f"| system shared memory, 8 clients, 1 replica | {shm_serving['one']['samples_per_s'] / 1e6:.2f} M "
-                  f"samples/s |",
-                  f"| system shared memory, 8 clients, 2 replicas | {shm_serving['two']['samples_per_s'] / 1e6:.2f} M "
-                  f"samples/s ({shm_serving['two_vs_one']:.2f}x) |"]
+        for key, what in (("serving", "serving"), ("serving_system_shm", "system shared memory")):
+            one, two = doc[key]["one"]["samples_per_s"] / 1e6, doc[key]["two"]["samples_per_s"] / 1e6
+            lines += [f"| {what}, 8 clients, 1 replica | {one:.2f} M samples/s |",
+                      f"| {what}, 8 clients, 2 replicas | {two:.2f} M samples/s ({doc[key]['two_vs_one']:.2f}x) |"]
     return "\n".join(lines)
 
 
