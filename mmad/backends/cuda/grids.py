@@ -91,6 +91,9 @@ class GridPlan:
             for lv, mode in zip(p.levels, p.modes))
         k, t, x_cols = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}", self.input_cols
         smem_levels, smem_values = GridPlan.shared_levels(p)
+        # the corners' 16-byte group loads need whole rows at aligned addresses (table[p.offset:]);
+        # a 4-D part's 16 corners grouped need more than the 32 registers ptxas gives it (spills)
+        grouped = p.features in (1, 2, 4) and p.offset % p.features == 0 and p.dims <= 3
         return f"""
 __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
     {levels}}};
@@ -98,7 +101,7 @@ __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
 extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_encode_{k}(
     const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, u16* __restrict__ out,
     const u16* __restrict__ table) {{
-    grid_encode_part<{t}, {p.begin}, {p.column}, {x_cols}>(GRID_LEVELS_{k}, x, row_map, rows, out, table);
+    grid_encode_part<{t}, {str(grouped).lower()}, {p.begin}, {p.column}, {x_cols}>(GRID_LEVELS_{k}, x, row_map, rows, out, table);
 }}
 
 // 2 blocks an SM: under this register cap ptxas 13.0 spills nothing (with only the block size given

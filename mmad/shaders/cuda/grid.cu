@@ -101,6 +101,58 @@ __device__ __forceinline__ void add_table_row(float* acc, const u16* __restrict_
     }
 }
 
+// The table rows of one grid cell's corners that differ only in dim 0 (corners c and c + 1, c even)
+// often share an aligned 16-byte group of the table: the dense index puts them side by side, and
+// tcnn's hash multiplies dim 0 by 1, so x and x + 1 differ in the low bits only (x even: bit 0).
+// One 16-byte load then serves both; as two loads each missed L1 and read its own L2 sector
+// (Nsight Compute, 2^19 table: as many sectors as fine-level corner loads). For rows of 1, 2 or 4
+// fp16 values whose table starts at a multiple of a row, in 2-3 dims (GROUPED: the host decides).
+__device__ __forceinline__ const uint4* table_group(const u16* p) {
+    return reinterpret_cast<const uint4*>(reinterpret_cast<size_t>(p) & ~(size_t)15);
+}
+
+template <int F>
+__device__ __forceinline__ void add_group_row(float* acc, const uint4& q, const u16* p, float w) {
+    const u32 byte = (u32)reinterpret_cast<size_t>(p) & 15u;
+    const u32 lo = (byte & 8u) ? q.z : q.x, hi = (byte & 8u) ? q.w : q.y;  // the 8-byte half holding the row
+    if (F == 4) {
+        const float2 a = unpack_h2(lo), b = unpack_h2(hi);
+        acc[0] = fmaf(w, a.x, acc[0]);
+        acc[1] = fmaf(w, a.y, acc[1]);
+        acc[2] = fmaf(w, b.x, acc[2]);
+        acc[3] = fmaf(w, b.y, acc[3]);
+    } else {
+        const u32 word = (byte & 4u) ? hi : lo;
+        if (F == 2) {
+            const float2 v = unpack_h2(word);
+            acc[0] = fmaf(w, v.x, acc[0]);
+            acc[1] = fmaf(w, v.y, acc[1]);
+        } else {
+            acc[0] = fmaf(w, half_bits_to_float((u16)((byte & 2u) ? word >> 16 : word & 0xffffu)), acc[0]);
+        }
+    }
+}
+
+template <int DIMS, int F, int INTERP, bool GROUPED>
+__device__ __forceinline__ void add_corners(float* acc, const u16* __restrict__ table, const GridCell<DIMS, INTERP>& g,
+                                            const GridLevelDesc& L) {
+    if constexpr (GROUPED && INTERP != INTERP_NEAREST) {
+#pragma unroll
+        for (int corner = 0; corner < (1 << DIMS); corner += 2) {
+            const u16* p0 = table + (size_t)g.row(L, corner) * F;
+            const u16* p1 = table + (size_t)g.row(L, corner + 1) * F;
+            const uint4 q0 = __ldg(table_group(p0));
+            const uint4 q1 = table_group(p0) == table_group(p1) ? q0 : __ldg(table_group(p1));
+            add_group_row<F>(acc, q0, p0, g.weight(corner));
+            add_group_row<F>(acc, q1, p1, g.weight(corner + 1));
+        }
+    } else {
+#pragma unroll
+        for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
+            add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
+    }
+}
+
 // The encoded input in pair-major fp16 (what mlp_mma.cu's ENCODED_INPUT kernels read): element
 // (r, c) of a batch of `rows` rows at half (c / 2 · rows + r) · 2 + c % 2, so the pair of columns
 // 2p, 2p + 1 of consecutive rows are consecutive words.
@@ -110,7 +162,7 @@ __device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64
 // one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
 // per row and every level, docs/gpu-notes-cuda.md); the row's features go out as one word per
 // pair, coalesced over the block's rows.
-template <int DIMS, int F, int INTERP, int BEGIN, int COLUMN, int X_COLS>
+template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
 __device__ __forceinline__ void grid_encode_part(
     const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
     u16* __restrict__ out, const u16* __restrict__ table) {
@@ -135,9 +187,7 @@ __device__ __forceinline__ void grid_encode_part(
     float acc[F];
 #pragma unroll
     for (int f = 0; f < F; ++f) acc[f] = 0.f;
-#pragma unroll
-    for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner)
-        add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
+    add_corners<DIMS, F, INTERP, GROUPED>(acc, table, g, L);
     const int c0 = COLUMN + level * F;
     if constexpr (F % 2 == 0 && COLUMN % 2 == 0) {  // whole pairs: one word each
 #pragma unroll
