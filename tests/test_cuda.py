@@ -87,7 +87,7 @@ def cached_pair(backend, cache, spec, rng):
 
 def test_probe_reports_every_variant(backend):
     rows = {r.variant: r for r in backend.probe()}
-    assert set(rows) == {"wgmma", "mma", "cublaslt"}
+    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt"}
     assert "compute_capability" in rows["mma"].details
     for row in rows.values():
         assert row.available or row.reason, row
@@ -123,6 +123,49 @@ def test_forward_matches_oracle(backend, cache, name, activation, batch):
     check = np.arange(batch) if batch <= 65_537 else np.sort(rng.choice(batch, 4096, replace=False))
     err = rel_err(out[check], oracle.forward(x[check]))
     assert err <= FWD_TOL, f"{name}/{activation}/batch {batch}: forward rel. err {err:.2e}"
+
+
+@pytest.mark.parametrize(("name", "activation"), MODEL_CASES)
+def test_f16acc_forward_matches_oracle(backend, cache, name, activation):
+    """mma-f16acc's fp16-out forward (fp16 accumulators, tiny-cuda-nn's fully fused arithmetic):
+    every activation on S/M/L/W, fp16 device inputs and outputs at every batch size, against the
+    float64 oracle with the forward's tolerance; fp32 outputs go through mma's fp32 forward."""
+    import cupy as cp
+
+    rng = np.random.default_rng(hash(("f16acc", name, activation)) % 2**32)
+    spec = bench_spec(name, activation=activation)
+    model, oracle = make_pair(backend, cache, spec, rng, variant="mma-f16acc")
+    assert model.variant == "mma-f16acc"
+    for batch in BATCHES:
+        x16 = inputs(rng, batch, spec).astype(np.float16)
+        out = model.forward(cp.asarray(x16), out_dtype=np.float16)
+        assert out.dtype == cp.float16 and out.shape == (batch, spec.n_output_dims)
+        check = np.arange(batch) if batch <= 65_537 else np.sort(rng.choice(batch, 4096, replace=False))
+        err = rel_err(cp.asnumpy(out)[check].astype(np.float64), oracle.forward(x16[check].astype(np.float32)))
+        assert err <= FWD_TOL, f"{name}/{activation}/batch {batch}: fp16-accumulated forward rel. err {err:.2e}"
+    x = inputs(rng, 1000, spec)
+    assert rel_err(model.forward(x), oracle.forward(x)) <= FWD_TOL
+    model.close()
+
+
+def test_f16acc_trains_exactly_as_mma(backend, cache):
+    """mma-f16acc changes only the fp16-out forwards: from the same parameters its training steps
+    give mma's losses and parameters bit for bit."""
+    rng = np.random.default_rng()
+    spec = bench_spec("S")
+    params = random_params(spec, rng)
+    x = rng.standard_normal((5000, spec.n_input_dims), dtype=np.float32)
+    y = rng.standard_normal((5000, spec.n_output_dims), dtype=np.float32)
+    results = []
+    for variant in ("mma", "mma-f16acc"):
+        model = backend.compile(spec, variant=variant, cache=cache)
+        model.set_params(params)
+        results.append((np.asarray(model.train_step(x, y, steps=5)), model.get_params()))
+        model.close()
+    (loss_a, params_a), (loss_b, params_b) = results
+    np.testing.assert_array_equal(loss_a, loss_b)
+    for name in params_a:
+        np.testing.assert_array_equal(params_a[name], params_b[name])
 
 
 @pytest.mark.parametrize("activation", ["Sigmoid", "Exponential", "Squareplus", "Sine"])
@@ -309,6 +352,10 @@ HALF_IO_CASES = [  # (variant, spec overrides): fp16 in/out kernels, odd widths,
     ("mma", {"name": "S"}),
     ("mma", {"name": "M", "n_input_dims": 17, "n_output_dims": 3}),
     ("mma", {"name": "M", "encoding": {"otype": "Frequency", "n_frequencies": 4}, "n_input_dims": 3}),
+    ("mma-f16acc", {"name": "S"}),
+    ("mma-f16acc", {"name": "M", "n_input_dims": 17, "n_output_dims": 3}),
+    ("mma-f16acc", {"name": "L", "output_activation": "Sigmoid", "activation": "SiLU"}),
+    ("mma-f16acc", {"name": "W"}),
     ("cublaslt", {"name": "M"}),
     ("cublaslt", {"name": "W"}),
     ("cublaslt", {"name": "M", "output_activation": "Sigmoid", "activation": "SiLU"}),

@@ -217,10 +217,36 @@ def test_train_epochs_on_a_grid_model(backend):
 
 
 @pytest.mark.gpu
+def test_image_config_on_the_fp16_accumulating_variant(backend):
+    """tiny-cuda-nn's hash-grid image config on mma-f16acc (its MLP's fp16-out forward accumulates
+    in fp16): the fp16 forward against the float64 oracle at several batch sizes, random tables;
+    the same training steps as mma, bit for bit."""
+    import cupy as cp
+
+    spec = MLPSpec.from_json({**IMAGE_CONFIG, "precision": "fp16"})
+    rng = np.random.default_rng()
+    params = random_params(spec, rng)
+    ref = oracle(spec, params)
+    x = grid_inputs(rng, 4096, 2).astype(np.float32)
+    y = rng.random((4096, 3), dtype=np.float32)
+    losses = []
+    for variant in ("mma", "mma-f16acc"):
+        with backend.compile(spec, variant=variant) as m:
+            assert m.variant == variant
+            m.set_params(params)
+            for rows in (1, 7, 1000, 4096):
+                out = m.forward(cp.asarray(x[:rows]), out_dtype=np.float16)
+                err = rel_err(cp.asnumpy(out).astype(np.float64), ref.forward(x[:rows]))
+                assert err <= FWD_TOL["fp16"], f"{variant}, {rows} rows: {err:.2e}"
+            losses.append(np.asarray(m.train_step(x, y, steps=3)))
+    np.testing.assert_array_equal(losses[0], losses[1])
+
+
+@pytest.mark.gpu
 def test_other_cuda_variants_refuse_grid_models(backend):
     spec = grid_spec(HASH_2D, 2)
     for variant in ("cublaslt", "wgmma"):
-        with pytest.raises(SpecError, match="grid encodings run on the cuda backend's mma variant only"):
+        with pytest.raises(SpecError, match="grid encodings run on the cuda backend's mma and mma-f16acc variants only"):
             backend.compile(spec, variant=variant)
     with backend.compile(spec) as m:
         with pytest.raises(InvalidInput, match="data-parallel training of a grid-encoded model"):

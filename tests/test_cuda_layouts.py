@@ -57,7 +57,7 @@ def test_two_accumulator_tiles_are_the_next_a_fragment() -> None:
 
 def test_probe_without_cupy_reports_why() -> None:
     rows = CudaBackend().probe()
-    assert [r.variant for r in rows] == ["wgmma", "mma", "cublaslt"]
+    assert [r.variant for r in rows] == ["wgmma", "mma", "mma-f16acc", "cublaslt"]
     if importlib.util.find_spec("cupy") is None:
         for row in rows:
             assert not row.available
@@ -101,6 +101,36 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
             assert spills[twin] <= spills[kernel], spills
     for kernel in spill_free + ("mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step"):
         assert spills[kernel] == 0, f"{kernel} uses local memory: {spills}"
+
+
+@pytest.mark.parametrize("name", ["S", "M", "L", "W"])
+def test_fp16_accumulating_forwards_build_with_nvcc_without_spills(tmp_path, name) -> None:
+    """The mma-f16acc variant's source (FWD_ACC16: the fp16-out forwards accumulate in fp16, with
+    their own rows per warp) built by nvcc for sm_90: its fp16-out forwards use no local memory and
+    fewer registers per 16-row tile than the fp32-accumulating ones."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
+    regs, tiles = {}, {}
+    for acc16 in (False, True):
+        plan = MmaPlan(bench_spec(name), forward_acc16=acc16)
+        tiles[acc16] = plan.mt_half
+        assert ("#define FWD_ACC16 1" in plan.source) is acc16
+        src = tmp_path / f"{name}{int(acc16)}.cu"
+        src.write_text(plan.source)
+        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
+                               "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+                            r"stores.*?Used (\d+) registers", done.stderr, flags=re.S)
+        half = [k for k in ("mlp_forward_half", "mlp_forward_half_group") if k in {r[0] for r in report}]
+        assert half and (name == "W") == (half == ["mlp_forward_half"])  # no group forward at width 256
+        for kernel, stack, spill, used in report:
+            if kernel in half:
+                assert int(stack) + int(spill) == 0 or not acc16, f"{kernel} uses local memory"
+                regs[kernel, acc16] = int(used)
+    for kernel in half:
+        assert regs[kernel, True] / tiles[True] < regs[kernel, False] / tiles[False], (regs, tiles)
 
 
 @pytest.mark.parametrize(("name", "overrides", "fused"), [

@@ -227,9 +227,11 @@ def test_forward_into_writes_a_device_array(pair, in_dtype, out_dtype):
     np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(model.forward(dx, out_dtype=out_dtype)))
 
 
+@pytest.mark.parametrize("variant", ["mma", "mma-f16acc"])
 @pytest.mark.parametrize("name", ["S", "M", "L", "W"])
-def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_inputs(backend, name):
-    """``forward_group`` (the daemon's group of forwards between CUDA regions): on mma, every pair
+def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_inputs(backend, name, variant):
+    """``forward_group`` (the daemon's group of forwards between CUDA regions): on mma (and
+    mma-f16acc, whose fp16 group kernel accumulates in fp16), every pair
     of fp16 in and out runs in one launch and every pair of fp32 in and out in another, each
     output bit-identical to the pair's own ``forward`` and within the oracle's tolerance, and
     the NaN/Inf word of exactly the pairs whose input holds them is set (an fp32 value beyond
@@ -238,7 +240,7 @@ def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_input
     import cupy as cp
 
     rng = np.random.default_rng()
-    model, oracle = make_pair(backend, KernelCache(), bench_spec(name), rng, variant="mma")
+    model, oracle = make_pair(backend, KernelCache(), bench_spec(name), rng, variant=variant)
     n_in, n_out = model.spec.n_input_dims, model.spec.n_output_dims
     cases = [(1, np.float16, np.float16, None), (7, np.float32, np.float32, None),
              (1000, np.float16, np.float16, "nan"), (65_537, np.float16, np.float16, None),

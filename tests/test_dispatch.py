@@ -22,8 +22,9 @@ from mmad.backends.cpu import CpuModel
 from mmad.errors import CompileError, SpecError
 from mmad.spec import MLPSpec
 
-SPEC = MLPSpec.from_json({"n_input_dims": 8, "n_output_dims": 4, "network": {"n_neurons": 16, "n_hidden_layers": 2},
-                          "precision": "fp16", "seed": 3})
+SPEC_DOC = {"n_input_dims": 8, "n_output_dims": 4, "network": {"n_neurons": 16, "n_hidden_layers": 2},
+            "precision": "fp16", "seed": 3}
+SPEC = MLPSpec.from_json(SPEC_DOC)
 ROWS = 2048  # small: numpy does the work
 
 
@@ -229,7 +230,8 @@ def stub_cuda(monkeypatch, tmp_path):
     from mmad.backends import cuda
     from mmad.backends.contract import ProbeRow
 
-    fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "cublaslt": (2.0, 2.0, "ok")})
+    fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "mma-f16acc": (1.5, 1.0, "ok"),
+                        "cublaslt": (2.0, 2.0, "ok")})
     cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
     monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
@@ -243,6 +245,7 @@ def stub_cuda(monkeypatch, tmp_path):
         b = cuda.CudaBackend()
         b._rows = [ProbeRow("cuda", "wgmma", wgmma_offered, reason="" if wgmma_offered else "off"),
                    ProbeRow("cuda", "mma", True, api_version="driver 12.8"),
+                   ProbeRow("cuda", "mma-f16acc", True, api_version="driver 12.8"),
                    ProbeRow("cuda", "cublaslt", True)]
         return b
 
@@ -255,12 +258,13 @@ def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub
     model = stub_cuda.backend().compile(SPEC)
     assert model.variant == "mma"
     doc = model.dispatch.to_json()
-    assert [v["variant"] for v in doc["variants"]] == ["mma", "cublaslt"]
+    assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt"]
     assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
     # MMAD_CUDA_WGMMA offers it (the probe's row): then it is a candidate like the others
     offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
     assert offered.variant == "wgmma"
-    assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == ["wgmma", "mma", "cublaslt"]
+    assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == ["wgmma", "mma", "mma-f16acc",
+                                                                              "cublaslt"]
 
 
 def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monkeypatch):
@@ -271,7 +275,7 @@ def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monk
     assert model.variant == "mma" and model.dispatch is None
     assert stub_cuda.backend(wgmma_offered=True).compile(SPEC).variant == "wgmma"
     assert stub_cuda.fake.clock.timed == 0
-    with pytest.raises(SpecError, match="the cuda backend has variants wgmma, mma, cublaslt; got 'fast'"):
+    with pytest.raises(SpecError, match="the cuda backend has variants wgmma, mma, mma-f16acc, cublaslt; got 'fast'"):
         backend.compile(SPEC, variant="fast")
 
 
@@ -380,3 +384,19 @@ def test_bench_dispatch_needs_a_backend_without_a_variant(capsys, monkeypatch):
     assert cli.main(["bench", "--backend", "cpu:numpy", "--peer", "none", "--dispatch", "x.json"]) == 2
     err = capsys.readouterr().err
     assert "--dispatch: reports the backend's own choice of variant: name one --backend without a variant" in err
+
+
+def test_cuda_offers_ema_models_only_the_mma_variants_and_grid_models_take_mma(stub_cuda):
+    """tiny-cuda-nn's EMA wrapper runs on the mma kernels: the dispatcher measures mma and
+    mma-f16acc only; a grid model left to the backend takes mma without measuring (a fresh
+    model's tables tell nothing of fp16 accumulators on trained ones), mma-f16acc when named."""
+    ema = MLPSpec.from_json({**SPEC_DOC, "optimizer": {"otype": "EMA", "decay": 0.9, "nested": {"otype": "Adam"}}})
+    model = stub_cuda.backend(wgmma_offered=True).compile(ema)
+    assert [v["variant"] for v in model.dispatch.to_json()["variants"]] == ["mma", "mma-f16acc"]
+    timed = stub_cuda.fake.clock.timed
+    grid = MLPSpec.from_json({**SPEC_DOC, "n_input_dims": 2, "encoding": {"otype": "HashGrid", "n_levels": 2}})
+    assert stub_cuda.backend().compile(grid).variant == "mma"
+    assert stub_cuda.backend().compile(grid, variant="mma-f16acc").variant == "mma-f16acc"
+    assert stub_cuda.fake.clock.timed == timed
+    with pytest.raises(SpecError, match="mma and mma-f16acc variants only"):
+        stub_cuda.backend().compile(grid, variant="cublaslt")

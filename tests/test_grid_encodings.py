@@ -113,7 +113,7 @@ def test_grid_spec_errors_name_the_field(doc, n_in, field, words):
 
 @pytest.mark.parametrize("otype", ["HashGrid", "DenseGrid", "TiledGrid"])
 def test_cuda_variants_without_grid_kernels_refuse_the_grids(otype):
-    """Grids run on every backend (the cuda one on its mma variant: tests/test_cuda_grids.py); the
+    """Grids run on every backend (the cuda one on its mma variants: tests/test_cuda_grids.py); the
     cuda variants without grid kernels refuse a grid model by name, also inside a Composite,
     before anything touches a GPU."""
     plain = grid_spec({"otype": otype, "n_levels": 2}, n_in=2)

@@ -48,6 +48,7 @@ from mmad.spec import MLPSpec
 PRIORITY = {
     ("cuda", "wgmma"): 100,
     ("cuda", "mma"): 90,
+    ("cuda", "mma-f16acc"): 85,
     ("cuda", "cublaslt"): 80,
     ("vulkan", "coopmat"): 70,
     ("vulkan", "simt"): 50,

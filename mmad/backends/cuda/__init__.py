@@ -5,10 +5,14 @@ One file per variant; ``probe()`` reports each, with the reason when it cannot r
 * ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forward; off unless ``MMAD_CUDA_WGMMA=1``.
 * ``mma`` (:mod:`.mma`) — mma.sync.m16n8k16 fused forward and training, compute capability 8.0+,
   widths 16-256.
+* ``mma-f16acc`` (:mod:`.mma`) — the same kernels, except that the forwards with fp16 outputs
+  accumulate in fp16, as tiny-cuda-nn's fully fused MLP does (fewer registers, a lighter epilogue;
+  a little less precise: the dispatcher keeps it only where it is faster and within tolerance).
 * ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
 
-A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` with the grid kernels
-around its MLP kernels (:mod:`.grids`).
+A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` or ``mma-f16acc`` with the
+grid kernels around its MLP kernels (:mod:`.grids`); left to the backend it takes ``mma``: a fresh
+model's tables (values near 1e-4) would not tell how fp16 accumulators fare on trained ones.
 
 ``compile(spec)`` without a variant measures the usable ones on the model's shapes and keeps the
 fastest (:mod:`mmad.backends.dispatch`; ``MMAD_DISPATCH=fixed``: wgmma where offered, else mma).
@@ -40,7 +44,8 @@ from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
-VARIANTS = ("wgmma", "mma", "cublaslt")
+VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt")
+MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
 
 
@@ -98,15 +103,17 @@ class CudaBackend(Backend):
                           details={**details, "nvcc": find_nvcc() or "missing"},
                           mma_shapes=wg_shapes if ok else [], **common)
         if cc >= (8, 0):
-            mma = ProbeRow("cuda", "mma", True, mma_shapes=mma_shape,
-                           details={**details, "max_width": MMA_MAX_WIDTH}, **common)
+            mma, acc16 = (ProbeRow("cuda", v, True, mma_shapes=mma_shape, details={**details, "max_width": MMA_MAX_WIDTH,
+                                   "forward_accumulator": acc}, **common)
+                          for v, acc in (("mma", "fp32"), ("mma-f16acc", "fp16")))
         else:
-            mma = ProbeRow("cuda", "mma", False, reason=f"mma.sync m16n8k16 kernels need compute capability "
-                           f"8.0 or newer; this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+            mma, acc16 = (ProbeRow("cuda", v, False, reason=f"mma.sync m16n8k16 kernels need compute capability "
+                                   f"8.0 or newer; this GPU is {cc[0]}.{cc[1]}", details=dict(details), **common)
+                          for v in MMA_VARIANTS)
         lt_ok, lt_reason, lt_version = cublaslt_availability()
         lt = ProbeRow("cuda", "cublaslt", lt_ok, reason=lt_reason,
                       details={**details, "nvmath": lt_version}, **common)
-        return [wg, mma, lt]
+        return [wg, mma, acc16, lt]
 
     @staticmethod
     def _wgmma_fits(spec: MLPSpec) -> bool:
@@ -155,15 +162,16 @@ class CudaBackend(Backend):
         """``spec`` compiled as ``variant``; without one, the fastest usable variant for this model
         on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
         default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
-        A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma (the variant that
-        keeps the average; the grid kernels work around its MLP kernels, :mod:`.grids`)."""
+        A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma or mma-f16acc (the
+        variants that keep the average; the grid kernels work around their MLP kernels,
+        :mod:`.grids`); a grid model left to the backend takes mma (see the module's description)."""
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
         grids = bool(spec.grid_shapes)
-        if grids and variant not in (None, "mma"):
-            raise SpecError("variant", f"grid encodings run on the cuda backend's mma variant only (grid kernels "
-                                       f"around its MLP kernels); the {variant} variant has none")
+        if grids and variant not in (None, *MMA_VARIANTS):
+            raise SpecError("variant", f"grid encodings run on the cuda backend's mma and mma-f16acc variants only "
+                                       f"(grid kernels around their MLP kernels); the {variant} variant has none")
         knobs = CudaKnobs.from_env()
         ema = spec.optimizer.ema is not None
         if variant is None and (knobs.dispatch == "fixed" or grids):
@@ -172,7 +180,7 @@ class CudaBackend(Backend):
             raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
         # wgmma is a candidate only where MMAD_CUDA_WGMMA offers it (its training is not written)
         usable = [v for v in VARIANTS if rows[v].available and (v != "wgmma" or self._wgmma_fits(spec))
-                  and (not ema or v == "mma")]
+                  and (not ema or v in MMA_VARIANTS)]
         if not usable:
             raise BackendUnavailable("cuda", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
         cp = cupy_module()
@@ -193,8 +201,9 @@ class CudaBackend(Backend):
     @staticmethod
     def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,
                knobs: CudaKnobs) -> CompiledModel:
-        if variant == "mma":
-            return (CudaGridModel if spec.grid_shapes else CudaMmaModel)(spec, cp, info, cache, knobs)
+        if variant in MMA_VARIANTS:
+            return (CudaGridModel if spec.grid_shapes else CudaMmaModel)(spec, cp, info, cache, knobs,
+                                                                           forward_acc16=variant == "mma-f16acc")
         if variant == "wgmma":
             return CudaWgmmaModel(spec, cp, info, cache, knobs)
         return CublasLtModel(spec, cp, info, cache)

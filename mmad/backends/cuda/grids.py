@@ -121,10 +121,10 @@ class CudaGridModel(CudaMmaModel):
     encoded_input = True  # the mma kernels read the pair-major encoded input and write d loss / d it
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
-                 knobs: CudaKnobs | None = None):
+                 knobs: CudaKnobs | None = None, forward_acc16: bool = False):
         self.grid_plan = GridPlan(spec)
         self._grid_cache = cache
-        super().__init__(spec, cp, info, cache, knobs)
+        super().__init__(spec, cp, info, cache, knobs, forward_acc16)
 
     # -- build and buffers ---------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -207,7 +207,8 @@ class CudaGridModel(CudaMmaModel):
             encoded = self._new_encoded(rows)
             self._encode(kin, rows, encoded, table=self.table_image if self.table_eimage is None else self.table_eimage)
             rows_pad = self._rows_padded(rows)
-            grid = max(1, min(self.grid_fwd, math.ceil(rows_pad // (16 * self.mt_fwd) / self.warps)))
+            mt, blocks = (self.mt_half, self.grid_half) if half else (self.mt_fwd, self.grid_fwd)
+            grid = max(1, min(blocks, math.ceil(rows_pad // (16 * mt) / self.warps)))
             self._launch("mlp_forward_pairs_half" if half else "mlp_forward_pairs", (grid,), (self.warps * 32,),
                          (encoded, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
                          self.smem_fwd if self.w_smem_fwd else 0)

@@ -121,7 +121,7 @@ class MmaPlan:
     # training kernels read it and write d loss / d input (the encoding's backward reads it)
     encoded_input = False
 
-    def __init__(self, spec: MLPSpec, knobs: CudaKnobs | None = None):
+    def __init__(self, spec: MLPSpec, knobs: CudaKnobs | None = None, forward_acc16: bool = False):
         knobs = knobs or CudaKnobs.from_env()
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda mma variant computes in fp16; got {spec.precision!r}")
@@ -129,6 +129,8 @@ class MmaPlan:
             raise SpecError("network.n_neurons",
                             f"the cuda mma variant supports widths up to {MMA_MAX_WIDTH}; got {spec.n_neurons}")
         self.spec = spec
+        # the fp16-out forwards accumulate in fp16 (the mma-f16acc variant; mlp_mma.cu's FWD_ACC16)
+        self.forward_acc16 = forward_acc16
         self.width = spec.n_neurons
         self.n_hidden = spec.n_hidden_layers
         self.k_in = pad16(spec.n_encoded_dims)
@@ -145,6 +147,9 @@ class MmaPlan:
         self.w_smem_fwd = self.smem_fwd <= SMEM_WEIGHTS_LIMIT
         self.w_smem_train = self.smem_train <= SMEM_WEIGHTS_LIMIT
         self.mt_fwd = 2 if self.width <= 64 else 1  # two 16-row tiles per warp share B loads
+        # the fp16-out forwards' tiles: with fp16 accumulators (half the registers) more tiles share
+        # each B load (H100, 2^20 rows: S 21,494 / 20,750 M samples/s at 4 / 2, L 1,802 / 1,633 at 2 / 1)
+        self.mt_half = (4 if self.width <= 64 else 2 if self.width <= 128 else 1) if forward_acc16 else self.mt_fwd
         self.warps = WARPS_PER_BLOCK
         self.fused_wgrad, self.smem_fused = self._fused_plan(knobs.fused_wgrad)
         self.group_forward = self.width <= GROUP_MAX_WIDTH
@@ -172,10 +177,11 @@ class MmaPlan:
             "NOUT": s.n_output_dims, "NOUT_PAD": self.n_out_pad,
             "ACT": ACTIVATION_CODES[s.activation], "OUT_ACT": ACTIVATION_CODES[s.output_activation],
             "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
-            "MT_FWD": self.mt_fwd, "MT_TRAIN": 1, "WARPS": self.warps,
+            "MT_FWD": self.mt_fwd, "MT_HALF": self.mt_half, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
             "GROUP_FORWARD": int(self.group_forward), "ENCODED_INPUT": int(self.encoded_input),
+            "FWD_ACC16": int(self.forward_acc16),
             **optimizer_defines(s),
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -183,15 +189,17 @@ class MmaPlan:
 
 
 class CudaMmaModel(MmaPlan, CudaModel):
-    """A model compiled to the fused mma.sync kernels; every buffer lives on the device."""
+    """A model compiled to the fused mma.sync kernels; every buffer lives on the device. With
+    ``forward_acc16`` it is the ``mma-f16acc`` variant: the same kernels, except that the fp16-out
+    forwards accumulate in fp16 as tiny-cuda-nn's fully fused MLP does."""
 
-    variant = "mma"
     supports_ema = True
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
-                 knobs: CudaKnobs | None = None):
+                 knobs: CudaKnobs | None = None, forward_acc16: bool = False):
         CudaModel.__init__(self, spec, cp, info)
-        MmaPlan.__init__(self, spec, knobs)
+        MmaPlan.__init__(self, spec, knobs, forward_acc16)
+        self.variant = "mma-f16acc" if forward_acc16 else "mma"
         self._module = self._build(cache)
         self._allocate()
         self.set_params(init_params(spec))
@@ -224,6 +232,9 @@ class CudaMmaModel(MmaPlan, CudaModel):
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
         self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
+        # the fp16-out forwards' persistent grid (fp16 accumulators hold fewer registers)
+        self.grid_half = (self._resident_blocks(module.kernel("mlp_forward_half"), self.smem_fwd if self.w_smem_fwd
+                                                else 0) if self.forward_acc16 else self.grid_fwd)
         self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
         self.grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
                            if self.fused_wgrad else 0)
@@ -329,8 +340,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
                                                      dtype=cp.float16 if half_io else cp.float32)
         if rows:
             rows_pad = self._rows_padded(rows)
-            tiles = rows_pad // (16 * self.mt_fwd)
-            grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
+            tiles = rows_pad // (16 * (self.mt_half if half_io else self.mt_fwd))
+            grid = max(1, min(self.grid_half if half_io else self.grid_fwd, math.ceil(tiles / self.warps)))
             self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
                          self.smem_fwd if self.w_smem_fwd else 0)
@@ -373,12 +384,13 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 by_kernel[kernel].append(i)
             else:
                 others.append(i)
-        rows_per_tile = 16 * self.mt_fwd
         flag_base = nonfinite.data.ptr if nonfinite is not None else 0  # uint32 words
         for kernel, members in by_kernel.items():
             if not members:
                 continue
             table = np.zeros((len(members), 5), dtype=np.int64)  # GroupForward in mlp_mma.cu
+            half = kernel == "mlp_forward_half_group"
+            rows_per_tile = 16 * (self.mt_half if half else self.mt_fwd)
             tiles = 0
             for row, i in enumerate(members):
                 x, out = pairs[i]
@@ -392,7 +404,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 group = self._tables.upload(table)
             except device_errors(cp) as exc:
                 raise LaunchError(f"copying a group of {len(members)} forwards to the device failed: {exc}") from exc
-            grid = max(1, min(self.grid_fwd, math.ceil(tiles / self.warps)))
+            grid = max(1, min(self.grid_half if half else self.grid_fwd, math.ceil(tiles / self.warps)))
             self._launch(kernel, (grid,), (self.warps * 32,),
                          (group, np.int32(len(members)), np.int64(tiles), *self._inference_weights()),
                          self.smem_fwd if self.w_smem_fwd else 0)

@@ -163,13 +163,9 @@ __device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64
 // per row and every level, docs/gpu-notes-cuda.md); the row's features go out as one word per
 // pair, coalesced over the block's rows.
 template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
-__device__ __forceinline__ void grid_encode_part(
-    const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
+__device__ __forceinline__ void grid_encode_row(
+    const GridLevelDesc& L, int level, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, i64 r,
     u16* __restrict__ out, const u16* __restrict__ table) {
-    const i64 r = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
-    if (r >= rows) return;
-    const int level = blockIdx.y;
-    const GridLevelDesc L = levels[level];
     const float* xs = x + (row_map ? (i64)row_map[r] : r) * X_COLS + BEGIN;
     float xr[DIMS];
     if constexpr (DIMS % 2 == 0 && BEGIN % 2 == 0 && X_COLS % 2 == 0) {  // 8-byte loads of the position
@@ -197,6 +193,17 @@ __device__ __forceinline__ void grid_encode_part(
 #pragma unroll
         for (int f = 0; f < F; ++f) out[pair_major(rows, r, c0 + f)] = to_half_bits(acc[f]);
     }
+}
+
+template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
+__device__ __forceinline__ void grid_encode_part(
+    const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
+    u16* __restrict__ out, const u16* __restrict__ table) {
+    const i64 r = (i64)blockIdx.x * GRID_THREADS + threadIdx.x;
+    if (r >= rows) return;
+    const int level = blockIdx.y;
+    grid_encode_row<DIMS, F, INTERP, GROUPED, BEGIN, COLUMN, X_COLS>(levels[level], level, x, row_map, rows, r, out,
+                                                                     table);
 }
 
 __device__ __forceinline__ void red_add(float* p, float v) {

@@ -7,6 +7,7 @@
 //   ACT OUT_ACT LOSS   activation / output activation / loss codes (ACT_* / LOSS_* below)
 //   HUBER_DELTA        Huber's delta
 //   MT_FWD MT_TRAIN    row tiles of 16 per warp in the forward / training kernel
+//   MT_HALF            ... in the fp16-out forwards (MT_FWD unless FWD_ACC16)
 //   WARPS              warps per block
 //   W_SMEM_FWD W_SMEM_TRAIN  weights staged in shared memory (else read through L1)
 //   STORE_DACT         the hidden activation's derivative is stored (not derivable from h)
@@ -14,6 +15,8 @@
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
 //   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
+//   FWD_ACC16          1: the fp16-out forwards (mlp_forward_half, mlp_forward_half_group,
+//                      mlp_forward_pairs_half) accumulate in fp16 (mlp_forward_acc16 below)
 //   ENCODED_INPUT      1: the input is an encoding made on the device (a grid's, grid.cu): fp16 in
 //                      pair-major layout (the pair of columns 2p, 2p + 1 of row r at word p·rows + r;
 //                      ``x_pairs``), read by mlp_forward_pairs(_half) and the plain training kernels,
@@ -153,8 +156,7 @@ __device__ __forceinline__ void store_out2(float* o, int col, float p0, float p1
 #endif
 }
 
-__device__ __forceinline__ void store_out2(u16* o, int col, float p0, float p1) {
-    const u32 v = pack_h2(p0, p1);
+__device__ __forceinline__ void store_out_h2(u16* o, int col, u32 v) {  // the pair already rounded to fp16
 #if NOUT % 2 == 0
     if (col < NOUT) *reinterpret_cast<u32*>(o) = v;
 #else
@@ -162,6 +164,8 @@ __device__ __forceinline__ void store_out2(u16* o, int col, float p0, float p1) 
     if (col + 1 < NOUT) o[1] = (u16)(v >> 16);
 #endif
 }
+
+__device__ __forceinline__ void store_out2(u16* o, int col, float p0, float p1) { store_out_h2(o, col, pack_h2(p0, p1)); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
@@ -663,6 +667,156 @@ __device__ __forceinline__ void mlp_tile_loop(
     if constexpr (FUSED) fused_store_partials(partial, acc, bacc, reinterpret_cast<float*>(sD), warp, lane);
 }
 
+// ---- the forward with fp16 accumulators (FWD_ACC16: the cuda backend's mma-f16acc variant) ----
+// tiny-cuda-nn's fully fused MLP accumulates in fp16 (wmma accumulator fragments of __half). Here
+// mma.sync ... f16.f16.f16.f16: a 16x8 tile's accumulators are 2 registers of f16x2 pairs, which
+// are the next layer's A fragment once the bias (HADD2, the fp32 bias rounded to fp16) and the
+// activation (HMNMX2 for ReLU; the others through fp32) are applied: the fp32 epilogue's adds,
+// activations and packing go. Forward only, fp16 out, for the plain, grouped and pair-major
+// (ENCODED_INPUT) inputs that mlp_tile_loop reads.
+__device__ __forceinline__ void mma16816_acc16(u32* c, const u32* a, uint2 b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f16.f16.f16.f16 {%0,%1}, {%2,%3,%4,%5}, {%6,%7}, {%0,%1};"
+                 : "+r"(c[0]), "+r"(c[1]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
+// an accumulator pair plus its bias pair, then the activation, in fp16 pairs
+__device__ __forceinline__ u32 bias_act_h2(int act, u32 acc, u32 bias_pair) {
+    u32 z;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(z) : "r"(acc), "r"(bias_pair));
+    if (act == ACT_NONE) return z;
+    if (act == ACT_RELU) {
+        u32 r;
+        asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(z), "r"(0u));
+        return r;
+    }
+    const float2 f = unpack_h2(z);
+    return pack_h2(activate(act, f.x), activate(act, f.y));
+}
+
+__device__ __forceinline__ u32 bias_h2(const float* __restrict__ bias, int off) {
+    const float2 v = __ldg(reinterpret_cast<const float2*>(bias + off));
+    return pack_h2(v.x, v.y);
+}
+
+template <int MT, bool GROUPED = false, bool PAIRS = false>
+__device__ __forceinline__ void mlp_forward_acc16(
+    const u16* __restrict__ x_all, i64 rows_all, i64 rows_pad, u16* __restrict__ out_all,
+    const uint2* __restrict__ wglobal, const float* __restrict__ bias,
+    const GroupForward* __restrict__ group = nullptr, int n_group = 0) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    extern __shared__ uint4 smem_w[];
+    const uint2* w = wglobal;
+    if (W_SMEM_FWD) {
+        const uint4* src = reinterpret_cast<const uint4*>(wglobal);
+        for (int i = threadIdx.x; i < WF_TOTAL / 8; i += blockDim.x) smem_w[i] = src[i];
+        __syncthreads();
+        w = reinterpret_cast<const uint2*>(smem_w);
+    }
+    constexpr int ROWS_PER_WARP = 16 * MT;
+    const i64 n_tiles = rows_pad / ROWS_PER_WARP;
+    int entry = 0;  // GROUPED: the forward this tile belongs to
+    for (i64 tile = (i64)blockIdx.x * WARPS + warp; tile < n_tiles; tile += (i64)gridDim.x * WARPS) {
+        const u16* __restrict__ x = x_all;
+        u16* __restrict__ out = out_all;
+        i64 rows = rows_all, row0 = tile * ROWS_PER_WARP;
+        if constexpr (GROUPED) {
+            while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
+            x = static_cast<const u16*>(group[entry].x);
+            out = static_cast<u16*>(group[entry].out);
+            rows = group[entry].rows;
+            row0 = (tile - group[entry].first_tile) * ROWS_PER_WARP;
+        }
+        u32 A[MT][KCW][4];
+        u32 C[MT][NTW][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) C[mt][nt][0] = C[mt][nt][1] = 0u;
+        bool bad = false;  // GROUPED: this lane read NaN or Inf
+#pragma unroll 2
+        for (int kc = 0; kc < KC0; ++kc) {
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const i64 r = row0 + mt * 16 + g;
+                if constexpr (PAIRS) {
+                    a[mt][0] = load_pair(x, rows, r, kc * 16 + 2 * t, r < rows);
+                    a[mt][1] = load_pair(x, rows, r + 8, kc * 16 + 2 * t, r + 8 < rows);
+                    a[mt][2] = load_pair(x, rows, r, kc * 16 + 8 + 2 * t, r < rows);
+                    a[mt][3] = load_pair(x, rows, r + 8, kc * 16 + 8 + 2 * t, r + 8 < rows);
+                } else {
+                    a[mt][0] = load_x2<GROUPED>(x, r, kc * 16 + 2 * t, r < rows, bad);
+                    a[mt][1] = load_x2<GROUPED>(x, r + 8, kc * 16 + 2 * t, r + 8 < rows, bad);
+                    a[mt][2] = load_x2<GROUPED>(x, r, kc * 16 + 8 + 2 * t, r < rows, bad);
+                    a[mt][3] = load_x2<GROUPED>(x, r + 8, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const uint2 b = load_b(w, wf_off(0), nt, kc, KC0, lane);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma16816_acc16(C[mt][nt], a[mt], b);
+            }
+        }
+        if constexpr (GROUPED) {
+            u32* const flag = group[entry].nonfinite;
+            if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
+        }
+        // hidden layer l's bias and activation on the pairs, which chain into A; then layer l + 1
+#pragma unroll 1
+        for (int l = 0; l < NHID; ++l) {
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) {
+                const u32 bh = bias_h2(bias, bias_off(l) + nt * 8 + 2 * t);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    A[mt][nt >> 1][(nt & 1) * 2 + 0] = bias_act_h2(ACT, C[mt][nt][0], bh);
+                    A[mt][nt >> 1][(nt & 1) * 2 + 1] = bias_act_h2(ACT, C[mt][nt][1], bh);
+                    C[mt][nt][0] = C[mt][nt][1] = 0u;
+                }
+            }
+            if (l + 1 == NHID) break;
+#pragma unroll
+            for (int kc = 0; kc < KCW; ++kc)
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt) {
+                    const uint2 b = load_b(w, wf_off(l + 1), nt, kc, KCW, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816_acc16(C[mt][nt], A[mt][kc], b);
+                }
+        }
+        // output layer, 16 columns at a time
+#pragma unroll 1
+        for (int og = 0; og < KCO; ++og) {
+            u32 Z[MT][2][2];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) Z[mt][j][0] = Z[mt][j][1] = 0u;
+#pragma unroll
+            for (int kc = 0; kc < KCW; ++kc)
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint2 b = load_b(w, wf_off(NL - 1), og * 2 + j, kc, KCW, lane);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) mma16816_acc16(Z[mt][j], A[mt][kc], b);
+                }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = og * 16 + j * 8 + 2 * t;
+                const u32 bh = bias_h2(bias, bias_off(NL - 1) + col);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const i64 r = row0 + mt * 16 + g + half * 8;
+                        if (r < rows) store_out_h2(out + r * NOUT + col, col, bias_act_h2(OUT_ACT, Z[mt][j][half], bh));
+                    }
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
     const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
     const uint2* __restrict__ wpack, const float* __restrict__ bias) {
@@ -674,8 +828,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half(
     const u16* __restrict__ x, i64 rows, i64 rows_pad, u16* __restrict__ out,
     const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+#if FWD_ACC16
+    mlp_forward_acc16<MT_HALF>(x, rows, rows_pad, out, wpack, bias);
+#else
     mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16>(x, rows, rows_pad, out, wpack, bias, nullptr, 0.f,
                                                          nullptr, nullptr, nullptr, nullptr);
+#endif
 }
 
 #if ENCODED_INPUT
@@ -690,8 +848,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_pairs(
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_pairs_half(
     const u16* __restrict__ x, i64 rows, i64 rows_pad, u16* __restrict__ out,
     const uint2* __restrict__ wpack, const float* __restrict__ bias) {
+#if FWD_ACC16
+    mlp_forward_acc16<MT_HALF, false, true>(x, rows, rows_pad, out, wpack, bias);
+#else
     mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16, false, false, true>(
         x, rows, rows_pad, out, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr);
+#endif
 }
 #endif
 
@@ -710,9 +872,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_group(
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half_group(
     const GroupForward* __restrict__ group, int n_group, i64 n_tiles, const uint2* __restrict__ wpack,
     const float* __restrict__ bias) {
+#if FWD_ACC16
+    mlp_forward_acc16<MT_HALF, true>(nullptr, 0, n_tiles * 16 * MT_HALF, nullptr, wpack, bias, group, n_group);
+#else
     mlp_tile_loop<false, MT_FWD, false, WARPS, u16, u16, false, true>(
         nullptr, 0, n_tiles * 16 * MT_FWD, nullptr, wpack, bias, nullptr, 0.f, nullptr, nullptr, nullptr, nullptr,
         nullptr, nullptr, group, n_group);
+#endif
 }
 #endif
 
