@@ -158,10 +158,7 @@ __device__ __forceinline__ void add_corners(float* acc, const u16* __restrict__ 
 // 2p, 2p + 1 of consecutive rows are consecutive words.
 __device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64)(c >> 1) * rows + r) * 2 + (c & 1); }
 
-// A thread per (row, level), blockIdx.y the level: the blocks resident on an SM at once work on
-// one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
-// per row and every level, docs/gpu-notes-cuda.md); the row's features go out as one word per
-// pair, coalesced over the block's rows.
+// Row r's features at one level, out as one word per pair (coalesced over consecutive rows).
 template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
 __device__ __forceinline__ void grid_encode_row(
     const GridLevelDesc& L, int level, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, i64 r,
@@ -195,6 +192,10 @@ __device__ __forceinline__ void grid_encode_row(
     }
 }
 
+// A thread per (row, level), blockIdx.y the level: the blocks resident on an SM at once work on
+// one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
+// per row and every level, docs/gpu-notes-cuda.md). Blocks that stay on the level of their SM
+// (%smid) and claim row chunks from a counter per level were no faster (docs/gpu-notes-cuda.md).
 template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
 __device__ __forceinline__ void grid_encode_part(
     const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
