@@ -219,25 +219,29 @@ def test_train_epochs_on_a_grid_model(backend):
 @pytest.mark.gpu
 def test_image_config_on_the_fp16_accumulating_variant(backend):
     """tiny-cuda-nn's hash-grid image config on mma-f16acc (its MLP's fp16-out forward accumulates
-    in fp16): the fp16 forward against the float64 oracle at several batch sizes, random tables;
-    the same training steps as mma, bit for bit."""
+    in fp16), random tables: a 4096-row fp16 forward against the float64 oracle; batches of 1, 7
+    and 1000 rows give those rows' outputs bit for bit (rows are independent). The design bound
+    holds for a batch, not row by row: a single row of fp16 accumulators measured 3.6e-3 once
+    (mma: below 3e-3), as tiny-cuda-nn's would. Training is mma's, bit for bit."""
     import cupy as cp
 
     spec = MLPSpec.from_json({**IMAGE_CONFIG, "precision": "fp16"})
     rng = np.random.default_rng()
     params = random_params(spec, rng)
-    ref = oracle(spec, params)
     x = grid_inputs(rng, 4096, 2).astype(np.float32)
     y = rng.random((4096, 3), dtype=np.float32)
+    ref = oracle(spec, params).forward(x)
     losses = []
     for variant in ("mma", "mma-f16acc"):
         with backend.compile(spec, variant=variant) as m:
             assert m.variant == variant
             m.set_params(params)
-            for rows in (1, 7, 1000, 4096):
-                out = m.forward(cp.asarray(x[:rows]), out_dtype=np.float16)
-                err = rel_err(cp.asnumpy(out).astype(np.float64), ref.forward(x[:rows]))
-                assert err <= FWD_TOL["fp16"], f"{variant}, {rows} rows: {err:.2e}"
+            full = cp.asnumpy(m.forward(cp.asarray(x), out_dtype=np.float16))
+            err = rel_err(full.astype(np.float64), ref)
+            assert err <= FWD_TOL["fp16"], f"{variant}: {err:.2e}"
+            for rows in (1, 7, 1000):
+                part = cp.asnumpy(m.forward(cp.asarray(x[:rows]), out_dtype=np.float16))
+                np.testing.assert_array_equal(part, full[:rows])
             losses.append(np.asarray(m.train_step(x, y, steps=3)))
     np.testing.assert_array_equal(losses[0], losses[1])
 

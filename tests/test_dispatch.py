@@ -386,17 +386,17 @@ def test_bench_dispatch_needs_a_backend_without_a_variant(capsys, monkeypatch):
     assert "--dispatch: reports the backend's own choice of variant: name one --backend without a variant" in err
 
 
-def test_cuda_offers_ema_models_only_the_mma_variants_and_grid_models_take_mma(stub_cuda):
+def test_cuda_offers_ema_models_only_the_mma_variants_and_grid_models_take_mma_f16acc(stub_cuda):
     """tiny-cuda-nn's EMA wrapper runs on the mma kernels: the dispatcher measures mma and
-    mma-f16acc only; a grid model left to the backend takes mma without measuring (a fresh
-    model's tables tell nothing of fp16 accumulators on trained ones), mma-f16acc when named."""
+    mma-f16acc only; a grid model left to the backend takes mma-f16acc without measuring
+    (tiny-cuda-nn's arithmetic; a fresh model's tables tell nothing of trained ones), mma when named."""
     ema = MLPSpec.from_json({**SPEC_DOC, "optimizer": {"otype": "EMA", "decay": 0.9, "nested": {"otype": "Adam"}}})
     model = stub_cuda.backend(wgmma_offered=True).compile(ema)
     assert [v["variant"] for v in model.dispatch.to_json()["variants"]] == ["mma", "mma-f16acc"]
     timed = stub_cuda.fake.clock.timed
     grid = MLPSpec.from_json({**SPEC_DOC, "n_input_dims": 2, "encoding": {"otype": "HashGrid", "n_levels": 2}})
-    assert stub_cuda.backend().compile(grid).variant == "mma"
-    assert stub_cuda.backend().compile(grid, variant="mma-f16acc").variant == "mma-f16acc"
+    assert stub_cuda.backend().compile(grid).variant == "mma-f16acc"
+    assert stub_cuda.backend().compile(grid, variant="mma").variant == "mma"
     assert stub_cuda.fake.clock.timed == timed
     with pytest.raises(SpecError, match="mma and mma-f16acc variants only"):
         stub_cuda.backend().compile(grid, variant="cublaslt")

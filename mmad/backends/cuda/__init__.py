@@ -11,8 +11,10 @@ One file per variant; ``probe()`` reports each, with the reason when it cannot r
 * ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
 
 A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` or ``mma-f16acc`` with the
-grid kernels around its MLP kernels (:mod:`.grids`); left to the backend it takes ``mma``: a fresh
-model's tables (values near 1e-4) would not tell how fp16 accumulators fare on trained ones.
+grid kernels around its MLP kernels (:mod:`.grids`); left to the backend it takes ``mma-f16acc``,
+unmeasured: tiny-cuda-nn's own arithmetic for a grid and its fully fused MLP (and the faster on
+the H100), where measuring a fresh model (tables near 1e-4, subnormal in fp16 products) would
+tell nothing of trained ones.
 
 ``compile(spec)`` without a variant measures the usable ones on the model's shapes and keeps the
 fastest (:mod:`mmad.backends.dispatch`; ``MMAD_DISPATCH=fixed``: wgmma where offered, else mma).
@@ -164,7 +166,7 @@ class CudaBackend(Backend):
         default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
         A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma or mma-f16acc (the
         variants that keep the average; the grid kernels work around their MLP kernels,
-        :mod:`.grids`); a grid model left to the backend takes mma (see the module's description)."""
+        :mod:`.grids`); a grid model left to the backend takes mma-f16acc (see the module's description)."""
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
@@ -174,8 +176,10 @@ class CudaBackend(Backend):
                                        f"(grid kernels around their MLP kernels); the {variant} variant has none")
         knobs = CudaKnobs.from_env()
         ema = spec.optimizer.ema is not None
-        if variant is None and (knobs.dispatch == "fixed" or grids):
-            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema and not grids else "mma"
+        if variant is None and grids:
+            variant = "mma-f16acc"
+        elif variant is None and knobs.dispatch == "fixed":
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema else "mma"
         if variant is not None and not rows[variant].available:
             raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
         # wgmma is a candidate only where MMAD_CUDA_WGMMA offers it (its training is not written)

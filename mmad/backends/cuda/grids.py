@@ -1,4 +1,4 @@
-"""Grid-encoded models (HashGrid, DenseGrid, TiledGrid) on the ``mma`` variant.
+"""Grid-encoded models (HashGrid, DenseGrid, TiledGrid) on the ``mma`` and ``mma-f16acc`` variants.
 
 ``mmad/shaders/cuda/grid.cu``. The MLP runs on the mma kernels (:mod:`.mma`) with the encoded
 input as theirs; around them, per training step (all on the device, one captured CUDA graph):
