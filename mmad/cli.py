@@ -169,7 +169,8 @@ def _demo_image(args: argparse.Namespace) -> int:
         if row.backend == "cuda":  # its mma variant computes in fp16 (tcnn's own precision for this config)
             doc["precision"] = "fp16"
         spec = MLPSpec.from_json(doc)
-        model = backend.compile(spec, variant=row.variant)
+        # a named variant is compiled as named; else the backend picks the one for a grid model
+        model = backend.compile(spec, variant=row.variant if ":" in (args.backend or "") else None)
     except MMADError as exc:
         print(f"mmad demo --image --backend {args.backend}: {exc}", file=sys.stderr)
         return 2
@@ -181,7 +182,7 @@ def _demo_image(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     batch = min(args.batch, len(coords))
     print(f"fitting a {args.size}x{args.size} picture: HashGrid 16 levels x 2 features, 2^{args.log2_hashmap_size} "
-          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, {row.backend}:{row.variant} on "
+          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, {row.backend}:{model.variant} on "
           f"{row.device}, batch {batch}")
 
     def psnr() -> float:

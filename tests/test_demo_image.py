@@ -30,7 +30,7 @@ def test_demo_image_fits_the_picture_and_writes_pngs(tmp_path, capsys, backend):
 
 def test_demo_image_on_a_backend_that_cannot_run_it_says_why(tmp_path, capsys):
     """cuda:cublaslt: without CuPy or a GPU (CI) it is unavailable, with them it has no grid kernels
-    (grids run on cuda's mma variant); either way the demo stops with the reason, naming the backend."""
+    (grids run on cuda's mma variants); either way the demo stops with the reason, naming the backend."""
     assert main(["demo", "--image", "--size", "8", "--steps", "1", "--out", str(tmp_path), "--backend",
                  "cuda:cublaslt"]) == 2
     err = capsys.readouterr().err
