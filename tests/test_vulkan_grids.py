@@ -2,9 +2,10 @@
 
 The grids run on the device (``shaders/glsl/grid.comp``): a kernel encodes the first layer's input
 from the raw dims (interpolating the table's compute-type copy), the backward runs on through the
-first layer into d loss / d encoded input, and the tables' gradients are a bitonic sort of the
-table reads by table row and a gather (no float atomics: deterministic). Grid models run on the
-simt variant (lavapipe in CI). The cases, the data and the tolerances are test_webgpu_grids.py's
+first layer into d loss / d encoded input, and the tables' gradients are summed with fp32
+atomicAdd where the device offers it (lavapipe does), else (and with MMAD_VULKAN_GRID_GRADIENT=sorted)
+by a bitonic sort of the table reads by table row and a gather (deterministic). Grid models run on
+the simt variant (lavapipe in CI). The cases, the data and the tolerances are test_webgpu_grids.py's
 (docs/design.md): forward ≤ 3e-3 (fp16) / 1e-5 (fp32) relative to float64; gradients ≤ the forward
 tolerance + 1.25 × the emulating oracle's own distance from float64, and ≤ 2e-3 from the emulating
 oracle; the loss of 40 Adam steps within 5 % of the oracle's at every step.
@@ -32,6 +33,15 @@ pytestmark = pytest.mark.vulkan
 
 from test_vulkan import backend  # noqa: E402,F401 - the module's Vulkan backend (skips without a device)
 
+# the gradients' bound against the emulating oracle when the tables' sums are atomic adds: they land
+# in another order than the oracle's bincount, as on cuda (test_cuda_grids.CUDA_GRAD_VS_EMULATE);
+# the sorted gradient keeps the oracle's order and test_webgpu_grids' bound; float64's is the same
+ATOMIC_GRAD_VS_EMULATE = 1e-2
+
+
+def grads_vs_emulate(m) -> dict:
+    return {"grad_vs_emulate": ATOMIC_GRAD_VS_EMULATE} if m.grid_gradient == "atomic" else {}
+
 
 @pytest.mark.parametrize("interpolation", ["Linear", "Nearest", "Smoothstep"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -45,7 +55,7 @@ def test_grid_forward_gradients_and_adam(backend, case, interpolation):
     with backend.compile(spec) as m:
         assert m.variant == "simt"
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         check_training(m, spec, params, x, y)
 
 
@@ -59,7 +69,7 @@ def test_hash_grid_4d_fp32(backend):
     y = targets(rng, x)
     with backend.compile(spec) as m:
         m.set_params(params)
-        errors = check_forward_and_gradients(m, spec, params, x, y)
+        errors = check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         assert max(errors.values()) <= 1e-5, errors
         check_training(m, spec, params, x, y)
 
@@ -79,14 +89,18 @@ def test_instant_ngp_composite(backend):
         grid = m.geo.grid
         assert [g.index for g in grid.parts] == [0] and grid.host == ((12, 16, 6),) and grid.x_cols == 22
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         check_training(m, spec, params, x, y)
 
 
-def test_two_grids_in_chunks_with_sgd(backend, monkeypatch):
+@pytest.mark.parametrize("gradient", vulkan.GRID_GRADIENTS)
+def test_two_grids_in_chunks_with_sgd(backend, monkeypatch, gradient):
     """Two grid parts (two tables) around a host-encoded part, a batch in several training chunks
-    and several table-gradient chunks (their sums added) and SGD with momentum and l2_reg (tcnn's
-    SGD steps a table like the layers)."""
+    (and, sorted, several table-gradient chunks whose sums are added) and SGD with momentum and
+    l2_reg (tcnn's SGD steps a table like the layers); with either table gradient."""
+    if gradient == "atomic" and not backend._open_device(0).info.float32_atomic_add:
+        pytest.skip("this Vulkan device does not offer shaderBufferFloat32AtomicAdd")
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, gradient)
     monkeypatch.setattr(vulkan, "MAX_GRID_LOOKUPS", 1 << 12)  # 256-row chunks: 16 table reads a row
     monkeypatch.setattr(vulkan.VulkanModel, "max_chunk_rows", 256)
     encoding = {"otype": "Composite", "nested": [
@@ -100,16 +114,19 @@ def test_two_grids_in_chunks_with_sgd(backend, monkeypatch):
     x = grid_inputs(rng, 1000, 5)
     y = targets(rng, x)
     with backend.compile(spec) as m:
+        assert m.grid_gradient == gradient
         assert len(m.geo.grid.parts) == 2 and len(m._grid_chunks(1000)) == 4 and len(m._chunks(1024)) == 4
         m.set_params(params)
-        check_forward_and_gradients(m, spec, params, x, y)
+        check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         check_training(m, spec, params, x, y)
 
 
-def test_grid_parameters_state_and_determinism(backend):
+def test_grid_parameters_state_and_determinism(backend, monkeypatch):
     """The tables are parameters ``grid{k}`` and Adam's per-value step counts ``steps.grid{k}``
     are optimizer state, as on the cpu backend: they match the oracle's after training (values
-    only some batches read step less often), restore exactly, and the same steps repeat bit for bit."""
+    only some batches read step less often), restore exactly, and with the sorted table gradient
+    (MMAD_VULKAN_GRID_GRADIENT=sorted) the same steps repeat bit for bit."""
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, "sorted")
     spec = grid_spec(HASH_2D, 2, precision="fp32")
     rng = np.random.default_rng()
     params = random_params(spec, rng)
@@ -192,9 +209,11 @@ def test_grid_model_with_ema_and_device_inputs(backend):
             np.testing.assert_array_equal(twin.forward(x), m.forward(x))
 
 
-def test_train_epochs_on_a_grid_model(backend):
+def test_train_epochs_on_a_grid_model(backend, monkeypatch):
     """A dataset held on the device (raw inputs and the host-encoded parts) trains through
-    train_epochs exactly as train_step does on the same batches."""
+    train_epochs exactly as train_step does on the same batches (with the sorted table gradient,
+    whose sums repeat bit for bit; atomic adds land in another order each run)."""
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, "sorted")
     spec = grid_spec(INSTANT_NGP, 6, n_out=4)
     rng = np.random.default_rng()
     params = random_params(spec, rng)
@@ -231,6 +250,29 @@ def test_tables_past_the_binding_limit_are_refused():
     assert info.value.field == "encoding" and "maxStorageBufferRange" in str(info.value)
     assert "log2_hashmap_size" in str(info.value)
     vulkan.check_tables_fit(spec, geometry, 128 << 20)
+
+
+def test_grid_gradient_setting_is_checked_against_the_device(monkeypatch):
+    """MMAD_VULKAN_GRID_GRADIENT: atomic where the device offers shaderBufferFloat32AtomicAdd,
+    else sorted; a value that is not a choice, or atomic on a device without it, is refused."""
+    from dataclasses import replace
+
+    from mmad.backends.vulkan import runtime as vr
+    from mmad.errors import BackendUnavailable
+
+    with_atomics = vr.DeviceInfo(0, "GPU", "discrete", "1.3.0", "0x1", 32, 49152, 1024, (65535, 65535, 65535),
+                                 1 << 30, 1.0, True, True, True, float32_atomic_add=True)
+    without = replace(with_atomics, name="old GPU", float32_atomic_add=False)
+    monkeypatch.delenv(vulkan.GRID_GRADIENT_ENV, raising=False)
+    assert vulkan.grid_gradient(with_atomics) == "atomic" and vulkan.grid_gradient(without) == "sorted"
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, "sorted")
+    assert vulkan.grid_gradient(with_atomics) == "sorted"
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, "atomic")
+    with pytest.raises(BackendUnavailable, match="old GPU does not offer shaderBufferFloat32AtomicAdd"):
+        vulkan.grid_gradient(without)
+    monkeypatch.setenv(vulkan.GRID_GRADIENT_ENV, "fast")
+    with pytest.raises(SpecError, match="must be one of atomic, sorted; got 'fast'"):
+        vulkan.grid_gradient(with_atomics)
 
 
 def test_grid_models_take_the_simt_variant():

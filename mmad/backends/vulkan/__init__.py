@@ -18,8 +18,9 @@ layouts: transposed for forward, plain for backward) are refreshed by the optimi
 Encodings without parameters run on the host (``CompiledModel.encode``) before upload. The grid
 encodings (HashGrid, DenseGrid, TiledGrid; simt only) run on the device (``shaders/glsl/grid.comp``):
 a kernel input of raw dims and host-encoded columns is encoded on the device before the forward,
-the backward runs on through the first layer, and the tables' gradients are a sort and a gather
-(no float atomics: deterministic); the tables follow the MLP's parameters in the flat buffers.
+the backward runs on through the first layer, and the tables' gradients are fp32 atomic adds where
+the device offers them (tcnn's scatter), else a sort and a gather (deterministic; ``GRID_GRADIENT_ENV``
+asks for either); the tables follow the MLP's parameters in the flat buffers.
 Rows are padded to a multiple of ``ROW_ALIGN`` internally; padded rows get zero gradients and
 never reach the caller.
 """
@@ -49,7 +50,7 @@ from mmad.backends.contract import (
 from mmad.backends.cpu import copy_rows
 from mmad.backends.vulkan.glsl import build_spirv
 from mmad.backends.vulkan import runtime as vr
-from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, SpecError
+from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, MMADError, SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
@@ -66,7 +67,8 @@ TRAINING_CONSTANT = 14
 # grid models (simt): the backward also writes d loss / d encoded input, the optimizer steps the
 # tables too; the grid kernels (grid.comp, grid_sort.comp)
 GRID_INTERFACE = {**PIPELINE_INTERFACE, "backward": (6, 44), "optimizer": (17, 20), "grid_encode": (3, 4),
-                  "grid_keys": (4, 16), "grid_gather": (5, 16), "grid_sort": (2, 12), "grid_sort_block": (2, 12)}
+                  "grid_keys": (4, 16), "grid_gather": (5, 16), "grid_sort": (2, 12), "grid_sort_block": (2, 12),
+                  "grid_scatter": (3, 12), "grid_zero": (1, 4)}
 # a grid model's table gradient sorts at most this many table reads (rows x levels x corners) at
 # once: the batch's rows are taken in chunks of that many reads, each chunk's sums added
 MAX_GRID_LOOKUPS = 1 << 22
@@ -85,6 +87,11 @@ PIPELINE_STATS_ENV = "MMAD_VULKAN_PIPELINE_STATS"
 # 1: bake activations/loss into each pipeline (default on GPUs); 0: push constants, shared
 # pipelines (default on software devices, where each pipeline costs seconds of LLVM time)
 SPECIALIZE_ENV = "MMAD_VULKAN_SPECIALIZE"
+# how a grid model's table gradient is summed: "atomic" (fp32 atomicAdd, tiny-cuda-nn's scatter;
+# the default where the device offers shaderBufferFloat32AtomicAdd) or "sorted" (the reads sorted
+# by table row and summed in a fixed order: bit-identical repeats, on every device)
+GRID_GRADIENT_ENV = "MMAD_VULKAN_GRID_GRADIENT"
+GRID_GRADIENTS = ("atomic", "sorted")
 # shape families the coopmat kernels are written for (M, N, K), best first
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
 
@@ -168,6 +175,19 @@ def sort_items(reads: int) -> int:
     """The bitonic sort's length for ``reads`` table reads: the next power of two, at least one
     shared-memory block."""
     return max(SORT_BLOCK, 1 << (max(reads, 1) - 1).bit_length())
+
+
+def grid_gradient(info: vr.DeviceInfo) -> str:
+    """How a grid model's table gradient is summed on this device (GRID_GRADIENT_ENV): "atomic"
+    where it offers shaderBufferFloat32AtomicAdd, else "sorted"; a choice the device cannot run
+    is refused, never replaced."""
+    asked = os.environ.get(GRID_GRADIENT_ENV, "").strip()
+    if asked and asked not in GRID_GRADIENTS:
+        raise SpecError(GRID_GRADIENT_ENV, f"must be one of {', '.join(GRID_GRADIENTS)}; got {asked!r}")
+    if asked == "atomic" and not info.float32_atomic_add:
+        raise BackendUnavailable("vulkan", f"{GRID_GRADIENT_ENV}=atomic: {info.name} does not offer "
+                                           f"shaderBufferFloat32AtomicAdd ({vr.ATOMIC_FLOAT_EXT})")
+    return asked or ("atomic" if info.float32_atomic_add else "sorted")
 
 
 def check_tables_fit(spec: MLPSpec, geometry: "Geometry", max_storage_range: int) -> None:
@@ -480,6 +500,8 @@ class VulkanModel(CompiledModel):
         self.device = device
         self.geo = geometry
         self.coopmat_shape = shape
+        # a grid model's table gradient: "atomic" (grid.comp's scatter) or "sorted" (keys, sort, gather)
+        self.grid_gradient = "atomic" if "grid_scatter" in pipelines else "sorted"
         self._lock = threading.RLock()
         self._buffers: list[vr.Buffer] = []
         self._programs: dict[Any, vr.Program] = {}
@@ -604,7 +626,7 @@ class VulkanModel(CompiledModel):
         if training:
             splits = sum(self._splits(rows)[0] for _, rows in chunks)
             need.update({"loss": rows_pad // geo.rows_per_tile * 4, "part": splits * geo.grad_floats * 4})
-            if geo.grid is not None:  # the table reads of one row chunk, sorted (grid_sort.comp)
+            if geo.grid is not None and self.grid_gradient == "sorted":  # a row chunk's table reads (grid_sort.comp)
                 items = max(sort_items(rows * g.lookups) for g in geo.grid.parts for _, rows in self._grid_chunks(rows_pad))
                 need.update({"skey": items * 4, "sid": items * 4, "gweight": items * 4})
         for name, nbytes in need.items():
@@ -751,6 +773,14 @@ class VulkanModel(CompiledModel):
         b, p = self._batch, self._pipelines
         u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
         dispatches = []
+        if self.grid_gradient == "atomic":  # each part zeroed, then every read of the batch added in
+            for part in self.geo.grid.parts:
+                dispatches.append(vr.Dispatch(p["grid_zero"], [self._ggrad], u32(part.index),
+                                              (min(65535, math.ceil(part.entries * part.features / 256)), 1, 1)))
+                reads = n_rows * part.lookups
+                dispatches.append(vr.Dispatch(p["grid_scatter"], [x_buf, b["din"], self._ggrad],
+                                              u32(0, n_rows, part.index), (min(65535, math.ceil(reads / 256)), 1, 1)))
+            return dispatches
         for part in self.geo.grid.parts:
             for c, (row_base, rows) in enumerate(self._grid_chunks(n_rows)):
                 items = sort_items(rows * part.lookups)
@@ -1353,6 +1383,10 @@ class VulkanBackend(Backend):
                    "storage_16bit": dev.storage_16bit, "compiler": compiler,
                    "fp16_storage": "fp32 storage with exact fp16 rounding (r16)",
                    "devices": [f"{d.name} ({d.device_type})" for d in infos]}
+        try:
+            details["grid_gradient"] = grid_gradient(dev)
+        except MMADError as exc:  # a probe never raises: a setting this device cannot run, said here
+            details["grid_gradient"] = f"unusable: {exc}"
         common = dict(device=dev.name, api_version=dev.api_version, software=dev.software)
         major, minor = (int(p) for p in dev.api_version.split(".")[:2])
         simt_reason = compiler_error or ("" if (major, minor) >= (1, 2) else f"Vulkan {dev.api_version} < 1.2")
@@ -1429,7 +1463,8 @@ class VulkanBackend(Backend):
         geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
         check_tables_fit(spec, geometry, device.info.max_storage_range)
         cache = cache if cache is not None else KernelCache()
-        sources = kernel_sources(spec, geometry, variant)
+        sources = kernel_sources(spec, geometry, variant,
+                                 grid_gradient(device.info) if geometry.grid is not None else "sorted")
         forced = os.environ.get(SPECIALIZE_ENV, "").strip()
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
         if variant == "coopmat":
@@ -1545,8 +1580,9 @@ def fp16_conversion_is_rne(device: vr.Device, cache: Any) -> bool:
     return bool(np.array_equal(got, want))
 
 
-def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str, str]:
-    """GLSL of every kernel a model needs, specialised for its geometry (and coopmat shape)."""
+def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, grid_gradient: str = "sorted") -> dict[str, str]:
+    """GLSL of every kernel a model needs, specialised for its geometry (and coopmat shape);
+    a grid model's table gradient by ``grid_gradient`` (GRID_GRADIENTS)."""
     header = geometry.header()
     param_header = geometry.header(with_params=True)
     files = {"forward": "glsl/simt_forward.comp", "backward": "glsl/simt_backward.comp",
@@ -1567,12 +1603,14 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str) -> dict[str,
                                         "tables): ask for vulkan:simt, or leave the variant to the backend")
         grid_header = geometry.grid.header(geometry.n_params)
         headers = {"optimizer": param_header + grid_header, "backward": header + grid_header}
-        for name, stage in (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2)):
+        stages = {"atomic": (("grid_encode", 0), ("grid_scatter", 3), ("grid_zero", 4)),
+                  "sorted": (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2))}[grid_gradient]
+        for name, stage in stages:
             files[name] = "glsl/grid.comp"
             headers[name] = header + grid_header + f"#define GRID_STAGE {stage}\n"
     sources = {name: shader_source(path, headers.get(name, header)) for name, path in files.items()}
     sources["gather"] = read_source("glsl/gather_batch.comp")  # train_epochs: the batch drawn on the device
-    if geometry.grid is not None:  # no model header: one pipeline each for every grid model
+    if geometry.grid is not None and grid_gradient == "sorted":  # no model header: shared by every grid model
         sources["grid_sort"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 0\n")
         sources["grid_sort_block"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 1\n")
     return sources

@@ -41,6 +41,7 @@ COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: 
                   7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
 SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 COOPMAT_EXT = "VK_KHR_cooperative_matrix"
+ATOMIC_FLOAT_EXT = "VK_EXT_shader_atomic_float"  # atomicAdd on fp32 in storage buffers (grid gradients)
 
 # VkStructureType values used below (core 1.0-1.2 plus the cooperative-matrix extension)
 ST = {
@@ -52,7 +53,7 @@ ST = {
     "coopmat_features": 1000506000, "coopmat_props": 1000506001, "query_pool": 11,
     "exec_features": 1000269000, "pipeline_info": 1000269001, "exec_props": 1000269002,
     "exec_info": 1000269003, "exec_stat": 1000269004,
-    "memory_props2": 1000059006, "memory_budget": 1000237000,
+    "memory_props2": 1000059006, "memory_budget": 1000237000, "atomic_float_features": 1000260000,
 }
 BUDGET_EXT = "VK_EXT_memory_budget"
 STATS_EXT = "VK_KHR_pipeline_executable_properties"
@@ -165,6 +166,7 @@ class DeviceInfo:
     vulkan_memory_model: bool
     extensions: set[str] = field(repr=False, default_factory=set)
     coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)
+    float32_atomic_add: bool = False  # shaderBufferFloat32AtomicAdd (VK_EXT_shader_atomic_float)
 
     @property
     def software(self) -> bool:
@@ -191,6 +193,11 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     f11 = ffi.new("VkPhysicalDeviceVulkan11Features*")
     f11.sType = ST["vk11_features"]
     f11.pNext = f12
+    atomic = None
+    if ATOMIC_FLOAT_EXT in extensions:
+        atomic = ffi.new("VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*")
+        atomic.sType = ST["atomic_float_features"]
+        f12.pNext = atomic
     feats = ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = ST["features2"]
     feats.pNext = f11
@@ -208,7 +215,7 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         timestamp_period_ns=float(limits.timestampPeriod),
         shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
         vulkan_memory_model=bool(f12.vulkanMemoryModel),
-        extensions=extensions)
+        extensions=extensions, float32_atomic_add=atomic is not None and bool(atomic.shaderBufferFloat32AtomicAdd))
     if COOPMAT_EXT in extensions:
         info.coopmat_shapes = _coopmat_shapes(instance, pd)
     return info
@@ -275,6 +282,14 @@ class Device:
             coop.cooperativeMatrix = 1
             f12.pNext = coop
             ext_names.append(ffi.new("char[]", COOPMAT_EXT.encode()))
+        atomic = None
+        if self.info.float32_atomic_add:  # enabled wherever offered: the grid gradient's scatter uses it
+            atomic = ffi.new("VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*")
+            atomic.sType = ST["atomic_float_features"]
+            atomic.shaderBufferFloat32AtomicAdd = 1
+            atomic.pNext = f12.pNext
+            f12.pNext = atomic
+            ext_names.append(ffi.new("char[]", ATOMIC_FLOAT_EXT.encode()))
         stats = None
         if self.pipeline_stats:
             stats = ffi.new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*")

@@ -16,6 +16,15 @@
 //   search) and sums weight x d loss / d encoded input over it in read-id order (the order of the
 //   cpu backend's bincount) into GGRAD (set on the first row chunk, added after). A row no read
 //   touched gets exactly 0, which tcnn's grid Adam skips. No float atomics: deterministic.
+// GRID_STAGE 3, scatter (devices with shaderBufferFloat32AtomicAdd, unless the sorted path is
+//   asked for): every table read of part pc.part for rows row_base .. row_base + n_rows - 1 adds
+//   weight x d loss / d encoded input into GGRAD with atomicAdd, as tiny-cuda-nn's backward does;
+//   the order of the adds, so the last bits, varies from run to run.
+// GRID_STAGE 4, zero: part pc.part's values of GGRAD set to 0 before its first scatter (a row no
+//   read touched keeps exactly 0).
+#if GRID_STAGE == 3
+#extension GL_EXT_shader_atomic_float : require
+#endif
 layout(local_size_x = 256) in;
 
 const uint PRIMES[4] = uint[4](1u, 2654435761u, 805459861u, 3674653429u);
@@ -31,16 +40,24 @@ layout(std430, binding = 1) writeonly buffer KeyBuf { uint SKEY[]; };
 layout(std430, binding = 2) writeonly buffer IdBuf { uint SID[]; };
 layout(std430, binding = 3) writeonly buffer WeightBuf { float GWEIGHT[]; };  // by read id
 layout(push_constant) uniform Push { uint row_base; uint n_rows; uint sort_n; uint part; } pc;
-#else
+#elif GRID_STAGE == 2
 layout(std430, binding = 0) readonly buffer KeyBuf { uint SKEY[]; };
 layout(std430, binding = 1) readonly buffer IdBuf { uint SID[]; };
 layout(std430, binding = 2) readonly buffer WeightBuf { float GWEIGHT[]; };
 layout(std430, binding = 3) readonly buffer DinBuf { float DIN[]; };      // rows_pad x IN_PAD, x LOSS_SCALE
 layout(std430, binding = 4) buffer GradBuf { float GGRAD[]; };            // the tables' gradients, x LOSS_SCALE
 layout(push_constant) uniform Push { uint row_base; uint sort_n; uint part; uint first; } pc;
+#elif GRID_STAGE == 3
+layout(std430, binding = 0) readonly buffer InputBuf { float X[]; };
+layout(std430, binding = 1) readonly buffer DinBuf { float DIN[]; };      // rows_pad x IN_PAD, x LOSS_SCALE
+layout(std430, binding = 2) buffer GradBuf { float GGRAD[]; };            // the tables' gradients, x LOSS_SCALE
+layout(push_constant) uniform Push { uint row_base; uint n_rows; uint part; } pc;
+#else
+layout(std430, binding = 0) writeonly buffer GradBuf { float GGRAD[]; };
+layout(push_constant) uniform Push { uint part; } pc;
 #endif
 
-#if GRID_STAGE < 2
+#if GRID_STAGE < 2 || GRID_STAGE == 3
 // tcnn's fmaf(x, scale, 0.5): x * scale + 0.5 rounded once. GLSL's fma() need not be fused (lavapipe
 // computes a multiply and an add, 0.07182813 for 0.07182801), so the product is made exact
 // instead: Dekker's product (Veltkamp splits at 2^12 + 1) gives x * scale = p + e exactly, Knuth's
@@ -134,7 +151,7 @@ void main() {
         }
     }
 }
-#else
+#elif GRID_STAGE == 2
 uint lower_bound(uint key) {
     uint lo = 0u, hi = pc.sort_n;
     while (lo < hi) {
@@ -163,5 +180,28 @@ void main() {
             GGRAD[p] = pc.first != 0u ? acc[f] : GGRAD[p] + acc[f];
         }
     }
+}
+#elif GRID_STAGE == 3
+void main() {
+    uint k = pc.part;
+    uint features = uint(GRID_FEATURES[k]), corners = uint(GRID_CORNERS[k]);
+    uint lc = uint(GRID_LEVELS[k]) * corners;
+    uint reads = pc.n_rows * lc;
+    for (uint i = gl_GlobalInvocationID.x; i < reads; i += gl_NumWorkGroups.x * 256u) {
+        uint row = pc.row_base + i / lc, level = (i % lc) / corners;
+        uint entry;
+        float weight;
+        grid_corner(k, row, level, i % corners, entry, weight);
+        uint base = row * uint(IN_PAD) + uint(GRID_COLUMN[k]) + level * features;
+        for (uint f = 0u; f < features; ++f)
+            atomicAdd(GGRAD[uint(GRID_TABLE[k]) + entry * features + f], weight * DIN[base + f]);
+    }
+}
+#else
+void main() {
+    uint k = pc.part;
+    uint values = uint(GRID_ENTRIES[k]) * uint(GRID_FEATURES[k]);
+    for (uint e = gl_GlobalInvocationID.x; e < values; e += gl_NumWorkGroups.x * 256u)
+        GGRAD[uint(GRID_TABLE[k]) + e] = 0.0;
 }
 #endif
