@@ -279,6 +279,20 @@ def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monk
         backend.compile(SPEC, variant="fast")
 
 
+def test_cuda_measures_at_the_batch_the_model_runs(stub_cuda, monkeypatch):
+    """``compile(spec, batch_rows=n)``: the variants are measured on n rows (a decision of its own
+    in the cache), at most MAX_DISPATCH_ROWS; without it on the dispatcher's 65,536."""
+    from mmad.backends import cuda
+
+    monkeypatch.setattr(cuda, "MAX_DISPATCH_ROWS", 8192)  # the fake variants compute on the host
+    backend = stub_cuda.backend()
+    assert backend.compile(SPEC).dispatch.rows == D.ROWS
+    assert backend.compile(SPEC, batch_rows=4096).dispatch.rows == 4096
+    big = backend.compile(SPEC, batch_rows=1 << 24)
+    assert big.dispatch.rows == cuda.MAX_DISPATCH_ROWS and not big.dispatch.from_cache
+    assert backend.compile(SPEC, batch_rows=4096).dispatch.from_cache
+
+
 def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
     monkeypatch.setenv("MMAD_DISPATCH", "fastest")
     with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of measure, fixed; got 'fastest'"):
@@ -356,8 +370,13 @@ def test_bench_dispatch_writes_the_choice_the_figures_and_the_decision(tmp_path,
     fake = FakeBackend({"numpy": (1.0, 1.0, "ok"), "slow": (2.0, 2.0, "ok")})
     plain = CpuBackend.compile  # the float64 oracle stays the real cpu backend
 
-    def compile(self, spec, variant=None, cache=None, device=0):
-        return plain(self, spec) if self.numerics == "float64" else fake.compile(spec, KernelCache(tmp_path / "c"))
+    asked_rows = []
+
+    def compile(self, spec, variant=None, cache=None, device=0, batch_rows=None):
+        if self.numerics == "float64":
+            return plain(self, spec)
+        asked_rows.append(batch_rows)
+        return fake.compile(spec, KernelCache(tmp_path / "c"))
 
     monkeypatch.setattr(CpuBackend, "compile", compile)
     out = tmp_path / "results" / "dispatch-cpu.json"
@@ -367,6 +386,7 @@ def test_bench_dispatch_writes_the_choice_the_figures_and_the_decision(tmp_path,
     assert doc["command"] == (f"mmad bench --backend cpu --models S --rows 1024 --io fp16 --mode both --peer none "
                               f"--repeats 2 --dispatch {out}")
     assert doc["backend"] == "cpu" and doc["rows"] == 1024 and doc["errors"] == []
+    assert asked_rows == [1024]  # the variants are chosen for the benchmark's batch
     s = doc["models"]["S"]
     assert s["variant"] == "numpy" and s["forward_msps"] > 0 and s["train_msps"] > 0
     assert s["torch_forward_msps"] is None and s["torch_train_msps"] is None  # --peer none

@@ -374,8 +374,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
-                device: int = 0) -> CompiledModel:
-        """Compile ``spec`` (best usable variant when ``variant`` is None) on ``device``."""
+                device: int = 0, batch_rows: int | None = None) -> CompiledModel:
+        """Compile ``spec`` (best usable variant when ``variant`` is None) on ``device``.
+        ``batch_rows``: the batch the model will mostly run, where a backend measures its
+        variants to choose one (cuda: :mod:`mmad.backends.dispatch`); ignored elsewhere."""
 
     def devices(self) -> list[DeviceInfo]:
         """The devices models can be placed on, index order; memory read now. This default: one,

@@ -445,7 +445,8 @@ class CpuBackend(Backend):
             return [DeviceInfo(0, name)]
         return [DeviceInfo(i, f"{name}, virtual device {i}") for i in range(self.n_devices)]
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache=None, device: int = 0) -> CpuModel:
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache=None, device: int = 0,
+                batch_rows: int | None = None) -> CpuModel:
         if variant not in (None, "numpy"):
             raise SpecError("variant", f"the cpu backend has one variant, 'numpy'; got {variant!r}")
         check_device_index(device, self.n_devices, "cpu")

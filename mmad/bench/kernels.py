@@ -343,7 +343,7 @@ def measure(t: Target, spec: MLPSpec, spec_label: str, opts: Options) -> list[di
     rng = np.random.default_rng(2026)
     rows = opts.rows
     started = time.perf_counter()
-    model = t.backend.compile(spec, variant=t.variant)
+    model = t.backend.compile(spec, variant=t.variant, batch_rows=rows)  # a variant chosen for this batch
     compile_s = time.perf_counter() - started
     label = f"{backend_name}:{model.variant}"
     try:

@@ -42,6 +42,7 @@ from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
 from mmad.backends.cuda.toolchain import cupy_module, device_info, find_nvcc, nvrtc_version, version_text
 from mmad.backends.cuda.wgmma import WGMMA_OFF, CudaWgmmaModel, WgmmaPlan, nvcc_runs_wgmma
+from mmad.backends.dispatch import ROWS as DISPATCH_ROWS
 from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
@@ -49,6 +50,9 @@ from mmad.spec import MLPSpec
 VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt")
 MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
+# the largest batch the variants are measured on: W's inputs and targets of 2^20 rows are 2 GiB of
+# host memory already, and the ranking settles well before that (docs/benchmarks.md)
+MAX_DISPATCH_ROWS = 1 << 20
 
 
 class CudaBackend(Backend):
@@ -160,13 +164,15 @@ class CudaBackend(Backend):
         return NcclDataParallel(replicas)
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
-                device: int = 0) -> CompiledModel:
+                device: int = 0, batch_rows: int | None = None) -> CompiledModel:
         """``spec`` compiled as ``variant``; without one, the fastest usable variant for this model
         on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
         default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
         A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma or mma-f16acc (the
         variants that keep the average; the grid kernels work around their MLP kernels,
-        :mod:`.grids`); a grid model left to the backend takes mma-f16acc (see the module's description)."""
+        :mod:`.grids`); a grid model left to the backend takes mma-f16acc (see the module's description).
+        The variants are measured on ``batch_rows`` rows (the batch the model will mostly run; at
+        most ``MAX_DISPATCH_ROWS``), else on the dispatcher's 65,536."""
         rows = {r.variant: r for r in self.probe()}
         if variant is not None and variant not in rows:
             raise SpecError("variant", f"the cuda backend has variants {', '.join(VARIANTS)}; got {variant!r}")
@@ -200,7 +206,8 @@ class CudaBackend(Backend):
             # a new driver, CUDA runtime or CuPy may change which variant is fastest: measured again
             return dispatch(spec, {v: partial(self._build, v, spec, cp, info, cache, knobs) for v in usable},
                             backend="cuda", device=f"{info['name']} sm_{cc[0]}{cc[1]}", cache=cache, io="fp16",
-                            timer=median_timer("cupy"), key_extra={**settings, "stack": rows["mma"].api_version})
+                            timer=median_timer("cupy"), key_extra={**settings, "stack": rows["mma"].api_version},
+                            rows=DISPATCH_ROWS if batch_rows is None else min(batch_rows, MAX_DISPATCH_ROWS))
 
     @staticmethod
     def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,

@@ -1438,7 +1438,7 @@ class VulkanBackend(Backend):
             return device
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
-                device: int = 0) -> VulkanModel:
+                device: int = 0, batch_rows: int | None = None) -> VulkanModel:
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
             # grid encodings have simt kernels only (kernel_sources): a grid model takes simt

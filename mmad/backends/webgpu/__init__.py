@@ -794,7 +794,8 @@ class WgpuBackend(Backend):
                 raise BackendUnavailable("wgpu", f"wgpu device request failed: {exc}") from exc
         return self._device
 
-    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0) -> WgpuModel:
+    def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None, device: int = 0,
+                batch_rows: int | None = None) -> WgpuModel:
         if variant not in (None, "default"):
             raise SpecError("variant", f"the wgpu backend has one variant, 'default'; got {variant!r}")
         check_device_index(device, 1, "wgpu")  # one adapter: the one the probe chose
