@@ -301,19 +301,20 @@ def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
 
 # -- the daemon: the per-model override and the reports ----------------------------------------------
 def test_registry_compile_passes_the_override_else_the_forced_variant_else_none():
+    """...and the model's max_batch_rows, the batch a backend that measures its variants measures at."""
     from mmad.server.registry import Registry
 
     calls = []
-    stub = types.SimpleNamespace(backend=types.SimpleNamespace(compile=lambda spec, variant, device: calls.append(
-        variant)), settings=types.SimpleNamespace(backend=None))
+    stub = types.SimpleNamespace(backend=types.SimpleNamespace(compile=lambda spec, variant, device, batch_rows: calls.append(
+        variant if batch_rows is None else (variant, batch_rows))), settings=types.SimpleNamespace(backend=None))
     Registry._compile(stub, SPEC, 0, "cublaslt")
-    Registry._compile(stub, SPEC, 0)
+    Registry._compile(stub, SPEC, 0, None, 4096)
     stub.settings.backend = "cuda:mma"
     Registry._compile(stub, SPEC, 0)
     Registry._compile(stub, SPEC, 0, "cublaslt")
     stub.settings.backend = "cuda"
     Registry._compile(stub, SPEC, 0)
-    assert calls == ["cublaslt", None, "mma", "cublaslt", None]
+    assert calls == ["cublaslt", (None, 4096), "mma", "cublaslt", None]
 
 
 SMALL = {"n_input_dims": 3, "n_output_dims": 2, "network": {"n_neurons": 16, "n_hidden_layers": 1}, "seed": 5}

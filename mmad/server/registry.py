@@ -406,17 +406,21 @@ class Registry:
         return place(self.device_loads(), config.device, config.replicas)
 
     # -- lifecycle ------------------------------------------------------------------------
-    def _compile(self, spec: MLPSpec, device: int = 0, variant: str | None = None) -> CompiledModel:
-        """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's choice."""
+    def _compile(self, spec: MLPSpec, device: int = 0, variant: str | None = None,
+                 batch_rows: int | None = None) -> CompiledModel:
+        """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's
+        choice, measured on ``batch_rows`` rows (the model's max_batch_rows) where it measures."""
         forced = parse_forced(self.settings.backend or "")
-        return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device)
+        return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device,
+                                    batch_rows=batch_rows)
 
-    def _compile_replicas(self, spec: MLPSpec, devices: list[int], variant: str | None = None) -> list[CompiledModel]:
+    def _compile_replicas(self, spec: MLPSpec, devices: list[int], variant: str | None = None,
+                          batch_rows: int | None = None) -> list[CompiledModel]:
         """The model compiled on each device (all closed again if one fails)."""
         compiled: list[CompiledModel] = []
         try:
             for device in devices:
-                compiled.append(self._compile(spec, device, variant))
+                compiled.append(self._compile(spec, device, variant, batch_rows))
         except BaseException:
             for model in compiled:
                 model.close()
@@ -451,7 +455,8 @@ class Registry:
         entry.loaded_version = loaded[0] if loaded else None
         if loaded is None:
             raise MMADError(f"no intact version of model {entry.name!r}: " + "; ".join(damaged.values()))
-        compiled = self._compile_replicas(entry.spec, self._place(entry.config), entry.config.variant)
+        compiled = self._compile_replicas(entry.spec, self._place(entry.config), entry.config.variant,
+                                          entry.config.limits(self.settings).max_batch_rows)
         try:
             for model in compiled:
                 model.set_params(loaded[1])
@@ -553,7 +558,8 @@ class Registry:
             if old is not None and old.busy_job:
                 raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
             # the old model's replicas count against its devices until it goes: placed as if it stayed
-            compiled = await self.run(lambda: self._compile_replicas(spec, self._place(config), config.variant))
+            compiled = await self.run(lambda: self._compile_replicas(
+                spec, self._place(config), config.variant, config.limits(self.settings).max_batch_rows))
             doc = {"spec": spec.to_json(), "config": config.model_dump(), "created": time.time()}
             try:
                 if old is not None:

@@ -94,7 +94,8 @@ class WorkerRegistry(Registry):
         spec, config = MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc["config"])
 
         def build():
-            compiled = self._compile_replicas(spec, doc["devices"], doc["variant"])
+            compiled = self._compile_replicas(spec, doc["devices"], doc["variant"],
+                                              config.limits(self.settings).max_batch_rows)
             try:
                 for model in compiled:
                     model.set_params(params)
