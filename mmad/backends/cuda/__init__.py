@@ -50,8 +50,8 @@ from mmad.spec import MLPSpec
 VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt")
 MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
-# the largest batch the variants are measured on: W's inputs and targets of 2^20 rows are 2 GiB of
-# host memory already, and the ranking settles well before that (docs/benchmarks.md)
+# the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
+# host memory); a model that runs larger batches is measured on this many rows
 MAX_DISPATCH_ROWS = 1 << 20
 
 

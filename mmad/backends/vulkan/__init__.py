@@ -1580,9 +1580,9 @@ def fp16_conversion_is_rne(device: vr.Device, cache: Any) -> bool:
     return bool(np.array_equal(got, want))
 
 
-def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, grid_gradient: str = "sorted") -> dict[str, str]:
+def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, table_gradient: str = "sorted") -> dict[str, str]:
     """GLSL of every kernel a model needs, specialised for its geometry (and coopmat shape);
-    a grid model's table gradient by ``grid_gradient`` (GRID_GRADIENTS)."""
+    a grid model's table gradient summed as ``table_gradient`` says (GRID_GRADIENTS)."""
     header = geometry.header()
     param_header = geometry.header(with_params=True)
     files = {"forward": "glsl/simt_forward.comp", "backward": "glsl/simt_backward.comp",
@@ -1604,13 +1604,13 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, grid_gradien
         grid_header = geometry.grid.header(geometry.n_params)
         headers = {"optimizer": param_header + grid_header, "backward": header + grid_header}
         stages = {"atomic": (("grid_encode", 0), ("grid_scatter", 3), ("grid_zero", 4)),
-                  "sorted": (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2))}[grid_gradient]
+                  "sorted": (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2))}[table_gradient]
         for name, stage in stages:
             files[name] = "glsl/grid.comp"
             headers[name] = header + grid_header + f"#define GRID_STAGE {stage}\n"
     sources = {name: shader_source(path, headers.get(name, header)) for name, path in files.items()}
     sources["gather"] = read_source("glsl/gather_batch.comp")  # train_epochs: the batch drawn on the device
-    if geometry.grid is not None and grid_gradient == "sorted":  # no model header: shared by every grid model
+    if geometry.grid is not None and table_gradient == "sorted":  # no model header: shared by every grid model
         sources["grid_sort"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 0\n")
         sources["grid_sort_block"] = shader_source("glsl/grid_sort.comp", "#define SORT_STAGE 1\n")
     return sources
