@@ -766,14 +766,15 @@ class VulkanModel(CompiledModel):
 
     def _grid_gradient_dispatches(self, x_buf: vr.Buffer, n_rows: int) -> list[vr.Dispatch]:
         """The tables' gradients (x loss scale) into ``_ggrad`` from ``din``, which the backward
-        wrote for the whole batch: per grid part and row chunk, the chunk's table reads (keys),
+        wrote for the whole batch. Atomic: per grid part, its values zeroed, then every read of
+        the batch added with atomicAdd. Sorted: per grid part and row chunk, the chunk's table reads (keys),
         their bitonic sort by table row (passes of distance below SORT_BLOCK in shared memory, a
         dispatch per merge size; the longer ones a dispatch each) and the gather, which sets the
         sums on the first chunk and adds them after."""
         b, p = self._batch, self._pipelines
         u32 = lambda *v: np.array(v, np.uint32).tobytes()  # noqa: E731
         dispatches = []
-        if self.grid_gradient == "atomic":  # each part zeroed, then every read of the batch added in
+        if self.grid_gradient == "atomic":
             for part in self.geo.grid.parts:
                 dispatches.append(vr.Dispatch(p["grid_zero"], [self._ggrad], u32(part.index),
                                               (min(65535, math.ceil(part.entries * part.features / 256)), 1, 1)))
