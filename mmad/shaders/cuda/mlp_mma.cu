@@ -258,6 +258,29 @@ struct GroupForward {
     u32* nonfinite;
 };
 
+// The weights the block's warps read: copied into shared memory (the first n16 16-byte words of
+// the image) where ``staged``, else read through L1 from the global image.
+__device__ __forceinline__ const uint2* block_weights(const uint2* __restrict__ wglobal, bool staged, int n16) {
+    extern __shared__ uint4 smem_w[];
+    if (!staged) return wglobal;
+    const uint4* src = reinterpret_cast<const uint4*>(wglobal);
+    for (int i = threadIdx.x; i < n16; i += blockDim.x) smem_w[i] = src[i];
+    __syncthreads();
+    return reinterpret_cast<const uint2*>(smem_w);
+}
+
+// GROUPED: the forward of the group that tile ``tile`` belongs to (``entry`` only grows along a
+// warp's tiles): its input, output, rows and the tile's first row within it.
+template <typename XP, typename OP>  // the caller's (restrict-qualified) input and output pointer types
+__device__ __forceinline__ void group_tile(const GroupForward* __restrict__ group, int n_group, int& entry, i64 tile,
+                                           int rows_per_warp, XP& x, OP& out, i64& rows, i64& row0) {
+    while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
+    x = static_cast<XP>(group[entry].x);
+    out = static_cast<OP>(group[entry].out);
+    rows = group[entry].rows;
+    row0 = (tile - group[entry].first_tile) * rows_per_warp;
+}
+
 // ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----
 // XT / OT: float, or u16 for fp16 inputs / outputs (the forward's half I/O; training reads fp32)
 // GROUPED (forward only): the tiles of several forwards in one launch, each with its own input,
@@ -290,14 +313,7 @@ __device__ __forceinline__ void mlp_tile_loop(
 #pragma unroll
         for (int l = 0; l < NL; ++l) bacc[l] = 0.f;
     }
-    const uint2* w = wglobal;
-    if (TRAIN ? W_SMEM_TRAIN : W_SMEM_FWD) {
-        const int n16 = (WF_TOTAL + (TRAIN ? WB_ALL : 0)) / 8;
-        const uint4* src = reinterpret_cast<const uint4*>(wglobal);
-        for (int i = threadIdx.x; i < n16; i += blockDim.x) smem_w[i] = src[i];
-        __syncthreads();
-        w = reinterpret_cast<const uint2*>(smem_w);
-    }
+    const uint2* w = block_weights(wglobal, TRAIN ? W_SMEM_TRAIN : W_SMEM_FWD, (WF_TOTAL + (TRAIN ? WB_ALL : 0)) / 8);
     double loss_sum = 0.0;
     constexpr int ROWS_PER_WARP = 16 * MT;
     const i64 n_tiles = rows_pad / ROWS_PER_WARP;
@@ -308,13 +324,7 @@ __device__ __forceinline__ void mlp_tile_loop(
         const XT* __restrict__ x = x_all;
         OT* __restrict__ out = out_all;
         i64 rows = rows_all, row0 = tile * ROWS_PER_WARP;
-        if constexpr (GROUPED) {
-            while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
-            x = static_cast<const XT*>(group[entry].x);
-            out = static_cast<OT*>(group[entry].out);
-            rows = group[entry].rows;
-            row0 = (tile - group[entry].first_tile) * ROWS_PER_WARP;
-        }
+        if constexpr (GROUPED) group_tile(group, n_group, entry, tile, ROWS_PER_WARP, x, out, rows, row0);
         const int rl0 = warp * ROWS_PER_WARP;
         u32 A[MT][KCW][4];
         // layer 0: A straight from the fp32 input, rounded to fp16
@@ -704,14 +714,7 @@ __device__ __forceinline__ void mlp_forward_acc16(
     const uint2* __restrict__ wglobal, const float* __restrict__ bias,
     const GroupForward* __restrict__ group = nullptr, int n_group = 0) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    extern __shared__ uint4 smem_w[];
-    const uint2* w = wglobal;
-    if (W_SMEM_FWD) {
-        const uint4* src = reinterpret_cast<const uint4*>(wglobal);
-        for (int i = threadIdx.x; i < WF_TOTAL / 8; i += blockDim.x) smem_w[i] = src[i];
-        __syncthreads();
-        w = reinterpret_cast<const uint2*>(smem_w);
-    }
+    const uint2* w = block_weights(wglobal, W_SMEM_FWD, WF_TOTAL / 8);
     constexpr int ROWS_PER_WARP = 16 * MT;
     const i64 n_tiles = rows_pad / ROWS_PER_WARP;
     int entry = 0;  // GROUPED: the forward this tile belongs to
@@ -719,13 +722,7 @@ __device__ __forceinline__ void mlp_forward_acc16(
         const u16* __restrict__ x = x_all;
         u16* __restrict__ out = out_all;
         i64 rows = rows_all, row0 = tile * ROWS_PER_WARP;
-        if constexpr (GROUPED) {
-            while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
-            x = static_cast<const u16*>(group[entry].x);
-            out = static_cast<u16*>(group[entry].out);
-            rows = group[entry].rows;
-            row0 = (tile - group[entry].first_tile) * ROWS_PER_WARP;
-        }
+        if constexpr (GROUPED) group_tile(group, n_group, entry, tile, ROWS_PER_WARP, x, out, rows, row0);
         u32 A[MT][KCW][4];
         u32 C[MT][NTW][2];
 #pragma unroll
