@@ -274,30 +274,24 @@ class Device:
         f11.sType = ST["vk11_features"]
         f11.storageBuffer16BitAccess = int(self.info.storage_16bit)
         f11.pNext = f12
-        ext_names = []
-        coop = None
-        if enable_coopmat:
-            coop = ffi.new("VkPhysicalDeviceCooperativeMatrixFeaturesKHR*")
-            coop.sType = ST["coopmat_features"]
-            coop.cooperativeMatrix = 1
-            f12.pNext = coop
-            ext_names.append(ffi.new("char[]", COOPMAT_EXT.encode()))
-        atomic = None
-        if self.info.float32_atomic_add:  # enabled wherever offered: the grid gradient's scatter uses it
-            atomic = ffi.new("VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*")
-            atomic.sType = ST["atomic_float_features"]
-            atomic.shaderBufferFloat32AtomicAdd = 1
-            atomic.pNext = f12.pNext
-            f12.pNext = atomic
-            ext_names.append(ffi.new("char[]", ATOMIC_FLOAT_EXT.encode()))
-        stats = None
-        if self.pipeline_stats:
-            stats = ffi.new("VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*")
-            stats.sType = ST["exec_features"]
-            stats.pipelineExecutableInfo = 1
-            stats.pNext = f12.pNext
-            f12.pNext = stats
-            ext_names.append(ffi.new("char[]", STATS_EXT.encode()))
+        # the extensions asked for, each with its feature struct chained after f12 (held here until
+        # vkCreateDevice returns); atomic float adds wherever offered: a grid model's table gradient uses them
+        ext_names, features = [], []
+        for enabled, ctype, stype, feature, ext in (
+                (enable_coopmat, "VkPhysicalDeviceCooperativeMatrixFeaturesKHR*", "coopmat_features",
+                 "cooperativeMatrix", COOPMAT_EXT),
+                (self.info.float32_atomic_add, "VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*", "atomic_float_features",
+                 "shaderBufferFloat32AtomicAdd", ATOMIC_FLOAT_EXT),
+                (self.pipeline_stats, "VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*", "exec_features",
+                 "pipelineExecutableInfo", STATS_EXT)):
+            if enabled:
+                struct = ffi.new(ctype)
+                struct.sType = ST[stype]
+                setattr(struct, feature, 1)
+                struct.pNext = f12.pNext
+                f12.pNext = struct
+                features.append(struct)
+                ext_names.append(ffi.new("char[]", ext.encode()))
         ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
         feats = ffi.new("VkPhysicalDeviceFeatures2*")
         feats.sType = ST["features2"]
