@@ -228,16 +228,17 @@ def profile_ops(name: str, variant: str, rows: int) -> list[str]:
     if hasattr(model, "_launch_wgmma"):  # the wgmma forward's kernels go through their own module
         launch_wgmma = model._launch_wgmma
         model._launch_wgmma = lambda kernel, *a, **kw: timed(f"kernel {kernel}", launch_wgmma, kernel, *a, **kw)
-    if hasattr(model, "_mm"):
-        mm = model._mm
+    if hasattr(model, "_mm_aux"):  # every cublaslt matmul goes through it
+        mm = model._mm_aux
 
-        def mm_timed(key, a, b, **kw):
-            out = timed(f"matmul {key[0]} {key[1]} {a.shape}x{b.shape}", mm, key, a, b, **kw)
+        def mm_timed(key, a, b, *args, **kw):
+            out, aux = timed(f"matmul {key[0]} {key[1]} {a.shape}x{b.shape}", mm, key, a, b, *args, **kw)
             flags = "C" if out.flags.c_contiguous else "F" if out.flags.f_contiguous else "strided"
-            spans[-1] = (spans[-1][0] + f" -> {out.shape} {out.dtype} {flags}", *spans[-1][1:])
-            return out
+            spans[-1] = (spans[-1][0] + f" -> {out.shape} {out.dtype} {flags}{' +' if aux else ''}"
+                         f"{' '.join(sorted(aux))}", *spans[-1][1:])
+            return out, aux
 
-        model._mm = mm_timed
+        model._mm_aux = mm_timed
     lines = []
     for what, call in (("forward", lambda: model.forward(x)), ("train_step", lambda: model.train_step(x, y))):
         spans.clear()

@@ -34,8 +34,21 @@ def cublaslt_availability() -> tuple[bool, str, str]:
     return True, "", getattr(nvmath, "__version__", "?")
 
 
-EW_KERNELS = ("ew_half", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_colsum", "ew_optimize")
-COLSUM_ROWS = 1024  # rows per partial sum of ew_colsum (SUM_ROWS in mlp_elementwise.cu)
+EW_KERNELS = ("ew_half", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_optimize")
+LOSS_BLOCK, LOSS_ITEMS = 256, 8  # ew_loss: threads a block (a multiple of 32), elements a thread (loads in flight)
+
+
+def elementwise_source(spec: MLPSpec) -> str:
+    """The CUDA source of a model's element-wise kernels (``EW_KERNELS``), as NVRTC gets it."""
+    defines = {
+        "NIN": spec.n_encoded_dims, "NOUT": spec.n_output_dims, "ACT": ACTIVATION_CODES[spec.activation],
+        "OUT_ACT": ACTIVATION_CODES[spec.output_activation], "LOSS": LOSS_CODES[spec.loss],
+        "HUBER_DELTA": f32_literal(spec.huber_delta),
+        "STORE_DACT": int(spec.activation not in DERIVATIVE_FROM_OUTPUT), "LOSS_BLOCK": LOSS_BLOCK,
+        "LOSS_ITEMS": LOSS_ITEMS, **optimizer_defines(spec),
+    }
+    head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_elementwise.cu")
 
 
 class CublasLtModel(CudaModel):
@@ -43,11 +56,16 @@ class CublasLtModel(CudaModel):
 
     Each layer is ``h_{l+1}^T = act(W_l @ h_l^T + b_l)`` (W as A) so that cuBLASLt's bias runs
     along M: ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of
-    the fp32 master), other hidden layers and the output layer an fp32 result type with the BIAS
+    the fp32 master; in training RELU_AUX_BIAS, which also keeps the sign bits of the
+    pre-activation), other hidden layers and the output layer an fp32 result type with the BIAS
     epilog (fp32 bias; no C operand to read) and finish in ``shaders/cuda/mlp_elementwise.cu``.
-    Backward: input gradients ``W^T @ delta`` and weight gradients ``h @ delta^T`` (= dW^T, so
-    that dW comes out row-major like W) as fp32 matmuls (fp32 zero C), bias gradients by
-    ``ew_colsum`` plus a CuPy sum of its partials (fixed order), then the optimizer kernel.
+    Backward: weight gradients ``h @ delta^T`` (= dW^T, so that dW comes out row-major like W) as
+    an fp32 matmul (fp32 zero C) whose BGRADB epilog sums delta over the rows for the bias
+    gradient; input gradients ``W^T @ delta``: with ReLU the DRELU epilog applies the kept sign
+    bits and writes the next fp16 delta itself, other activations an fp32 matmul finished by
+    ``ew_backward``; then the optimizer kernel. (The unfused backward wrote and read an fp32
+    gradient per hidden layer and summed delta in a kernel of its own: W's training step at 2^20
+    rows spent ~1 ms a layer on them; docs/gpu-notes-cuda.md, Session 14.)
 
     Layout: every activation, pre-activation and delta is an (features, rows) array in F order,
     i.e. row-major [rows][features] memory. That is the order nvmath gives D whenever a C operand
@@ -74,9 +92,9 @@ class CublasLtModel(CudaModel):
         self._f32_result: bool | None = None  # fp32 result type + BIAS epilog: untried / works / refused
         self.layers = spec.layer_dims  # (fan_in, fan_out)
         self.n_layers = len(self.layers)
-        self.relu_epilog = spec.activation == "ReLU"
+        self.relu_epilog = spec.activation == "ReLU"  # hidden layers by RELU_(AUX_)BIAS, backward by DRELU
         self.store_dact = spec.activation not in DERIVATIVE_FROM_OUTPUT
-        self.source = self._source()
+        self.source = elementwise_source(spec)
         what = f"cuBLASLt element-wise kernels for model {spec.content_hash()}"
 
         def build() -> bytes:
@@ -89,6 +107,9 @@ class CublasLtModel(CudaModel):
             self.w = [cp.zeros((fo, fi), dtype=cp.float32) for fi, fo in self.layers]
             self.b = [cp.zeros(fo, dtype=cp.float32) for _, fo in self.layers]
             self.w16 = [cp.zeros((fo, fi), dtype=cp.float16) for fi, fo in self.layers]
+            # W^T in C order for the DRELU input gradients: as an F-order view of w16 the same matmul
+            # took 0.71 ms against 0.47 (W layer, 2^20 rows, H100; docs/gpu-notes-cuda.md, Session 14)
+            self.w16t = [cp.zeros((fi, fo), dtype=cp.float16) for fi, fo in self.layers]
             self.b16 = [cp.zeros(fo, dtype=cp.float16) for _, fo in self.layers]
             n_slots = len(optimizer_slots(spec))
             self.slot_w = [[cp.zeros_like(w) for w in self.w] for _ in range(n_slots)]
@@ -99,16 +120,6 @@ class CublasLtModel(CudaModel):
             raise LaunchError(f"setting up the cuBLASLt model failed: {exc}") from exc
         self._plans: dict[tuple, Any] = {}
         self.set_params(init_params(spec))
-
-    def _source(self) -> str:
-        s = self.spec
-        defines = {
-            "NIN": s.n_encoded_dims, "NOUT": s.n_output_dims, "ACT": ACTIVATION_CODES[s.activation],
-            "OUT_ACT": ACTIVATION_CODES[s.output_activation], "LOSS": LOSS_CODES[s.loss],
-            "HUBER_DELTA": f32_literal(s.huber_delta), "STORE_DACT": int(self.store_dact), **optimizer_defines(s),
-        }
-        head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
-        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/mlp_elementwise.cu")
 
     # -- plumbing ---------------------------------------------------------------------------------
     def _launch(self, name: str, grid, block, args) -> None:
@@ -137,6 +148,10 @@ class CublasLtModel(CudaModel):
     def _mm(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None, options=None):
         """a @ b (+ c, broadcast along N) through a Matmul planned once per key (shapes fixed);
         the result as nvmath returns it, which must be F-contiguous (see the class docstring)."""
+        return self._mm_aux(key, a, b, c, epilog, epilog_inputs, options)[0]
+
+    def _mm_aux(self, key: tuple, a, b, c=None, epilog=None, epilog_inputs=None, options=None):
+        """``_mm`` and the epilog's auxiliary outputs (nvmath's dict: ``relu_aux``, ``bgradb``)."""
         kind, layer, rows = key
         try:
             mm = self._plans.get(key)
@@ -154,11 +169,11 @@ class CublasLtModel(CudaModel):
         except Exception as exc:  # nvmath reports unsupported shapes, types or epilogs as ValueError & co.
             raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) was refused by "
                               f"nvmath-python: {type(exc).__name__}: {exc}") from exc
-        out = result[0] if isinstance(result, tuple) else result
+        out, aux = result if isinstance(result, tuple) else (result, {})
         if not out.flags.f_contiguous:  # a copy here would cost more than the matmul itself
             raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) returned a {out.shape} result "
                               f"with strides {out.strides}; the cublaslt model needs it F-contiguous")
-        return out
+        return out, aux
 
     def _free_plans(self) -> None:
         for mm in self._plans.values():
@@ -170,7 +185,8 @@ class CublasLtModel(CudaModel):
 
     def _forward_t(self, dx, rows: int, train: bool, half_out: bool = False):
         """Output pre-activations z^T (n_out, rows) fp32 (``half_out``: fp16, bias added by the
-        matmul), each layer's input h^T, stored derivatives; all F-order (row-major memory)."""
+        matmul), each layer's input h^T, and what the backward needs of each hidden layer (in
+        training): ReLU's sign bits (cuBLASLt's relu_aux), else the stored derivative or h."""
         cp = self.cp
         if dx.dtype == cp.float16:
             h16 = dx
@@ -181,7 +197,11 @@ class CublasLtModel(CudaModel):
         hs, dacts = [h], []
         for i in range(self.n_layers - 1):
             fo = self.layers[i][1]
-            if self.relu_epilog:
+            if self.relu_epilog and train:
+                h, aux = self._mm_aux(("fwd-aux", i, rows), self.w16[i], h, epilog=self._epilog.RELU_AUX_BIAS,
+                                      epilog_inputs={"bias": self.b16[i]})
+                dacts.append(aux["relu_aux"])
+            elif self.relu_epilog:
                 h = self._mm(("fwd", i, rows), self.w16[i], h, epilog=self._epilog.RELU_BIAS,
                              epilog_inputs={"bias": self.b16[i]})
             else:
@@ -190,7 +210,7 @@ class CublasLtModel(CudaModel):
                 dact = cp.empty((fo, rows), dtype=cp.float16, order="F") if (train and self.store_dact) else h
                 self._launch("ew_hidden", (math.ceil(z.size / 256),), (256,),
                              (z, np.int64(z.size), h, dact, np.int32(train)))
-                dacts.append(dact)
+                dacts.append(dact if self.store_dact else h)
             hs.append(h)
         last = self.n_layers - 1
         if half_out:
@@ -226,30 +246,30 @@ class CublasLtModel(CudaModel):
         """Forward, loss, backward; ``on_layer(i, dW, db)`` once per layer, last first."""
         cp = self.cp
         n_out = self.spec.n_output_dims
-        zt, hs, dacts = self._forward_t(dx, rows, train=True)
-        # zt, dy (rows x n_out, C order), delta and values all hold [rows][n_out]
+        zt, hs, kept = self._forward_t(dx, rows, train=True)
+        # zt, dy (rows x n_out, C order) and delta hold [rows][n_out]
         delta = cp.empty((n_out, rows), dtype=cp.float16, order="F")
-        values = cp.empty((n_out, rows), dtype=cp.float32, order="F")
+        blocks = math.ceil(zt.size / (LOSS_BLOCK * LOSS_ITEMS))  # one partial loss sum each
+        partial = cp.empty(blocks, dtype=cp.float32)
         grad_scale = np.float32(self.spec.loss_scale / (rows * n_out))
-        self._launch("ew_loss", (math.ceil(zt.size / 256),), (256,),
-                     (zt, dy, np.int64(zt.size), grad_scale, delta, values))
-        loss = values.sum(dtype=cp.float64)
-        chunks = math.ceil(rows / COLSUM_ROWS)
+        self._launch("ew_loss", (blocks,), (LOSS_BLOCK,), (zt, dy, np.int64(zt.size), grad_scale, delta, partial))
+        loss = partial.sum(dtype=cp.float64)
         for i in reversed(range(self.n_layers)):
-            fi, fo = self.layers[i]
-            # dW^T = h @ delta^T, (fi, fo) F-contiguous: its transpose is dW row-major, like W
-            dw = self._mm(("wgrad", i, rows), hs[i], delta.T, c=self.zero_cols[fi]).T
-            # a CuPy sum over the strided rows axis would run on a handful of blocks
-            partial = cp.empty((chunks, fo), dtype=cp.float32)
-            self._launch("ew_colsum", (chunks, math.ceil(fo / 32)), (32, 8),  # block (TILE, SUM_LANES)
-                         (delta, np.int64(rows), np.int32(fo), partial))
-            db = partial.sum(axis=0)
+            fi = self.layers[i][0]
+            # dW^T = h @ delta^T, (fi, fo) F-contiguous: its transpose is dW row-major, like W;
+            # BGRADB sums delta^T over the rows (K) into db
+            dwt, aux = self._mm_aux(("wgrad", i, rows), hs[i], delta.T, c=self.zero_cols[fi],
+                                    epilog=self._epilog.BGRADB)
+            dw, db = dwt.T, aux["bgradb"]
             if i > 0:  # the input gradient uses this layer's weights before the update below
-                g = self._mm(("dgrad", i, rows), self.w16[i].T, delta, c=self.zero_cols[fi])
-                stored = dacts[i - 1] if self.store_dact else hs[i]
-                delta = cp.empty((fi, rows), dtype=cp.float16, order="F")
-                self._launch("ew_backward", (math.ceil(g.size / 256),), (256,),
-                             (g, stored, np.int64(g.size), delta))
+                if self.relu_epilog:
+                    delta = self._mm(("dgrad", i, rows), self.w16t[i], delta, epilog=self._epilog.DRELU,
+                                     epilog_inputs={"relu_aux": kept[i - 1]})
+                else:
+                    g = self._mm(("dgrad", i, rows), self.w16[i].T, delta, c=self.zero_cols[fi])
+                    delta = cp.empty((fi, rows), dtype=cp.float16, order="F")
+                    self._launch("ew_backward", (math.ceil(g.size / 256),), (256,),
+                                 (g, kept[i - 1], np.int64(g.size), delta))
             on_layer(i, dw, db)
         return loss
 
@@ -261,7 +281,8 @@ class CublasLtModel(CudaModel):
         self._launch("ew_optimize", (math.ceil(total / 256),), (256,),
                      (np.int32(mode), np.int32(w.size), np.int32(b.size), w, b,
                       w if dw is None else dw, b if db is None else db, s1w, s1b, s2w, s2b,
-                      self.w16[i], self.b16[i], np.float32(lr_t), np.float32(1.0 / self.spec.loss_scale)))
+                      self.w16[i], self.w16t[i], self.b16[i], np.int32(self.layers[i][0]), np.float32(lr_t),
+                      np.float32(1.0 / self.spec.loss_scale)))
 
     def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
         if steps < 1:
@@ -322,14 +343,14 @@ class CublasLtModel(CudaModel):
             raise LaunchError(f"uploading the optimizer state failed: {exc}") from exc
 
     def device_bytes(self) -> int:
-        arrays = [*self.w, *self.b, *self.w16, *self.b16]
+        arrays = [*self.w, *self.b, *self.w16, *self.w16t, *self.b16]
         for slots in (*self.slot_w, *self.slot_b):
             arrays += slots
         return int(sum(a.nbytes for a in arrays))
 
     def close(self) -> None:
         self._free_plans()
-        for name in ("w", "b", "w16", "b16", "slot_w", "slot_b", "zero_cols"):
+        for name in ("w", "b", "w16", "w16t", "b16", "slot_w", "slot_b", "zero_cols"):
             if hasattr(self, name):
                 delattr(self, name)
 

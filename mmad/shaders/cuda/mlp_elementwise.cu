@@ -4,12 +4,9 @@
 // run the bias along M. Every activation, pre-activation and delta is stored row-major,
 // [rows][features] (the host holds them as (features, rows) arrays in F order): the layout
 // cuBLASLt writes its column-major D in, so no matmul result is ever transposed. The host
-// prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT OPT_ADAM BETA1 BETA2 EPS
-// L2REG MOMENTUM) and mlp_common.cuh.
+// prepends #defines (NIN NOUT ACT OUT_ACT LOSS HUBER_DELTA STORE_DACT LOSS_BLOCK LOSS_ITEMS OPT_ADAM
+// BETA1 BETA2 EPS L2REG MOMENTUM) and mlp_common.cuh.
 
-#define TILE 32
-#define SUM_LANES 8    // threads adding rows for one feature in ew_colsum (blockDim.y)
-#define SUM_ROWS 1024  // rows per ew_colsum block: one partial sum each
 
 // the fp32 input [rows][NIN] to fp16, four values per thread, 16-byte loads where x is aligned
 // (CuPy's own astype runs at ~1.1 TB/s on an H100: 1.34 ms for 2^20 x 256)
@@ -42,12 +39,13 @@ extern "C" __global__ void ew_output(const float* __restrict__ zt, i64 n, float*
     out[i] = activate(OUT_ACT, zt[i]);
 }
 
-// loss over n = rows * NOUT elements, all [rows][NOUT]: per element value (for a fixed-order sum
-// on the host side) and the output delta = fp16(dloss/dpred * grad_scale * act_out'(z))
-extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __restrict__ y, i64 n,
-                                   float grad_scale, u16* __restrict__ delta, float* __restrict__ values) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+// loss over n = rows * NOUT elements, all [rows][NOUT]: the output delta = fp16(dloss/dpred *
+// grad_scale * act_out'(z)) per element, and per block (LOSS_BLOCK threads, LOSS_ITEMS elements
+// each, a block's elements contiguous) the sum of their loss values in a fixed order (each thread's
+// items in turn, then the warp's lanes by shuffles, then the warps in turn): repeated steps give the
+// same loss bit for bit; the host sums the blocks' partials in float64
+__device__ __forceinline__ float loss_element(const float* __restrict__ zt, const float* __restrict__ y, i64 i,
+                                              float grad_scale, u16* __restrict__ delta) {
     const float z = zt[i];
     const float p = activate(OUT_ACT, z);
     float lum = 0.f;
@@ -63,8 +61,29 @@ extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __
 #endif
 #endif
     float grad;
-    values[i] = loss_term(p, y[i], lum, &grad);
+    const float value = loss_term(p, y[i], lum, &grad);
     delta[i] = to_half_bits(grad * grad_scale * activation_grad(OUT_ACT, z));
+    return value;
+}
+
+extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __restrict__ y, i64 n,
+                                   float grad_scale, u16* __restrict__ delta, float* __restrict__ partial) {
+    __shared__ float warp_sums[LOSS_BLOCK / 32];
+    const i64 first = (i64)blockIdx.x * (LOSS_BLOCK * LOSS_ITEMS) + threadIdx.x;
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < LOSS_ITEMS; ++k) {  // a warp's loads of one k are contiguous
+        const i64 i = first + (i64)k * LOSS_BLOCK;
+        if (i < n) sum += loss_element(zt, y, i, grad_scale, delta);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = warp_sums[0];
+        for (int w = 1; w < LOSS_BLOCK / 32; ++w) total += warp_sums[w];
+        partial[blockIdx.x] = total;
+    }
 }
 
 // hidden delta from the fp32 gradient g [rows][width]: fp16(g * act'(z)), act' from the stored
@@ -76,36 +95,14 @@ extern "C" __global__ void ew_backward(const float* __restrict__ gt, const u16* 
     delta[i] = to_half_bits(gt[i] * hidden_grad_from_stored(half_bits_to_float(stored[i])));
 }
 
-// bias gradient, first pass: partial[chunk][f] = sum of delta[r][f] over the chunk's SUM_ROWS
-// rows (delta [rows][n] fp16). Fixed order: lane j adds rows j, j + SUM_LANES, ... in turn, then
-// lane 0 adds the lanes' sums 0..SUM_LANES-1. A warp reads 32 neighbouring features of a row.
-// Grid (chunks, ceil(n / TILE)), block (TILE, SUM_LANES); the host sums the partials over chunks.
-extern "C" __global__ void ew_colsum(const u16* __restrict__ delta, i64 rows, int n, float* __restrict__ partial) {
-    __shared__ float lanes[SUM_LANES][TILE];
-    const int f = blockIdx.y * TILE + threadIdx.x;
-    const i64 r0 = (i64)blockIdx.x * SUM_ROWS;
-    const i64 r1 = r0 + SUM_ROWS < rows ? r0 + SUM_ROWS : rows;
-    float s = 0.f;
-    if (f < n) {
-#pragma unroll 8
-        for (i64 r = r0 + threadIdx.y; r < r1; r += SUM_LANES) s += half_bits_to_float(delta[r * n + f]);
-    }
-    lanes[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && f < n) {
-        float t = lanes[0][threadIdx.x];
-        for (int j = 1; j < SUM_LANES; ++j) t += lanes[j][threadIdx.x];
-        partial[(i64)blockIdx.x * n + f] = t;
-    }
-}
-
 // optimizer step on the fp32 masters of one layer (weights then biases) and refresh of their
-// fp16 copies; mode 2 only refreshes the copies
+// fp16 copies: W [fan_out][fan_in] as w16 and its transpose [fan_in][fan_out] as w16t; mode 2
+// only refreshes the copies
 extern "C" __global__ void ew_optimize(int mode, int n_w, int n_b, float* __restrict__ w, float* __restrict__ b,
                                        const float* __restrict__ gw, const float* __restrict__ gb,
                                        float* __restrict__ s1w, float* __restrict__ s1b, float* __restrict__ s2w,
-                                       float* __restrict__ s2b, u16* __restrict__ w16, u16* __restrict__ b16,
-                                       float lr_t, float inv_scale) {
+                                       float* __restrict__ s2b, u16* __restrict__ w16, u16* __restrict__ w16t,
+                                       u16* __restrict__ b16, int fan_in, float lr_t, float inv_scale) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_w + n_b) return;
     const bool is_w = i < n_w;
@@ -130,6 +127,11 @@ extern "C" __global__ void ew_optimize(int mode, int n_w, int n_b, float* __rest
 #endif
         *param = p;
     }
-    if (is_w) w16[j] = to_half_bits(*param);
-    else b16[j] = to_half_bits(*param);
+    if (is_w) {
+        const u16 half = to_half_bits(*param);
+        w16[j] = half;
+        w16t[(j % fan_in) * (n_w / fan_in) + j / fan_in] = half;
+    } else {
+        b16[j] = to_half_bits(*param);
+    }
 }
