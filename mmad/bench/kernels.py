@@ -6,9 +6,11 @@ output against the float64 cpu oracle on up to 4096 random rows, in the I/O type
 (input already on the device, output left there) and one full training step (forward, L2
 loss, backward, Adam) as the median of ``--repeats`` samples after warm-up (mmad.bench.timing):
 
-* cuda — CUDA events around each call; the forward rotates three input sets so that repeated
-  calls do not time an input left in L2; ``--io fp16`` is ``forward(x16, out_dtype=float16)``
-  on fp16 device inputs (the PyTorch peer's own I/O);
+* cuda — CUDA events around 10 back-to-back forwards, or one ``train_step(steps=10)``, a sample
+  (the losses come back once a sample, as from a job's chunk of steps; the PyTorch peer never
+  reads its loss); the forward rotates three input sets so that repeated calls do not time an
+  input left in L2; ``--io fp16`` is ``forward(x16, out_dtype=float16)`` on fp16 device inputs
+  (the PyTorch peer's own I/O);
 * vulkan — the forward's recorded program re-submitted 10 times a sample, training
   ``train_step(steps=10)`` (a submission's wait is spread over 10 calls); a batch over the
   device's storage-buffer range trains on halves, its rate scaled to the full batch;
@@ -409,7 +411,10 @@ def _measure_cuda(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict
         return {"seconds": seconds, "clock": "cuda events", "calls_per_sample": calls}
     dx, dy = model.upload(x), model.upload(y)
     _train_losses_finite(model, dx, dy)
-    seconds = timing.median_seconds(timing.back_to_back(lambda: model.train_step(dx, dy), calls), opts.repeats,
+    # one call of ``calls`` steps a sample: its losses come back once, as a job's chunk of steps
+    # does and as the PyTorch peer's steps (which never read the loss) run; ``calls`` calls of one
+    # step each waited for their loss on the host, and the GPU idled meanwhile
+    seconds = timing.median_seconds(lambda: model.train_step(dx, dy, steps=calls), opts.repeats,
                                     clock="cupy", calls=calls)
     return {"seconds": seconds, "clock": "cuda events", "calls_per_sample": calls}
 

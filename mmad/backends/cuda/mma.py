@@ -44,9 +44,15 @@ MMA_MAX_WIDTH = 256  # wider than 256 would not fit the fused kernels' registers
 WARPS_PER_BLOCK = 4  # warps per block of the mma kernels (2-16 measured within 12%: docs/gpu-notes-cuda.md)
 FUSED_WARPS, FUSED_ROWS = 8, 128  # mlp_train_fused: warps per block, rows per super-tile (FW, SUPER_ROWS)
 FUSED_MAX_ACC = 96  # fp32 weight-gradient accumulators per thread the fused kernel may hold
+# up to this many accumulators per thread, and where its shared memory fits twice, two fused blocks
+# share an SM (at most 128 registers a thread): H100, 2^20 rows, S (32 accumulators) trains at
+# 2,540-2,633 M samples/s with two against 2,281-2,357 with one, though ptxas then spills 36 bytes;
+# M (80) spills ~800 bytes at 128 registers (docs/gpu-notes-cuda.md, Session 14)
+FUSED_TWO_BLOCKS_MAX_ACC = 32
 WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM
-FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block (the fused kernel runs one per SM)
+FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block
+SMEM_PER_SM = 228 * 1024  # sm_80 / sm_90 shared memory per SM, of which each resident block reserves 1 KiB
 NVRTC_OPTIONS = ("-std=c++17",)
 
 MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
@@ -151,16 +157,17 @@ class MmaPlan:
         # each B load (H100, 2^20 rows: S 21,494 / 20,750 M samples/s at 4 / 2, L 1,802 / 1,633 at 2 / 1)
         self.mt_half = (4 if self.width <= 64 else 2 if self.width <= 128 else 1) if forward_acc16 else self.mt_fwd
         self.warps = WARPS_PER_BLOCK
-        self.fused_wgrad, self.smem_fused = self._fused_plan(knobs.fused_wgrad)
+        self.fused_wgrad, self.smem_fused, self.fused_min_blocks = self._fused_plan(knobs.fused_wgrad)
         self.group_forward = self.width <= GROUP_MAX_WIDTH
         self.cuda_graphs = knobs.cuda_graphs
         self.source = self._source()
 
-    def _fused_plan(self, wanted: bool) -> tuple[bool, int]:
+    def _fused_plan(self, wanted: bool) -> tuple[bool, int, int]:
         """Whether mlp_train_fused applies (weight gradients accumulated in the training kernel),
-        and its shared memory: the weights, a 128-row stash of every layer's input, a delta stage.
-        It needs the derivative from h (ReLU family), the weights in shared memory, and
-        accumulators that fit in registers (each thread holds 1/256 of every dW)."""
+        its shared memory (the weights, a 128-row stash of every layer's input, a delta stage) and
+        the blocks an SM its registers are bounded for (``FUSED_TWO_BLOCKS_MAX_ACC``). It needs the
+        derivative from h (ReLU family), the weights in shared memory, and accumulators that fit in
+        registers (each thread holds 1/256 of every dW)."""
         rows = FUSED_ROWS
         stash = sum(rows * (k + 8) for _, _, k, _ in self.layers)
         stage = rows * (max(self.width, self.n_out_pad) + 8)
@@ -168,7 +175,8 @@ class MmaPlan:
         units = [math.ceil((n // 16) * (k // 16) / FUSED_WARPS) for _, _, k, n in self.layers]
         acc = 8 * sum(units)  # two m16n8 fragments of 4 floats per 16 x 16 unit
         fits = not self.store_dact and self.w_smem_train and acc <= FUSED_MAX_ACC and smem <= FUSED_SMEM_LIMIT
-        return wanted and fits, smem
+        two_blocks = acc <= FUSED_TWO_BLOCKS_MAX_ACC and 2 * (smem + 1024) <= SMEM_PER_SM
+        return wanted and fits, smem, 2 if two_blocks else 1
 
     def _source(self) -> str:
         s = self.spec
@@ -180,6 +188,7 @@ class MmaPlan:
             "MT_FWD": self.mt_fwd, "MT_HALF": self.mt_half, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
+            "FUSED_MIN_BLOCKS": self.fused_min_blocks,
             "GROUP_FORWARD": int(self.group_forward), "ENCODED_INPUT": int(self.encoded_input),
             "FWD_ACC16": int(self.forward_acc16),
             **optimizer_defines(s),

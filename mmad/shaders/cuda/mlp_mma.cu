@@ -14,6 +14,7 @@
 //   OPT_ADAM BETA1 BETA2 EPS L2REG MOMENTUM      optimizer (the step's rate lr_t comes from the host)
 //   FUSED_WGRAD        1: mlp_train_fused exists (weight gradients accumulated inside the
 //                      training kernel; the plan sets it when the stash and accumulators fit)
+//   FUSED_MIN_BLOCKS   blocks of mlp_train_fused an SM holds (its registers bounded to fit them)
 //   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
 //   FWD_ACC16          1: the fp16-out forwards (mlp_forward_half, mlp_forward_half_group,
 //                      mlp_forward_pairs_half) accumulate in fp16 (mlp_forward_acc16 below)
@@ -903,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd_rows(
 #if FUSED_WGRAD
 // forward + loss + backward + weight/bias gradients of every layer in one persistent kernel; the
 // per-block sums go to `partial` (layout: partial_off), reduced by mlp_optimize in block order
-extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
+extern "C" __global__ void __launch_bounds__(FW * 32, FUSED_MIN_BLOCKS) mlp_train_fused(
     const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     float* __restrict__ partial, double* __restrict__ loss_partial, u32* __restrict__ din) {
@@ -912,7 +913,7 @@ extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused(
                                      din);
 }
 
-extern "C" __global__ void __launch_bounds__(FW * 32, 1) mlp_train_fused_rows(
+extern "C" __global__ void __launch_bounds__(FW * 32, FUSED_MIN_BLOCKS) mlp_train_fused_rows(
     const float* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
     float* __restrict__ partial, double* __restrict__ loss_partial, const int* __restrict__ row_map,
