@@ -12,8 +12,22 @@ from pathlib import Path
 
 import httpx
 import pytest
+from oracle import TEST_SEED_ENV, run_seed
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config) -> None:
+    run_seed()  # drawn here, before pytest-xdist's workers start, so that they inherit it
+
+
+def pytest_report_header(config) -> str:
+    return f"random test data: {TEST_SEED_ENV}={run_seed()} (set it to draw this run's data again)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if exitstatus != 0:  # also under -q, which hides the header
+        terminalreporter.write_line(f"random test data of this run: {TEST_SEED_ENV}={run_seed()}")
 
 
 def free_port() -> int:

@@ -1,9 +1,34 @@
-"""Comparison helpers shared by the tests: relative error against the float64 oracle, and a cpu
-backend made wrong everywhere but in the oracle."""
+"""Comparison helpers shared by the tests: relative error against the float64 oracle, a cpu
+backend made wrong everywhere but in the oracle, and per-case random data that is fresh on every
+run yet reproducible (``case_rng``)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import secrets
+
 import numpy as np
+
+TEST_SEED_ENV = "MMAD_TEST_SEED"
+
+
+def run_seed() -> int:
+    """The test run's seed: ``MMAD_TEST_SEED``, else drawn once by conftest's pytest_configure
+    (which sets the variable before pytest-xdist starts its workers, so all of them share it)."""
+    raw = os.environ.get(TEST_SEED_ENV)
+    if raw is None:
+        raw = os.environ[TEST_SEED_ENV] = str(secrets.randbelow(2**31))
+    return int(raw)
+
+
+def case_rng(*case) -> np.random.Generator:
+    """A generator for one test case: new data every run (the run's seed), the same data for the
+    same case and seed, so a failure is rerun with ``MMAD_TEST_SEED=<the seed pytest's header
+    printed>``. (Python's ``hash`` of a str is salted per process: data seeded by it could not be
+    drawn again.)"""
+    digest = hashlib.sha256(f"{run_seed()}:{case!r}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
 def rel_err(out, ref) -> float:

@@ -12,7 +12,7 @@ The 2^20-row forward compares a random subset of 4096 rows (rows are independent
 from __future__ import annotations
 
 import numpy as np
-from oracle import grad_errors, rel_err
+from oracle import case_rng, grad_errors, rel_err
 import pytest
 
 from mmad.backends.cache import KernelCache
@@ -114,7 +114,7 @@ def inputs(rng, rows, spec):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize(("name", "activation"), MODEL_CASES)
 def test_forward_matches_oracle(backend, cache, name, activation, batch):
-    rng = np.random.default_rng(hash((name, activation, batch)) % 2**32)
+    rng = case_rng(name, activation, batch)
     spec = bench_spec(name, activation=activation)
     model, oracle = cached_pair(backend, cache, spec, rng)
     x = inputs(rng, batch, spec)
@@ -132,7 +132,7 @@ def test_f16acc_forward_matches_oracle(backend, cache, name, activation):
     float64 oracle with the forward's tolerance; fp32 outputs go through mma's fp32 forward."""
     import cupy as cp
 
-    rng = np.random.default_rng(hash(("f16acc", name, activation)) % 2**32)
+    rng = case_rng("f16acc", name, activation)
     spec = bench_spec(name, activation=activation)
     model, oracle = make_pair(backend, cache, spec, rng, variant="mma-f16acc")
     assert model.variant == "mma-f16acc"
@@ -200,7 +200,7 @@ def test_fused_weight_gradients_equal_the_separate_kernels(backend, cache, monke
     only the fp32 summation order differs."""
     from mmad.backends.cuda import knobs
 
-    rng = np.random.default_rng(hash((name, activation, batch, "fused")) % 2**32)
+    rng = case_rng(name, activation, batch, "fused")
     spec = bench_spec(name, activation=activation)
     fused, oracle = make_pair(backend, cache, spec, rng)
     monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "0")
@@ -223,7 +223,7 @@ GRAD_CASES = ([(n, a, b) for n, a in MODEL_CASES for b in (1, 7, 1000)]
 
 @pytest.mark.parametrize(("name", "activation", "batch"), GRAD_CASES)
 def test_gradients_match_oracle(backend, cache, name, activation, batch):
-    rng = np.random.default_rng(hash((name, activation, batch, "g")) % 2**32)
+    rng = case_rng(name, activation, batch, "g")
     spec = bench_spec(name, activation=activation)
     model, oracle = cached_pair(backend, cache, spec, rng)
     x = inputs(rng, batch, spec)
@@ -267,7 +267,7 @@ TRAIN_CASES = [(n, a, "Adam") for n, a in MODEL_CASES if n != "W"] + [("M", "Tan
 
 @pytest.mark.parametrize(("name", "activation", "optimizer"), TRAIN_CASES)
 def test_200_steps_follow_the_oracle(backend, cache, name, activation, optimizer):
-    rng = np.random.default_rng(hash((name, activation, optimizer)) % 2**32)
+    rng = case_rng(name, activation, optimizer)
     opt = ({"otype": "Adam", "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15}
            if optimizer == "Adam" else {"otype": "SGD", "learning_rate": 1e-2, "momentum": 0.9})
     spec = bench_spec(name, activation=activation, optimizer=opt)
@@ -372,7 +372,7 @@ def test_half_io_forward_matches_oracle(backend, cache, variant, overrides):
         pytest.skip(f"the cuda {variant} variant is unavailable here: {rows[variant].reason}")
     overrides = dict(overrides)
     spec = bench_spec(overrides.pop("name"), **overrides)
-    rng = np.random.default_rng(hash((variant, spec.content_hash())) % 2**32)
+    rng = case_rng(variant, spec.content_hash())
     model, oracle = make_pair(backend, cache, spec, rng, variant=variant)
     for batch in (1, 7, 1000, 65_537):
         x16 = inputs(rng, batch, spec).astype(np.float16)
@@ -452,7 +452,7 @@ def lt_backend(backend):
 
 @pytest.mark.parametrize(("name", "activation"), LT_CASES)
 def test_cublaslt_forward_and_gradients(lt_backend, cache, name, activation):
-    rng = np.random.default_rng(hash((name, activation, "lt")) % 2**32)
+    rng = case_rng(name, activation, "lt")
     spec = bench_spec(name, activation=activation)
     model, oracle = make_pair(lt_backend, cache, spec, rng, variant="cublaslt")
     assert model.variant == "cublaslt"
