@@ -10,8 +10,10 @@ a function compiling that variant). For each candidate, in the backend's order:
    ``TOLERANCE[spec.precision]`` of the float64 cpu oracle on ``CHECK_ROWS`` of its rows (else
    skipped, "wrong result: ..."), and one training step's loss must be finite (else "wrong
    result");
-3. time the forward and one training step (L2 on the model's loss, the spec's optimizer) through
-   ``timer(fn, sync)`` → seconds per call (any other exception in 2-3: "failed to run: ...").
+3. time the forward and a training step (L2 on the model's loss, the spec's optimizer) through
+   ``timer(fn, sync, calls)`` → seconds per call: the forward in the timer's own number of
+   back-to-back calls a sample, training as one call of ``TRAIN_STEPS_PER_CALL`` steps a sample,
+   whose losses come back once (any other exception in 2-3: "failed to run: ...").
 
 The score of a measured variant is ``forward / best forward + train / best train`` (2.0: the
 fastest at both): each phase counts by how far the variant is from the fastest at that phase,
@@ -48,10 +50,11 @@ CHECK_ROWS = 4096  # rows compared with the float64 oracle (rows are independent
 # relative L2 error against float64 that a correct variant stays within; fp32 models are read
 # back as fp16 here, so their bound is the fp16 output's rounding, not fp32's
 TOLERANCE = {"fp16": 3e-3, "bf16": 2e-2, "fp32": 1e-3}
-DECISION_FORMAT = 2  # bump when the stored decision's fields or their timing change
+DECISION_FORMAT = 3  # bump when the stored decision's fields or their timing change
+TRAIN_STEPS_PER_CALL = 10  # a timed training call: its steps' losses are read once, as a job's are
 SCORE_RULE = "forward / best forward + train / best train; lowest wins"
 
-Timer = Callable[[Callable[[], Any], Callable[[], None]], float]  # (fn, sync) -> seconds per call
+Timer = Callable[[Callable[[], Any], Callable[[], None], int | None], float]  # (fn, sync, calls) -> s a call
 Candidates = dict[str, Callable[[], CompiledModel]]
 
 
@@ -62,12 +65,14 @@ class DispatchFailed(MMADError):
 def median_timer(clock: str = "host", repeats: int = 10) -> Timer:
     """The benchmarks' median timer (mmad.bench.timing) as a dispatch timer: ``clock`` "host"
     (perf_counter around ``fn`` and ``sync``, one call a sample) or a device's events ("cupy",
-    around the benchmarks' ``GPU_CALLS_PER_SAMPLE`` back-to-back calls a sample)."""
+    around the benchmarks' ``GPU_CALLS_PER_SAMPLE`` back-to-back calls a sample), unless the
+    caller says how many calls a sample takes."""
     from mmad.bench.timing import GPU_CALLS_PER_SAMPLE, back_to_back, median_seconds
 
-    calls = 1 if clock == "host" else GPU_CALLS_PER_SAMPLE
+    default_calls = 1 if clock == "host" else GPU_CALLS_PER_SAMPLE
 
-    def timer(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    def timer(fn: Callable[[], Any], sync: Callable[[], None], calls: int | None = None) -> float:
+        calls = calls or default_calls
         return median_seconds(back_to_back(fn, calls), repeats, sync=sync, clock=clock, calls=calls)
 
     return timer
@@ -222,8 +227,9 @@ def _measure_one(name: str, build: Callable[[], CompiledModel], spec: MLPSpec, i
         losses = np.asarray(model.train_step(tx, ty))
         if not np.isfinite(losses).all():
             return VariantResult(name, "skipped", reason=f"wrong result: a training step's loss is {losses[0]}")
-        forward_s = timer(lambda: model.forward(dx, out_dtype=out_dtype), model.synchronize)
-        train_s = timer(lambda: model.train_step(tx, ty), model.synchronize)
+        forward_s = timer(lambda: model.forward(dx, out_dtype=out_dtype), model.synchronize, None)
+        train_s = timer(lambda: model.train_step(tx, ty, steps=TRAIN_STEPS_PER_CALL), model.synchronize,
+                        1) / TRAIN_STEPS_PER_CALL
         return VariantResult(name, "measured", forward_s, train_s, err)
     except Exception as exc:  # noqa: BLE001
         return VariantResult(name, "skipped", reason=f"failed to run: {_words(exc)}")
