@@ -87,7 +87,7 @@ def cached_pair(backend, cache, spec, rng):
 
 def test_probe_reports_every_variant(backend):
     rows = {r.variant: r for r in backend.probe()}
-    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt"}
+    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"}
     assert "compute_capability" in rows["mma"].details
     for row in rows.values():
         assert row.available or row.reason, row
@@ -493,3 +493,51 @@ def test_cublaslt_follows_the_oracle_for_200_steps(lt_backend, cache):
     losses, ref = model.train_step(x, y, steps=200), oracle.train_step(x, y, steps=200)
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
     assert abs(losses[-1] - ref[-1]) <= 0.05 * ref[-1], f"final loss {losses[-1]} vs oracle {ref[-1]}"
+
+
+# -- the mma-f16acc+cublaslt variant: cublaslt's training, mma-f16acc's forward
+@pytest.mark.parametrize(("name", "activation"), [("L", "ReLU"), ("M", "Tanh")])
+def test_split_variant_trains_as_cublaslt_and_forwards_as_mma_f16acc(lt_backend, cache, name, activation):
+    """Its losses and parameters after training are cublaslt's bit for bit; every forward (fp32
+    and fp16 out, host and device inputs, before and after training) is bit for bit an
+    mma-f16acc model's holding the same parameters, and within tolerance of float64."""
+    import cupy as cp
+
+    rng = case_rng(name, activation, "split")
+    spec = bench_spec(name, activation=activation)
+    split, oracle = make_pair(lt_backend, cache, spec, rng, variant="mma-f16acc+cublaslt")
+    assert split.variant == "mma-f16acc+cublaslt"
+    lt = lt_backend.compile(spec, variant="cublaslt", cache=cache)
+    acc16 = lt_backend.compile(spec, variant="mma-f16acc", cache=cache)
+    lt.set_params(split.get_params())
+
+    def forwards_agree(label):
+        acc16.set_params(split.get_params())
+        oracle.set_params(split.get_params())
+        x = inputs(rng, 1000, spec)
+        out = split.forward(x)
+        np.testing.assert_array_equal(out, acc16.forward(x), err_msg=label)
+        assert rel_err(out, oracle.forward(x)) <= FWD_TOL, label
+        x16 = cp.asarray(x).astype(cp.float16)
+        ref16 = cp.asnumpy(acc16.forward(x16, out_dtype=np.float16))
+        np.testing.assert_array_equal(cp.asnumpy(split.forward(x16, out_dtype=np.float16)), ref16, err_msg=label)
+        # the daemon's paths: a group of device pairs, and host rows into a host array
+        grouped = cp.empty((1000, spec.n_output_dims), dtype=cp.float16)
+        nonfinite = cp.zeros(1, dtype=cp.uint32)
+        split.forward_group([(x16, grouped)], nonfinite)
+        np.testing.assert_array_equal(cp.asnumpy(grouped), ref16, err_msg=label)
+        assert int(nonfinite[0]) == 0
+        to_host = np.empty((1000, spec.n_output_dims), dtype=np.float16)
+        split.forward_to_host(cp.asnumpy(x16), to_host)
+        np.testing.assert_array_equal(to_host, ref16, err_msg=label)
+
+    forwards_agree("before training")
+    for steps in (1, 4):  # the forward between the calls serves each call's result
+        x = inputs(rng, 2048, spec)
+        y = rng.standard_normal((2048, spec.n_output_dims), dtype=np.float32)
+        np.testing.assert_array_equal(split.train_step(x, y, steps=steps), lt.train_step(x, y, steps=steps))
+        for key, value in lt.get_params().items():
+            np.testing.assert_array_equal(split.get_params()[key], value, err_msg=key)
+        forwards_agree(f"after {steps} step(s)")
+    for model in (lt, acc16):
+        model.close()

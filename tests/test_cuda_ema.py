@@ -2,7 +2,8 @@
 one): the mma variant keeps the average on the device (``mlp_optimize``) and serves it from its
 own forward image, checked with tests/test_optimizers.py's helpers against the cpu reference's
 update replayed on the model's own fp16 weights, the emulating oracle's loss curve, and a
-checkpoint round trip; cublaslt and wgmma refuse it by name, and auto-selection takes mma."""
+checkpoint round trip; cublaslt, wgmma and mma-f16acc+cublaslt refuse it by name, and auto-selection
+takes mma."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def test_ema_picks_mma_and_the_other_variants_refuse_it(backend):
     with backend.compile(spec) as model:
         assert model.variant == "mma"
     rows = {r.variant: r for r in backend.probe()}
-    for variant in ("cublaslt", "wgmma"):
+    for variant in ("cublaslt", "wgmma", "mma-f16acc+cublaslt"):
         if not rows[variant].available:
             continue
         with pytest.raises(SpecError) as err:

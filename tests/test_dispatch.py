@@ -231,7 +231,7 @@ def stub_cuda(monkeypatch, tmp_path):
     from mmad.backends.contract import ProbeRow
 
     fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "mma-f16acc": (1.5, 1.0, "ok"),
-                        "cublaslt": (2.0, 2.0, "ok")})
+                        "cublaslt": (2.0, 2.0, "ok"), "mma-f16acc+cublaslt": (1.5, 2.0, "ok")})
     cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
     monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
@@ -246,7 +246,7 @@ def stub_cuda(monkeypatch, tmp_path):
         b._rows = [ProbeRow("cuda", "wgmma", wgmma_offered, reason="" if wgmma_offered else "off"),
                    ProbeRow("cuda", "mma", True, api_version="driver 12.8"),
                    ProbeRow("cuda", "mma-f16acc", True, api_version="driver 12.8"),
-                   ProbeRow("cuda", "cublaslt", True)]
+                   ProbeRow("cuda", "cublaslt", True), ProbeRow("cuda", "mma-f16acc+cublaslt", True)]
         return b
 
     monkeypatch.setenv("MMAD_CACHE_DIR", str(tmp_path))
@@ -258,13 +258,25 @@ def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub
     model = stub_cuda.backend().compile(SPEC)
     assert model.variant == "mma"
     doc = model.dispatch.to_json()
-    assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt"]
+    assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"]
     assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
     # MMAD_CUDA_WGMMA offers it (the probe's row): then it is a candidate like the others
     offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
     assert offered.variant == "wgmma"
     assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == ["wgmma", "mma", "mma-f16acc",
-                                                                              "cublaslt"]
+                                                                              "cublaslt", "mma-f16acc+cublaslt"]
+
+
+def test_cuda_takes_the_pair_where_one_variant_trains_and_another_forwards_fastest(stub_cuda):
+    """The model L on the H100: cuBLASLt trains fastest, mma-f16acc forwards fastest; the
+    mma-f16acc+cublaslt variant (its forward and its training are theirs) scores best of all."""
+    stub_cuda.fake.variants.update({"mma": (1.4, 1.3, "ok"), "mma-f16acc": (1.0, 1.3, "ok"),
+                                    "cublaslt": (1.9, 1.0, "ok"), "mma-f16acc+cublaslt": (1.0, 1.0, "ok")})
+    model = stub_cuda.backend().compile(SPEC)
+    assert model.variant == "mma-f16acc+cublaslt"
+    scores = {v["variant"]: v["score"] for v in model.dispatch.to_json()["variants"]}
+    assert scores["mma-f16acc+cublaslt"] == pytest.approx(2.0)
+    assert scores["mma-f16acc"] == pytest.approx(2.3) and scores["cublaslt"] == pytest.approx(2.9)
 
 
 def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monkeypatch):
@@ -275,7 +287,8 @@ def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monk
     assert model.variant == "mma" and model.dispatch is None
     assert stub_cuda.backend(wgmma_offered=True).compile(SPEC).variant == "wgmma"
     assert stub_cuda.fake.clock.timed == 0
-    with pytest.raises(SpecError, match="the cuda backend has variants wgmma, mma, mma-f16acc, cublaslt; got 'fast'"):
+    with pytest.raises(SpecError, match=r"the cuda backend has variants wgmma, mma, mma-f16acc, cublaslt, "
+                                        r"mma-f16acc\+cublaslt; got 'fast'"):
         backend.compile(SPEC, variant="fast")
 
 

@@ -50,6 +50,7 @@ PRIORITY = {
     ("cuda", "mma"): 90,
     ("cuda", "mma-f16acc"): 85,
     ("cuda", "cublaslt"): 80,
+    ("cuda", "mma-f16acc+cublaslt"): 78,
     ("vulkan", "coopmat"): 70,
     ("vulkan", "simt"): 50,
     ("wgpu", "default"): 40,

@@ -9,6 +9,9 @@ One file per variant; ``probe()`` reports each, with the reason when it cannot r
   accumulate in fp16, as tiny-cuda-nn's fully fused MLP does (fewer registers, a lighter epilogue;
   a little less precise: the dispatcher keeps it only where it is faster and within tolerance).
 * ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
+* ``mma-f16acc+cublaslt`` (:mod:`.cublaslt_trained`) — trained by ``cublaslt``, served by the
+  ``mma-f16acc`` forward (a copy of the parameters, refreshed on the device after training): for
+  models whose fastest training and fastest forward are different variants'.
 
 A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` or ``mma-f16acc`` with the
 grid kernels around its MLP kernels (:mod:`.grids`); left to the backend it takes ``mma-f16acc``,
@@ -37,6 +40,7 @@ import numpy as np
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
+from mmad.backends.cuda.cublaslt_trained import SPLIT_VARIANT, CublasLtTrainedModel
 from mmad.backends.cuda.grids import CudaGridModel
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
@@ -47,7 +51,7 @@ from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
-VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt")
+VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt", SPLIT_VARIANT)
 MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
 # the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
@@ -119,7 +123,12 @@ class CudaBackend(Backend):
         lt_ok, lt_reason, lt_version = cublaslt_availability()
         lt = ProbeRow("cuda", "cublaslt", lt_ok, reason=lt_reason,
                       details={**details, "nvmath": lt_version}, **common)
-        return [wg, mma, acc16, lt]
+        # trained by cublaslt, served by mma-f16acc: usable where both are
+        split = ProbeRow("cuda", SPLIT_VARIANT, acc16.available and lt.available,
+                         reason="; ".join(f"{r.variant}: {r.reason}" for r in (acc16, lt) if not r.available),
+                         mma_shapes=mma_shape if acc16.available and lt.available else [],
+                         details={**details, "forward": "mma-f16acc", "training": "cublaslt"}, **common)
+        return [wg, mma, acc16, lt, split]
 
     @staticmethod
     def _wgmma_fits(spec: MLPSpec) -> bool:
@@ -217,6 +226,8 @@ class CudaBackend(Backend):
                                                                            forward_acc16=variant == "mma-f16acc")
         if variant == "wgmma":
             return CudaWgmmaModel(spec, cp, info, cache, knobs)
+        if variant == SPLIT_VARIANT:
+            return CublasLtTrainedModel(spec, cp, info, cache, knobs)
         return CublasLtModel(spec, cp, info, cache)
 
 __all__ = ["CudaBackend", "VARIANTS"]

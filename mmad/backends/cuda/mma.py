@@ -756,6 +756,19 @@ class CudaMmaModel(MmaPlan, CudaModel):
             host[:fan_out] = value
             flat[offsets[i]:offsets[i] + n] = self.cp.asarray(host)
 
+    def load_device_params(self, weights: list[Any], biases: list[Any]) -> None:
+        """Every layer's fp32 parameters copied on the device from another model's device arrays
+        (``weights[i]``: fan_out × fan_in, ``biases[i]``), then the fp16 images refreshed: how the
+        ``mma-f16acc+cublaslt`` variant serves with this model what its cuBLASLt half trained."""
+        try:
+            for i, (fan_in, fan_out, k, n) in enumerate(self.layers):
+                self.w_all[self.w_off[i]:self.w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in] = weights[i]
+                self.b_all[self.b_off[i]:self.b_off[i] + fan_out] = biases[i]
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"copying parameters on the device failed: {exc}") from exc
+        for i in range(self.n_layers):
+            self._optimize_layer(i, 2, 0, None, None)
+
     def get_params(self) -> dict[str, np.ndarray]:
         out = {}
         for i in range(self.n_layers):

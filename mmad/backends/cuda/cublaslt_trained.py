@@ -1,0 +1,75 @@
+"""The ``mma-f16acc+cublaslt`` variant: trained by the cuBLASLt matmuls, served by the
+mma-f16acc fused forward. See :class:`CublasLtTrainedModel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mmad.backends.cache import KernelCache
+from mmad.backends.cuda.cublaslt import CublasLtModel
+from mmad.backends.cuda.knobs import CudaKnobs
+from mmad.backends.cuda.mma import CudaMmaModel
+from mmad.spec import MLPSpec
+
+SPLIT_VARIANT = "mma-f16acc+cublaslt"
+
+
+class CublasLtTrainedModel(CublasLtModel):
+    """A model whose training is the cublaslt variant's (this class is that model: its fp32
+    masters, optimizer state, steps and gradients) and whose forwards are the mma-f16acc
+    variant's fused kernel, on a second model that holds only a copy of the parameters.
+
+    Where the fastest training and the fastest forward of a model come from different variants
+    (L on the H100: cuBLASLt trains at 249 M samples/s against 189 for the fused kernels, whose
+    forward runs at 1,750-1,808 against cuBLASLt's 955-977; docs/gpu-notes-cuda.md, Session 14),
+    the dispatcher measures this pair as one more candidate. Every call that changes the
+    parameters marks the copy stale; the next forward first copies the masters on the device
+    (``CudaMmaModel.load_device_params``: one copy and one image refresh a layer)."""
+
+    variant = SPLIT_VARIANT
+
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None, knobs: CudaKnobs):
+        self._engine_stale = True  # CublasLtModel's constructor sets the parameters
+        super().__init__(spec, cp, info, cache)
+        self.forward_engine = CudaMmaModel(spec, cp, info, cache, knobs, forward_acc16=True)
+
+    def _engine(self) -> CudaMmaModel:
+        """The forward model, holding the current parameters."""
+        if self._engine_stale:
+            self.forward_engine.load_device_params(self.w, self.b)
+            self._engine_stale = False
+        return self.forward_engine
+
+    # -- forwards: the fused kernel's, on the current parameters ------------------------------
+    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
+        return self._engine().forward(x, out_dtype)
+
+    def forward_into(self, x: Any, out: Any) -> None:
+        self._engine().forward_into(x, out)
+
+    def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
+        self._engine().forward_group(pairs, nonfinite)
+
+    def forward_to_host(self, x: np.ndarray, out: np.ndarray, executor: Any = None,
+                        check_finite: bool = False) -> None:
+        self._engine().forward_to_host(x, out, executor, check_finite)
+
+    # -- what changes the parameters ------------------------------------------------------------
+    def train_step(self, x: Any, y: Any, steps: int = 1) -> np.ndarray:
+        self._engine_stale = True  # first: a step that fails half way may have changed weights
+        return super().train_step(x, y, steps)
+
+    def set_params(self, params: dict[str, np.ndarray]) -> None:
+        self._engine_stale = True
+        super().set_params(params)
+
+    def device_bytes(self) -> int:
+        return super().device_bytes() + self.forward_engine.device_bytes()
+
+    def close(self) -> None:
+        if hasattr(self, "forward_engine"):
+            self.forward_engine.close()
+        super().close()
