@@ -3,7 +3,7 @@ one): the mma variant keeps the average on the device (``mlp_optimize``) and ser
 own forward image, checked with tests/test_optimizers.py's helpers against the cpu reference's
 update replayed on the model's own fp16 weights, the emulating oracle's loss curve, and a
 checkpoint round trip; cublaslt, wgmma and mma-f16acc+cublaslt refuse it by name, and auto-selection
-takes mma."""
+takes one of the two mma variants."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def test_mma_ema_checkpoint_resumes(backend):
     check_ema_checkpoint_resumes(lambda spec: backend.compile(spec, "mma"), bench_spec("M", optimizer=EMA_ADAM))
 
 
-def test_ema_picks_mma_and_the_other_variants_refuse_it(backend):
+def test_ema_picks_an_mma_variant_and_the_others_refuse_it(backend):
     spec = bench_spec("S", optimizer=EMA_ADAM)
-    with backend.compile(spec) as model:
-        assert model.variant == "mma"
+    with backend.compile(spec) as model:  # measured between the two variants that keep the average
+        assert model.variant in ("mma", "mma-f16acc")
     rows = {r.variant: r for r in backend.probe()}
     for variant in ("cublaslt", "wgmma", "mma-f16acc+cublaslt"):
         if not rows[variant].available:

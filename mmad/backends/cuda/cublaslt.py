@@ -5,6 +5,7 @@ where every fused kernel is register-bound. See :class:`CublasLtModel`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -36,6 +37,13 @@ def cublaslt_availability() -> tuple[bool, str, str]:
 
 EW_KERNELS = ("ew_half", "ew_hidden", "ew_output", "ew_loss", "ew_backward", "ew_optimize")
 LOSS_BLOCK, LOSS_ITEMS = 256, 8  # ew_loss: threads a block (a multiple of 32), elements a thread (loads in flight)
+# a matmul of at least TUNED_MIN_ROWS rows runs the fastest of the heuristic's first
+# TUNED_CANDIDATES algorithms, timed once per device, library and shape and kept in the kernel
+# cache; smaller ones (and a model without a cache) the heuristic's first. H100, 2^20 rows: L's
+# training 247 -> 264 M samples/s, W's 138 -> 142 (docs/gpu-notes-cuda.md, Session 14)
+TUNED_MIN_ROWS = 1 << 16
+TUNED_CANDIDATES = 8
+TUNED_REPEATS = 5  # timed runs of each candidate (after one warm-up)
 
 
 def elementwise_source(spec: MLPSpec) -> str:
@@ -58,7 +66,9 @@ class CublasLtModel(CudaModel):
     along M: ReLU hidden layers use the RELU_BIAS epilog (fp16 out; its bias is the fp16 copy of
     the fp32 master; in training RELU_AUX_BIAS, which also keeps the sign bits of the
     pre-activation), other hidden layers and the output layer an fp32 result type with the BIAS
-    epilog (fp32 bias; no C operand to read) and finish in ``shaders/cuda/mlp_elementwise.cu``.
+    epilog (fp32 bias; no C operand to read) and finish in ``shaders/cuda/mlp_elementwise.cu``;
+    in training the output layer is fp16 (BIAS epilog, the fp16 bias), the loss's input, as
+    tiny-cuda-nn's loss reads its network's fp16 output.
     Backward: weight gradients ``h @ delta^T`` (= dW^T, so that dW comes out row-major like W) as
     an fp32 matmul (fp32 zero C) whose BGRADB epilog sums delta over the rows for the bias
     gradient; input gradients ``W^T @ delta``: with ReLU the DRELU epilog applies the kept sign
@@ -119,6 +129,8 @@ class CublasLtModel(CudaModel):
         except device_errors(cp) as exc:
             raise LaunchError(f"setting up the cuBLASLt model failed: {exc}") from exc
         self._plans: dict[tuple, Any] = {}
+        self._algorithms: dict[tuple, Any] = {}  # per plan: the stored choice, None for the heuristic's first
+        self._cache = cache
         self.set_params(init_params(spec))
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -159,11 +171,14 @@ class CublasLtModel(CudaModel):
                 if any(k[2] != rows for k in self._plans):  # plans of one batch size at a time
                     self._free_plans()
                 mm = self._matmul_cls(a, b, c=c, beta=None if c is None else 1.0, options=options)
-                mm.plan(epilog=epilog, epilog_inputs=epilog_inputs)
+                tuned = rows >= TUNED_MIN_ROWS and self._cache is not None
+                mm.plan(epilog=epilog, epilog_inputs=epilog_inputs,
+                        preferences={"limit": TUNED_CANDIDATES} if tuned else None)
                 self._plans[key] = mm
+                self._algorithms[key] = self._stored_algorithm(mm, key, (a, b, c), epilog) if tuned else None
             else:
                 mm.reset_operands(a=a, b=b, c=c, epilog_inputs=epilog_inputs)
-            result = mm.execute()
+            result = mm.execute(algorithm=self._algorithms[key])
         except device_errors(self.cp) as exc:
             raise LaunchError(f"cuBLASLt matmul ({kind}, layer {layer}, {rows} rows) failed: {exc}") from exc
         except Exception as exc:  # nvmath reports unsupported shapes, types or epilogs as ValueError & co.
@@ -175,6 +190,39 @@ class CublasLtModel(CudaModel):
                               f"with strides {out.strides}; the cublaslt model needs it F-contiguous")
         return out, aux
 
+    def _stored_algorithm(self, mm, key: tuple, operands: tuple, epilog) -> Any:
+        """The fastest of a fresh plan's candidate algorithms, by its index in the heuristic's list
+        (the same list for the same library, device and operands): timed on the first plan of this
+        shape, then read from the kernel cache, so that every process runs the same algorithm and
+        rounds the same way (nvmath's own autotune would time again in each)."""
+        candidates = mm.algorithms
+        if len(candidates) < 2:
+            return None
+        from nvmath.bindings import cublasLt
+
+        layout = [None if o is None else [list(o.shape), list(o.strides), o.dtype.str] for o in operands]
+        parts = dict(backend="cuda-cublaslt-algorithm", device=f"{self.info['name']} {self.arch}",
+                     compiler=f"cublasLt {cublasLt.get_version()}",
+                     options={"matmul": key[0], "epilog": getattr(epilog, "name", None), "candidates": len(candidates)},
+                     source=json.dumps(layout))
+
+        def time_candidates() -> bytes:
+            cp = self.cp
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            ms = []
+            for algorithm in candidates:
+                mm.execute(algorithm=algorithm)  # warm-up
+                start.record()
+                for _ in range(TUNED_REPEATS):
+                    mm.execute(algorithm=algorithm)
+                end.record()
+                end.synchronize()
+                ms.append(cp.cuda.get_elapsed_time(start, end) / TUNED_REPEATS)
+            return json.dumps({"index": min(range(len(ms)), key=ms.__getitem__), "ms": ms}).encode()
+
+        index = json.loads(self._cache.get_or_build(time_candidates, **parts))["index"]
+        return candidates[index]
+
     def _free_plans(self) -> None:
         for mm in self._plans.values():
             try:
@@ -182,6 +230,7 @@ class CublasLtModel(CudaModel):
             except Exception:  # freeing is best effort; the plan is dropped either way
                 pass
         self._plans.clear()
+        self._algorithms.clear()
 
     def _forward_t(self, dx, rows: int, train: bool, half_out: bool = False):
         """Output pre-activations z^T (n_out, rows) fp32 (``half_out``: fp16, bias added by the
@@ -246,7 +295,9 @@ class CublasLtModel(CudaModel):
         """Forward, loss, backward; ``on_layer(i, dW, db)`` once per layer, last first."""
         cp = self.cp
         n_out = self.spec.n_output_dims
-        zt, hs, kept = self._forward_t(dx, rows, train=True)
+        # the output layer in fp16 (its BIAS epilog, the fp16 bias), as the loss reads it: an fp32
+        # z written and read back cost L's step ~0.18 ms of ~4 (H100, 2^20 rows)
+        zt, hs, kept = self._forward_t(dx, rows, train=True, half_out=True)
         # zt, dy (rows x n_out, C order) and delta hold [rows][n_out]
         delta = cp.empty((n_out, rows), dtype=cp.float16, order="F")
         blocks = math.ceil(zt.size / (LOSS_BLOCK * LOSS_ITEMS))  # one partial loss sum each

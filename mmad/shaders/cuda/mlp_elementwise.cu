@@ -39,23 +39,24 @@ extern "C" __global__ void ew_output(const float* __restrict__ zt, i64 n, float*
     out[i] = activate(OUT_ACT, zt[i]);
 }
 
-// loss over n = rows * NOUT elements, all [rows][NOUT]: the output delta = fp16(dloss/dpred *
+// loss over n = rows * NOUT elements, all [rows][NOUT]: the output layer's fp16 pre-activation z
+// (tiny-cuda-nn's loss reads its network's fp16 output too), the output delta = fp16(dloss/dpred *
 // grad_scale * act_out'(z)) per element, and per block (LOSS_BLOCK threads, LOSS_ITEMS elements
 // each, a block's elements contiguous) the sum of their loss values in a fixed order (each thread's
 // items in turn, then the warp's lanes by shuffles, then the warps in turn): repeated steps give the
 // same loss bit for bit; the host sums the blocks' partials in float64
-__device__ __forceinline__ float loss_element(const float* __restrict__ zt, const float* __restrict__ y, i64 i,
+__device__ __forceinline__ float loss_element(const u16* __restrict__ zt, const float* __restrict__ y, i64 i,
                                               float grad_scale, u16* __restrict__ delta) {
-    const float z = zt[i];
+    const float z = half_bits_to_float(zt[i]);
     const float p = activate(OUT_ACT, z);
     float lum = 0.f;
 #if LOSS == LOSS_REL_L2_LUM
-    const float* row = zt + (i / NOUT) * NOUT;
+    const u16* row = zt + (i / NOUT) * NOUT;
 #if NOUT >= 3
-    lum = 0.299f * activate(OUT_ACT, row[0]) + 0.587f * activate(OUT_ACT, row[1]) +
-          0.114f * activate(OUT_ACT, row[2]);
+    lum = 0.299f * activate(OUT_ACT, half_bits_to_float(row[0])) + 0.587f * activate(OUT_ACT, half_bits_to_float(row[1])) +
+          0.114f * activate(OUT_ACT, half_bits_to_float(row[2]));
 #elif NOUT == 2
-    lum = 0.5f * (fabsf(activate(OUT_ACT, row[0])) + fabsf(activate(OUT_ACT, row[1])));
+    lum = 0.5f * (fabsf(activate(OUT_ACT, half_bits_to_float(row[0]))) + fabsf(activate(OUT_ACT, half_bits_to_float(row[1]))));
 #else
     lum = fabsf(p);
 #endif
@@ -66,7 +67,7 @@ __device__ __forceinline__ float loss_element(const float* __restrict__ zt, cons
     return value;
 }
 
-extern "C" __global__ void ew_loss(const float* __restrict__ zt, const float* __restrict__ y, i64 n,
+extern "C" __global__ void ew_loss(const u16* __restrict__ zt, const float* __restrict__ y, i64 n,
                                    float grad_scale, u16* __restrict__ delta, float* __restrict__ partial) {
     __shared__ float warp_sums[LOSS_BLOCK / 32];
     const i64 first = (i64)blockIdx.x * (LOSS_BLOCK * LOSS_ITEMS) + threadIdx.x;
