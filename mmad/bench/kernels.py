@@ -412,8 +412,7 @@ def _measure_cuda(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> dict
     dx, dy = model.upload(x), model.upload(y)
     _train_losses_finite(model, dx, dy)
     # one call of ``calls`` steps a sample: its losses come back once, as a job's chunk of steps
-    # does and as the PyTorch peer's steps (which never read the loss) run; ``calls`` calls of one
-    # step each waited for their loss on the host, and the GPU idled meanwhile
+    # does (the PyTorch peer never reads its loss); a call a step would time the host's wait too
     seconds = timing.median_seconds(lambda: model.train_step(dx, dy, steps=calls), opts.repeats,
                                     clock="cupy", calls=calls)
     return {"seconds": seconds, "clock": "cuda events", "calls_per_sample": calls}
