@@ -259,6 +259,12 @@ struct GroupForward {
     u32* nonfinite;
 };
 
+// a group entry's input read NaN or Inf somewhere in this warp: its flag word set (one lane)
+__device__ __forceinline__ void flag_nonfinite_input(const GroupForward& entry, bool bad, int lane) {
+    u32* const flag = entry.nonfinite;
+    if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
+}
+
 // The weights the block's warps read: copied into shared memory (the first n16 16-byte words of
 // the image) where ``staged``, else read through L1 from the global image.
 __device__ __forceinline__ const uint2* block_weights(const uint2* __restrict__ wglobal, bool staged, int n16) {
@@ -390,10 +396,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                     for (int mt = 0; mt < MT; ++mt) mma16816(C[mt][nt], a[mt], b);
                 }
             }
-            if constexpr (GROUPED) {
-                u32* const flag = group[entry].nonfinite;
-                if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
-            }
+            if constexpr (GROUPED) flag_nonfinite_input(group[entry], bad, lane);
             // epilogue of every hidden layer: bias, activation, round, chain into A
 #define HIDDEN_EPILOGUE(L)                                                                         \
             _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) {                                     \
@@ -756,10 +759,7 @@ __device__ __forceinline__ void mlp_forward_acc16(
                 for (int mt = 0; mt < MT; ++mt) mma16816_acc16(C[mt][nt], a[mt], b);
             }
         }
-        if constexpr (GROUPED) {
-            u32* const flag = group[entry].nonfinite;
-            if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
-        }
+        if constexpr (GROUPED) flag_nonfinite_input(group[entry], bad, lane);
         // hidden layer l's bias and activation on the pairs, which chain into A; then layer l + 1
 #pragma unroll 1
         for (int l = 0; l < NHID; ++l) {
