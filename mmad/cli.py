@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tiny-cuda-nn's hash-grid image config against PyTorch and tiny-cuda-nn's "
                                    "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options.")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
-                   help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
+                   help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
+                        "vulkan[:coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
     p.add_argument("--rows", type=int, help="batch rows (default 2^20 on a GPU, 2^16 on the CPU)")
@@ -347,13 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`mmad serve` on --backend (default cuda) end to end: model M created over HTTP, binary "
                         "inference checked against the float64 oracle, 20 training steps")
     g.add_argument("--sass", metavar="DIR", help="cuda: instruction mix of the mma kernels of S/M/L (or, with "
-                                                 "--backend cuda:wgmma, the wgmma forward of S/M/L/W) from "
+                                                 "--backend cuda:wgmma, the wgmma forwards of S/M/L/W) from "
                                                  "cuobjdump; cubins and SASS listings go to DIR")
     g.add_argument("--nvmath-check", action="store_true",
                    help="cuda: what nvmath-python's cuBLASLt epilogs accept and compute here")
     g.add_argument("--run-forward", metavar="MODEL:VARIANT",
-                   help="cuda: compile MODEL and run its forward 4 times at --rows rows, nothing else (the "
-                        "workload for an outside profiler such as ncu), e.g. S:wgmma")
+                   help="cuda: compile MODEL and run its forward 4 times at --rows rows of --io, nothing else "
+                        "(the workload for an outside profiler such as ncu or compute-sanitizer), e.g. S:wgmma")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train a small MLP with the best available backend; --image: fit a "

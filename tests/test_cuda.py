@@ -87,7 +87,7 @@ def cached_pair(backend, cache, spec, rng):
 
 def test_probe_reports_every_variant(backend):
     rows = {r.variant: r for r in backend.probe()}
-    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"}
+    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"}
     assert "compute_capability" in rows["mma"].details
     for row in rows.values():
         assert row.available or row.reason, row

@@ -10,9 +10,10 @@ CPU (run everywhere):
   against equal ``layouts.wgmma_accumulator`` / ``register_permutation``;
 - the generated source assembles with nvcc for sm_90a with no local memory (spills, stack).
 
-GPU (an sm_90 device with ``MMAD_CUDA_WGMMA=1`` honoured by the probe): forward of S/M/L/W with
-every activation at 1, 7, 1000, 65,537 and 2^20 rows against the float64 oracle (a random
-4096-row subset of 2^20), odd shapes, forward after training steps, cache hits.
+GPU (an sm_90 device whose probe offers wgmma): forward of S/M/L/W with every activation at 1,
+7, 1000, 65,537 and 2^20 rows, fp32 and fp16 I/O, against the float64 oracle (a random 4096-row
+subset of 2^20), odd shapes, every fp16 ring plan bit for bit, forward after training steps,
+cache hits.
 """
 
 from __future__ import annotations
@@ -330,17 +331,20 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
     nvcc = toolchain.find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the wgmma source is only assembled where it is")
-    sources = {"S": WgmmaPlan(bench_spec("S")).source,
-               "S-Sine": WgmmaPlan(bench_spec("S", activation="Sine")).source,
-               "M": WgmmaPlan(bench_spec("M", activation="SiLU", output_activation="Sigmoid")).source,
-               "L": WgmmaPlan(bench_spec("L")).source,
-               "L-1wg": WgmmaPlan(bench_spec("L"), warpgroups=1).source,
-               "W": WgmmaPlan(bench_spec("W", activation="Tanh")).source,
-               "odd": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w112-in100-out33"])).source}
+    plans = {"S": WgmmaPlan(bench_spec("S")),
+             "S-Sine": WgmmaPlan(bench_spec("S", activation="Sine")),
+             "M": WgmmaPlan(bench_spec("M", activation="SiLU", output_activation="Sigmoid")),
+             "M-4wg": WgmmaPlan(bench_spec("M"), half_warpgroups=4, half_stages=3),
+             "L": WgmmaPlan(bench_spec("L")),
+             "L-1wg": WgmmaPlan(bench_spec("L"), warpgroups=1),
+             "W": WgmmaPlan(bench_spec("W", activation="Tanh")),
+             "odd": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w112-in100-out33"])),
+             "w256": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w256-in3-out1-h1"]))}
+    assert not plans["W"].half_io and all(p.half_io for n, p in plans.items() if n != "W")
     jobs = {}
-    for name, source in sources.items():  # in parallel: each is a separate nvcc process
+    for name, plan in plans.items():  # in parallel: each is a separate nvcc process
         src = tmp_path / f"{name}.cu"
-        src.write_text(source)
+        src.write_text(plan.source)
         jobs[name] = subprocess.Popen([nvcc, *wgmma.WGMMA_NVCC_OPTIONS, "-Xptxas", "-v", str(src), "-o",
                                        str(tmp_path / f"{name}.cubin")], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
@@ -350,7 +354,8 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
         assert "serialized" not in err, f"{name}: ptxas serialises wgmma: {err[-2000:]}"
         report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                             r"(\d+) bytes spill loads", err, flags=re.S)
-        assert {k for k, *_ in report} == {"wgmma_forward", "wgmma_pack"}, err
+        kernels = {"wgmma_forward", "wgmma_pack"} | ({"wgmma_forward_half"} if plans[name].half_io else set())
+        assert {k for k, *_ in report} == kernels, err
         for kernel, stack, stores, loads in report:
             assert (int(stores), int(loads)) == (0, 0), f"{name} {kernel} spills: {err}"
             # sinf's argument reduction for |x| > 105615 keeps a 28-byte table on the stack (the
@@ -375,16 +380,10 @@ def wgmma_backend():
         import cupy  # noqa: F401
     except ImportError:
         pytest.skip("CuPy is not installed: the cuda backend cannot run here")
-    previous = os.environ.get(knobs.WGMMA_ENV)
-    os.environ[knobs.WGMMA_ENV] = "1"
-    try:
-        backend = cuda.CudaBackend()
-        row = {r.variant: r for r in backend.probe()}["wgmma"]
-    finally:
-        if previous is None:
-            os.environ.pop(knobs.WGMMA_ENV)
-        else:
-            os.environ[knobs.WGMMA_ENV] = previous
+    if os.environ.get(knobs.WGMMA_ENV) == "0":
+        pytest.skip(f"{knobs.WGMMA_ENV}=0 turns the wgmma variant off")
+    backend = cuda.CudaBackend()
+    row = {r.variant: r for r in backend.probe()}["wgmma"]
     if not row.available:
         pytest.skip(f"the cuda wgmma variant is unavailable here: {row.reason}")
     return backend
@@ -423,20 +422,35 @@ def inputs(rng, rows, spec):
 FORWARD_CASES = [(m, a) for m in "SMLW" for a in ACTIVATIONS if a != "Exponential" or m == "S"]
 
 
+def forward_io(model, x: np.ndarray, io: str) -> tuple[np.ndarray, np.ndarray]:
+    """(host output, the input the kernel saw as fp32): fp32 host rows, or fp16 device rows in
+    and fp16 device rows out (``wgmma_forward_half`` where the plan has it)."""
+    if io == "fp32":
+        out = model.forward(x)
+        assert out.dtype == np.float32
+        return out, x
+    import cupy
+
+    x16 = x.astype(np.float16)
+    out = model.forward(cupy.asarray(x16), out_dtype=np.float16)
+    assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16
+    return cupy.asnumpy(out).astype(np.float32), x16.astype(np.float32)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("io", ["fp32", "fp16"])
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"rows{b}")
 @pytest.mark.parametrize(("name", "activation"), FORWARD_CASES, ids=[f"{m}-{a}" for m, a in FORWARD_CASES])
-def test_wgmma_forward_matches_oracle(wgmma_backend, cache, name, activation, batch):
-    rng = case_rng(name, activation, batch, "wgmma")
+def test_wgmma_forward_matches_oracle(wgmma_backend, cache, name, activation, batch, io):
+    rng = case_rng(name, activation, batch, io, "wgmma")
     spec = bench_spec(name, activation=activation)
     model, oracle = pair(wgmma_backend, cache, spec, rng)
     assert model.variant == "wgmma"
-    x = inputs(rng, batch, spec)
-    out = model.forward(x)
-    assert out.shape == (batch, spec.n_output_dims) and out.dtype == np.float32
+    out, seen = forward_io(model, inputs(rng, batch, spec), io)
+    assert out.shape == (batch, spec.n_output_dims)
     check = np.arange(batch) if batch <= 65_537 else np.sort(rng.choice(batch, 4096, replace=False))
-    err = rel_err(out[check], oracle.forward(x[check]))
-    assert err <= FWD_TOL, f"wgmma {name}/{activation}/{batch} rows: forward rel. err {err:.2e}"
+    err = rel_err(out[check], oracle.forward(seen[check]))
+    assert err <= FWD_TOL, f"wgmma {name}/{activation}/{batch} rows, {io} I/O: forward rel. err {err:.2e}"
 
 
 def test_the_forward_cases_cover_every_model_and_activation():
@@ -445,15 +459,74 @@ def test_the_forward_cases_cover_every_model_and_activation():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("io", ["fp32", "fp16"])
 @pytest.mark.parametrize("name", list(ODD_SPECS))
-def test_wgmma_odd_shapes(wgmma_backend, cache, name):
-    rng = np.random.default_rng(len(name))
+def test_wgmma_odd_shapes(wgmma_backend, cache, name, io):
+    """Inputs of fewer than 8 halves a row or not a multiple of 8 (the fp16 kernel's element
+    loads), odd output counts (its single-half stores), padded widths."""
+    rng = case_rng(name, io, "odd")
     spec = bench_spec("M", activation="SiLU", output_activation="Sigmoid").replace(**ODD_SPECS[name])
     model, oracle = pair(wgmma_backend, cache, spec, rng)
+    assert model.wg.half_io
     for batch in (1, 63, 64, 65, 1001):
-        x = rng.uniform(-1, 1, (batch, spec.n_input_dims)).astype(np.float32)
-        err = rel_err(model.forward(x), oracle.forward(x))
-        assert err <= FWD_TOL, f"{name}, {batch} rows: rel. err {err:.2e}"
+        out, seen = forward_io(model, rng.uniform(-1, 1, (batch, spec.n_input_dims)).astype(np.float32), io)
+        err = rel_err(out, oracle.forward(seen))
+        assert err <= FWD_TOL, f"{name}, {batch} rows, {io} I/O: rel. err {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_wgmma_half_rings_compute_the_same(wgmma_backend, cache, monkeypatch):
+    """Every (warpgroups, ring tiles) plan of the fp16 kernel gives the same bits: many tiles a
+    warpgroup, the ring wrapping, a ragged last tile."""
+    import cupy
+
+    rng = case_rng("rings")
+    spec = bench_spec("M", activation="LeakyReLU")
+    oracle = CpuBackend("float64").compile(spec)
+    x16 = inputs(rng, 500_001, spec).astype(np.float16)
+    dx = cupy.asarray(x16)
+    check = np.concatenate([np.sort(rng.choice(500_001 - 100, 4096, replace=False)), np.arange(500_001 - 100, 500_001)])
+    first = None
+    for wgs, ring in ((1, 1), (2, 2), (3, 4), (4, 3)):
+        monkeypatch.setenv(knobs.WGMMA_HALF_WARPGROUPS_ENV, str(wgs))
+        monkeypatch.setenv(knobs.WGMMA_HALF_STAGES_ENV, str(ring))
+        model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+        assert (model.wg.half_warpgroups, model.wg.half_stages) == (wgs, ring)
+        if first is None:
+            params = model.get_params()
+            oracle.set_params(params)
+        model.set_params(params)
+        out = cupy.asnumpy(model.forward(dx, out_dtype=np.float16))
+        if first is None:
+            first = out
+            err = rel_err(out[check].astype(np.float32), oracle.forward(x16[check].astype(np.float32)))
+            assert err <= FWD_TOL, f"{wgs} warpgroups, {ring} ring tiles: rel. err {err:.2e}"
+        else:
+            np.testing.assert_array_equal(out, first, err_msg=f"{wgs} warpgroups, {ring} ring tiles")
+        model.close()
+
+
+@pytest.mark.gpu
+def test_wgmma_half_forward_into_and_group(wgmma_backend, cache):
+    """``forward_into`` an fp16 device array is the kernel's own output; a group of pairs (the
+    mma group kernel on the same parameters) agrees with it within the forward tolerance."""
+    import cupy
+
+    rng = case_rng("into")
+    spec = bench_spec("S", activation="Tanh")
+    model, oracle = pair(wgmma_backend, cache, spec, rng)
+    x16 = cupy.asarray(inputs(rng, 3000, spec).astype(np.float16))
+    direct = model.forward(x16, out_dtype=np.float16)
+    into = cupy.empty((3000, spec.n_output_dims), dtype=cupy.float16)
+    model.forward_into(x16, into)
+    np.testing.assert_array_equal(cupy.asnumpy(into), cupy.asnumpy(direct))
+    grouped = cupy.empty_like(into)
+    model.forward_group([(x16, grouped)])
+    seen = cupy.asnumpy(x16).astype(np.float32)
+    ref = oracle.forward(seen)
+    for label, out in (("into", into), ("group", grouped)):
+        err = rel_err(cupy.asnumpy(out).astype(np.float32), ref)
+        assert err <= FWD_TOL, f"{label}: rel. err {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -524,13 +597,13 @@ def test_wgmma_device_input_at_an_odd_offset(wgmma_backend, cache):
 
 @pytest.mark.gpu
 def test_wgmma_probe_gate_and_default_choice(wgmma_backend, cache, monkeypatch):
-    monkeypatch.delenv(knobs.WGMMA_ENV, raising=False)
     monkeypatch.setenv(knobs.DISPATCH_ENV, "fixed")  # the fixed rule; measuring: tests/test_cuda_dispatch.py
+    # on by default: the fixed rule's choice for a model that fits
+    assert wgmma_backend.compile(bench_spec("S"), cache=cache).variant == "wgmma"
+    monkeypatch.setenv(knobs.WGMMA_ENV, "0")
     row = {r.variant: r for r in cuda.CudaBackend().probe()}["wgmma"]
     assert not row.available and row.reason == wgmma.WGMMA_OFF
     assert cuda.CudaBackend().compile(bench_spec("S"), cache=cache).variant == "mma"
-    # with the gate open (wgmma_backend's probe), the default for a model that fits is wgmma
-    assert wgmma_backend.compile(bench_spec("S"), cache=cache).variant == "wgmma"
 
 
 @pytest.mark.gpu
@@ -566,7 +639,7 @@ def _fake_device(monkeypatch, cc):
 
 
 @pytest.mark.parametrize(("cc", "env", "check", "available", "reason"), [
-    ((9, 0), None, None, False, wgmma.WGMMA_OFF),
+    ((9, 0), None, (True, ""), True, ""),
     ((9, 0), "0", None, False, wgmma.WGMMA_OFF),
     ((9, 0), "1", (True, ""), True, ""),
     ((9, 0), "1", (False, "nvcc exit 1: boom"), False, "the sm_90a wgmma check failed: nvcc exit 1: boom"),
@@ -589,5 +662,9 @@ def test_probe_gate(monkeypatch, cc, env, check, available, reason):
     assert (rows["wgmma"].available, rows["wgmma"].reason) == (available, reason)
     assert len(calls) == (check is not None)  # the run check happens only behind the gate
     assert rows["mma"].available  # the mma row is untouched by the gate
+    # trained by cublaslt (unavailable here), served by wgmma: its row names what is missing
+    split = rows["wgmma+cublaslt"]
+    assert not split.available and "cublaslt: not here" in split.reason
+    assert ("wgmma: " in split.reason) == (not available)
     if available:
         assert {s.n for s in rows["wgmma"].mma_shapes} == {8, 16, 32, 64, 128, 256}

@@ -231,7 +231,8 @@ def stub_cuda(monkeypatch, tmp_path):
     from mmad.backends.contract import ProbeRow
 
     fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "mma-f16acc": (1.5, 1.0, "ok"),
-                        "cublaslt": (2.0, 2.0, "ok"), "mma-f16acc+cublaslt": (1.5, 2.0, "ok")})
+                        "cublaslt": (2.0, 2.0, "ok"), "mma-f16acc+cublaslt": (1.5, 2.0, "ok"),
+                        "wgmma+cublaslt": (0.1, 2.0, "ok")})
     cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
     monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
@@ -246,7 +247,8 @@ def stub_cuda(monkeypatch, tmp_path):
         b._rows = [ProbeRow("cuda", "wgmma", wgmma_offered, reason="" if wgmma_offered else "off"),
                    ProbeRow("cuda", "mma", True, api_version="driver 12.8"),
                    ProbeRow("cuda", "mma-f16acc", True, api_version="driver 12.8"),
-                   ProbeRow("cuda", "cublaslt", True), ProbeRow("cuda", "mma-f16acc+cublaslt", True)]
+                   ProbeRow("cuda", "cublaslt", True), ProbeRow("cuda", "mma-f16acc+cublaslt", True),
+                   ProbeRow("cuda", "wgmma+cublaslt", wgmma_offered, reason="" if wgmma_offered else "wgmma: off")]
         return b
 
     monkeypatch.setenv("MMAD_CACHE_DIR", str(tmp_path))
@@ -260,11 +262,12 @@ def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub
     doc = model.dispatch.to_json()
     assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"]
     assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
-    # MMAD_CUDA_WGMMA offers it (the probe's row): then it is a candidate like the others
+    # where the probe offers it (an sm_90 GPU, nvcc): a candidate like the others, and its pair
+    # with cublaslt's training too
     offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
     assert offered.variant == "wgmma"
-    assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == ["wgmma", "mma", "mma-f16acc",
-                                                                              "cublaslt", "mma-f16acc+cublaslt"]
+    assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == [
+        "wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
 
 
 def test_cuda_takes_the_pair_where_one_variant_trains_and_another_forwards_fastest(stub_cuda):
@@ -288,7 +291,7 @@ def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monk
     assert stub_cuda.backend(wgmma_offered=True).compile(SPEC).variant == "wgmma"
     assert stub_cuda.fake.clock.timed == 0
     with pytest.raises(SpecError, match=r"the cuda backend has variants wgmma, mma, mma-f16acc, cublaslt, "
-                                        r"mma-f16acc\+cublaslt; got 'fast'"):
+                                        r"mma-f16acc\+cublaslt, wgmma\+cublaslt; got 'fast'"):
         backend.compile(SPEC, variant="fast")
 
 

@@ -50,6 +50,7 @@ PRIORITY = {
     ("cuda", "mma"): 90,
     ("cuda", "mma-f16acc"): 85,
     ("cuda", "cublaslt"): 80,
+    ("cuda", "wgmma+cublaslt"): 79,
     ("cuda", "mma-f16acc+cublaslt"): 78,
     ("vulkan", "coopmat"): 70,
     ("vulkan", "simt"): 50,

@@ -180,23 +180,28 @@ def output_layer_options(rows: int = 1 << 20, width: int = 256) -> list[str]:
     return lines
 
 
-def run_forward(name: str, variant: str, rows: int, times: int = 4) -> str:
-    """Compile one model and run its forward ``times`` times on fresh random rows: the workload
-    for an outside profiler (ncu picks a launch out of these)."""
+def run_forward(name: str, variant: str, rows: int, io: str = "fp16", times: int = 4) -> str:
+    """Compile one model and run its forward ``times`` times on fresh random device rows of
+    ``io`` in and out: the workload for an outside profiler (ncu picks a launch out of these)
+    or compute-sanitizer."""
     import cupy as cp
 
     from mmad.backends.cuda import CudaBackend
 
     spec = bench_spec(name)
     model = CudaBackend().compile(spec, variant=variant)
-    x = cp.asarray(np.random.default_rng(3).standard_normal((rows, spec.n_input_dims), dtype=np.float32))
+    dtype = np.float16 if io == "fp16" else np.float32
+    x = cp.asarray(np.random.default_rng(3).standard_normal((rows, spec.n_input_dims), dtype=np.float32)).astype(dtype)
     for _ in range(times):
-        out = model.forward(x)
+        out = model.forward(x, out_dtype=dtype)
     model.synchronize()
     finite = bool(cp.isfinite(out).all())
-    stages = f", wgmma input stages {model.wg.x_stages}" if hasattr(model, "wg") else ""
+    plan = getattr(model, "wg", None)
+    stages = ("" if plan is None else f", wgmma {plan.half_warpgroups} warpgroups x {plan.half_stages} ring tiles"
+              if io == "fp16" and plan.half_io else f", wgmma input stages {plan.x_stages}")
     model.close()
-    return f"{name}:{model.variant} forward x{times} at {rows} rows{stages}, output {'finite' if finite else 'NOT FINITE'}"
+    return (f"{name}:{model.variant} {io} forward x{times} at {rows} rows{stages}, "
+            f"output {'finite' if finite else 'NOT FINITE'}")
 
 
 def profile_ops(name: str, variant: str, rows: int) -> list[str]:
@@ -290,36 +295,42 @@ def cublaslt_layouts(k: int, n: int, rows: int) -> list[str]:
 
 
 def wgmma_sass(out_dir: Path) -> list[str]:
-    """The wgmma forward of S/M/L/W compiled with nvcc as the backend does, its SASS dumped: per
-    model the plan (weights resident, warpgroups, input staging, shared memory) and the count of
-    each instruction that matters, against the HGMMA count the source implies."""
+    """The wgmma forwards (fp32 and fp16 I/O) of S/M/L/W compiled with nvcc as the backend does,
+    their SASS dumped: per model and kernel the plan (weights resident, warpgroups, input
+    staging, shared memory) and the count of each instruction that matters, against the HGMMA
+    count the source implies."""
     from mmad.backends.cuda.toolchain import nvcc_compile
     from mmad.backends.cuda.wgmma import WGMMA_NVCC_OPTIONS, WgmmaPlan
 
     lines = []
+    keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
     for name in "SMLW":
         plan = WgmmaPlan(bench_spec(name))
         cubin = out_dir / f"wgmma_{name}.cubin"
         cubin.write_bytes(nvcc_compile(plan.source, WGMMA_NVCC_OPTIONS, name))
         dump = subprocess.run([cuda_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True)
         (out_dir / f"wgmma_{name}.sass.txt").write_text(dump.stdout + dump.stderr)
-        ops: collections.Counter[str] = collections.Counter()
+        ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         fn = "?"
         for line in dump.stdout.splitlines():
             m = re.search(r"Function : (\w+)", line)
             if m:
                 fn = m.group(1)
             m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-            if m and fn == "wgmma_forward":
+            if m:
                 op = m.group(1)
-                ops[op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
-        keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
+                ops[fn][op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
         # one HGMMA per wgmma in the source: layer 0, the (not unrolled) hidden loop, the output layer
         expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
-        lines.append(f"{name} resident={plan.w_resident} warpgroups={plan.warpgroups} staged={plan.input_staged} "
-                     f"smem={plan.smem_bytes} HGMMA expected={expected} "
-                     + " ".join(f"{k}={ops[k]}" for k in keys) + f" total={sum(ops.values())}"
-                     + ("" if dump.stdout else f" cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}"))
+        kernels = [("wgmma_forward", f"warpgroups={plan.warpgroups} staged={plan.input_staged} smem={plan.smem_bytes}")]
+        if plan.half_io:
+            kernels.append(("wgmma_forward_half", f"warpgroups={plan.half_warpgroups} ring={plan.half_stages} "
+                                                  f"smem={plan.smem_half_bytes}"))
+        for kernel, how in kernels:
+            counts = ops[kernel]
+            lines.append(f"{name} {kernel} resident={plan.w_resident} {how} HGMMA expected={expected} "
+                         + " ".join(f"{k}={counts[k]}" for k in keys) + f" total={sum(counts.values())}"
+                         + ("" if dump.stdout else f" cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}"))
     return lines
 
 

@@ -199,7 +199,8 @@ def run_checks(args: argparse.Namespace) -> int:
 
             name, _, variant = args.run_forward.partition(":")
             bench_spec(name.upper())
-            print(cuda_tools.run_forward(name.upper(), variant or "mma", args.rows or ROWS_GPU), flush=True)
+            print(cuda_tools.run_forward(name.upper(), variant or "mma", args.rows or ROWS_GPU, args.io or "fp16"),
+                  flush=True)
             return 0
         if args.nvmath_check:
             from mmad.bench import cuda_tools

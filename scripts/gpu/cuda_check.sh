@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma wgmma-stages tests grids epochs jobs sass nvmath serve bench cublaslt profile ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests grids epochs jobs sass nvmath serve bench cublaslt profile ncu
 #   (`epochs`: training on the device (graph replay, device gather) against launching each step and
 #   host batches, plus test_cuda's training tests; `jobs`: `mmad bench --jobs`, training jobs through
 #   the daemon against in-process and PyTorch, JOBS_MODELS / JOBS_EXTRA, the JSON to $OUT/jobs.json)
-#   (default: env wgmma sass serve bench cublaslt tests; `wgmma` is issue 7's never-yet-run forward kernel:
-#   probe, SASS, quick tests, bench against mma, compute-sanitizer, all its tests, under
-#   MMAD_CUDA_WGMMA=1; alone it needs the whole 600 s of one device call)
+#   (default: env wgmma sass serve bench cublaslt tests; `wgmma`: probe, SASS, all its tests, the fp16
+#   forward bench against mma and mma-f16acc, compute-sanitizer; alone it needs most of one device call)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python and the
 # daemon's dependencies, py3.12 wheels: docs/gpu-notes-cuda.md);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
@@ -66,74 +65,39 @@ for phase in $PHASES; do
     wgmma)
       # logs build up outside $OUT and are re-tarred into $OUT/wgmma.tgz after every step, so a
       # call cut off by its time limit still returns what ran (the device tool returns few files);
-      # steps in order of what decides most: probe, SASS, quick tests, bench, sanitizer, all tests
+      # steps in order of what decides most: probe, SASS, tests, bench, sanitizer
       W=/tmp/wgmma-check; rm -rf "$W"; mkdir -p "$W"
       pack() { tar czf "$OUT/wgmma.tgz" -C /tmp --exclude='*.cubin' wgmma-check; }
-      ( export MMAD_CUDA_WGMMA=1
-        SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+      ( SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
         echo "--- wgmma probe (nvcc: $(command -v nvcc || echo /usr/local/cuda/bin/nvcc))"
         python3 -m mmad.cli probe --backend cuda 2>&1 | tee "$W/probe.log"
-        echo "--- wgmma SASS (per model: wgmma_forward's HGMMA, local memory LDL/STL, warpgroup syncs)"
+        echo "--- wgmma SASS (per model and kernel: HGMMA, local memory LDL/STL, warpgroup syncs)"
         timeout 180 python3 -m mmad.bench --sass "$W" --backend cuda:wgmma 2>&1 | tee "$W/sass.log"
         pack
-        echo "--- wgmma tests, quick slice (S/M/L/W ReLU at 1000 rows, odd shapes, training, gate, warpgroups)"
-        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" tests/test_cuda_wgmma.py \
-          -k "rows1000 and ReLU or odd or training or gate or forced" --timeout 120 -v --tb=short -rfEs > "$W/pytest_quick.log" 2>&1
-        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"
-        grep -E "(FAILED|ERROR) " "$W/pytest_quick.log" | sort -u | head -20
+        echo "--- wgmma tests, the whole file"
+        timeout ${WGMMA_TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-8} \
+          tests/test_cuda_wgmma.py -k "${WGMMA_K:-not nothing}" --timeout 250 -q --tb=short -rfEs > "$W/pytest.log" 2>&1
+        echo "tests rc=$?: $(tail -n 1 "$W/pytest.log")"
+        grep -E "^(FAILED|ERROR) " "$W/pytest.log" | sort -u | head -30
         pack
-        echo "--- bench at 2^20: wgmma forward (its training is the mma kernels'), then mma, same call"
-        # the forward only, fp32 in and out: the wgmma kernel reads fp32 (fp16 I/O would time a cast)
-        for v in wgmma mma; do
-          timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench --backend cuda:$v --mode forward --io fp32 --repeats 30 \
-            --json "$W/bench_$v.json" > "$W/bench_$v.log" 2>&1
-          echo "bench $v rc=$?"; tail -n 8 "$W/bench_$v.log"
+        echo "--- bench at 2^20, fp16 I/O forward: wgmma, mma, mma-f16acc, same call"
+        for v in ${WGMMA_BENCH_VARIANTS:-wgmma mma mma-f16acc}; do
+          timeout ${BENCH_TIMEOUT:-150} python3 -m mmad.bench --backend cuda:$v --mode forward --io fp16 --repeats 30 \
+            --peer none --json "$W/bench_$v.json" > "$W/bench_$v.log" 2>&1
+          echo "bench $v rc=$?"; grep -E "^\| [SMLW] " "$W/bench_$v.log"
           pack
         done
-        # L: two warpgroups without input prefetch (the default) against one with it
-        MMAD_CUDA_WGMMA_WARPGROUPS=1 timeout ${BENCH_TIMEOUT:-200} python3 -m mmad.bench --backend cuda:wgmma \
-          --models L --mode forward --io fp32 --repeats 30 > "$W/bench_L1.log" 2>&1
-        echo "bench wgmma L, 1 warpgroup, rc=$?"; grep -E "^\| L " "$W/bench_L1.log"
-        pack
-        echo "--- compute-sanitizer (memcheck, racecheck) on S (resident, 2 warpgroups) and W (streamed), 1000 rows"
-        for tool in memcheck racecheck; do
-          for m in S W; do
+        echo "--- compute-sanitizer (memcheck, racecheck, synccheck): fp16 forwards of S, M, L, W's fp32 (streamed), 1000 rows"
+        for tool in memcheck racecheck synccheck; do
+          for mi in S:fp16 M:fp16 L:fp16 W:fp32; do
             timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool $tool --error-exitcode 3 \
-              python3 -m mmad.bench --run-forward $m:wgmma --rows 1000 > "$W/sanitizer_${tool}_$m.log" 2>&1
-            echo "$tool $m rc=$? $(grep -iE 'ERROR SUMMARY|finite' "$W/sanitizer_${tool}_$m.log" | tr '\n' ' ')"
+              python3 -m mmad.bench --run-forward ${mi%:*}:wgmma --io ${mi#*:} --rows 1000 > "$W/sanitizer_${tool}_${mi%:*}.log" 2>&1
+            echo "$tool $mi rc=$? $(grep -iE 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/sanitizer_${tool}_${mi%:*}.log" | tr '\n' ' ')"
           done
           pack
         done
-        echo "--- wgmma tests, the whole file"
-        timeout ${WGMMA_TEST_TIMEOUT:-240} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-6} \
-          tests/test_cuda_wgmma.py --timeout 200 -v --tb=short -rfEs > "$W/pytest.log" 2>&1
-        echo "full rc=$?: $(tail -n 1 "$W/pytest.log")"
-        grep -E "(FAILED|ERROR) " "$W/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30
-        grep -cE " PASSED" "$W/pytest.log" | sed 's/^/passed: /'
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
-    wgmma-stages)
-      # the wgmma forward's input prefetch depth (MMAD_CUDA_WGMMA_STAGES 2 against 1) and mma, same
-      # call: quick correctness slice, bench of WGMMA_MODELS, racecheck on S with the default plan
-      W=/tmp/wgmma-stages; mkdir -p "$W"
-      ( export MMAD_CUDA_WGMMA=1
-        timeout ${WGMMA_QUICK_TIMEOUT:-150} python3 -m pytest -p no:cacheprovider -o addopts="" -n 6 tests/test_cuda_wgmma.py \
-          -k "${WGMMA_QUICK_K:-rows1000 or odd or forced or stages}" --timeout 120 -q --tb=short -rfE > "$W/pytest_quick.log" 2>&1
-        echo "quick rc=$?: $(tail -n 1 "$W/pytest_quick.log")"; grep -E "^(FAILED|ERROR) " "$W/pytest_quick.log" | head -10
-        # WGMMA_SETTINGS: "variant/stages/min-blocks ..." ("-": the plan's choice)
-        for setting in ${WGMMA_SETTINGS:-wgmma/2/- wgmma/1/- mma/-/-}; do
-          IFS=/ read -r v st mb <<< "$setting"
-          MMAD_CUDA_WGMMA_STAGES=${st#-} MMAD_CUDA_WGMMA_MIN_BLOCKS=${mb#-} timeout ${BENCH_TIMEOUT:-150} \
-            python3 -m mmad.bench --backend cuda:$v --models ${WGMMA_MODELS:-S,M,L} --mode forward --io fp32 \
-            --repeats 30 > "$W/bench_${v}_${st}_${mb}.log" 2>&1
-          echo "bench $v stages=$st min_blocks=$mb rc=$?"; grep -E "^\| [SMLW] " "$W/bench_${v}_${st}_${mb}.log"
-        done
-        SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-        timeout ${SANITIZER_TIMEOUT:-90} "$SANITIZER" --tool racecheck --error-exitcode 3 \
-          python3 -m mmad.bench --run-forward S:wgmma --rows 5000 > "$W/racecheck.log" 2>&1
-        echo "racecheck rc=$? $(grep -iE 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/racecheck.log" | tr '\n' ' ')"
-      ) 2>&1 | tee -a "$SUMMARY"
-      tar czf "$OUT/wgmma-stages.tgz" -C /tmp wgmma-stages ;;
     profile)
       # where the time goes, op by op (CUDA events per kernel): PROFILE="MODEL:VARIANT ..."; each item's
       # rows are timed too (no peer, 5 samples), its per-op lines printed after them
@@ -150,8 +114,8 @@ for phase in $PHASES; do
       mkdir -p /tmp/ncu
       NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
       for item in ${NCU:-S:wgmma S:mma M:wgmma M:mma}; do
-        MMAD_CUDA_WGMMA=1 timeout ${NCU_TIMEOUT:-150} "$NCU_BIN" --clock-control none \
-          -k regex:'^(wgmma_forward|mlp_forward)$' --launch-skip 2 --launch-count 1 \
+        timeout ${NCU_TIMEOUT:-150} "$NCU_BIN" --clock-control none \
+          -k regex:'^(wgmma_forward|wgmma_forward_half|mlp_forward|mlp_forward_half)$' --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section Occupancy --section SchedulerStats --section LaunchStats \
           --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \

@@ -2,16 +2,18 @@
 
 One file per variant; ``probe()`` reports each, with the reason when it cannot run:
 
-* ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forward; off unless ``MMAD_CUDA_WGMMA=1``.
+* ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forwards (fp16 and fp32 I/O), compute capability
+  9.0 and nvcc; training on the ``mma`` kernels (``MMAD_CUDA_WGMMA=0`` turns it off).
 * ``mma`` (:mod:`.mma`) — mma.sync.m16n8k16 fused forward and training, compute capability 8.0+,
   widths 16-256.
 * ``mma-f16acc`` (:mod:`.mma`) — the same kernels, except that the forwards with fp16 outputs
   accumulate in fp16, as tiny-cuda-nn's fully fused MLP does (fewer registers, a lighter epilogue;
   a little less precise: the dispatcher keeps it only where it is faster and within tolerance).
 * ``cublaslt`` (:mod:`.cublaslt`) — per-layer cuBLASLt matmuls through nvmath-python.
-* ``mma-f16acc+cublaslt`` (:mod:`.cublaslt_trained`) — trained by ``cublaslt``, served by the
-  ``mma-f16acc`` forward (a copy of the parameters, refreshed on the device after training): for
-  models whose fastest training and fastest forward are different variants'.
+* ``mma-f16acc+cublaslt`` and ``wgmma+cublaslt`` (:mod:`.cublaslt_trained`) — trained by
+  ``cublaslt``, served by the ``mma-f16acc`` or ``wgmma`` forward (a copy of the parameters,
+  refreshed on the device after training): for models whose fastest training and fastest
+  forward are different variants'.
 
 A grid-encoded model (HashGrid, DenseGrid, TiledGrid) runs on ``mma`` or ``mma-f16acc`` with the
 grid kernels around its MLP kernels (:mod:`.grids`); left to the backend it takes ``mma-f16acc``,
@@ -40,7 +42,7 @@ import numpy as np
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import Backend, CompiledModel, DeviceInfo, MMAShape, ProbeRow, check_device_index
 from mmad.backends.cuda.cublaslt import CublasLtModel, cublaslt_availability
-from mmad.backends.cuda.cublaslt_trained import SPLIT_VARIANT, CublasLtTrainedModel
+from mmad.backends.cuda.cublaslt_trained import SPLIT_VARIANTS, CublasLtTrainedModel
 from mmad.backends.cuda.grids import CudaGridModel
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
@@ -51,7 +53,7 @@ from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
-VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt", SPLIT_VARIANT)
+VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt", *SPLIT_VARIANTS)
 MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
 # the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
@@ -99,8 +101,8 @@ class CudaBackend(Backend):
             details["devices"] = [f"{d.index}: {d.name}" for d in self.devices()]
         mma_shape = [MMAShape(16, 8, 16, scope="warp")]
 
-        # wgmma: compute capability 9.0, then (only when asked for: slower than mma on small models)
-        # nvcc builds a wgmma kernel and a child process runs it with the right result
+        # wgmma: compute capability 9.0, nvcc builds a wgmma kernel and a child process runs it
+        # with the right result (MMAD_CUDA_WGMMA=0 turns it off)
         wg_shapes = [MMAShape(64, n, 16, scope="warpgroup") for n in (8, 16, 32, 64, 128, 256)]
         if cc != (9, 0):
             wg = ProbeRow("cuda", "wgmma", False, reason=f"wgmma needs compute capability 9.0 (sm_90a); "
@@ -123,12 +125,15 @@ class CudaBackend(Backend):
         lt_ok, lt_reason, lt_version = cublaslt_availability()
         lt = ProbeRow("cuda", "cublaslt", lt_ok, reason=lt_reason,
                       details={**details, "nvmath": lt_version}, **common)
-        # trained by cublaslt, served by mma-f16acc: usable where both are
-        split = ProbeRow("cuda", SPLIT_VARIANT, acc16.available and lt.available,
-                         reason="; ".join(f"{r.variant}: {r.reason}" for r in (acc16, lt) if not r.available),
-                         mma_shapes=mma_shape if acc16.available and lt.available else [],
-                         details={**details, "forward": "mma-f16acc", "training": "cublaslt"}, **common)
-        return [wg, mma, acc16, lt, split]
+        # trained by cublaslt, served by another variant's forward: usable where both are
+        splits = []
+        for name, fwd in ((n, {"mma-f16acc": acc16, "wgmma": wg}[f]) for n, f in SPLIT_VARIANTS.items()):
+            ok = fwd.available and lt.available
+            splits.append(ProbeRow("cuda", name, ok,
+                                   reason="; ".join(f"{r.variant}: {r.reason}" for r in (fwd, lt) if not r.available),
+                                   mma_shapes=fwd.mma_shapes if ok else [],
+                                   details={**details, "forward": fwd.variant, "training": "cublaslt"}, **common))
+        return [wg, mma, acc16, lt, *splits]
 
     @staticmethod
     def _wgmma_fits(spec: MLPSpec) -> bool:
@@ -197,8 +202,8 @@ class CudaBackend(Backend):
             variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema else "mma"
         if variant is not None and not rows[variant].available:
             raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
-        # wgmma is a candidate only where MMAD_CUDA_WGMMA offers it (its training is not written)
-        usable = [v for v in VARIANTS if rows[v].available and (v != "wgmma" or self._wgmma_fits(spec))
+        usable = [v for v in VARIANTS if rows[v].available
+                  and (not v.startswith("wgmma") or self._wgmma_fits(spec))
                   and (not ema or v in MMA_VARIANTS)]
         if not usable:
             raise BackendUnavailable("cuda", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
@@ -226,8 +231,8 @@ class CudaBackend(Backend):
                                                                            forward_acc16=variant == "mma-f16acc")
         if variant == "wgmma":
             return CudaWgmmaModel(spec, cp, info, cache, knobs)
-        if variant == SPLIT_VARIANT:
-            return CublasLtTrainedModel(spec, cp, info, cache, knobs)
+        if variant in SPLIT_VARIANTS:
+            return CublasLtTrainedModel(spec, cp, info, cache, knobs, variant)
         return CublasLtModel(spec, cp, info, cache)
 
 __all__ = ["CudaBackend", "VARIANTS"]

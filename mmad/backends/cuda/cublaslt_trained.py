@@ -1,5 +1,5 @@
-"""The ``mma-f16acc+cublaslt`` variant: trained by the cuBLASLt matmuls, served by the
-mma-f16acc fused forward. See :class:`CublasLtTrainedModel`.
+"""The ``mma-f16acc+cublaslt`` and ``wgmma+cublaslt`` variants: trained by the cuBLASLt
+matmuls, served by the mma-f16acc or the wgmma fused forward. See :class:`CublasLtTrainedModel`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,18 @@ from mmad.backends.cache import KernelCache
 from mmad.backends.cuda.cublaslt import CublasLtModel
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import CudaMmaModel
+from mmad.backends.cuda.wgmma import CudaWgmmaModel
 from mmad.spec import MLPSpec
 
-SPLIT_VARIANT = "mma-f16acc+cublaslt"
+# variant -> the variant whose forwards it serves with
+SPLIT_VARIANTS = {"mma-f16acc+cublaslt": "mma-f16acc", "wgmma+cublaslt": "wgmma"}
 
 
 class CublasLtTrainedModel(CublasLtModel):
     """A model whose training is the cublaslt variant's (this class is that model: its fp32
-    masters, optimizer state, steps and gradients) and whose forwards are the mma-f16acc
-    variant's fused kernel, on a second model that holds only a copy of the parameters.
+    masters, optimizer state, steps and gradients) and whose forwards are another variant's
+    fused kernel (``SPLIT_VARIANTS``), on a second model that holds only a copy of the
+    parameters.
 
     Where the fastest training and the fastest forward of a model come from different variants
     (L on the H100: cuBLASLt trains at 281 M samples/s against 189 for the fused kernels, whose
@@ -29,12 +32,13 @@ class CublasLtTrainedModel(CublasLtModel):
     parameters marks the copy stale; the next forward first copies the masters on the device
     (``CudaMmaModel.load_device_params``: one copy and one image refresh a layer)."""
 
-    variant = SPLIT_VARIANT
-
-    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None, knobs: CudaKnobs):
+    def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None, knobs: CudaKnobs,
+                 variant: str = "mma-f16acc+cublaslt"):
         self._engine_stale = True  # CublasLtModel's constructor sets the parameters
+        self.variant = variant  # first: the constructor's refusals name it
         super().__init__(spec, cp, info, cache)
-        self.forward_engine = CudaMmaModel(spec, cp, info, cache, knobs, forward_acc16=True)
+        self.forward_engine = (CudaWgmmaModel(spec, cp, info, cache, knobs) if SPLIT_VARIANTS[variant] == "wgmma"
+                               else CudaMmaModel(spec, cp, info, cache, knobs, forward_acc16=True))
 
     def _engine(self) -> CudaMmaModel:
         """The forward model, holding the current parameters."""

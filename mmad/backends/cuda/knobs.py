@@ -3,11 +3,13 @@
 | variable | values | default | what |
 |---|---|---|---|
 | ``MMAD_DISPATCH`` | measure, fixed | measure | compile(variant=None): fastest measured; fixed: wgmma or mma |
-| ``MMAD_CUDA_WGMMA`` | 0, 1 | 0 | offer the wgmma variant (off: its training is not written, docs/cuda.md) |
+| ``MMAD_CUDA_WGMMA`` | 0, 1 | 1 | offer the wgmma variants (0: the probe reports them off) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
 | ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
 | ``MMAD_CUDA_WGMMA_WARPGROUPS`` | 1, 2 | plan | warpgroups per wgmma forward block (unset: the shared-memory plan decides) |
 | ``MMAD_CUDA_WGMMA_STAGES`` | 0, 1, 2 | plan | input tiles each wgmma warpgroup prefetches (unset: the plan decides) |
+| ``MMAD_CUDA_WGMMA_HALF_WARPGROUPS`` | 1, 2, 3, 4 | plan | warpgroups per block of the fp16-I/O wgmma forward |
+| ``MMAD_CUDA_WGMMA_HALF_STAGES`` | 1, 2, 3, 4 | plan | input tiles in each fp16-I/O warpgroup's ring (the one computing and those in flight) |
 
 A value outside its list is an error naming the variable, never a silent default.
 """
@@ -26,6 +28,8 @@ FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"
 CUDA_GRAPHS_ENV = "MMAD_CUDA_GRAPHS"
 WGMMA_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_WARPGROUPS"
 WGMMA_STAGES_ENV = "MMAD_CUDA_WGMMA_STAGES"
+WGMMA_HALF_WARPGROUPS_ENV = "MMAD_CUDA_WGMMA_HALF_WARPGROUPS"
+WGMMA_HALF_STAGES_ENV = "MMAD_CUDA_WGMMA_HALF_STAGES"
 
 
 def env_choice(name: str, allowed: tuple[int, ...]) -> int | None:
@@ -51,19 +55,23 @@ def env_word(name: str, allowed: tuple[str, ...]) -> str:
 @dataclass(frozen=True)
 class CudaKnobs:
     dispatch: str = "measure"
-    wgmma: bool = False
+    wgmma: bool = True
     fused_wgrad: bool = True
     cuda_graphs: bool = True
     wgmma_warpgroups: int | None = None
     wgmma_stages: int | None = None
+    wgmma_half_warpgroups: int | None = None
+    wgmma_half_stages: int | None = None
 
     @classmethod
     def from_env(cls) -> "CudaKnobs":
         return cls(
             dispatch=env_word(DISPATCH_ENV, DISPATCH_MODES),
-            wgmma=env_choice(WGMMA_ENV, (0, 1)) == 1,
+            wgmma=env_choice(WGMMA_ENV, (0, 1)) != 0,
             fused_wgrad=env_choice(FUSED_WGRAD_ENV, (0, 1)) != 0,
             cuda_graphs=env_choice(CUDA_GRAPHS_ENV, (0, 1)) != 0,
             wgmma_warpgroups=env_choice(WGMMA_WARPGROUPS_ENV, (1, 2)),
             wgmma_stages=env_choice(WGMMA_STAGES_ENV, (0, 1, 2)),
+            wgmma_half_warpgroups=env_choice(WGMMA_HALF_WARPGROUPS_ENV, (1, 2, 3, 4)),
+            wgmma_half_stages=env_choice(WGMMA_HALF_STAGES_ENV, (1, 2, 3, 4)),
         )

@@ -2,11 +2,12 @@
 
 ``mmad/shaders/cuda/mlp_wgmma.cu``: one warpgroup per 64-row tile, the weights resident in
 shared memory in the swizzled K-major image the descriptors read (packed on the device through
-maps built here with ``layouts.wgmma_smem_operand``; later layers take A from registers).
-Training runs the mma variant's kernels on the same fp32 masters. Built with nvcc for sm_90a
-(NVRTC crashed compiling wgmma on the H100). Off unless ``MMAD_CUDA_WGMMA=1``: on the H100 it
-computes correctly but is slower than mma.sync on S and M (docs/cuda.md); then the probe
-requires compute capability 9.0, an nvcc build and a child process that runs a wgmma.
+maps built here with ``layouts.wgmma_smem_operand``; later layers take A from registers). Two
+forwards: ``wgmma_forward`` (fp32 in and out) and ``wgmma_forward_half`` (fp16 in and out, its
+input tiles put by cp.async straight where layer 0 reads them). Training runs the mma variant's
+kernels on the same fp32 masters. Built with nvcc for sm_90a (NVRTC crashed compiling wgmma on
+the H100). The probe requires compute capability 9.0, an nvcc build and a child process that
+runs a wgmma (``MMAD_CUDA_WGMMA=0`` turns the variant off).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from mmad.errors import CompileError, LaunchError, SpecError
 from mmad.shaders import read_source
 from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
-WGMMA_OFF = ("wgmma is off by default: on the H100/H200 it ran correctly but slower than mma.sync on "
-             "small models (docs/cuda.md); set MMAD_CUDA_WGMMA=1 to enable")
+WGMMA_OFF = "wgmma is turned off (MMAD_CUDA_WGMMA=0)"
 WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
-WGMMA_KERNELS = ("wgmma_forward", "wgmma_pack")
+WGMMA_KERNELS = ("wgmma_forward", "wgmma_forward_half", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
 WGMMA_THREADS = 128  # one warpgroup
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 WGMMA_SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (each block also takes 1 KiB for the system)
+WGMMA_REGS_PER_SM = 65536
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
 
 
@@ -127,7 +128,7 @@ class WgmmaPlan:
     """
 
     def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None,
-                 stages: int | None = None):
+                 stages: int | None = None, half_warpgroups: int | None = None, half_stages: int | None = None):
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
         if warpgroups not in (None, 1, 2):
@@ -153,6 +154,7 @@ class WgmmaPlan:
         self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
         self.b_total = self.n_hidden * self.wp + self.nout_p
         self._plan_shared_memory(smem_limit, warpgroups, stages)
+        self._plan_half(smem_limit, half_warpgroups, half_stages)
         self.source = self._source()
 
     def _plan_shared_memory(self, limit: int, warpgroups: int | None, stages: int | None) -> None:
@@ -196,6 +198,47 @@ class WgmmaPlan:
         raise SpecError("network.n_neurons",
                         f"the cuda wgmma variant needs {min(tried)} bytes of shared memory for this model "
                         f"({warpgroups or 'any number of'} warpgroups); the limit is {limit}")
+
+    def _plan_half(self, limit: int, warpgroups: int | None, stages: int | None) -> None:
+        """The fp16-I/O kernel's plan: resident weights, biases, then per warpgroup a ring of
+        input A tiles (cp.async puts each fp16 input tile where layer 0 reads it). Where the
+        weights are not resident in the fp32 plan the fp16 kernel is not built (``half_io``
+        False: fp16 forwards convert around the fp32 kernel).
+
+        The default aims at 6 warpgroups an SM, then at 2 tiles a ring (one in flight while one
+        computes), then at 2 warpgroups a block: the best of the 16 (warpgroups, ring) pairs
+        measured on M at 2^20 rows, within 2-5 % of the best on S and L (docs/gpu-notes-cuda.md,
+        Session 15, run 1); MIN_BLOCKS_H asks ptxas for registers that let that many blocks
+        stay resident.
+        """
+        self.half_io = self.w_resident
+        if not self.half_io:
+            self.half_warpgroups = self.half_stages = self.half_min_blocks = 0
+            self.smh_b_off = self.smh_ring_off = self.smem_half_bytes = 0
+            return
+        b_bytes = _align(self.b_total * 4)
+        # registers a thread needs, about: the accumulators, the next layer's A registers, ~32 more
+        regs = self.wp // 2 + self.wp // 4 + 32
+        best = None
+        for wgs in (warpgroups,) if warpgroups else (1, 2, 3, 4):
+            for ring in (stages,) if stages else (1, 2, 3, 4):
+                total = self.w_total_bytes + b_bytes + wgs * ring * self.a_bytes + WGMMA_ALIGN
+                if total > limit or WGMMA_THREADS * wgs * regs > WGMMA_REGS_PER_SM:
+                    continue
+                blocks = min(WGMMA_SMEM_PER_SM // (total + 1024), 16 // wgs,
+                             WGMMA_REGS_PER_SM // (WGMMA_THREADS * wgs * regs))
+                key = (min(blocks * wgs, 6), min(ring, 2), -abs(wgs - 2))
+                if best is None or key > best[0]:
+                    best = (key, wgs, ring, blocks, total)
+        if best is None:
+            raise SpecError("network.n_neurons",
+                            f"the cuda wgmma variant's fp16 forward does not fit {limit} bytes of shared memory "
+                            f"with {warpgroups or 'any number of'} warpgroups and {stages or 'any number of'} "
+                            f"input tiles a warpgroup")
+        _, self.half_warpgroups, self.half_stages, blocks, self.smem_half_bytes = best
+        self.half_min_blocks = max(1, min(blocks, 6 // self.half_warpgroups))
+        self.smh_b_off = self.w_total_bytes
+        self.smh_ring_off = self.w_total_bytes + b_bytes
 
     def smem_layouts(self) -> list[L.LinearLayout]:
         """Each layer's weight image: offset (halves) -> (row = n, col = k)."""
@@ -265,6 +308,9 @@ class WgmmaPlan:
             "SM_A_OFF": self.sm_a_off, "A_BYTES": self.a_bytes, "SM_B_OFF": self.sm_b_off,
             "SM_X_OFF": self.sm_x_off, "X_BYTES": self.x_bytes, "X_STAGES": self.x_stages,
             "MIN_BLOCKS": 1,
+            "HALF_IO": int(self.half_io), "WGH": max(self.half_warpgroups, 1), "H_STAGES": max(self.half_stages, 1),
+            "MIN_BLOCKS_H": max(self.half_min_blocks, 1), "SMH_B_OFF": self.smh_b_off,
+            "SMH_RING_OFF": self.smh_ring_off,
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
@@ -286,9 +332,11 @@ class CudaWgmmaModel(CudaMmaModel):
                  knobs: CudaKnobs | None = None):
         knobs = knobs or CudaKnobs.from_env()
         self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=knobs.wgmma_warpgroups,
-                            stages=knobs.wgmma_stages)
+                            stages=knobs.wgmma_stages, half_warpgroups=knobs.wgmma_half_warpgroups,
+                            half_stages=knobs.wgmma_half_stages)
         self._wg_stale = True
         super().__init__(spec, cp, info, cache, knobs)
+        self.variant = "wgmma"  # CudaMmaModel's constructor names its own variant
         self._wg_module = self._build_wgmma(cache)
         try:
             self.wg_wmap = cp.asarray(self.wg.weight_map(self.w_off, [k for _, _, k, _ in self.layers]))
@@ -310,18 +358,31 @@ class CudaWgmmaModel(CudaMmaModel):
         cubin = cached_cubin(cache, build, backend="cuda-wgmma", device="sm_90a", compiler=compiler,
                              options=WGMMA_NVCC_OPTIONS, source=source)
         try:
-            module = LoadedModule(self.cp, cubin, WGMMA_KERNELS)
+            names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
+            module = LoadedModule(self.cp, cubin, names)
             fwd = module.kernel("wgmma_forward")
             if self.wg.smem_bytes > 48 * 1024:
                 fwd.max_dynamic_shared_size_bytes = self.wg.smem_bytes
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-        threads = WGMMA_THREADS * self.wg.warpgroups
-        regs_per_block = math.ceil(max(int(fwd.num_regs), 1) * 32 / 256) * 256 * (threads // 32)
-        per_sm = min(self.info["regs_per_sm"] // regs_per_block,
-                     self.info["smem_per_sm"] // (self.wg.smem_bytes + 1024), 2048 // threads)
-        self.wg_grid = max(1, per_sm) * self.info["sm_count"]
+        self.wg_grid = self._resident_grid(fwd, self.wg.warpgroups, self.wg.smem_bytes)
+        if self.wg.half_io:
+            try:
+                half = module.kernel("wgmma_forward_half")
+                if self.wg.smem_half_bytes > 48 * 1024:
+                    half.max_dynamic_shared_size_bytes = self.wg.smem_half_bytes
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+            self.wg_grid_half = self._resident_grid(half, self.wg.half_warpgroups, self.wg.smem_half_bytes)
         return module
+
+    def _resident_grid(self, kernel, warpgroups: int, smem: int) -> int:
+        """Blocks that stay resident on every SM at once (registers, shared memory, threads)."""
+        threads = WGMMA_THREADS * warpgroups
+        regs_per_block = math.ceil(max(int(kernel.num_regs), 1) * 32 / 256) * 256 * (threads // 32)
+        per_sm = min(self.info["regs_per_sm"] // regs_per_block, self.info["smem_per_sm"] // (smem + 1024),
+                     2048 // threads)
+        return max(1, per_sm) * self.info["sm_count"]
 
     def _launch_wgmma(self, name: str, grid, block, args, smem: int = 0) -> None:
         self._launch_from(self._wg_module, name, grid, block, args, smem)
@@ -335,25 +396,37 @@ class CudaWgmmaModel(CudaMmaModel):
                             self.wg_bimage, np.int32(n_b)))
         self._wg_stale = False
 
-    def forward(self, x: Any, out_dtype: Any = np.float32) -> Any:
-        """fp32 in and out in the kernel; ``out_dtype`` float16 casts the result (the wgmma kernel
-        has no fp16-I/O form yet)."""
+    def forward(self, x: Any, out_dtype: Any = np.float32, into: Any = None) -> Any:
+        """fp16 device inputs with fp16 outputs run ``wgmma_forward_half`` (fp16 read and
+        written) where the plan has it; otherwise fp32 in and out in the kernel, ``out_dtype``
+        float16 casting the result. ``into``: see ``CudaMmaModel.forward``."""
         cp = self.cp
         half_out = self._half_out(out_dtype)
-        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+        dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True,
+                                           keep_half=half_out and self.wg.half_io)
         rows = dx.shape[0]
-        out = cp.empty((rows, self.spec.n_output_dims), dtype=cp.float32)
+        half_io = half_out and dx.dtype == cp.float16
+        kernel_out = into if into is not None and (into.dtype == cp.float16) == half_io else None
+        out = kernel_out if kernel_out is not None else cp.empty(
+            (rows, self.spec.n_output_dims), dtype=cp.float16 if half_io else cp.float32)
         if rows:
             if dx.data.ptr % 16:  # cp.async moves 16-byte units: a view at an odd offset is copied
                 dx = dx.copy()
             self._refresh_images()
             n_tiles = math.ceil(rows / WGMMA_TILE_ROWS)
-            blocks = min(self.wg_grid, math.ceil(n_tiles / self.wg.warpgroups))
-            self._launch_wgmma("wgmma_forward", (blocks,), (WGMMA_THREADS * self.wg.warpgroups,),
-                               (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage),
-                               self.wg.smem_bytes)
-        if half_out:
+            if half_io:
+                wgs, grid, name, smem = self.wg.half_warpgroups, self.wg_grid_half, "wgmma_forward_half", \
+                    self.wg.smem_half_bytes
+            else:
+                wgs, grid, name, smem = self.wg.warpgroups, self.wg_grid, "wgmma_forward", self.wg.smem_bytes
+            blocks = min(grid, math.ceil(n_tiles / wgs))
+            self._launch_wgmma(name, (blocks,), (WGMMA_THREADS * wgs,),
+                               (dx, np.int64(rows), np.int64(n_tiles), out, self.wg_wimage, self.wg_bimage), smem)
+        if half_out and not half_io:
             out = out.astype(cp.float16)
+        if into is not None and out is not into:
+            into[...] = out
+            return into
         return self.download(out) if from_host else out
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:

@@ -61,12 +61,17 @@ __device__ __forceinline__ void copy_async(u32 dst, const unsigned char* src, in
     for (int i = threadIdx.x * 16; i < n; i += blockDim.x * 16) cp_async16(dst + i, src + i, 16);
 }
 
-// the 128 threads of this thread's warpgroup (named barrier 1 + warpgroup)
+// the 128 threads of this thread's warpgroup, in a block of N_WG (named barrier 1 + warpgroup)
 // (constant ids: a register id makes ptxas reserve all 16 barriers)
-__device__ __forceinline__ void wg_sync() {
-    if (WGS == 1 || threadIdx.x < 128) asm volatile("bar.sync 1, 128;" ::: "memory");
-    else asm volatile("bar.sync 2, 128;" ::: "memory");
+template <int N_WG>
+__device__ __forceinline__ void wg_sync_of() {
+    const int wg = threadIdx.x >> 7;
+    if (N_WG == 1 || wg == 0) asm volatile("bar.sync 1, 128;" ::: "memory");
+    else if (N_WG == 2 || wg == 1) asm volatile("bar.sync 2, 128;" ::: "memory");
+    else if (N_WG == 3 || wg == 2) asm volatile("bar.sync 3, 128;" ::: "memory");
+    else asm volatile("bar.sync 4, 128;" ::: "memory");
 }
+__device__ __forceinline__ void wg_sync() { wg_sync_of<WGS>(); }
 
 // fp32 input rows [row0, row0 + 64) (contiguous: 64 * NIN floats) -> staging, zero beyond rows
 __device__ __forceinline__ void stage_input(float* staging, const float* __restrict__ x, i64 rows, i64 tile) {
@@ -107,6 +112,72 @@ __device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const fl
             a[4 * s + j] = pack_h2(activate(ACT, d[i] + b.x), activate(ACT, d[i + 1] + b.y));
         }
 }
+
+// The layers of one 64-row tile whose fp16 input is the K-major A tile at s_a: layer 0 with A
+// and B from shared memory, then hidden layers and the output layer with A from registers; o
+// gets the output layer's accumulator (no bias yet). after_layer0() runs once layer 0's
+// products are complete (the A tile is free from then on). Streamed weights (W_RESIDENT 0)
+// refill the one stage at s_w from wimg before each layer.
+template <class AfterLayer0>
+__device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char* __restrict__ wimg,
+                                           const float* bias_s, int t, float* o, AfterLayer0 after_layer0) {
+    float d[WP / 2];
+    u32 a[WP / 4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KIN_P / 16; ++ks)
+        wgmma_ss_n_hidden(d, kmajor_desc(s_a, ks, 64, SWZ_IN), kmajor_desc(s_w, ks, WP, SWZ_IN), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+    after_layer0();
+    hidden_epilogue(d, a, bias_s, t);
+
+    // hidden layers 1 .. NHID-1: A from registers
+#pragma unroll 1
+    for (int l = 1; l < NHID; ++l) {
+        u32 w_l = s_w + W_OFF1 + (l - 1) * W_HID_STRIDE;
+        if (!W_RESIDENT) {
+            wg_sync();  // every warp's wgmma reads of the stage are complete (WGS is 1 here)
+            copy_async(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
+            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
+            w_l = s_w;
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_hidden(d, a + 4 * ks, kmajor_desc(w_l, ks, WP, SWZ_W), ks > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+#pragma unroll
+        for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+#pragma unroll
+        for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+        hidden_epilogue(d, a, bias_s + l * WP, t);
+    }
+
+    // output layer, A from registers
+    u32 w_o = s_w + W_OFF_OUT;
+    if (!W_RESIDENT) {
+        wg_sync();
+        copy_async(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
+        cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
+        w_o = s_w;
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_out(o, a + 4 * ks, kmajor_desc(w_o, ks, NOUT_P, SWZ_W), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < NOUT_P / 2; ++i) keep_f(o[i]);
+#pragma unroll
+    for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+}
+
+// the output row and column of this thread's accumulator pair (o[i], o[i + 1]), i even
+__device__ __forceinline__ i64 out_row(i64 tile, int warp, int g, int i) { return tile * 64 + 16 * warp + g + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int out_col(int t, int i) { return 2 * t + 8 * (i >> 2); }
 
 extern "C" __global__ void __launch_bounds__(128 * WGS, MIN_BLOCKS)
 wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
@@ -155,64 +226,14 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
             stage_input(staged, x, rows, tile + X_STAGES * tile_step);
         cp_async_commit();
 
-        float d[WP / 2];
-        u32 a[WP / 4];
-        // layer 0: A (input tile) and B (W0) from shared memory
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < KIN_P / 16; ++ks)
-            wgmma_ss_n_hidden(d, kmajor_desc(s_a, ks, 64, SWZ_IN), kmajor_desc(s_w, ks, WP, SWZ_IN), ks > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
-        hidden_epilogue(d, a, bias_s, t);
-
-        // hidden layers 1 .. NHID-1: A from registers
-#pragma unroll 1
-        for (int l = 1; l < NHID; ++l) {
-            u32 w_l = s_w + W_OFF1 + (l - 1) * W_HID_STRIDE;
-            if (!W_RESIDENT) {
-                wg_sync();  // every warp's wgmma reads of the stage are complete (WGS is 1 here)
-                copy_async(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
-                cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
-                w_l = s_w;
-            }
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_hidden(d, a + 4 * ks, kmajor_desc(w_l, ks, WP, SWZ_W), ks > 0);
-            wgmma_commit();
-            wgmma_wait_all();
-#pragma unroll
-            for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
-#pragma unroll
-            for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
-            hidden_epilogue(d, a, bias_s + l * WP, t);
-        }
-
-        // output layer, A from registers; bias, output activation, fp32 stores
-        u32 w_o = s_w + W_OFF_OUT;
-        if (!W_RESIDENT) {
-            wg_sync();
-            copy_async(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
-            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
-            w_o = s_w;
-        }
         float o[NOUT_P / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_out(o, a + 4 * ks, kmajor_desc(w_o, ks, NOUT_P, SWZ_W), ks > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int i = 0; i < NOUT_P / 2; ++i) keep_f(o[i]);
-#pragma unroll
-        for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+        mlp_layers(s_a, s_w, wimg, bias_s, t, o, [] {});
+        // bias, output activation, fp32 stores
         const float* bias_o = bias_s + NHID * WP;
 #pragma unroll
         for (int i = 0; i < NOUT_P / 2; i += 2) {
-            const int col = 2 * t + 8 * (i >> 2);
-            const i64 r = tile * 64 + 16 * warp + g + 8 * ((i >> 1) & 1);
+            const int col = out_col(t, i);
+            const i64 r = out_row(tile, warp, g, i);
             if (r >= rows || col >= NOUT) continue;
             const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
             const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
@@ -227,6 +248,98 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
     }
     cp_async_wait_all();  // no copy may still target shared memory when the block exits
 }
+
+#if HALF_IO
+// fp16 input rows [64 tile, 64 tile + 64) -> the K-major A tile at a_tile (shared address
+// s_tile), zero past the rows and past NIN. Rows of a multiple of 8 halves go by cp.async in
+// 16-byte units straight into their swizzled place (a unit never straddles a swizzle atom);
+// other rows element by element (x is then not 16-byte aligned per row).
+__device__ __forceinline__ void stage_input_half(u32 s_tile, unsigned char* a_tile, const u16* __restrict__ x,
+                                                 i64 rows, i64 tile) {
+    constexpr int CHUNKS = KIN_P / 8;  // 16-byte units per row
+    for (int c = threadIdx.x & 127; c < 64 * CHUNKS; c += 128) {
+        const int r = c / CHUNKS, k0 = (c % CHUNKS) * 8;
+        const i64 row = tile * 64 + r;
+        const u32 offset = kmajor_offset(r, k0, 64, SWZ_IN);
+#if NIN % 8 == 0
+        const bool live = row < rows && k0 < NIN;
+        cp_async16(s_tile + offset, live ? x + row * NIN + k0 : x, live ? 16 : 0);
+#else
+        u16 v[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = (row < rows && k0 + j < NIN) ? x[row * NIN + k0 + j] : (u16)0;
+        *reinterpret_cast<uint4*>(a_tile + offset) = make_uint4(v[0] | (u32)v[1] << 16, v[2] | (u32)v[3] << 16,
+                                                               v[4] | (u32)v[5] << 16, v[6] | (u32)v[7] << 16);
+#endif
+    }
+}
+
+// fp16 in, fp16 out: each warpgroup keeps a ring of H_STAGES input A tiles filled by cp.async
+// (its next H_STAGES - 1 tiles in flight while one computes); layer 0 reads its slot directly.
+// Resident weights only (the plan offers this kernel where they fit).
+extern "C" __global__ void __launch_bounds__(128 * WGH, MIN_BLOCKS_H)
+wgmma_forward_half(const u16* __restrict__ x, i64 rows, i64 n_tiles, u16* __restrict__ out,
+                   const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
+    extern __shared__ unsigned char smem_raw[];
+    const u32 raw = smem_addr(smem_raw);
+    unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
+    const int wg = threadIdx.x >> 7;
+    const u32 s_w = smem_addr(smem);
+    unsigned char* ring = smem + SMH_RING_OFF + wg * H_STAGES * A_BYTES;
+    const u32 s_ring = smem_addr(ring);
+    float* bias_s = reinterpret_cast<float*>(smem + SMH_B_OFF);
+    const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const i64 tile_step = (i64)gridDim.x * WGH;
+
+    for (int i = threadIdx.x; i < B_TOTAL; i += blockDim.x) bias_s[i] = bimg[i];
+    copy_async(s_w, wimg, W_TOTAL_BYTES);
+    i64 tile = (i64)blockIdx.x * WGH + wg;
+    // slot s holds the warpgroup's tiles it with it % H_STAGES == s; one cp.async group per fill
+    // (empty groups keep the count regular); the weights travel in the first
+#pragma unroll
+    for (int s = 0; s < H_STAGES; ++s) {
+        if (tile + s * tile_step < n_tiles)
+            stage_input_half(s_ring + s * A_BYTES, ring + s * A_BYTES, x, rows, tile + s * tile_step);
+        cp_async_commit();
+    }
+    cp_async_wait_group<H_STAGES - 1>();
+    fence_proxy_async();  // resident weights (cp.async) are read by wgmma
+    __syncthreads();      // biases and weights visible to every warpgroup
+
+    for (int it = 0; tile < n_tiles; tile += tile_step, ++it) {
+        const int slot = it % H_STAGES;
+        cp_async_wait_group<H_STAGES - 1>();  // this tile's fill is done; later tiles' may still fly
+        fence_proxy_async();  // its cp.async (and st.shared) writes are read by wgmma next
+        wg_sync_of<WGH>();
+        float o[NOUT_P / 2];
+        mlp_layers(s_ring + slot * A_BYTES, s_w, wimg, bias_s, t, o, [&] {
+            // every warp's layer-0 products are done before the slot takes the tile H_STAGES ahead
+            wg_sync_of<WGH>();
+            if (tile + H_STAGES * tile_step < n_tiles)
+                stage_input_half(s_ring + slot * A_BYTES, ring + slot * A_BYTES, x, rows, tile + H_STAGES * tile_step);
+            cp_async_commit();
+        });
+        // bias, output activation, fp16 stores
+        const float* bias_o = bias_s + NHID * WP;
+#pragma unroll
+        for (int i = 0; i < NOUT_P / 2; i += 2) {
+            const int col = out_col(t, i);
+            const i64 r = out_row(tile, warp, g, i);
+            if (r >= rows || col >= NOUT) continue;
+            const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
+            const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
+            u16* dst = out + r * NOUT + col;
+#if NOUT % 2 == 0
+            *reinterpret_cast<u32*>(dst) = pack_h2(p0, p1);
+#else
+            dst[0] = to_half_bits(p0);
+            if (col + 1 < NOUT) dst[1] = to_half_bits(p1);
+#endif
+        }
+    }
+    cp_async_wait_all();  // no copy may still target shared memory when the block exits
+}
+#endif
 
 // fp16 weight image from the fp32 master weights through the host's map (-1: zero padding)
 extern "C" __global__ void wgmma_pack(const float* __restrict__ master, const int* __restrict__ src, u16* __restrict__ image,
