@@ -495,37 +495,47 @@ def test_cublaslt_follows_the_oracle_for_200_steps(lt_backend, cache):
     assert abs(losses[-1] - ref[-1]) <= 0.05 * ref[-1], f"final loss {losses[-1]} vs oracle {ref[-1]}"
 
 
-# -- the mma-f16acc+cublaslt variant: cublaslt's training, mma-f16acc's forward
-@pytest.mark.parametrize(("name", "activation"), [("L", "ReLU"), ("M", "Tanh")])
-def test_split_variant_trains_as_cublaslt_and_forwards_as_mma_f16acc(lt_backend, cache, name, activation):
+# -- the pairs: cublaslt's training, mma-f16acc's or wgmma's forward
+SPLIT_CASES = [("mma-f16acc+cublaslt", "L", "ReLU"), ("mma-f16acc+cublaslt", "M", "Tanh"),
+               ("wgmma+cublaslt", "L", "ReLU"), ("wgmma+cublaslt", "M", "Tanh")]
+
+
+@pytest.mark.parametrize(("variant", "name", "activation"), SPLIT_CASES)
+def test_split_variant_trains_as_cublaslt_and_forwards_as_its_forward_variant(lt_backend, cache, variant, name,
+                                                                              activation):
     """Its losses and parameters after training are cublaslt's bit for bit; every forward (fp32
-    and fp16 out, host and device inputs, before and after training) is bit for bit an
-    mma-f16acc model's holding the same parameters, and within tolerance of float64."""
+    and fp16 out, host and device inputs, a group, before and after training) is bit for bit
+    that of a model of its forward variant holding the same parameters, and within tolerance of
+    float64."""
     import cupy as cp
 
-    rng = case_rng(name, activation, "split")
+    rows = {r.variant: r for r in lt_backend.probe()}
+    if not rows[variant].available:
+        pytest.skip(f"cuda:{variant} is unavailable here: {rows[variant].reason}")
+    rng = case_rng(variant, name, activation, "split")
     spec = bench_spec(name, activation=activation)
-    split, oracle = make_pair(lt_backend, cache, spec, rng, variant="mma-f16acc+cublaslt")
-    assert split.variant == "mma-f16acc+cublaslt"
+    split, oracle = make_pair(lt_backend, cache, spec, rng, variant=variant)
+    assert split.variant == variant
     lt = lt_backend.compile(spec, variant="cublaslt", cache=cache)
-    acc16 = lt_backend.compile(spec, variant="mma-f16acc", cache=cache)
+    served = lt_backend.compile(spec, variant=SPLIT_VARIANTS[variant], cache=cache)
     lt.set_params(split.get_params())
 
     def forwards_agree(label):
-        acc16.set_params(split.get_params())
+        served.set_params(split.get_params())
         oracle.set_params(split.get_params())
         x = inputs(rng, 1000, spec)
         out = split.forward(x)
-        np.testing.assert_array_equal(out, acc16.forward(x), err_msg=label)
+        np.testing.assert_array_equal(out, served.forward(x), err_msg=label)
         assert rel_err(out, oracle.forward(x)) <= FWD_TOL, label
         x16 = cp.asarray(x).astype(cp.float16)
-        ref16 = cp.asnumpy(acc16.forward(x16, out_dtype=np.float16))
+        ref16 = cp.asnumpy(served.forward(x16, out_dtype=np.float16))
         np.testing.assert_array_equal(cp.asnumpy(split.forward(x16, out_dtype=np.float16)), ref16, err_msg=label)
         # the daemon's paths: a group of device pairs, and host rows into a host array
-        grouped = cp.empty((1000, spec.n_output_dims), dtype=cp.float16)
+        grouped, ref_grouped = (cp.empty((1000, spec.n_output_dims), dtype=cp.float16) for _ in range(2))
         nonfinite = cp.zeros(1, dtype=cp.uint32)
         split.forward_group([(x16, grouped)], nonfinite)
-        np.testing.assert_array_equal(cp.asnumpy(grouped), ref16, err_msg=label)
+        served.forward_group([(x16, ref_grouped)])
+        np.testing.assert_array_equal(cp.asnumpy(grouped), cp.asnumpy(ref_grouped), err_msg=label)
         assert int(nonfinite[0]) == 0
         to_host = np.empty((1000, spec.n_output_dims), dtype=np.float16)
         split.forward_to_host(cp.asnumpy(x16), to_host)
@@ -539,5 +549,5 @@ def test_split_variant_trains_as_cublaslt_and_forwards_as_mma_f16acc(lt_backend,
         for key, value in lt.get_params().items():
             np.testing.assert_array_equal(split.get_params()[key], value, err_msg=key)
         forwards_agree(f"after {steps} step(s)")
-    for model in (lt, acc16):
+    for model in (lt, served):
         model.close()

@@ -32,7 +32,7 @@ from mmad.backends.cuda import knobs, mma, toolchain, wgmma
 from mmad.backends import layouts as L
 from mmad.backends import numerics as nm
 from mmad.backends.cache import KernelCache
-from mmad.backends.contract import init_params
+from mmad.backends.contract import EpochPosition, init_params
 from mmad.backends.cpu import CpuBackend
 from mmad.backends.cuda.mma import MmaPlan, master_offsets
 from mmad.backends.cuda.wgmma import WgmmaPlan
@@ -579,6 +579,36 @@ def test_wgmma_forward_follows_training(wgmma_backend, cache):
     after = model.forward(x)
     assert not np.array_equal(before, after)
     assert rel_err(after, oracle.forward(x)) <= FWD_TOL
+
+
+@pytest.mark.gpu
+def test_wgmma_forward_follows_data_parallel_steps(wgmma_backend, cache):
+    """A data-parallel run (one replica here: the all-reduce of one is the identity) changes the
+    masters through ``parallel_apply``; the next forward serves them, bit for bit what a model
+    given the same parameters computes."""
+    import cupy
+
+    rng = case_rng("parallel")
+    spec = bench_spec("M", activation="ReLU")
+    model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+    x = inputs(rng, 4096, spec)
+    y = rng.standard_normal((4096, spec.n_output_dims), dtype=np.float32)
+    x16 = cupy.asarray(x).astype(cupy.float16)
+    before = cupy.asnumpy(model.forward(x16, out_dtype=np.float16))
+    data = model.put_dataset([(x, y)], 4096, np.float32, np.float32)
+    position = EpochPosition(int(rng.integers(0, 2**32)))
+    model.parallel_start(data, 512, 3, position)
+    for _ in range(3):
+        model.parallel_gradients(512)
+        model.parallel_apply()
+    assert np.isfinite(model.parallel_finish(3, position)).all()
+    after = cupy.asnumpy(model.forward(x16, out_dtype=np.float16))
+    assert not np.array_equal(before, after)
+    fresh = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+    fresh.set_params(model.get_params())
+    np.testing.assert_array_equal(after, cupy.asnumpy(fresh.forward(x16, out_dtype=np.float16)))
+    fresh.close()
+    model.close()
 
 
 @pytest.mark.gpu

@@ -441,6 +441,14 @@ class CudaWgmmaModel(CudaMmaModel):
         self._wg_stale = True
         return super().train_epochs(data, batch, steps, position)
 
+    def parallel_start(self, data: Dataset, batch: int, steps: int, position: EpochPosition) -> Any:
+        self._wg_stale = True  # the run's parallel_apply steps change the masters
+        return super().parallel_start(data, batch, steps, position)
+
+    def load_device_params(self, weights: list[Any], biases: list[Any]) -> None:
+        self._wg_stale = True
+        super().load_device_params(weights, biases)
+
     def device_bytes(self) -> int:
         return super().device_bytes() + int(sum(a.nbytes for a in (self.wg_wmap, self.wg_bmap, self.wg_wimage,
                                                                       self.wg_bimage)))
