@@ -18,6 +18,7 @@ import pytest
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import init_params
 from mmad.backends.cpu import CpuBackend
+from mmad.backends.cuda.cublaslt_trained import SPLIT_VARIANTS
 from mmad.errors import CompileError, InvalidInput
 from mmad.spec import ACTIVATIONS, LOSSES, MLPSpec, bench_spec
 
