@@ -146,6 +146,26 @@ def test_shared_memory_plan_of_the_benchmark_models():
         WgmmaPlan(bench_spec("S"), warpgroups=3)
 
 
+def test_half_io_plan_of_the_benchmark_models():
+    """The fp16 kernel's (warpgroups a block, ring tiles): 2 x 2 for S and M (three blocks an SM),
+    3 x 1 for L (one block: 160 KiB of weights), none for W (its weights stream); the sections
+    fit, start on 1024-byte boundaries and do not overlap."""
+    plans = plan_cases()
+    got = {name: (plans[name].half_io, plans[name].half_warpgroups, plans[name].half_stages) for name in "SMLW"}
+    assert got == {"S": (True, 2, 2), "M": (True, 2, 2), "L": (True, 3, 1), "W": (False, 0, 0)}
+    assert [plans[name].half_min_blocks for name in "SML"] == [3, 3, 1]
+    for name in "SML":
+        plan = plans[name]
+        assert plan.smem_half_bytes <= wgmma.WGMMA_SMEM_LIMIT
+        assert plan.smh_b_off == plan.w_total_bytes and plan.smh_ring_off % 1024 == 0
+        ring = plan.half_warpgroups * plan.half_stages * plan.a_bytes
+        assert plan.smem_half_bytes == plan.smh_ring_off + ring + wgmma.WGMMA_ALIGN
+    forced = WgmmaPlan(bench_spec("M"), half_warpgroups=4, half_stages=3)
+    assert (forced.half_warpgroups, forced.half_stages) == (4, 3)
+    with pytest.raises(SpecError, match="fp16 forward does not fit"):
+        WgmmaPlan(bench_spec("L"), half_warpgroups=4, half_stages=4)
+
+
 @pytest.mark.parametrize("name", ["S", "M", "L", "W", *ODD_SPECS])
 def test_kernel_constants_agree_with_the_plan(name):
     """The offsets mlp_wgmma.cu computes from its #defines are where the host put each layer."""
