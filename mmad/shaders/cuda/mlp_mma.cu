@@ -147,6 +147,26 @@ __device__ __forceinline__ u32 load_pair(const u16* __restrict__ x, i64 rows, i6
     return col + 1 < NIN ? v : (v & 0xFFFFu);
 }
 
+// layer 0's A fragment of k16 slice kc for this lane: rows s0 and s1 (r and r + 8, or the dataset
+// rows they map to), columns kc * 16 + 2t (+1) and + 8; from the pair-major encoded input (PAIRS)
+// or row-major rows
+template <bool GROUPED, bool PAIRS, typename XT>
+__device__ __forceinline__ void load_a0(u32* a, const XT* x, i64 rows, i64 s0, i64 s1, int kc, int t,
+                                        bool ok0, bool ok1, bool& bad) {
+    if constexpr (PAIRS) {
+        const u16* xh = reinterpret_cast<const u16*>(x);
+        a[0] = load_pair(xh, rows, s0, kc * 16 + 2 * t, ok0);
+        a[1] = load_pair(xh, rows, s1, kc * 16 + 2 * t, ok1);
+        a[2] = load_pair(xh, rows, s0, kc * 16 + 8 + 2 * t, ok0);
+        a[3] = load_pair(xh, rows, s1, kc * 16 + 8 + 2 * t, ok1);
+    } else {
+        a[0] = load_x2<GROUPED>(x, s0, kc * 16 + 2 * t, ok0, bad);
+        a[1] = load_x2<GROUPED>(x, s1, kc * 16 + 2 * t, ok1, bad);
+        a[2] = load_x2<GROUPED>(x, s0, kc * 16 + 8 + 2 * t, ok0, bad);
+        a[3] = load_x2<GROUPED>(x, s1, kc * 16 + 8 + 2 * t, ok1, bad);
+    }
+}
+
 // two adjacent output values, fp32 or (u16 output) rounded to fp16
 __device__ __forceinline__ void store_out2(float* o, int col, float p0, float p1) {
 #if NOUT % 2 == 0
@@ -362,18 +382,7 @@ __device__ __forceinline__ void mlp_tile_loop(
                 for (int mt = 0; mt < MT; ++mt) {
                     const i64 r = row0 + mt * 16 + g;
                     const i64 s0 = MAPPED ? src[MAPPED ? mt : 0][0] : r, s1 = MAPPED ? src[MAPPED ? mt : 0][1] : r + 8;
-                    if constexpr (PAIRS) {
-                        const u16* xh = reinterpret_cast<const u16*>(x);
-                        a[mt][0] = load_pair(xh, rows, s0, kc * 16 + 2 * t, r < rows);
-                        a[mt][1] = load_pair(xh, rows, s1, kc * 16 + 2 * t, r + 8 < rows);
-                        a[mt][2] = load_pair(xh, rows, s0, kc * 16 + 8 + 2 * t, r < rows);
-                        a[mt][3] = load_pair(xh, rows, s1, kc * 16 + 8 + 2 * t, r + 8 < rows);
-                    } else {
-                        a[mt][0] = load_x2<GROUPED>(x, s0, kc * 16 + 2 * t, r < rows, bad);
-                        a[mt][1] = load_x2<GROUPED>(x, s1, kc * 16 + 2 * t, r + 8 < rows, bad);
-                        a[mt][2] = load_x2<GROUPED>(x, s0, kc * 16 + 8 + 2 * t, r < rows, bad);
-                        a[mt][3] = load_x2<GROUPED>(x, s1, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
-                    }
+                    load_a0<GROUPED, PAIRS>(a[mt], x, rows, s0, s1, kc, t, r < rows, r + 8 < rows, bad);
                     if (FUSED) {
                         u32* h0 = reinterpret_cast<u32*>(stash + stash_off(0));
                         const int rl = rl0 + mt * 16 + g, c = kc * 16 + 2 * t;
@@ -740,17 +749,7 @@ __device__ __forceinline__ void mlp_forward_acc16(
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 const i64 r = row0 + mt * 16 + g;
-                if constexpr (PAIRS) {
-                    a[mt][0] = load_pair(x, rows, r, kc * 16 + 2 * t, r < rows);
-                    a[mt][1] = load_pair(x, rows, r + 8, kc * 16 + 2 * t, r + 8 < rows);
-                    a[mt][2] = load_pair(x, rows, r, kc * 16 + 8 + 2 * t, r < rows);
-                    a[mt][3] = load_pair(x, rows, r + 8, kc * 16 + 8 + 2 * t, r + 8 < rows);
-                } else {
-                    a[mt][0] = load_x2<GROUPED>(x, r, kc * 16 + 2 * t, r < rows, bad);
-                    a[mt][1] = load_x2<GROUPED>(x, r + 8, kc * 16 + 2 * t, r + 8 < rows, bad);
-                    a[mt][2] = load_x2<GROUPED>(x, r, kc * 16 + 8 + 2 * t, r < rows, bad);
-                    a[mt][3] = load_x2<GROUPED>(x, r + 8, kc * 16 + 8 + 2 * t, r + 8 < rows, bad);
-                }
+                load_a0<GROUPED, PAIRS>(a[mt], x, rows, r, r + 8, kc, t, r < rows, r + 8 < rows, bad);
             }
 #pragma unroll
             for (int nt = 0; nt < NTW; ++nt) {
