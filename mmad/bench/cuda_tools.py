@@ -324,8 +324,8 @@ def wgmma_sass(out_dir: Path) -> list[str]:
         expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
         kernels = [("wgmma_forward", f"warpgroups={plan.warpgroups} staged={plan.input_staged} smem={plan.smem_bytes}")]
         if plan.half_io:
-            kernels += [(k, f"warpgroups={plan.half_warpgroups} ring={plan.half_stages} smem={plan.smem_half_bytes}")
-                        for k in ("wgmma_forward_half", "wgmma_forward_half_group")]
+            kernels.append(("wgmma_forward_half", f"warpgroups={plan.half_warpgroups} ring={plan.half_stages} "
+                                                  f"smem={plan.smem_half_bytes}"))
         for kernel, how in kernels:
             counts = ops[kernel]
             lines.append(f"{name} {kernel} resident={plan.w_resident} {how} HGMMA expected={expected} "

@@ -23,7 +23,7 @@ Kernels are specialised per model (widths, depth, activations, loss, optimizer c
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -386,54 +386,40 @@ class CudaMmaModel(MmaPlan, CudaModel):
         for i, (x, out) in enumerate(pairs):
             kernel = ("mlp_forward_half_group" if x.dtype == out.dtype == cp.float16
                       else "mlp_forward_group" if x.dtype == out.dtype == cp.float32 else None)
-            if kernel is not None and self._group_member(x, out):
+            if (kernel is not None and self.is_device_array(x) and self.is_device_array(out)
+                    and x.flags.c_contiguous and out.flags.c_contiguous and x.data.ptr % 16 == 0
+                    and out.data.ptr % 16 == 0 and x.shape == (x.shape[0], self.spec.n_input_dims)
+                    and out.shape == (x.shape[0], self.spec.n_output_dims)):
                 by_kernel[kernel].append(i)
             else:
                 others.append(i)
+        flag_base = nonfinite.data.ptr if nonfinite is not None else 0  # uint32 words
         for kernel, members in by_kernel.items():
+            if not members:
+                continue
+            table = np.zeros((len(members), 5), dtype=np.int64)  # GroupForward in mlp_mma.cu
             half = kernel == "mlp_forward_half_group"
-
-            def launch(group: Any, n: int, tiles: int, kernel: str = kernel, half: bool = half) -> None:
-                grid = max(1, min(self.grid_half if half else self.grid_fwd, math.ceil(tiles / self.warps)))
-                self._launch(kernel, (grid,), (self.warps * 32,),
-                             (group, np.int32(n), np.int64(tiles), *self._inference_weights()),
-                             self.smem_fwd if self.w_smem_fwd else 0)
-
-            self._launch_group(pairs, members, 16 * (self.mt_half if half else self.mt_fwd), nonfinite, launch)
+            rows_per_tile = 16 * (self.mt_half if half else self.mt_fwd)
+            tiles = 0
+            for row, i in enumerate(members):
+                x, out = pairs[i]
+                table[row] = (x.data.ptr, out.data.ptr, x.shape[0], tiles, flag_base + 4 * i if flag_base else 0)
+                tiles += -(-x.shape[0] // rows_per_tile)
+            if tiles == 0:
+                continue
+            try:
+                if self._tables is None:
+                    self._tables = TableUploads(cp)
+                group = self._tables.upload(table)
+            except device_errors(cp) as exc:
+                raise LaunchError(f"copying a group of {len(members)} forwards to the device failed: {exc}") from exc
+            grid = max(1, min(self.grid_half if half else self.grid_fwd, math.ceil(tiles / self.warps)))
+            self._launch(kernel, (grid,), (self.warps * 32,),
+                         (group, np.int32(len(members)), np.int64(tiles), *self._inference_weights()),
+                         self.smem_fwd if self.w_smem_fwd else 0)
+            self._tables.used()
         for i in others:
             super().forward_group([pairs[i]], None if nonfinite is None else nonfinite[i:i + 1])
-
-    def _group_member(self, x: Any, out: Any) -> bool:
-        """Whether a group kernel can take the pair: C-contiguous device arrays of the model's
-        shapes, 16-byte aligned (the kernels read and write vectors)."""
-        return (self.is_device_array(x) and self.is_device_array(out) and x.flags.c_contiguous
-                and out.flags.c_contiguous and x.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
-                and x.shape == (x.shape[0], self.spec.n_input_dims)
-                and out.shape == (x.shape[0], self.spec.n_output_dims))
-
-    def _launch_group(self, pairs: list[tuple[Any, Any]], members: list[int], rows_per_tile: int,
-                      nonfinite: Any, launch: Callable[[Any, int, int], None]) -> None:
-        """One launch over the tiles of ``pairs[i]`` for i in ``members``: their GroupForward table
-        (input, output, rows, first tile, flag word: mlp_common.cuh) copied up without the host
-        waiting, then ``launch(table, entries, tiles)``."""
-        cp = self.cp
-        table = np.zeros((len(members), 5), dtype=np.int64)
-        flag_base = nonfinite.data.ptr if nonfinite is not None else 0  # uint32 words
-        tiles = 0
-        for row, i in enumerate(members):
-            x, out = pairs[i]
-            table[row] = (x.data.ptr, out.data.ptr, x.shape[0], tiles, flag_base + 4 * i if flag_base else 0)
-            tiles += -(-x.shape[0] // rows_per_tile)
-        if tiles == 0:
-            return
-        try:
-            if self._tables is None:
-                self._tables = TableUploads(cp)
-            group = self._tables.upload(table)
-        except device_errors(cp) as exc:
-            raise LaunchError(f"copying a group of {len(members)} forwards to the device failed: {exc}") from exc
-        launch(group, len(members), tiles)
-        self._tables.used()
 
     def _inference_weights(self) -> tuple[Any, Any]:
         """(fp16 weight image, fp32 biases) the forward reads: the EMA average's under tcnn's EMA

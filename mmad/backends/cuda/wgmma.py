@@ -35,8 +35,7 @@ from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 WGMMA_OFF = "wgmma is turned off (MMAD_CUDA_WGMMA=0)"
 WGMMA_NVCC_OPTIONS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-std=c++17")
-WGMMA_KERNELS = ("wgmma_forward", "wgmma_forward_half", "wgmma_forward_half_group", "wgmma_pack")
-HALF_KERNELS = ("wgmma_forward_half", "wgmma_forward_half_group")  # built where the plan has the fp16 forward
+WGMMA_KERNELS = ("wgmma_forward", "wgmma_forward_half", "wgmma_pack")
 WGMMA_TILE_ROWS = 64  # one warpgroup's m64 tile
 WGMMA_THREADS = 128  # one warpgroup
 WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
@@ -359,7 +358,7 @@ class CudaWgmmaModel(CudaMmaModel):
         cubin = cached_cubin(cache, build, backend="cuda-wgmma", device="sm_90a", compiler=compiler,
                              options=WGMMA_NVCC_OPTIONS, source=source)
         try:
-            names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k not in HALF_KERNELS)
+            names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
             module = LoadedModule(self.cp, cubin, names)
             fwd = module.kernel("wgmma_forward")
             if self.wg.smem_bytes > 48 * 1024:
@@ -367,15 +366,14 @@ class CudaWgmmaModel(CudaMmaModel):
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
         self.wg_grid = self._resident_grid(fwd, self.wg.warpgroups, self.wg.smem_bytes)
-        self.wg_grid_half = {}  # kernel -> blocks resident at once
-        for name in HALF_KERNELS if self.wg.half_io else ():
+        if self.wg.half_io:
             try:
-                kernel = module.kernel(name)
+                half = module.kernel("wgmma_forward_half")
                 if self.wg.smem_half_bytes > 48 * 1024:
-                    kernel.max_dynamic_shared_size_bytes = self.wg.smem_half_bytes
+                    half.max_dynamic_shared_size_bytes = self.wg.smem_half_bytes
             except device_errors(self.cp) as exc:
                 raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-            self.wg_grid_half[name] = self._resident_grid(kernel, self.wg.half_warpgroups, self.wg.smem_half_bytes)
+            self.wg_grid_half = self._resident_grid(half, self.wg.half_warpgroups, self.wg.smem_half_bytes)
         return module
 
     def _resident_grid(self, kernel, warpgroups: int, smem: int) -> int:
@@ -417,8 +415,8 @@ class CudaWgmmaModel(CudaMmaModel):
             self._refresh_images()
             n_tiles = math.ceil(rows / WGMMA_TILE_ROWS)
             if half_io:
-                wgs, name, smem = self.wg.half_warpgroups, "wgmma_forward_half", self.wg.smem_half_bytes
-                grid = self.wg_grid_half[name]
+                wgs, grid, name, smem = self.wg.half_warpgroups, self.wg_grid_half, "wgmma_forward_half", \
+                    self.wg.smem_half_bytes
             else:
                 wgs, grid, name, smem = self.wg.warpgroups, self.wg_grid, "wgmma_forward", self.wg.smem_bytes
             blocks = min(grid, math.ceil(n_tiles / wgs))
@@ -430,32 +428,6 @@ class CudaWgmmaModel(CudaMmaModel):
             into[...] = out
             return into
         return self.download(out) if from_host else out
-
-    def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
-        """See ``CompiledModel.forward_group``: the fp16 pairs a group kernel can take run in one
-        ``wgmma_forward_half_group`` launch (each input's finiteness checked as its tiles arrive in
-        shared memory); the others as the mma variant's group forward takes them."""
-        if not self.wg.half_io or not self.spec.encoding.passthrough:
-            super().forward_group(pairs, nonfinite)
-            return
-        cp = self.cp
-        members = [i for i, (x, out) in enumerate(pairs)
-                   if x.dtype == out.dtype == cp.float16 and self._group_member(x, out)]
-        if members:
-            self._refresh_images()
-            wgs, name = self.wg.half_warpgroups, "wgmma_forward_half_group"
-
-            def launch(group: Any, n: int, tiles: int) -> None:
-                blocks = min(self.wg_grid_half[name], math.ceil(tiles / wgs))
-                self._launch_wgmma(name, (blocks,), (WGMMA_THREADS * wgs,),
-                                   (group, np.int32(n), np.int64(tiles), self.wg_wimage, self.wg_bimage),
-                                   self.wg.smem_half_bytes)
-
-            self._launch_group(pairs, members, WGMMA_TILE_ROWS, nonfinite, launch)
-        taken = set(members)
-        for i in range(len(pairs)):
-            if i not in taken:
-                super().forward_group([pairs[i]], None if nonfinite is None else nonfinite[i:i + 1])
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         super().set_params(params)

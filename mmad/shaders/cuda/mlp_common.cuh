@@ -114,31 +114,3 @@ __device__ __forceinline__ float loss_term(float p, float y, float lum, float* g
 #endif
 }
 
-// One forward of a group (mlp_forward_group*, wgmma_forward_half_group): its rows and where they
-// are read and written. Its tiles follow the previous forward's, from first_tile on; nonfinite (or
-// null): the word set to 1 when the input holds NaN or Inf.
-struct GroupForward {
-    const void* x;
-    void* out;
-    i64 rows;
-    i64 first_tile;
-    u32* nonfinite;
-};
-
-// a group entry's input read NaN or Inf somewhere in this warp: its flag word set (one lane)
-__device__ __forceinline__ void flag_nonfinite_input(const GroupForward& entry, bool bad, int lane) {
-    u32* const flag = entry.nonfinite;
-    if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
-}
-
-// GROUPED: the forward of the group that tile ``tile`` belongs to (``entry`` only grows along a
-// warp's (warpgroup's) tiles): its input, output, rows and the tile's first row within it.
-template <typename XP, typename OP>  // the caller's (restrict-qualified) input and output pointer types
-__device__ __forceinline__ void group_tile(const GroupForward* __restrict__ group, int n_group, int& entry, i64 tile,
-                                           int rows_per_warp, XP& x, OP& out, i64& rows, i64& row0) {
-    while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
-    x = static_cast<XP>(group[entry].x);
-    out = static_cast<OP>(group[entry].out);
-    rows = group[entry].rows;
-    row0 = (tile - group[entry].first_tile) * rows_per_warp;
-}

@@ -268,6 +268,23 @@ __device__ __forceinline__ void fused_store_partials(float* __restrict__ partial
     }
 }
 
+// One forward of a group (mlp_forward_group*): its rows and where they are read and written.
+// Its tiles follow the previous forward's, from first_tile on; nonfinite (or null): the word set
+// to 1 when the input holds NaN or Inf.
+struct GroupForward {
+    const void* x;
+    void* out;
+    i64 rows;
+    i64 first_tile;
+    u32* nonfinite;
+};
+
+// a group entry's input read NaN or Inf somewhere in this warp: its flag word set (one lane)
+__device__ __forceinline__ void flag_nonfinite_input(const GroupForward& entry, bool bad, int lane) {
+    u32* const flag = entry.nonfinite;
+    if (flag != nullptr && __any_sync(0xffffffffu, bad) && lane == 0) atomicOr(flag, 1u);
+}
+
 // The weights the block's warps read: copied into shared memory (the first n16 16-byte words of
 // the image) where ``staged``, else read through L1 from the global image.
 __device__ __forceinline__ const uint2* block_weights(const uint2* __restrict__ wglobal, bool staged, int n16) {
@@ -277,6 +294,18 @@ __device__ __forceinline__ const uint2* block_weights(const uint2* __restrict__ 
     for (int i = threadIdx.x; i < n16; i += blockDim.x) smem_w[i] = src[i];
     __syncthreads();
     return reinterpret_cast<const uint2*>(smem_w);
+}
+
+// GROUPED: the forward of the group that tile ``tile`` belongs to (``entry`` only grows along a
+// warp's tiles): its input, output, rows and the tile's first row within it.
+template <typename XP, typename OP>  // the caller's (restrict-qualified) input and output pointer types
+__device__ __forceinline__ void group_tile(const GroupForward* __restrict__ group, int n_group, int& entry, i64 tile,
+                                           int rows_per_warp, XP& x, OP& out, i64& rows, i64& row0) {
+    while (entry + 1 < n_group && group[entry + 1].first_tile <= tile) ++entry;
+    x = static_cast<XP>(group[entry].x);
+    out = static_cast<OP>(group[entry].out);
+    rows = group[entry].rows;
+    row0 = (tile - group[entry].first_tile) * rows_per_warp;
 }
 
 // ---- the fused forward (and, with TRAIN, loss + backward; with FUSED, weight gradients too) -----

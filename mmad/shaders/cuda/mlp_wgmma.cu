@@ -250,16 +250,16 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
 }
 
 #if HALF_IO
-// fp16 input rows [row0, row0 + 64) -> the K-major A tile at a_tile (shared address s_tile), zero
-// past the rows and past NIN. Rows of a multiple of 8 halves go by cp.async in 16-byte units
-// straight into their swizzled place (a unit never straddles a swizzle atom); other rows element
-// by element (x is then not 16-byte aligned per row).
+// fp16 input rows [64 tile, 64 tile + 64) -> the K-major A tile at a_tile (shared address
+// s_tile), zero past the rows and past NIN. Rows of a multiple of 8 halves go by cp.async in
+// 16-byte units straight into their swizzled place (a unit never straddles a swizzle atom);
+// other rows element by element (x is then not 16-byte aligned per row).
 __device__ __forceinline__ void stage_input_half(u32 s_tile, unsigned char* a_tile, const u16* __restrict__ x,
-                                                 i64 rows, i64 row0) {
+                                                 i64 rows, i64 tile) {
     constexpr int CHUNKS = KIN_P / 8;  // 16-byte units per row
     for (int c = threadIdx.x & 127; c < 64 * CHUNKS; c += 128) {
         const int r = c / CHUNKS, k0 = (c % CHUNKS) * 8;
-        const i64 row = row0 + r;
+        const i64 row = tile * 64 + r;
         const u32 offset = kmajor_offset(r, k0, 64, SWZ_IN);
 #if NIN % 8 == 0
         const bool live = row < rows && k0 < NIN;
@@ -274,28 +274,12 @@ __device__ __forceinline__ void stage_input_half(u32 s_tile, unsigned char* a_ti
     }
 }
 
-// whether the units this thread staged into the A tile hold NaN or Inf (exponent all ones; the
-// zero fill is finite)
-__device__ __forceinline__ bool staged_nonfinite(const unsigned char* a_tile) {
-    constexpr int CHUNKS = KIN_P / 8;
-    bool bad = false;
-    for (int c = threadIdx.x & 127; c < 64 * CHUNKS; c += 128) {
-        const uint4 v = *reinterpret_cast<const uint4*>(a_tile + kmajor_offset(c / CHUNKS, (c % CHUNKS) * 8, 64, SWZ_IN));
-        for (const u32 w : {v.x, v.y, v.z, v.w})
-            bad |= (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
-    }
-    return bad;
-}
-
 // fp16 in, fp16 out: each warpgroup keeps a ring of H_STAGES input A tiles filled by cp.async
 // (its next H_STAGES - 1 tiles in flight while one computes); layer 0 reads its slot directly.
-// Resident weights only (the plan offers this kernel where they fit). GROUPED: the tiles of
-// several forwards (``group``), each input's finiteness checked in shared memory as it arrives.
-template <bool GROUPED>
-__device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 rows_all, i64 n_tiles,
-                                             u16* __restrict__ out_all, const unsigned char* __restrict__ wimg,
-                                             const float* __restrict__ bimg, const GroupForward* __restrict__ group,
-                                             int n_group) {
+// Resident weights only (the plan offers this kernel where they fit).
+extern "C" __global__ void __launch_bounds__(128 * WGH, MIN_BLOCKS_H)
+wgmma_forward_half(const u16* __restrict__ x, i64 rows, i64 n_tiles, u16* __restrict__ out,
+                   const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
     extern __shared__ unsigned char smem_raw[];
     const u32 raw = smem_addr(smem_raw);
     unsigned char* smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
@@ -306,15 +290,6 @@ __device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 
     float* bias_s = reinterpret_cast<float*>(smem + SMH_B_OFF);
     const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const i64 tile_step = (i64)gridDim.x * WGH;
-    int entry = 0, staged_entry = 0;  // GROUPED: the forward of the tile computed / of the tile staged
-    // ring slot `slot` takes the input rows of tile `tt`
-    auto stage = [&](int slot, i64 tt) {
-        const u16* x = x_all;
-        u16* out = out_all;
-        i64 rows = rows_all, row0 = tt * 64;
-        if constexpr (GROUPED) group_tile(group, n_group, staged_entry, tt, 64, x, out, rows, row0);
-        stage_input_half(s_ring + slot * A_BYTES, ring + slot * A_BYTES, x, rows, row0);
-    };
 
     for (int i = threadIdx.x; i < B_TOTAL; i += blockDim.x) bias_s[i] = bimg[i];
     copy_async(s_w, wimg, W_TOTAL_BYTES);
@@ -323,7 +298,8 @@ __device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 
     // (empty groups keep the count regular); the weights travel in the first
 #pragma unroll
     for (int s = 0; s < H_STAGES; ++s) {
-        if (tile + s * tile_step < n_tiles) stage(s, tile + s * tile_step);
+        if (tile + s * tile_step < n_tiles)
+            stage_input_half(s_ring + s * A_BYTES, ring + s * A_BYTES, x, rows, tile + s * tile_step);
         cp_async_commit();
     }
     cp_async_wait_group<H_STAGES - 1>();
@@ -332,19 +308,15 @@ __device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 
 
     for (int it = 0; tile < n_tiles; tile += tile_step, ++it) {
         const int slot = it % H_STAGES;
-        const u16* x = x_all;
-        u16* out = out_all;
-        i64 rows = rows_all, row0 = tile * 64;
-        if constexpr (GROUPED) group_tile(group, n_group, entry, tile, 64, x, out, rows, row0);
         cp_async_wait_group<H_STAGES - 1>();  // this tile's fill is done; later tiles' may still fly
         fence_proxy_async();  // its cp.async (and st.shared) writes are read by wgmma next
-        if constexpr (GROUPED) flag_nonfinite_input(group[entry], staged_nonfinite(ring + slot * A_BYTES), lane);
         wg_sync_of<WGH>();
         float o[NOUT_P / 2];
         mlp_layers(s_ring + slot * A_BYTES, s_w, wimg, bias_s, t, o, [&] {
             // every warp's layer-0 products are done before the slot takes the tile H_STAGES ahead
             wg_sync_of<WGH>();
-            if (tile + H_STAGES * tile_step < n_tiles) stage(slot, tile + H_STAGES * tile_step);
+            if (tile + H_STAGES * tile_step < n_tiles)
+                stage_input_half(s_ring + slot * A_BYTES, ring + slot * A_BYTES, x, rows, tile + H_STAGES * tile_step);
             cp_async_commit();
         });
         // bias, output activation, fp16 stores
@@ -352,7 +324,7 @@ __device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 
 #pragma unroll
         for (int i = 0; i < NOUT_P / 2; i += 2) {
             const int col = out_col(t, i);
-            const i64 r = row0 + out_row(0, warp, g, i);
+            const i64 r = out_row(tile, warp, g, i);
             if (r >= rows || col >= NOUT) continue;
             const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
             const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
@@ -366,19 +338,6 @@ __device__ __forceinline__ void forward_half(const u16* __restrict__ x_all, i64 
         }
     }
     cp_async_wait_all();  // no copy may still target shared memory when the block exits
-}
-
-extern "C" __global__ void __launch_bounds__(128 * WGH, MIN_BLOCKS_H)
-wgmma_forward_half(const u16* __restrict__ x, i64 rows, i64 n_tiles, u16* __restrict__ out,
-                   const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
-    forward_half<false>(x, rows, n_tiles, out, wimg, bimg, nullptr, 0);
-}
-
-// the tiles of n_group forwards (fp16 in and out) in one launch; n_tiles: all of theirs
-extern "C" __global__ void __launch_bounds__(128 * WGH, MIN_BLOCKS_H)
-wgmma_forward_half_group(const GroupForward* __restrict__ group, int n_group, i64 n_tiles,
-                         const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
-    forward_half<true>(nullptr, 0, n_tiles, nullptr, wimg, bimg, group, n_group);
 }
 #endif
 
