@@ -357,27 +357,25 @@ class CudaWgmmaModel(CudaMmaModel):
         compiler = f"nvcc-{nvcc_version(nvcc)}" if nvcc else "nvcc-missing"
         cubin = cached_cubin(cache, build, backend="cuda-wgmma", device="sm_90a", compiler=compiler,
                              options=WGMMA_NVCC_OPTIONS, source=source)
+        names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
         try:
-            names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
             module = LoadedModule(self.cp, cubin, names)
-            fwd = module.kernel("wgmma_forward")
-            if self.wg.smem_bytes > 48 * 1024:
-                fwd.max_dynamic_shared_size_bytes = self.wg.smem_bytes
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-        self.wg_grid = self._resident_grid(fwd, self.wg.warpgroups, self.wg.smem_bytes)
+        self.wg_grid = self._resident_grid(module.kernel("wgmma_forward"), self.wg.warpgroups, self.wg.smem_bytes, what)
         if self.wg.half_io:
-            try:
-                half = module.kernel("wgmma_forward_half")
-                if self.wg.smem_half_bytes > 48 * 1024:
-                    half.max_dynamic_shared_size_bytes = self.wg.smem_half_bytes
-            except device_errors(self.cp) as exc:
-                raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-            self.wg_grid_half = self._resident_grid(half, self.wg.half_warpgroups, self.wg.smem_half_bytes)
+            self.wg_grid_half = self._resident_grid(module.kernel("wgmma_forward_half"), self.wg.half_warpgroups,
+                                                    self.wg.smem_half_bytes, what)
         return module
 
-    def _resident_grid(self, kernel, warpgroups: int, smem: int) -> int:
-        """Blocks that stay resident on every SM at once (registers, shared memory, threads)."""
+    def _resident_grid(self, kernel, warpgroups: int, smem: int, what: str) -> int:
+        """The kernel allowed ``smem`` bytes of dynamic shared memory; the blocks of it that stay
+        resident on every SM at once (registers, shared memory, threads)."""
+        try:
+            if smem > 48 * 1024:
+                kernel.max_dynamic_shared_size_bytes = smem
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
         threads = WGMMA_THREADS * warpgroups
         regs_per_block = math.ceil(max(int(kernel.num_regs), 1) * 32 / 256) * 256 * (threads // 32)
         per_sm = min(self.info["regs_per_sm"] // regs_per_block, self.info["smem_per_sm"] // (smem + 1024),

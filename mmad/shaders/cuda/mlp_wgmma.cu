@@ -113,6 +113,14 @@ __device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const fl
         }
 }
 
+// streamed weights (W_RESIDENT 0, one warpgroup): the stage at s_w takes the next layer's n bytes
+// once every warp's wgmma reads of it are complete, and is visible to wgmma when this returns
+__device__ __forceinline__ void refill_stage(u32 s_w, const unsigned char* src, int n) {
+    wg_sync();
+    copy_async(s_w, src, n);
+    cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
+}
+
 // The layers of one 64-row tile whose fp16 input is the K-major A tile at s_a: layer 0 with A
 // and B from shared memory, then hidden layers and the output layer with A from registers; o
 // gets the output layer's accumulator (no bias yet). after_layer0() runs once layer 0's
@@ -139,9 +147,7 @@ __device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char
     for (int l = 1; l < NHID; ++l) {
         u32 w_l = s_w + W_OFF1 + (l - 1) * W_HID_STRIDE;
         if (!W_RESIDENT) {
-            wg_sync();  // every warp's wgmma reads of the stage are complete (WGS is 1 here)
-            copy_async(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
-            cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
+            refill_stage(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
             w_l = s_w;
         }
         wgmma_fence();
@@ -159,9 +165,7 @@ __device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char
     // output layer, A from registers
     u32 w_o = s_w + W_OFF_OUT;
     if (!W_RESIDENT) {
-        wg_sync();
-        copy_async(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
-        cp_async_commit(); cp_async_wait_all(); fence_proxy_async(); wg_sync();
+        refill_stage(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
         w_o = s_w;
     }
     wgmma_fence();
