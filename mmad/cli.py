@@ -348,13 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`mmad serve` on --backend (default cuda) end to end: model M created over HTTP, binary "
                         "inference checked against the float64 oracle, 20 training steps")
     g.add_argument("--sass", metavar="DIR", help="cuda: instruction mix of the mma kernels of S/M/L (or, with "
-                                                 "--backend cuda:wgmma, the wgmma forwards of S/M/L/W) from "
+                                                 "--backend cuda:wgmma, the wgmma forwards of S/M/L/W and "
+                                                 "training kernels of S/M/L) from "
                                                  "cuobjdump; cubins and SASS listings go to DIR")
     g.add_argument("--nvmath-check", action="store_true",
                    help="cuda: what nvmath-python's cuBLASLt epilogs accept and compute here")
     g.add_argument("--run-forward", metavar="MODEL:VARIANT",
                    help="cuda: compile MODEL and run its forward 4 times at --rows rows of --io, nothing else "
                         "(the workload for an outside profiler such as ncu or compute-sanitizer), e.g. S:wgmma")
+    g.add_argument("--run-train", metavar="MODEL:VARIANT",
+                   help="cuda: compile MODEL and run 2 training steps on --rows random rows, then 2 over a "
+                        "device dataset of them, nothing else (a compute-sanitizer workload), e.g. L:wgmma")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("demo", help="train a small MLP with the best available backend; --image: fit a "

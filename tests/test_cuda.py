@@ -88,7 +88,7 @@ def cached_pair(backend, cache, spec, rng):
 
 def test_probe_reports_every_variant(backend):
     rows = {r.variant: r for r in backend.probe()}
-    assert set(rows) == {"wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"}
+    assert set(rows) == {"wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"}
     assert "compute_capability" in rows["mma"].details
     for row in rows.values():
         assert row.available or row.reason, row
@@ -318,14 +318,18 @@ def test_spherical_harmonics_and_triangle_wave(backend, cache, variant):
         model.close()
 
 
-def test_training_is_deterministic_at_2_20_rows(backend, cache):
+@pytest.mark.parametrize("variant", ["mma", "wgmma"])
+def test_training_is_deterministic_at_2_20_rows(backend, cache, variant):
+    row = {r.variant: r for r in backend.probe()}[variant]
+    if not row.available:
+        pytest.skip(f"the cuda {variant} variant is unavailable here: {row.reason}")
     rng = np.random.default_rng(3)
     spec = bench_spec("M")
     x = rng.standard_normal((1 << 20, spec.n_input_dims), dtype=np.float32)
     y = rng.standard_normal((1 << 20, spec.n_output_dims), dtype=np.float32)
     results = []
     for _ in range(2):
-        model = backend.compile(spec, variant="mma", cache=cache)
+        model = backend.compile(spec, variant=variant, cache=cache)
         dx, dy = model.upload(x), model.upload(y)
         losses = model.train_step(dx, dy, steps=3)
         results.append((losses, model.get_params()))
@@ -498,7 +502,8 @@ def test_cublaslt_follows_the_oracle_for_200_steps(lt_backend, cache):
 
 # -- the pairs: cublaslt's training, mma-f16acc's or wgmma's forward
 SPLIT_CASES = [("mma-f16acc+cublaslt", "L", "ReLU"), ("mma-f16acc+cublaslt", "M", "Tanh"),
-               ("wgmma+cublaslt", "L", "ReLU"), ("wgmma+cublaslt", "M", "Tanh")]
+               ("wgmma+cublaslt", "L", "ReLU"), ("wgmma+cublaslt", "M", "Tanh"),
+               ("wgmma+cublaslt", "W", "ReLU")]  # W: wgmma forwards (streamed weights), no wgmma training
 
 
 @pytest.mark.parametrize(("variant", "name", "activation"), SPLIT_CASES)
@@ -518,7 +523,10 @@ def test_split_variant_trains_as_cublaslt_and_forwards_as_its_forward_variant(lt
     split, oracle = make_pair(lt_backend, cache, spec, rng, variant=variant)
     assert split.variant == variant
     lt = lt_backend.compile(spec, variant="cublaslt", cache=cache)
-    served = lt_backend.compile(spec, variant=SPLIT_VARIANTS[variant], cache=cache)
+    # the forward variant's kernels on a model of their own (wgmma's forwards: wgmma+mma, which
+    # takes every model whose forward fits)
+    served = lt_backend.compile(spec, variant={"wgmma": "wgmma+mma"}.get(SPLIT_VARIANTS[variant],
+                                                                          SPLIT_VARIANTS[variant]), cache=cache)
     lt.set_params(split.get_params())
 
     def forwards_agree(label):

@@ -38,7 +38,7 @@ def test_ema_picks_an_mma_variant_and_the_others_refuse_it(backend):
     with backend.compile(spec) as model:  # measured between the two variants that keep the average
         assert model.variant in ("mma", "mma-f16acc")
     rows = {r.variant: r for r in backend.probe()}
-    for variant in ("cublaslt", "wgmma", "mma-f16acc+cublaslt", "wgmma+cublaslt"):
+    for variant in ("cublaslt", "wgmma", "wgmma+mma", "mma-f16acc+cublaslt", "wgmma+cublaslt"):
         if not rows[variant].available:
             continue
         with pytest.raises(SpecError) as err:

@@ -24,22 +24,29 @@ def backend():
     return _cuda_backend()
 
 
-def _pair(backend, spec, monkeypatch, graphs=(True, True)):
+VARIANTS = ["mma", "wgmma"]  # wgmma: its own training kernels (mlp_wgmma_train.cu)
+
+
+def _pair(backend, spec, monkeypatch, graphs=(True, True), variant="mma"):
+    row = {r.variant: r for r in backend.probe()}[variant]
+    if not row.available:
+        pytest.skip(f"the cuda {variant} variant is unavailable here: {row.reason}")
     models = []
     for on in graphs:
         monkeypatch.setenv(CUDA_GRAPHS_ENV, "1" if on else "0")
-        model = backend.compile(spec, variant="mma", cache=KernelCache())
+        model = backend.compile(spec, variant=variant, cache=KernelCache())
         model.set_params(init_params(spec))
         models.append(model)
     return models
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", ["S", "M", "L"])
 @pytest.mark.parametrize("rows", [1000, 1 << 14])
-def test_graph_replay_equals_launching_each_step(backend, monkeypatch, name, rows) -> None:
+def test_graph_replay_equals_launching_each_step(backend, monkeypatch, name, rows, variant) -> None:
     rng = np.random.default_rng()
     spec = bench_spec(name)
-    replayed, launched = _pair(backend, spec, monkeypatch, graphs=(True, False))
+    replayed, launched = _pair(backend, spec, monkeypatch, graphs=(True, False), variant=variant)
     x = rng.uniform(-1, 1, size=(rows, spec.n_input_dims)).astype(np.float32)
     y = rng.uniform(-1, 1, size=(rows, spec.n_output_dims)).astype(np.float32)
     dx, dy = replayed.upload(x), replayed.upload(y)
@@ -56,15 +63,16 @@ def test_graph_replay_equals_launching_each_step(backend, monkeypatch, name, row
 
 @pytest.mark.parametrize(("name", "dtype", "rows", "batch", "steps"), [
     ("S", np.float32, 1000, 300, 10),       # 3 batches an epoch: the run crosses epoch ends
-    ("L", np.float32, 20_000, 4096, 7),     # the unfused training kernel reading the dataset in place
+    ("L", np.float32, 20_000, 4096, 7),     # the unfused training kernels reading the dataset in place
     ("M", np.float16, 70_001, 1 << 14, 9),  # fp16: gathered into fp32 batch buffers
     ("M", np.float32, 4097, 4097, 3),       # the batch is the whole dataset
 ])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_train_epochs_equals_train_step_on_the_same_batches(backend, monkeypatch, name, dtype, rows, batch,
-                                                             steps) -> None:
+                                                             steps, variant) -> None:
     rng = np.random.default_rng()
     spec = bench_spec(name)
-    device, host = _pair(backend, spec, monkeypatch)
+    device, host = _pair(backend, spec, monkeypatch, variant=variant)
     x = rng.uniform(-1, 1, size=(rows, spec.n_input_dims)).astype(dtype)
     y = rng.uniform(-1, 1, size=(rows, spec.n_output_dims)).astype(dtype)
     data = device.put_dataset([(x[:rows // 3], y[:rows // 3]), (x[rows // 3:], y[rows // 3:])], rows, dtype, dtype)

@@ -58,7 +58,7 @@ def test_two_accumulator_tiles_are_the_next_a_fragment() -> None:
 
 def test_probe_without_cupy_reports_why() -> None:
     rows = CudaBackend().probe()
-    assert [r.variant for r in rows] == ["wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
+    assert [r.variant for r in rows] == ["wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
     if importlib.util.find_spec("cupy") is None:
         for row in rows:
             assert not row.available

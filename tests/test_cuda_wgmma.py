@@ -166,6 +166,30 @@ def test_half_io_plan_of_the_benchmark_models():
         WgmmaPlan(bench_spec("L"), half_warpgroups=4, half_stages=4)
 
 
+def test_training_plan_of_the_benchmark_models():
+    """The training module: two warpgroups a block (two blocks an SM for S and M, one for L,
+    whose 160 KiB of weights stay resident), the output layer padded to 16 rows (the backward's
+    k16 steps), the weight-gradient kernels' N padded to 64; W refused with the reason (its
+    weights stream: the wgmma+mma and wgmma+cublaslt variants train it)."""
+    plans = {name: WgmmaPlan(bench_spec(name), training=True) for name in "SMLW"}
+    got = {n: (p.trains, p.train_warpgroups, p.train_min_blocks) for n, p in plans.items()}
+    assert got == {"S": (True, 2, 2), "M": (True, 2, 2), "L": (True, 2, 1), "W": (False, 0, 0)}
+    assert "shared memory" in plans["W"].why_not and "wgmma+mma" in plans["W"].why_not
+    assert [plans[n].wgrad_kp for n in "SML"] == [[64, 64], [64, 64], [128, 128]]
+    for name in "SML":
+        plan = plans[name]
+        assert plan.smem_train_bytes <= wgmma.WGMMA_SMEM_LIMIT
+        assert plan.smt_b_off == plan.w_total_bytes and plan.smt_a_off % 1024 == 0
+        assert plan.smem_train_bytes == plan.smt_a_off + plan.train_warpgroups * plan.a_bytes + wgmma.WGMMA_ALIGN
+        assert plan.wgrad_smem_bytes(1) == 3 * (64 * 128 + plan.wgrad_kp[1] * 128) + 1024
+    odd = WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w16-in3-out1"]), training=True)
+    assert (odd.nout_p, odd.layers[-1][3]) == (16, 16)  # one output, 16 rows of W_out
+    assert WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w16-in3-out1"])).nout_p == 8  # the forward's
+    defines = dict(re.findall(r"^#define (\w+) (\S+)$", odd.source, flags=re.M))
+    # the mma variant's buffer geometry (mlp_mma.cu's h_off, d_off), which mlp_optimize reads
+    assert (defines["KIN"], defines["WIDTH"], defines["NOUT_PAD"], defines["TRAIN_MODULE"]) == ("16", "16", "16", "1")
+
+
 @pytest.mark.parametrize("name", ["S", "M", "L", "W", *ODD_SPECS])
 def test_kernel_constants_agree_with_the_plan(name):
     """The offsets mlp_wgmma.cu computes from its #defines are where the host put each layer."""
@@ -201,18 +225,23 @@ int main() {
 """
 
 
-@pytest.fixture(scope="module")
-def layout_program(tmp_path_factory):
+def _host_layout_program(tmp_path_factory, name: str, program: str):
+    """wgmma_layout.cuh and ``program`` built with the host C++ compiler: the executable."""
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no host C++ compiler: the kernel's layout functions are only checked where one is installed")
-    tmp = tmp_path_factory.mktemp("wgmma_layout")
+    tmp = tmp_path_factory.mktemp(name)
     src = tmp / "layout.cpp"
-    src.write_text(read_source("cuda/wgmma_layout.cuh") + _HOST_PROGRAM)
+    src.write_text(read_source("cuda/wgmma_layout.cuh") + program)
     exe = tmp / "layout"
     done = subprocess.run([cxx, "-O1", "-std=c++17", str(src), "-o", str(exe)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     return exe
+
+
+@pytest.fixture(scope="module")
+def layout_program(tmp_path_factory):
+    return _host_layout_program(tmp_path_factory, "wgmma_layout", _HOST_PROGRAM)
 
 
 def kernel_layout_values(program, geometries):
@@ -252,6 +281,73 @@ def test_kernel_descriptors_and_offsets_equal_layouts(layout_program):
         inverse = L.wgmma_smem_operand(rows, k, "K", swz).inverse()  # (row, col) -> offset
         want = np.array([2 * inverse.apply(row=r, col=c)["offset"] for r in range(rows) for c in range(k)])
         assert np.array_equal(offsets.reshape(-1), want), (rows, k, swz)
+
+
+_HOST_MN_PROGRAM = r"""
+#include <cstdio>
+int main() {
+    unsigned what, rows, k, swz, base;  // what 0: a K-major tile read transposed; 1: an MN-rows tile
+    while (std::scanf("%u %u %u %u %u", &what, &rows, &k, &swz, &base) == 5) {
+        for (unsigned ks = 0; ks < rows / 16; ++ks)
+            std::printf("%llu\n", what == 0 ? kmajor_as_mn_desc(base, ks, rows, swz) : mn_rows_desc(base, ks, rows));
+        for (unsigned r = 0; r < rows; ++r)
+            for (unsigned c = 0; c < k; ++c)
+                std::printf("%u\n", what == 0 ? kmajor_offset(r, c, rows, swz) : mn_rows_offset(r, c, rows));
+    }
+    return 0;
+}
+"""
+
+
+def _mn_major_reads(cxx_program, cases):
+    """For each (what, rows, K, swizzle, base): the kernel's descriptors (one per 16 rows) and
+    the byte offset it stores element (row, col) at, from the host-compiled header."""
+    text = "".join(" ".join(map(str, c)) + "\n" for c in cases)
+    done = subprocess.run([str(cxx_program)], input=text, capture_output=True, text=True, check=True)
+    values = iter(int(v) for v in done.stdout.split())
+    out = {}
+    for case in cases:
+        _, rows, k, _, _ = case
+        descs = [next(values) for _ in range(rows // 16)]
+        offsets = np.array([next(values) for _ in range(rows * k)], dtype=np.int64).reshape(rows, k)
+        out[case] = (descs, offsets)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mn_layout_program(tmp_path_factory):
+    return _host_layout_program(tmp_path_factory, "wgmma_mn_layout", _HOST_MN_PROGRAM)
+
+
+def test_training_reads_its_operands_where_the_kernel_put_them(mn_layout_program):
+    """Every MN-major operand of the wgmma training kernels, addressed as the PTX ISA defines
+    (tests/layout_reference.py) from the kernel's own descriptors, is the element the kernel
+    stored there: each layer's K-major forward image read transposed by the backward (W^T, the
+    k16 steps along fan_out) for every training plan's layers, and the weight-gradient stages
+    (delta^T: 64 columns; h: 64 to 256 columns) for every 16 of their 64 rows."""
+    cases = set()
+    for plan in plan_cases().values():
+        tp = WgmmaPlan(plan.spec, training=True)
+        if not tp.trains:  # W: its weights do not fit shared memory
+            continue
+        for _, _, k, n, swz, offset in tp.layers[1:]:  # layer 0's transpose is never read
+            cases.add((0, n, k, swz, offset + 0x400))
+        for kp in (64, *tp.wgrad_kp):
+            cases.add((1, 64, kp, 128, 0x800))
+    cases = sorted(cases)
+    values = _mn_major_reads(mn_layout_program, cases)
+    for case in cases:
+        what, rows, k, swz, base = case
+        descs, offsets = values[case]
+        for ks, desc in enumerate(descs):
+            start, lbo, sbo = (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+            assert desc >> 62 == {128: 1, 64: 2, 32: 3}[swz]
+            for mn in range(k):
+                for kk in range(16):
+                    got = ref.wgmma_smem_byte_address("MN", swz, 2, k, start, lbo, sbo, mn, kk)
+                    assert got == base + offsets[16 * ks + kk, mn], (case, ks, mn, kk)
+        # the stores cover the tile once: no two elements share a byte pair
+        assert len(np.unique(offsets)) == offsets.size and (offsets % 2 == 0).all()
 
 
 def _read_operand(image: bytes, desc: int, mn_extent: int) -> np.ndarray:
@@ -361,6 +457,12 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
              "odd": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w112-in100-out33"])),
              "w256": WgmmaPlan(bench_spec("M").replace(**ODD_SPECS["w256-in3-out1-h1"]))}
     assert not plans["W"].half_io and all(p.half_io for n, p in plans.items() if n != "W")
+    # the training modules: a derivative stored (SiLU) and the luminance loss, odd paddings
+    training = {"S": bench_spec("S"), "M-SiLU": bench_spec("M", activation="SiLU", loss="RelativeL2Luminance"),
+                "L": bench_spec("L", activation="LeakyReLU"),
+                "odd": bench_spec("M").replace(**ODD_SPECS["w112-in100-out33"]),
+                "w256": bench_spec("M").replace(**ODD_SPECS["w256-in3-out1-h1"], activation="Tanh")}
+    plans.update({f"train-{n}": WgmmaPlan(spec, training=True) for n, spec in training.items()})
     jobs = {}
     for name, plan in plans.items():  # in parallel: each is a separate nvcc process
         src = tmp_path / f"{name}.cu"
@@ -374,7 +476,10 @@ def test_generated_sources_assemble_for_sm_90a_without_spills(tmp_path):
         assert "serialized" not in err, f"{name}: ptxas serialises wgmma: {err[-2000:]}"
         report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
                             r"(\d+) bytes spill loads", err, flags=re.S)
-        kernels = {"wgmma_forward", "wgmma_pack"} | ({"wgmma_forward_half"} if plans[name].half_io else set())
+        if plans[name].training:
+            kernels = set(wgmma.WGMMA_TRAIN_KERNELS)
+        else:
+            kernels = {"wgmma_forward", "wgmma_pack"} | ({"wgmma_forward_half"} if plans[name].half_io else set())
         assert {k for k, *_ in report} == kernels, err
         for kernel, stack, stores, loads in report:
             assert (int(stores), int(loads)) == (0, 0), f"{name} {kernel} spills: {err}"
@@ -661,7 +766,7 @@ def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     cache = KernelCache(tmp_path)
     spec = bench_spec("S", activation="Softplus")
     wgmma_backend.compile(spec, variant="wgmma", cache=cache)
-    misses = cache.stats.misses  # the mma kernels (training) and the wgmma kernels
+    misses = cache.stats.misses
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("a compiler was called on a cache hit")
@@ -669,7 +774,7 @@ def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     monkeypatch.setattr(wgmma, "nvcc_compile", no_compiler)
     monkeypatch.setattr(mma, "nvrtc_compile", no_compiler)
     model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
-    assert cache.stats.hits == misses == 2
+    assert cache.stats.hits == misses == 3  # the mma module, the wgmma forwards, the wgmma training
     x = np.random.default_rng(1).standard_normal((10, spec.n_input_dims), dtype=np.float32)
     assert np.isfinite(model.forward(x)).all()
 
@@ -712,6 +817,10 @@ def test_probe_gate(monkeypatch, cc, env, check, available, reason):
     assert (rows["wgmma"].available, rows["wgmma"].reason) == (available, reason)
     assert len(calls) == (check is not None)  # the run check happens only behind the gate
     assert rows["mma"].available  # the mma row is untouched by the gate
+    # the wgmma forwards with mma's training: offered exactly where wgmma is
+    pair = rows["wgmma+mma"]
+    assert (pair.available, pair.reason) == (available, reason)
+    assert pair.details["training"] == "mma" and pair.details["forward"] == "wgmma"
     # trained by cublaslt (unavailable here), served by wgmma: its row names what is missing
     split = rows["wgmma+cublaslt"]
     assert not split.available and "cublaslt: not here" in split.reason

@@ -230,7 +230,7 @@ def stub_cuda(monkeypatch, tmp_path):
     from mmad.backends import cuda
     from mmad.backends.contract import ProbeRow
 
-    fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "mma": (1.0, 1.0, "ok"), "mma-f16acc": (1.5, 1.0, "ok"),
+    fake = FakeBackend({"wgmma": (0.1, 0.1, "ok"), "wgmma+mma": (0.1, 1.0, "ok"), "mma": (1.0, 1.0, "ok"), "mma-f16acc": (1.5, 1.0, "ok"),
                         "cublaslt": (2.0, 2.0, "ok"), "mma-f16acc+cublaslt": (1.5, 2.0, "ok"),
                         "wgmma+cublaslt": (0.1, 2.0, "ok")})
     cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
@@ -240,11 +240,12 @@ def stub_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda, "median_timer", lambda clock: fake.clock.timer)
     monkeypatch.setattr(cuda.CudaBackend, "_build", staticmethod(
         lambda variant, spec, cp, info, cache, knobs: fake.build(variant, spec)))
-    monkeypatch.setattr(cuda.CudaBackend, "_wgmma_fits", staticmethod(lambda spec: True))
+    monkeypatch.setattr(cuda.CudaBackend, "_wgmma_fits", staticmethod(lambda spec, variant="wgmma+mma": True))
 
     def backend(wgmma_offered=False):
         b = cuda.CudaBackend()
         b._rows = [ProbeRow("cuda", "wgmma", wgmma_offered, reason="" if wgmma_offered else "off"),
+                   ProbeRow("cuda", "wgmma+mma", wgmma_offered, reason="" if wgmma_offered else "off"),
                    ProbeRow("cuda", "mma", True, api_version="driver 12.8"),
                    ProbeRow("cuda", "mma-f16acc", True, api_version="driver 12.8"),
                    ProbeRow("cuda", "cublaslt", True), ProbeRow("cuda", "mma-f16acc+cublaslt", True),
@@ -267,7 +268,7 @@ def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub
     offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
     assert offered.variant == "wgmma"
     assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == [
-        "wgmma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
+        "wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
 
 
 def test_cuda_takes_the_pair_where_one_variant_trains_and_another_forwards_fastest(stub_cuda):
@@ -290,7 +291,7 @@ def test_cuda_fixed_dispatch_and_a_named_variant_measure_nothing(stub_cuda, monk
     assert model.variant == "mma" and model.dispatch is None
     assert stub_cuda.backend(wgmma_offered=True).compile(SPEC).variant == "wgmma"
     assert stub_cuda.fake.clock.timed == 0
-    with pytest.raises(SpecError, match=r"the cuda backend has variants wgmma, mma, mma-f16acc, cublaslt, "
+    with pytest.raises(SpecError, match=r"the cuda backend has variants wgmma, wgmma\+mma, mma, mma-f16acc, cublaslt, "
                                         r"mma-f16acc\+cublaslt, wgmma\+cublaslt; got 'fast'"):
         backend.compile(SPEC, variant="fast")
 

@@ -47,6 +47,7 @@ from mmad.spec import MLPSpec
 # are never chosen automatically (see ``ProbeRow.software``).
 PRIORITY = {
     ("cuda", "wgmma"): 100,
+    ("cuda", "wgmma+mma"): 95,
     ("cuda", "mma"): 90,
     ("cuda", "mma-f16acc"): 85,
     ("cuda", "cublaslt"): 80,

@@ -1,6 +1,7 @@
 """CUDA-side inspection for `mmad bench` on the GPU host: the SASS instruction mix of the mma
 kernels (``--sass``), what nvmath-python's cuBLASLt epilogs do here (``--nvmath-check``), one
-model's forward as a workload for Nsight Compute (``--run-forward``), and where a variant's time
+model's forward or training as a workload for Nsight Compute or compute-sanitizer
+(``--run-forward``, ``--run-train``), and where a variant's time
 goes op by op (``--profile`` on cuda). Imports CuPy and nvmath only when a function runs.
 """
 
@@ -204,6 +205,29 @@ def run_forward(name: str, variant: str, rows: int, io: str = "fp16", times: int
             f"output {'finite' if finite else 'NOT FINITE'}")
 
 
+def run_train(name: str, variant: str, rows: int, steps: int = 2) -> str:
+    """Compile one model and run ``steps`` training steps on fresh random device rows, then as
+    many over a device dataset of those rows (the epoch path's kernels, batch ``rows`` // 2): the
+    workload for compute-sanitizer or an outside profiler."""
+    import cupy as cp
+
+    from mmad.backends.contract import EpochPosition
+    from mmad.backends.cuda import CudaBackend
+
+    spec = bench_spec(name)
+    model = CudaBackend().compile(spec, variant=variant)
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1, 1, (rows, spec.n_input_dims)).astype(np.float32)
+    y = rng.uniform(-1, 1, (rows, spec.n_output_dims)).astype(np.float32)
+    losses = list(model.train_step(cp.asarray(x), cp.asarray(y), steps))
+    data = model.put_dataset([(x, y)], rows, np.float32, np.float32)
+    losses += list(model.train_epochs(data, max(1, rows // 2), steps, EpochPosition(7)))
+    model.close()
+    finite = bool(np.isfinite(losses).all())
+    return (f"{name}:{model.variant} {2 * steps} training steps at {rows} rows (half over a device dataset), "
+            f"losses {'finite' if finite else 'NOT FINITE'}: {', '.join(f'{v:.4f}' for v in losses)}")
+
+
 def profile_ops(name: str, variant: str, rows: int) -> list[str]:
     """Where a variant's time goes: CUDA events around every kernel launch (and, for cublaslt,
     every matmul) of one forward and one training step after a warm-up."""
@@ -295,21 +319,21 @@ def cublaslt_layouts(k: int, n: int, rows: int) -> list[str]:
 
 
 def wgmma_sass(out_dir: Path) -> list[str]:
-    """The wgmma forwards (fp32 and fp16 I/O) of S/M/L/W compiled with nvcc as the backend does,
-    their SASS dumped: per model and kernel the plan (weights resident, warpgroups, input
-    staging, shared memory) and the count of each instruction that matters, against the HGMMA
-    count the source implies."""
+    """The wgmma forwards (fp32 and fp16 I/O) of S/M/L/W and the wgmma training kernels of S/M/L
+    compiled with nvcc as the backend does, their SASS dumped: per model and kernel the plan
+    (weights resident, warpgroups, input staging, shared memory) and the count of each
+    instruction that matters, against the HGMMA count the source implies."""
     from mmad.backends.cuda.toolchain import nvcc_compile
     from mmad.backends.cuda.wgmma import WGMMA_NVCC_OPTIONS, WgmmaPlan
 
     lines = []
     keys = ("HGMMA", "HMMA", "LDL", "STL", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "BAR", "LDGSTS", "STS", "LDS", "STG")
-    for name in "SMLW":
-        plan = WgmmaPlan(bench_spec(name))
-        cubin = out_dir / f"wgmma_{name}.cubin"
-        cubin.write_bytes(nvcc_compile(plan.source, WGMMA_NVCC_OPTIONS, name))
+
+    def counted(plan: WgmmaPlan, tag: str) -> tuple[dict[str, collections.Counter[str]], str]:
+        cubin = out_dir / f"{tag}.cubin"
+        cubin.write_bytes(nvcc_compile(plan.source, WGMMA_NVCC_OPTIONS, tag))
         dump = subprocess.run([cuda_tool("cuobjdump"), "--dump-sass", str(cubin)], capture_output=True, text=True)
-        (out_dir / f"wgmma_{name}.sass.txt").write_text(dump.stdout + dump.stderr)
+        (out_dir / f"{tag}.sass.txt").write_text(dump.stdout + dump.stderr)
         ops: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         fn = "?"
         for line in dump.stdout.splitlines():
@@ -320,17 +344,35 @@ def wgmma_sass(out_dir: Path) -> list[str]:
             if m:
                 op = m.group(1)
                 ops[fn][op if op.startswith("WARPGROUP") else op.split(".")[0]] += 1
+        return ops, "" if dump.stdout else f" cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}"
+
+    def report(name: str, kernel: str, how: str, expected: int, counts: collections.Counter[str], note: str) -> str:
+        return (f"{name} {kernel} {how} HGMMA expected={expected} " + " ".join(f"{k}={counts[k]}" for k in keys)
+                + f" total={sum(counts.values())}{note}")
+
+    for name in "SMLW":
+        plan = WgmmaPlan(bench_spec(name))
+        ops, note = counted(plan, f"wgmma_{name}")
         # one HGMMA per wgmma in the source: layer 0, the (not unrolled) hidden loop, the output layer
-        expected = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
+        forward = plan.kin_p // 16 + (plan.wp // 16 if plan.n_hidden > 1 else 0) + plan.wp // 16
         kernels = [("wgmma_forward", f"warpgroups={plan.warpgroups} staged={plan.input_staged} smem={plan.smem_bytes}")]
         if plan.half_io:
             kernels.append(("wgmma_forward_half", f"warpgroups={plan.half_warpgroups} ring={plan.half_stages} "
                                                   f"smem={plan.smem_half_bytes}"))
         for kernel, how in kernels:
-            counts = ops[kernel]
-            lines.append(f"{name} {kernel} resident={plan.w_resident} {how} HGMMA expected={expected} "
-                         + " ".join(f"{k}={counts[k]}" for k in keys) + f" total={sum(counts.values())}"
-                         + ("" if dump.stdout else f" cuobjdump rc={dump.returncode}: {dump.stderr.strip()[:200]}"))
+            lines.append(report(name, kernel, f"resident={plan.w_resident} {how}", forward, ops[kernel], note))
+        train = WgmmaPlan(bench_spec(name), training=True)
+        if not train.trains:
+            lines.append(f"{name} training: {train.why_not}")
+            continue
+        ops, note = counted(train, f"wgmma_train_{name}")
+        # the forward's, then the backward's: the output layer, the (not unrolled) hidden loop
+        backward = train.nout_p // 16 + (train.wp // 16 if train.n_hidden > 1 else 0)
+        how = f"warpgroups={train.train_warpgroups} blocks/SM={train.train_min_blocks} smem={train.smem_train_bytes}"
+        for kernel in ("wgmma_train_fwd_bwd", "wgmma_train_fwd_bwd_rows"):
+            lines.append(report(name, kernel, how, forward + backward, ops[kernel], note))
+        for kernel in ("wgmma_wgrad_in", "wgmma_wgrad_hid"):  # 4 k16 steps a 64-row stage
+            lines.append(report(name, kernel, f"stages={train.wgrad_stages}", 4, ops[kernel], note))
     return lines
 
 

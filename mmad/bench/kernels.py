@@ -96,7 +96,7 @@ class Options:
 
 # -- the command line (its options: mmad/cli.py) -----------------------------------------------
 def main(args: argparse.Namespace) -> int:
-    if args.daemon_check or args.sass or args.nvmath_check or args.run_forward:
+    if args.daemon_check or args.sass or args.nvmath_check or args.run_forward or args.run_train:
         return run_checks(args)
     opts = parse_options(args)
     try:
@@ -191,9 +191,17 @@ def resolve_target(arg: str | None) -> Target:
 
 
 def run_checks(args: argparse.Namespace) -> int:
-    """``--daemon-check``, ``--sass``, ``--nvmath-check``, ``--run-forward``: lines printed as they come."""
+    """``--daemon-check``, ``--sass``, ``--nvmath-check``, ``--run-forward``, ``--run-train``: lines
+    printed as they come."""
     status = 0
     try:
+        if args.run_train:
+            from mmad.bench import cuda_tools
+
+            name, _, variant = args.run_train.partition(":")
+            bench_spec(name.upper())
+            print(cuda_tools.run_train(name.upper(), variant or "mma", args.rows or ROWS_GPU), flush=True)
+            return 0
         if args.run_forward:
             from mmad.bench import cuda_tools
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
-#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests grids epochs jobs sass nvmath serve bench cublaslt profile ncu
+#   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests grids epochs jobs sass nvmath serve bench dispatch cublaslt profile ncu
 #   (`epochs`: training on the device (graph replay, device gather) against launching each step and
 #   host batches, plus test_cuda's training tests; `jobs`: `mmad bench --jobs`, training jobs through
 #   the daemon against in-process and PyTorch, JOBS_MODELS / JOBS_EXTRA, the JSON to $OUT/jobs.json)
-#   (default: env wgmma sass serve bench cublaslt tests; `wgmma`: probe, SASS, all its tests, the fp16
-#   forward bench against mma and mma-f16acc, compute-sanitizer; alone it needs most of one device call)
+#   (default: env wgmma sass serve bench cublaslt tests; `wgmma`: probe, SASS, all its tests (forward
+#   and training), the fp16 forward bench against mma and mma-f16acc, compute-sanitizer on the forwards
+#   and the training kernels; alone it needs most of one device call; `dispatch`: issue 17's
+#   benchmark, every variant measured per model, the JSON to $OUT/dispatch-h100.json and -bench.json)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python and the
 # daemon's dependencies, py3.12 wheels: docs/gpu-notes-cuda.md);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
@@ -74,9 +76,9 @@ for phase in $PHASES; do
         echo "--- wgmma SASS (per model and kernel: HGMMA, local memory LDL/STL, warpgroup syncs)"
         timeout 180 python3 -m mmad.bench --sass "$W" --backend cuda:wgmma 2>&1 | tee "$W/sass.log"
         pack
-        echo "--- wgmma tests, the whole file"
-        timeout ${WGMMA_TEST_TIMEOUT:-300} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-8} \
-          tests/test_cuda_wgmma.py -k "${WGMMA_K:-not nothing}" --timeout 250 -q --tb=short -rfEs > "$W/pytest.log" 2>&1
+        echo "--- wgmma tests, the forward's and the training's files"
+        timeout ${WGMMA_TEST_TIMEOUT:-420} python3 -m pytest -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-14} \
+          tests/test_cuda_wgmma.py tests/test_cuda_wgmma_train.py -k "${WGMMA_K:-not nothing}" --timeout 300 -q --tb=short -rfEs > "$W/pytest.log" 2>&1
         echo "tests rc=$?: $(tail -n 1 "$W/pytest.log")"
         grep -E "^(FAILED|ERROR) " "$W/pytest.log" | sort -u | head -30
         pack
@@ -96,8 +98,24 @@ for phase in $PHASES; do
           done
           pack
         done
+        echo "--- compute-sanitizer (memcheck, racecheck, synccheck): wgmma training of S, M, L, 40,000 rows (train_step and a device dataset)"
+        for tool in memcheck racecheck synccheck; do
+          for m in S M L; do
+            timeout ${SANITIZER_TIMEOUT:-120} "$SANITIZER" --tool $tool --error-exitcode 3 \
+              python3 -m mmad.bench --run-train $m:wgmma --rows 40000 > "$W/sanitizer_train_${tool}_$m.log" 2>&1
+            echo "$tool train $m rc=$? $(grep -iE 'ERROR SUMMARY|RACECHECK SUMMARY|finite' "$W/sanitizer_train_${tool}_$m.log" | cut -c1-160 | tr '\n' ' ')"
+          done
+          pack
+        done
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
+    dispatch)
+      # issue 17's command: every usable variant measured per model at 2^20 rows, fp16 I/O, PyTorch in the same run
+      timeout ${DISPATCH_TIMEOUT:-420} python3 -m mmad.bench --backend cuda --models ${BENCH_MODELS:-S,M,L,W} --rows 1048576 \
+        --io fp16 --mode both --peer torch --repeats 20 --dispatch bench/results/dispatch-h100.json \
+        --json bench/results/dispatch-h100-bench.json > "$OUT/dispatch.log" 2>&1
+      echo "dispatch bench rc=$?" | tee -a "$SUMMARY"; tail -n 24 "$OUT/dispatch.log" | tee -a "$SUMMARY"
+      cp bench/results/dispatch-h100.json bench/results/dispatch-h100-bench.json "$OUT"/ ;;
     profile)
       # where the time goes, op by op (CUDA events per kernel): PROFILE="MODEL:VARIANT ..."; each item's
       # rows are timed too (no peer, 5 samples), its per-op lines printed after them

@@ -2,8 +2,12 @@
 
 One file per variant; ``probe()`` reports each, with the reason when it cannot run:
 
-* ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forwards (fp16 and fp32 I/O), compute capability
-  9.0 and nvcc; training on the ``mma`` kernels (``MMAD_CUDA_WGMMA=0`` turns it off).
+* ``wgmma`` (:mod:`.wgmma`) — Hopper warpgroup MMA forwards (fp16 and fp32 I/O) and training
+  (the backward through the resident weights read transposed, weight gradients as wgmma over the
+  batch), compute capability 9.0 and nvcc, for models whose weights fit shared memory
+  (``MMAD_CUDA_WGMMA=0`` turns the wgmma variants off).
+* ``wgmma+mma`` (:mod:`.wgmma`) — the wgmma forwards with the ``mma`` variant's training kernels
+  (every model whose wgmma forward fits; S and M train fastest on mma's fused kernel).
 * ``mma`` (:mod:`.mma`) — mma.sync.m16n8k16 fused forward and training, compute capability 8.0+,
   widths 16-256.
 * ``mma-f16acc`` (:mod:`.mma`) — the same kernels, except that the forwards with fp16 outputs
@@ -33,7 +37,7 @@ without CuPy; the probe then says why nothing can run.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -53,7 +57,7 @@ from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.spec import MLPSpec
 
-VARIANTS = ("wgmma", "mma", "mma-f16acc", "cublaslt", *SPLIT_VARIANTS)
+VARIANTS = ("wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", *SPLIT_VARIANTS)
 MMA_VARIANTS = ("mma", "mma-f16acc")  # the mma.sync kernels: EMA and grid encodings run on these
 PINNED_PORTABLE = 1  # cudaHostAllocPortable
 # the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
@@ -114,6 +118,8 @@ class CudaBackend(Backend):
             wg = ProbeRow("cuda", "wgmma", ok, reason="" if ok else f"the sm_90a wgmma check failed: {why}",
                           details={**details, "nvcc": find_nvcc() or "missing"},
                           mma_shapes=wg_shapes if ok else [], **common)
+        # the wgmma forwards with the mma variant's training (any model whose forward fits)
+        wg_mma = replace(wg, variant="wgmma+mma", details={**wg.details, "forward": "wgmma", "training": "mma"})
         if cc >= (8, 0):
             mma, acc16 = (ProbeRow("cuda", v, True, mma_shapes=mma_shape, details={**details, "max_width": MMA_MAX_WIDTH,
                                    "forward_accumulator": acc}, **common)
@@ -133,15 +139,16 @@ class CudaBackend(Backend):
                                    reason="; ".join(f"{r.variant}: {r.reason}" for r in (fwd, lt) if not r.available),
                                    mma_shapes=fwd.mma_shapes if ok else [],
                                    details={**details, "forward": fwd.variant, "training": "cublaslt"}, **common))
-        return [wg, mma, acc16, lt, *splits]
+        return [wg, wg_mma, mma, acc16, lt, *splits]
 
     @staticmethod
-    def _wgmma_fits(spec: MLPSpec) -> bool:
+    def _wgmma_fits(spec: MLPSpec, variant: str = "wgmma+mma") -> bool:
+        """Whether the variant's wgmma kernels fit the model: the forward for every wgmma
+        variant, the training too for ``wgmma`` (its weights resident in shared memory)."""
         try:
-            WgmmaPlan(spec)
+            return WgmmaPlan(spec, training=True).trains if variant == "wgmma" else bool(WgmmaPlan(spec))
         except SpecError:
             return False
-        return True
 
     def devices(self) -> list[DeviceInfo]:
         """Every CUDA device (``cudaGetDeviceCount`` order), with its memory now."""
@@ -199,11 +206,11 @@ class CudaBackend(Backend):
         if variant is None and grids:
             variant = "mma-f16acc"
         elif variant is None and knobs.dispatch == "fixed":
-            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec) and not ema else "mma"
+            variant = "wgmma" if rows["wgmma"].available and self._wgmma_fits(spec, "wgmma") and not ema else "mma"
         if variant is not None and not rows[variant].available:
             raise BackendUnavailable(f"cuda:{variant}", rows[variant].reason)
         usable = [v for v in VARIANTS if rows[v].available
-                  and (not v.startswith("wgmma") or self._wgmma_fits(spec))
+                  and (not v.startswith("wgmma") or self._wgmma_fits(spec, v))
                   and (not ema or v in MMA_VARIANTS)]
         if not usable:
             raise BackendUnavailable("cuda", "; ".join(f"{v}: {rows[v].reason}" for v in VARIANTS))
@@ -229,8 +236,8 @@ class CudaBackend(Backend):
         if variant in MMA_VARIANTS:
             return (CudaGridModel if spec.grid_shapes else CudaMmaModel)(spec, cp, info, cache, knobs,
                                                                            forward_acc16=variant == "mma-f16acc")
-        if variant == "wgmma":
-            return CudaWgmmaModel(spec, cp, info, cache, knobs)
+        if variant in ("wgmma", "wgmma+mma"):
+            return CudaWgmmaModel(spec, cp, info, cache, knobs, wgmma_training=variant == "wgmma")
         if variant in SPLIT_VARIANTS:
             return CublasLtTrainedModel(spec, cp, info, cache, knobs, variant)
         return CublasLtModel(spec, cp, info, cache)

@@ -37,7 +37,8 @@ class CublasLtTrainedModel(CublasLtModel):
         self._engine_stale = True  # CublasLtModel's constructor sets the parameters
         self.variant = variant  # first: the constructor's refusals name it
         super().__init__(spec, cp, info, cache)
-        self.forward_engine = (CudaWgmmaModel(spec, cp, info, cache, knobs) if SPLIT_VARIANTS[variant] == "wgmma"
+        self.forward_engine = (CudaWgmmaModel(spec, cp, info, cache, knobs, wgmma_training=False)
+                               if SPLIT_VARIANTS[variant] == "wgmma"
                                else CudaMmaModel(spec, cp, info, cache, knobs, forward_acc16=True))
 
     def _engine(self) -> CudaMmaModel:

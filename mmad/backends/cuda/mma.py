@@ -299,21 +299,14 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self._graphs.clear()  # captured steps read the workspace being freed
         cp = self.cp
         w, nh = self.width, self.n_hidden
-        sm = self.info["sm_count"]
         if self.fused_wgrad:
             # one partial sum per block of mlp_train_fused, every layer (mlp_optimize adds them)
             blocks = self.fused_blocks(rows_pad)
             chunks = [(blocks, 0)] * self.n_layers
             max_partial = blocks * sum(n * k + n for _, _, k, n in self.layers)
         else:
-            chunks, max_partial = [], 0
-            for _, _, k, n in self.layers:
-                tiles = math.ceil(n / 64) * math.ceil(k / 64)
-                n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * sm / tiles)))
-                chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
-                n_chunks = math.ceil(rows_pad / chunk_rows)
-                chunks.append((n_chunks, chunk_rows))
-                max_partial = max(max_partial, n_chunks * (n * k + n))
+            chunks = [self._wgrad_chunks(rows_pad, k, n) for _, _, k, n in self.layers]
+            max_partial = max(c * (n * k + n) for (c, _), (_, _, k, n) in zip(chunks, self.layers))
         stored_rows = 0 if self.fused_wgrad else rows_pad  # the fused kernel keeps h and deltas on chip
         try:
             ws = {
@@ -323,13 +316,25 @@ class CudaMmaModel(MmaPlan, CudaModel):
                 "partial": cp.empty(max_partial, dtype=cp.float32),
                 # d loss / d input (fp16, loss-scaled) where the plan makes it
                 "din": cp.empty(rows_pad * self.k_in if self.encoded_input else 2, dtype=cp.uint16),
-                "loss": cp.zeros(max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS), dtype=cp.float64),
+                "loss": cp.zeros(self._loss_slot_count(), dtype=cp.float64),
                 "chunks": chunks,
             }
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating training buffers for {rows_pad} rows failed: {exc}") from exc
         self._workspace[rows_pad] = ws
         return ws
+
+    def _wgrad_chunks(self, rows_pad: int, k: int, n: int) -> tuple[int, int]:
+        """(chunks, rows a chunk) of a K x N layer's weight-gradient kernel (mlp_wgrad): about
+        four blocks an SM over its 64 x 64 tiles."""
+        tiles = math.ceil(n / 64) * math.ceil(k / 64)
+        n_chunks = max(1, min(rows_pad // WGRAD_ROWS, math.ceil(4 * self.info["sm_count"] / tiles)))
+        chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_ROWS) * WGRAD_ROWS
+        return math.ceil(rows_pad / chunk_rows), chunk_rows
+
+    def _loss_slot_count(self) -> int:
+        """Per-warp loss sums the training kernels write at most (mlp_finish_step adds them)."""
+        return max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS)
 
     def _launch(self, name: str, grid, block, args, smem: int = 0) -> None:
         self._launch_from(self._module, name, grid, block, args, smem)
@@ -472,16 +477,23 @@ class CudaMmaModel(MmaPlan, CudaModel):
             off = n_chunks * sum(nj * kj + nj for _, _, kj, nj in self.layers[:i])
             return (n_chunks, ws["partial"][off:off + n_chunks * n * k],
                     ws["partial"][off + n_chunks * n * k:off + n_chunks * (n * k + n)])
-        h_off = 0 if i == 0 else rows_pad * (self.k_in + (i - 1) * self.width)
-        d_off = rows_pad * i * self.width
-        h = ws["h"].view(self.cp.uint16)[h_off:h_off + rows_pad * k]
-        d = ws["d"].view(self.cp.uint16)[d_off:d_off + rows_pad * n]
-        pw = ws["partial"][: n_chunks * n * k]
-        pb = ws["partial"][n_chunks * n * k: n_chunks * (n * k + n)]
+        h, d, pw, pb = self._wgrad_operands(ws, i)
         tiles = math.ceil(n / 64) * math.ceil(k / 64)
         self._launch("mlp_wgrad", (n_chunks, tiles), (128,),
                      (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb))
         return n_chunks, pw, pb
+
+    def _wgrad_operands(self, ws: dict[str, Any], i: int) -> tuple[Any, Any, Any, Any]:
+        """Layer i's stored inputs h and deltas (fp16, rows_pad rows; mlp_mma.cu's h_off / d_off)
+        and its chunks' partial W and b sums in the workspace."""
+        rows_pad = ws["rows_pad"]
+        _, _, k, n = self.layers[i]
+        n_chunks = ws["chunks"][i][0]
+        h_off = 0 if i == 0 else rows_pad * (self.k_in + (i - 1) * self.width)
+        d_off = rows_pad * i * self.width
+        return (ws["h"].view(self.cp.uint16)[h_off:h_off + rows_pad * k],
+                ws["d"].view(self.cp.uint16)[d_off:d_off + rows_pad * n],
+                ws["partial"][: n_chunks * n * k], ws["partial"][n_chunks * n * k: n_chunks * (n * k + n)])
 
     def _optimize_layer(self, i: int, mode: int, n_chunks: int, pw, pb, grad_w=None, grad_b=None,
                         inv_scale: float | None = None) -> None:

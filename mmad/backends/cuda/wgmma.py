@@ -1,11 +1,15 @@
-"""The ``wgmma`` variant: Hopper warpgroup MMA (sm_90a) for the forward pass.
+"""The ``wgmma`` and ``wgmma+mma`` variants: Hopper warpgroup MMA (sm_90a) forwards; training on
+wgmma (``wgmma``) or on the mma variant's kernels (``wgmma+mma``).
 
 ``mmad/shaders/cuda/mlp_wgmma.cu``: one warpgroup per 64-row tile, the weights resident in
 shared memory in the swizzled K-major image the descriptors read (packed on the device through
 maps built here with ``layouts.wgmma_smem_operand``; later layers take A from registers). Two
 forwards: ``wgmma_forward`` (fp32 in and out) and ``wgmma_forward_half`` (fp16 in and out, its
-input tiles put by cp.async straight where layer 0 reads them). Training runs the mma variant's
-kernels on the same fp32 masters. Built with nvcc for sm_90a (NVRTC crashed compiling wgmma on
+input tiles put by cp.async straight where layer 0 reads them). ``mlp_wgmma_train.cu``: the
+training step on the same fp32 masters (forward, loss and backward in one kernel, the backward's
+B operand each layer's resident forward image read through an MN-major descriptor; weight
+gradients as wgmma with both operands MN-major, reduced per chunk in a fixed order by the mma
+variant's optimizer kernel), in a module of its own. Built with nvcc for sm_90a (NVRTC crashed compiling wgmma on
 the H100). The probe requires compute capability 9.0, an nvcc build and a child process that
 runs a wgmma (``MMAD_CUDA_WGMMA=0`` turns the variant off).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 import subprocess
 import sys
 import tempfile
@@ -25,7 +30,7 @@ from mmad.backends import layouts as L
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import Dataset, EpochPosition
 from mmad.backends.cuda.knobs import CudaKnobs
-from mmad.backends.cuda.mma import CudaMmaModel, describe, f32_literal
+from mmad.backends.cuda.mma import DERIVATIVE_FROM_OUTPUT, CudaMmaModel, describe, f32_literal
 from mmad.backends.cuda.toolchain import (
     LoadedModule, cached_cubin, device_errors, find_nvcc, nvcc_compile, nvcc_version,
 )
@@ -42,6 +47,10 @@ WGMMA_SMEM_LIMIT = 227 * 1024  # sm_90's opt-in shared memory per block
 WGMMA_SMEM_PER_SM = 228 * 1024  # sm_90's shared memory per SM (each block also takes 1 KiB for the system)
 WGMMA_REGS_PER_SM = 65536
 WGMMA_ALIGN = 1024  # 128-byte swizzle atoms repeat every 1024 bytes: every section starts on one
+WGRAD_STAGE_ROWS = 64  # batch rows per stage of the weight-gradient kernels (mlp_wgmma_train.cu)
+WGRAD_STAGES = 3  # stages in their ring: two in flight while one computes
+WGMMA_TRAIN_KERNELS = ("wgmma_train_fwd_bwd", "wgmma_train_fwd_bwd_rows", "wgmma_wgrad_in", "wgmma_wgrad_hid",
+                       "wgmma_pack")
 
 
 # one m64n8k16 with A from registers (all 1.0) and B (8 x 16, all 1.0) from a 32-byte-swizzled
@@ -113,6 +122,10 @@ def kmajor_swizzle(k: int) -> int:
     return min(128, 2 * k)
 
 
+def _pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
 def _align(n: int, to: int = WGMMA_ALIGN) -> int:
     return (n + to - 1) // to * to
 
@@ -128,7 +141,8 @@ class WgmmaPlan:
     """
 
     def __init__(self, spec: MLPSpec, smem_limit: int = WGMMA_SMEM_LIMIT, warpgroups: int | None = None,
-                 stages: int | None = None, half_warpgroups: int | None = None, half_stages: int | None = None):
+                 stages: int | None = None, half_warpgroups: int | None = None, half_stages: int | None = None,
+                 training: bool = False):
         if spec.precision != "fp16":
             raise SpecError("precision", f"the cuda wgmma variant computes in fp16; got {spec.precision!r}")
         if warpgroups not in (None, 1, 2):
@@ -139,7 +153,10 @@ class WgmmaPlan:
         self.nin = spec.n_encoded_dims
         self.kin_p = next_pow2(self.nin, 16)
         self.wp = next_pow2(spec.n_neurons, 16)
-        self.nout_p = next_pow2(spec.n_output_dims, 8)
+        # the training module's output layer has at least 16 rows: the backward's k16 steps read
+        # 16 rows of W_out (a forward needs 8)
+        self.training = training
+        self.nout_p = next_pow2(spec.n_output_dims, 16 if training else 8)
         self.n_hidden = spec.n_hidden_layers
         self.swz_in, self.swz_w = kmajor_swizzle(self.kin_p), kmajor_swizzle(self.wp)
         # (fan_in, fan_out, K, N, swizzle bytes, byte offset in the image) per layer
@@ -154,7 +171,11 @@ class WgmmaPlan:
         self.b_offsets = [i * self.wp for i in range(self.n_hidden)] + [self.n_hidden * self.wp]
         self.b_total = self.n_hidden * self.wp + self.nout_p
         self._plan_shared_memory(smem_limit, warpgroups, stages)
-        self._plan_half(smem_limit, half_warpgroups, half_stages)
+        if training:
+            self._plan_half(smem_limit, 0, 0)
+            self._plan_training(smem_limit)
+        else:
+            self._plan_half(smem_limit, half_warpgroups, half_stages)
         self.source = self._source()
 
     def _plan_shared_memory(self, limit: int, warpgroups: int | None, stages: int | None) -> None:
@@ -211,7 +232,7 @@ class WgmmaPlan:
         Session 15, run 1); MIN_BLOCKS_H asks ptxas for registers that let that many blocks
         stay resident.
         """
-        self.half_io = self.w_resident
+        self.half_io = self.w_resident and warpgroups != 0
         if not self.half_io:
             self.half_warpgroups = self.half_stages = self.half_min_blocks = 0
             self.smh_b_off = self.smh_ring_off = self.smem_half_bytes = 0
@@ -239,6 +260,49 @@ class WgmmaPlan:
         self.half_min_blocks = max(1, min(blocks, 6 // self.half_warpgroups))
         self.smh_b_off = self.w_total_bytes
         self.smh_ring_off = self.w_total_bytes + b_bytes
+
+    def _plan_training(self, limit: int) -> None:
+        """The training kernel's plan: resident weights (the backward reads them transposed),
+        biases and each warpgroup's input tile; one or two warpgroups a block, whichever keeps
+        more (at most 4) resident on an SM, then 2: S and M 2 x 2 blocks, L 2 x 1 (its weights take
+        160 KiB; 3 x 1 fits and measured slower, 263 against 277 M samples/s a step);
+        ``trains`` False (with ``why_not``) where the weights do not fit shared memory. The
+        weight-gradient kernels' N (fan_in padded to 64: their operands are 128-byte-swizzled
+        64-column blocks) and ring depth."""
+        b_bytes = _align(self.b_total * 4)
+        self.trains, self.why_not = False, ""
+        self.train_warpgroups = self.train_min_blocks = self.smt_b_off = self.smt_a_off = self.smem_train_bytes = 0
+        # registers a thread needs, about: the accumulators, a layer's A registers, ~48 more
+        regs = self.wp // 2 + self.wp // 4 + 48
+        best = None
+        for wgs in (1, 2):
+            total = self.w_total_bytes + b_bytes + wgs * self.a_bytes + WGMMA_ALIGN
+            if total > limit or WGMMA_THREADS * wgs * regs > WGMMA_REGS_PER_SM:
+                continue
+            blocks = min(WGMMA_SMEM_PER_SM // (total + 1024), WGMMA_REGS_PER_SM // (WGMMA_THREADS * wgs * regs),
+                         16 // wgs)
+            key = (min(blocks * wgs, 4), -abs(wgs - 2))
+            if best is None or key > best[0]:
+                best = (key, wgs, blocks, total)
+        if best is None:
+            self.why_not = (f"the cuda wgmma variant's training keeps every layer's weights in shared memory: "
+                            f"{self.w_total_bytes + b_bytes + self.a_bytes + WGMMA_ALIGN} bytes for this model, "
+                            f"the limit is {limit} (the wgmma+mma and wgmma+cublaslt variants train it with "
+                            f"their kernels)")
+        else:
+            _, self.train_warpgroups, blocks, self.smem_train_bytes = best
+            self.trains = True
+            self.train_min_blocks = max(1, min(blocks, 4 // self.train_warpgroups))
+            self.smt_b_off, self.smt_a_off = self.w_total_bytes, self.w_total_bytes + b_bytes
+        self.mma_k_in, self.mma_nout_pad = _pad16(self.nin), _pad16(self.spec.n_output_dims)
+        self.wgrad_kp = [_align(_pad16(fan_in), 64) for fan_in, _ in self.spec.layer_dims[:2]]
+        self.wgrad_stages = WGRAD_STAGES
+
+    def wgrad_smem_bytes(self, layer: int) -> int:
+        """Dynamic shared memory of the weight-gradient kernel of ``layer``: the ring of stages
+        (64 delta rows x 64 columns, 64 h rows x N) and the alignment slack."""
+        kp = self.wgrad_kp[0 if layer == 0 else 1]
+        return self.wgrad_stages * (WGRAD_STAGE_ROWS * 128 + kp * 128) + WGMMA_ALIGN
 
     def smem_layouts(self) -> list[L.LinearLayout]:
         """Each layer's weight image: offset (halves) -> (row = n, col = k)."""
@@ -272,26 +336,37 @@ class WgmmaPlan:
     def _wrappers(self) -> str:
         """The wgmma instructions the kernel issues, as inline-PTX functions (N/2 accumulators)."""
 
-        def wrapper(name: str, n: int, a_from_registers: bool) -> str:
+        def wrapper(name: str, n: int, a_from_registers: bool, transposed: bool = False) -> str:
             nd = n // 2
             outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
             regs = ", ".join(f"%{i}" for i in range(nd))
+            trans = int(transposed)  # MN-major operands from shared memory (B; A too where in shared memory)
             if a_from_registers:
                 a_ops, b, p = f"{{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}", nd + 4, nd + 5
                 ins = '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d)'
-                sig, imm = "float* d, const u32* a, unsigned long long desc_b, int scale_d", "1, 1, 0"
+                sig, imm = "float* d, const u32* a, unsigned long long desc_b, int scale_d", f"1, 1, {trans}"
             else:
                 a_ops, b, p = f"%{nd}", nd + 1, nd + 2
                 ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
-                sig, imm = "float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d", "1, 1, 0, 0"
+                sig = "float* d, unsigned long long desc_a, unsigned long long desc_b, int scale_d"
+                imm = f"1, 1, {trans}, {trans}"
             return (f"__device__ __forceinline__ void {name}({sig}) {{\n"
                     f'    asm volatile("{{.reg .pred p; setp.ne.b32 p, %{p}, 0;\\n"\n'
                     f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{regs}}}, {a_ops}, %{b}, p, {imm};}}"\n'
                     f"                 : {outs}\n"
                     f"                 : {ins} : \"memory\");\n}}\n")
 
-        return (wrapper("wgmma_ss_n_hidden", self.wp, False) + wrapper("wgmma_rs_n_hidden", self.wp, True)
+        text = (wrapper("wgmma_ss_n_hidden", self.wp, False) + wrapper("wgmma_rs_n_hidden", self.wp, True)
                 + wrapper("wgmma_rs_n_out", self.nout_p, True))
+        if self.training:
+            # the backward (W read transposed) and the weight gradients (both operands MN-major)
+            text += wrapper("wgmma_rs_n_hidden_t", self.wp, True, transposed=True)
+            text += "template <int KP> __device__ void wgmma_tt_wgrad(float* d, unsigned long long a, unsigned long long b);\n"
+            for kp in sorted(set(self.wgrad_kp)):
+                text += wrapper(f"wgmma_tt_n{kp}", kp, False, transposed=True)
+                text += (f"template <> __device__ __forceinline__ void wgmma_tt_wgrad<{kp}>(float* d, unsigned long long a, "
+                         f"unsigned long long b) {{ wgmma_tt_n{kp}(d, a, b, 1); }}\n")
+        return text
 
     def _source(self) -> str:
         s = self.spec
@@ -312,60 +387,103 @@ class WgmmaPlan:
             "MIN_BLOCKS_H": max(self.half_min_blocks, 1), "SMH_B_OFF": self.smh_b_off,
             "SMH_RING_OFF": self.smh_ring_off,
         }
+        if self.training:
+            defines.update({
+                "TRAIN_MODULE": 1, "KIN": self.mma_k_in, "WIDTH": s.n_neurons, "NOUT_PAD": self.mma_nout_pad,
+                "STORE_DACT": int(s.activation not in DERIVATIVE_FROM_OUTPUT), "WGT": max(self.train_warpgroups, 1),
+                "MIN_BLOCKS_T": max(self.train_min_blocks, 1), "SMT_B_OFF": self.smt_b_off, "SMT_A_OFF": self.smt_a_off,
+                "WG_KP0": self.wgrad_kp[0], "WG_KPW": self.wgrad_kp[-1], "WG_STAGES": self.wgrad_stages,
+            })
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         return (head + read_source("cuda/mlp_common.cuh") + read_source("cuda/wgmma_layout.cuh")
-                + self._wrappers() + read_source("cuda/mlp_wgmma.cu"))
+                + self._wrappers() + read_source("cuda/mlp_wgmma.cu")
+                + (read_source("cuda/mlp_wgmma_train.cu") if self.training else ""))
 
 
 class CudaWgmmaModel(CudaMmaModel):
-    """The wgmma forward kernel on the mma model's parameters; training is the mma variant's.
+    """The wgmma forward kernels on the mma model's fp32 parameters, and (``wgmma_training``,
+    the ``wgmma`` variant) the wgmma training step; without it (``wgmma+mma``) training runs the
+    mma variant's kernels.
 
-    The fp16 weight image and fp32 bias image the forward kernel copies into shared memory are
+    The fp16 weight images and fp32 bias images the kernels copy into shared memory are
     gathered on the device from the fp32 masters (``wgmma_pack``, through maps built on the
-    host) whenever the parameters changed since the last forward.
+    host): the forward's whenever the parameters changed since the last forward, the training
+    module's (its output layer padded to 16 rows) at the start of every step. A training step
+    is ``wgmma_train_fwd_bwd`` (forward, loss, backward; each layer's h and delta to the mma
+    variant's buffers), ``wgmma_wgrad_*`` per layer (partial sums per chunk of rows) and the mma
+    variant's ``mlp_optimize`` (the chunks added in a fixed order, the optimizer step).
     """
 
-    variant = "wgmma"
     supports_ema = False  # its forward reads its own image of the masters, not of an EMA average
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
-                 knobs: CudaKnobs | None = None):
+                 knobs: CudaKnobs | None = None, wgmma_training: bool = True):
         knobs = knobs or CudaKnobs.from_env()
         self.wg = WgmmaPlan(spec, smem_limit=info["smem_optin"], warpgroups=knobs.wgmma_warpgroups,
                             stages=knobs.wgmma_stages, half_warpgroups=knobs.wgmma_half_warpgroups,
                             half_stages=knobs.wgmma_half_stages)
+        self.wgmma_training = wgmma_training
+        if wgmma_training:
+            self.wt = WgmmaPlan(spec, smem_limit=info["smem_optin"], training=True)
+            if not self.wt.trains:
+                raise SpecError("network.n_neurons", self.wt.why_not)
+            knobs = replace(knobs, fused_wgrad=False)  # the mma workspace keeps every layer's h and delta
         self._wg_stale = True
+        self.variant = "wgmma" if wgmma_training else "wgmma+mma"  # first: the constructor's refusals name it
         super().__init__(spec, cp, info, cache, knobs)
-        self.variant = "wgmma"  # CudaMmaModel's constructor names its own variant
+        self.variant = "wgmma" if wgmma_training else "wgmma+mma"  # CudaMmaModel's constructor names its own
         self._wg_module = self._build_wgmma(cache)
+        if wgmma_training:
+            self._wt_module = self._build_training(cache)
         try:
-            self.wg_wmap = cp.asarray(self.wg.weight_map(self.w_off, [k for _, _, k, _ in self.layers]))
+            k_master = [k for _, _, k, _ in self.layers]
+            self.wg_wmap = cp.asarray(self.wg.weight_map(self.w_off, k_master))
             self.wg_bmap = cp.asarray(self.wg.bias_map(self.b_off))
             self.wg_wimage = cp.zeros(self.wg.w_total_bytes // 2, dtype=cp.uint16)
             self.wg_bimage = cp.zeros(self.wg.b_total, dtype=cp.float32)
+            if wgmma_training:
+                self.wt_wmap = cp.asarray(self.wt.weight_map(self.w_off, k_master))
+                self.wt_bmap = cp.asarray(self.wt.bias_map(self.b_off))
+                self.wt_wimage = cp.zeros(self.wt.w_total_bytes // 2, dtype=cp.uint16)
+                self.wt_bimage = cp.zeros(self.wt.b_total, dtype=cp.float32)
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating the wgmma weight images failed: {exc}") from exc
 
-    def _build_wgmma(self, cache: KernelCache | None) -> LoadedModule:
-        what = f"wgmma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
-        source = self.wg.source
-
-        def build() -> bytes:
-            return nvcc_compile(source, WGMMA_NVCC_OPTIONS, what)
-
+    def _nvcc_module(self, cache: KernelCache | None, source: str, names: tuple[str, ...], what: str) -> LoadedModule:
+        """``source`` built by nvcc for sm_90a (or from the kernel cache) and loaded."""
         nvcc = find_nvcc()
         compiler = f"nvcc-{nvcc_version(nvcc)}" if nvcc else "nvcc-missing"
-        cubin = cached_cubin(cache, build, backend="cuda-wgmma", device="sm_90a", compiler=compiler,
-                             options=WGMMA_NVCC_OPTIONS, source=source)
-        names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
+        cubin = cached_cubin(cache, lambda: nvcc_compile(source, WGMMA_NVCC_OPTIONS, what), backend="cuda-wgmma",
+                             device="sm_90a", compiler=compiler, options=WGMMA_NVCC_OPTIONS, source=source)
         try:
-            module = LoadedModule(self.cp, cubin, names)
+            return LoadedModule(self.cp, cubin, names)
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+
+    def _build_wgmma(self, cache: KernelCache | None) -> LoadedModule:
+        what = f"wgmma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+        names = WGMMA_KERNELS if self.wg.half_io else tuple(k for k in WGMMA_KERNELS if k != "wgmma_forward_half")
+        module = self._nvcc_module(cache, self.wg.source, names, what)
         self.wg_grid = self._resident_grid(module.kernel("wgmma_forward"), self.wg.warpgroups, self.wg.smem_bytes, what)
         if self.wg.half_io:
             self.wg_grid_half = self._resident_grid(module.kernel("wgmma_forward_half"), self.wg.half_warpgroups,
                                                     self.wg.smem_half_bytes, what)
+        return module
+
+    def _build_training(self, cache: KernelCache | None) -> LoadedModule:
+        what = f"wgmma training kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+        module = self._nvcc_module(cache, self.wt.source, WGMMA_TRAIN_KERNELS, what)
+        for i, name in enumerate(("wgmma_wgrad_in", "wgmma_wgrad_hid")):
+            smem = self.wt.wgrad_smem_bytes(i)
+            try:
+                if smem > 48 * 1024:
+                    module.kernel(name).max_dynamic_shared_size_bytes = smem
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
+        self.wt_grid = self._resident_grid(module.kernel("wgmma_train_fwd_bwd"), self.wt.train_warpgroups,
+                                           self.wt.smem_train_bytes, what)
+        self._resident_grid(module.kernel("wgmma_train_fwd_bwd_rows"), self.wt.train_warpgroups,
+                            self.wt.smem_train_bytes, what)
         return module
 
     def _resident_grid(self, kernel, warpgroups: int, smem: int, what: str) -> int:
@@ -427,6 +545,60 @@ class CudaWgmmaModel(CudaMmaModel):
             return into
         return self.download(out) if from_host else out
 
+    # -- training on wgmma (the wgmma variant) ----------------------------------------------------
+    def _loss_slot_count(self) -> int:
+        if not self.wgmma_training:
+            return super()._loss_slot_count()
+        return self.wt_grid * self.wt.train_warpgroups * 4  # a slot per warp of every resident block
+
+    def _wgrad_chunks(self, rows_pad: int, k: int, n: int) -> tuple[int, int]:
+        """wgmma_wgrad_*: a block per 64 rows of dW and chunk of batch rows (64-row stages),
+        about two blocks an SM."""
+        if not self.wgmma_training:
+            return super()._wgrad_chunks(rows_pad, k, n)
+        tiles = math.ceil(n / 64)
+        n_chunks = max(1, min(rows_pad // WGRAD_STAGE_ROWS, math.ceil(2 * self.info["sm_count"] / tiles)))
+        chunk_rows = math.ceil(rows_pad / n_chunks / WGRAD_STAGE_ROWS) * WGRAD_STAGE_ROWS
+        return math.ceil(rows_pad / chunk_rows), chunk_rows
+
+    def _forward_backward(self, dx, dy, rows: int, row_map: Any = None,
+                          mean_over: int | None = None) -> tuple[dict[str, Any], Any]:
+        if not self.wgmma_training:
+            return super()._forward_backward(dx, dy, rows, row_map, mean_over)
+        rows_pad = self._rows_padded(rows)
+        ws = self._workspace_for(rows_pad)
+        grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
+        module = self._wt_module
+        n, n_b = self.wt_wimage.size, self.wt_bimage.size
+        self._launch_from(module, "wgmma_pack", (math.ceil(max(n, n_b) / 256),), (256,),
+                          (self.w_all, self.wt_wmap, self.wt_wimage, np.int32(n), self.b_all, self.wt_bmap,
+                           self.wt_bimage, np.int32(n_b)))
+        n_tiles = rows_pad // WGMMA_TILE_ROWS
+        wgs = self.wt.train_warpgroups
+        blocks = max(1, min(self.wt_grid, math.ceil(n_tiles / wgs)))
+        loss_slots = ws["loss"][: blocks * wgs * 4]
+        h, d, dact = (ws[name].view(self.cp.uint16) for name in ("h", "d", "dact"))
+        self._launch_from(module, "wgmma_train_fwd_bwd" if row_map is None else "wgmma_train_fwd_bwd_rows",
+                          (blocks,), (WGMMA_THREADS * wgs,),
+                          (dx, np.int64(rows), np.int64(n_tiles), self.wt_wimage, self.wt_bimage, dy, grad_scale,
+                           h, d, dact, loss_slots) + (() if row_map is None else (row_map,)),
+                          self.wt.smem_train_bytes)
+        ws["rows_pad"] = rows_pad
+        return ws, loss_slots
+
+    def _layer_grads(self, ws: dict[str, Any], i: int) -> tuple[int, Any, Any]:
+        if not self.wgmma_training:
+            return super()._layer_grads(ws, i)
+        rows_pad = ws["rows_pad"]
+        _, _, k, n = self.layers[i]
+        n_chunks, chunk_rows = ws["chunks"][i]
+        h, d, pw, pb = self._wgrad_operands(ws, i)
+        self._launch_from(self._wt_module, "wgmma_wgrad_in" if i == 0 else "wgmma_wgrad_hid",
+                          (n_chunks, math.ceil(n / 64)), (WGMMA_THREADS,),
+                          (d, np.int32(n), h, np.int32(k), np.int64(chunk_rows), np.int64(rows_pad), pw, pb),
+                          self.wt.wgrad_smem_bytes(i))
+        return n_chunks, pw, pb
+
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         super().set_params(params)
         self._wg_stale = True
@@ -447,13 +619,14 @@ class CudaWgmmaModel(CudaMmaModel):
         self._wg_stale = True
         super().load_device_params(weights, biases)
 
+    _IMAGES = ("wg_wmap", "wg_bmap", "wg_wimage", "wg_bimage", "wt_wmap", "wt_bmap", "wt_wimage", "wt_bimage")
+
     def device_bytes(self) -> int:
-        return super().device_bytes() + int(sum(a.nbytes for a in (self.wg_wmap, self.wg_bmap, self.wg_wimage,
-                                                                      self.wg_bimage)))
+        return super().device_bytes() + int(sum(getattr(self, a).nbytes for a in self._IMAGES if hasattr(self, a)))
 
     def close(self) -> None:
         super().close()
-        for name in ("wg_wmap", "wg_bmap", "wg_wimage", "wg_bimage"):
+        for name in self._IMAGES:
             if hasattr(self, name):
                 delattr(self, name)
 

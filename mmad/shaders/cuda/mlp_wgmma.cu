@@ -113,6 +113,35 @@ __device__ __forceinline__ void hidden_epilogue(const float* d, u32* a, const fl
         }
 }
 
+// one layer's products with A from registers: d (N accumulators a thread: N_D of them) =
+// sum over the K / 16 steps ks of mma(d, A registers of step ks, desc(ks)), waited for; d and
+// the A registers stay put for the compiler until then
+template <int N_D, int K, class Mma, class Desc>
+__device__ __forceinline__ void wgmma_rs_layer(float* d, u32* a, Mma mma, Desc desc) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks) mma(d, a + 4 * ks, desc(ks), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < N_D; ++i) keep_f(d[i]);
+#pragma unroll
+    for (int i = 0; i < K / 4; ++i) keep_r(a[i]);
+}
+
+// layer 0's products, A (the 64-row input tile at s_a) and B (its weights at s_w) from shared
+// memory, waited for
+__device__ __forceinline__ void wgmma_layer0(float* d, u32 s_a, u32 s_w) {
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < KIN_P / 16; ++ks)
+        wgmma_ss_n_hidden(d, kmajor_desc(s_a, ks, 64, SWZ_IN), kmajor_desc(s_w, ks, WP, SWZ_IN), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+}
+
 // streamed weights (W_RESIDENT 0, one warpgroup): the stage at s_w takes the next layer's n bytes
 // once every warp's wgmma reads of it are complete, and is visible to wgmma when this returns
 __device__ __forceinline__ void refill_stage(u32 s_w, const unsigned char* src, int n) {
@@ -131,14 +160,7 @@ __device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char
                                            const float* bias_s, int t, float* o, AfterLayer0 after_layer0) {
     float d[WP / 2];
     u32 a[WP / 4];
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < KIN_P / 16; ++ks)
-        wgmma_ss_n_hidden(d, kmajor_desc(s_a, ks, 64, SWZ_IN), kmajor_desc(s_w, ks, WP, SWZ_IN), ks > 0);
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
+    wgmma_layer0(d, s_a, s_w);
     after_layer0();
     hidden_epilogue(d, a, bias_s, t);
 
@@ -150,15 +172,7 @@ __device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char
             refill_stage(s_w, wimg + W_OFF1 + (l - 1) * W_HID_STRIDE, WP * WP * 2);
             w_l = s_w;
         }
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_hidden(d, a + 4 * ks, kmajor_desc(w_l, ks, WP, SWZ_W), ks > 0);
-        wgmma_commit();
-        wgmma_wait_all();
-#pragma unroll
-        for (int i = 0; i < WP / 2; ++i) keep_f(d[i]);
-#pragma unroll
-        for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+        wgmma_rs_layer<WP / 2, WP>(d, a, wgmma_rs_n_hidden, [&](int ks) { return kmajor_desc(w_l, ks, WP, SWZ_W); });
         hidden_epilogue(d, a, bias_s + l * WP, t);
     }
 
@@ -168,21 +182,14 @@ __device__ __forceinline__ void mlp_layers(u32 s_a, u32 s_w, const unsigned char
         refill_stage(s_w, wimg + W_OFF_OUT, NOUT_P * WP * 2);
         w_o = s_w;
     }
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < WP / 16; ++ks) wgmma_rs_n_out(o, a + 4 * ks, kmajor_desc(w_o, ks, NOUT_P, SWZ_W), ks > 0);
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int i = 0; i < NOUT_P / 2; ++i) keep_f(o[i]);
-#pragma unroll
-    for (int i = 0; i < WP / 4; ++i) keep_r(a[i]);
+    wgmma_rs_layer<NOUT_P / 2, WP>(o, a, wgmma_rs_n_out, [&](int ks) { return kmajor_desc(w_o, ks, NOUT_P, SWZ_W); });
 }
 
 // the output row and column of this thread's accumulator pair (o[i], o[i + 1]), i even
 __device__ __forceinline__ i64 out_row(i64 tile, int warp, int g, int i) { return tile * 64 + 16 * warp + g + 8 * ((i >> 1) & 1); }
 __device__ __forceinline__ int out_col(int t, int i) { return 2 * t + 8 * (i >> 2); }
 
+#ifndef TRAIN_MODULE  // the training module (mlp_wgmma_train.cu) shares the helpers above
 extern "C" __global__ void __launch_bounds__(128 * WGS, MIN_BLOCKS)
 wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
               const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
@@ -344,6 +351,8 @@ wgmma_forward_half(const u16* __restrict__ x, i64 rows, i64 n_tiles, u16* __rest
     cp_async_wait_all();  // no copy may still target shared memory when the block exits
 }
 #endif
+
+#endif  // TRAIN_MODULE
 
 // fp16 weight image from the fp32 master weights through the host's map (-1: zero padding)
 extern "C" __global__ void wgmma_pack(const float* __restrict__ master, const int* __restrict__ src, u16* __restrict__ image,

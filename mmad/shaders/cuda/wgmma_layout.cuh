@@ -37,4 +37,33 @@ MMAD_HD unsigned long long kmajor_desc(unsigned base, unsigned ks, unsigned rows
            | (unsigned long long)(((8u * swz) & 0x3FFFFu) >> 4) << 32 | mode << 62;
 }
 
+// A descriptor from its fields (byte offsets; start a shared address): MN-major operands name
+// both strides (LBO: between atom-wide blocks along M or N; SBO: between 8-row groups along K)
+MMAD_HD unsigned long long smem_desc(unsigned start, unsigned lbo, unsigned sbo, unsigned swz) {
+    const unsigned long long mode = swz == 128u ? 1ull : (swz == 64u ? 2ull : 3ull);
+    return (unsigned long long)((start & 0x3FFFFu) >> 4) | (unsigned long long)((lbo & 0x3FFFFu) >> 4) << 16
+           | (unsigned long long)((sbo & 0x3FFFFu) >> 4) << 32 | mode << 62;
+}
+
+// The transpose of a ROWS x K K-major tile (kmajor_offset) read as an MN-major K' x N' operand
+// (K' = the tile's rows, N' = its K): k16 step ks covers rows [16 ks, 16 ks + 16). The tile's
+// 8-row groups are the operand's 8-row K groups (SBO = 8 * SWZ) and its atom-wide column blocks
+// the operand's N blocks (LBO = ROWS * SWZ). The backward reads each layer's resident forward
+// weights this way: W^T without a second image.
+MMAD_HD unsigned long long kmajor_as_mn_desc(unsigned base, unsigned ks, unsigned rows, unsigned swz) {
+    return smem_desc(base + ks * 16u * swz, rows * swz, 8u * swz, swz);
+}
+
+// byte offset of element (row, col) of a ROWS-row fp16 tile stored as 128-byte-swizzled rows in
+// blocks of 64 columns: the MN-major atoms (64 M or N x 8 K) of an operand whose K runs along
+// the rows (the tile starts on a 1024-byte boundary)
+MMAD_HD unsigned mn_rows_offset(unsigned row, unsigned col, unsigned rows) {
+    return (col / 64u) * rows * 128u + row * 128u + ((((col % 64u) / 8u) ^ (row % 8u)) << 4) + (col % 8u) * 2u;
+}
+
+// the descriptor of k16 step ks (rows [16 ks, 16 ks + 16)) of that tile at shared address base
+MMAD_HD unsigned long long mn_rows_desc(unsigned base, unsigned ks, unsigned rows) {
+    return smem_desc(base + ks * 16u * 128u, rows * 128u, 1024u, 128u);
+}
+
 #endif  // MMAD_WGMMA_LAYOUT_CUH
