@@ -190,6 +190,38 @@ __device__ __forceinline__ i64 out_row(i64 tile, int warp, int g, int i) { retur
 __device__ __forceinline__ int out_col(int t, int i) { return 2 * t + 8 * (i >> 2); }
 
 #ifndef TRAIN_MODULE  // the training module (mlp_wgmma_train.cu) shares the helpers above
+// an output pair (columns col, col + 1) in the output's precision; an odd NOUT's last pair is one value
+__device__ __forceinline__ void store_pair(float* dst, int col, float p0, float p1) {
+#if NOUT % 2 == 0
+    *reinterpret_cast<float2*>(dst) = make_float2(p0, p1);
+#else
+    dst[0] = p0;
+    if (col + 1 < NOUT) dst[1] = p1;
+#endif
+}
+__device__ __forceinline__ void store_pair(u16* dst, int col, float p0, float p1) {
+#if NOUT % 2 == 0
+    *reinterpret_cast<u32*>(dst) = pack_h2(p0, p1);
+#else
+    dst[0] = to_half_bits(p0);
+    if (col + 1 < NOUT) dst[1] = to_half_bits(p1);
+#endif
+}
+
+// the output layer's accumulator o of one tile: bias, output activation, stores of its live rows
+template <class T>
+__device__ __forceinline__ void store_outputs(T* __restrict__ out, const float* o, const float* bias_o, i64 rows,
+                                              i64 tile, int warp, int g, int t) {
+#pragma unroll
+    for (int i = 0; i < NOUT_P / 2; i += 2) {
+        const int col = out_col(t, i);
+        const i64 r = out_row(tile, warp, g, i);
+        if (r >= rows || col >= NOUT) continue;
+        const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
+        store_pair(out + r * NOUT + col, col, activate(OUT_ACT, o[i] + b.x), activate(OUT_ACT, o[i + 1] + b.y));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128 * WGS, MIN_BLOCKS)
 wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restrict__ out,
               const unsigned char* __restrict__ wimg, const float* __restrict__ bimg) {
@@ -239,23 +271,7 @@ wgmma_forward(const float* __restrict__ x, i64 rows, i64 n_tiles, float* __restr
 
         float o[NOUT_P / 2];
         mlp_layers(s_a, s_w, wimg, bias_s, t, o, [] {});
-        // bias, output activation, fp32 stores
-        const float* bias_o = bias_s + NHID * WP;
-#pragma unroll
-        for (int i = 0; i < NOUT_P / 2; i += 2) {
-            const int col = out_col(t, i);
-            const i64 r = out_row(tile, warp, g, i);
-            if (r >= rows || col >= NOUT) continue;
-            const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
-            const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
-            float* dst = out + r * NOUT + col;
-#if NOUT % 2 == 0
-            *reinterpret_cast<float2*>(dst) = make_float2(p0, p1);
-#else
-            dst[0] = p0;
-            if (col + 1 < NOUT) dst[1] = p1;
-#endif
-        }
+        store_outputs(out, o, bias_s + NHID * WP, rows, tile, warp, g, t);
     }
     cp_async_wait_all();  // no copy may still target shared memory when the block exits
 }
@@ -330,23 +346,7 @@ wgmma_forward_half(const u16* __restrict__ x, i64 rows, i64 n_tiles, u16* __rest
                 stage_input_half(s_ring + slot * A_BYTES, ring + slot * A_BYTES, x, rows, tile + H_STAGES * tile_step);
             cp_async_commit();
         });
-        // bias, output activation, fp16 stores
-        const float* bias_o = bias_s + NHID * WP;
-#pragma unroll
-        for (int i = 0; i < NOUT_P / 2; i += 2) {
-            const int col = out_col(t, i);
-            const i64 r = out_row(tile, warp, g, i);
-            if (r >= rows || col >= NOUT) continue;
-            const float2 b = *reinterpret_cast<const float2*>(bias_o + col);
-            const float p0 = activate(OUT_ACT, o[i] + b.x), p1 = activate(OUT_ACT, o[i + 1] + b.y);
-            u16* dst = out + r * NOUT + col;
-#if NOUT % 2 == 0
-            *reinterpret_cast<u32*>(dst) = pack_h2(p0, p1);
-#else
-            dst[0] = to_half_bits(p0);
-            if (col + 1 < NOUT) dst[1] = to_half_bits(p1);
-#endif
-        }
+        store_outputs(out, o, bias_s + NHID * WP, rows, tile, warp, g, t);
     }
     cp_async_wait_all();  // no copy may still target shared memory when the block exits
 }
