@@ -284,6 +284,8 @@ class FakeCupy:
 class FakeGroupSlot:
     """CudaGroupSlot's calls on NumPy words: the forwards ran when launched."""
 
+    stream = contextlib.nullcontext()
+
     def __init__(self, cp, device):
         self.device = device
         self.words = np.zeros(GROUP_MAX, np.uint32)
@@ -291,8 +293,11 @@ class FakeGroupSlot:
     def start(self):
         self.words[:] = 0
 
-    def upload(self, host):
+    def upload(self, k, host):
         return np.array(host)  # a system region's rows "on the device": a copy
+
+    def output(self, k, shape, dtype):
+        return np.empty(shape, dtype)
 
     def download(self, device, host):
         np.copyto(host, device, casting="same_kind")
@@ -395,17 +400,17 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
     assert isinstance(failures["shape"], InvalidInput) and "takes [-1, 2]" in str(failures["shape"])
 
 
-def test_workers_pass_on_cuda_regions_and_a_several_replica_models_system_regions():
-    """What a worker sends to the primary's region forwards: every tensor in CUDA regions; or
-    every tensor in system regions when the model has several replicas (one context per GPU
-    spreads them); never a request with an output in the body or regions of both kinds."""
+def test_workers_pass_on_requests_all_in_regions_of_one_kind():
+    """What a worker sends to the primary's region forwards: every tensor in CUDA regions, or
+    every tensor in system regions (the primary's one context per GPU copies them, whatever the
+    model's replicas); never a request with an output in the body or regions of both kinds."""
     cuda, system = types.SimpleNamespace(on_device=True), types.SimpleNamespace(on_device=False)
     takes = RegionForwardClient.takes
-    assert takes([cuda], [cuda], ["OUTPUT"], 1)
-    assert takes([cuda], [cuda], ["OUTPUT"], 2)
-    assert takes([system], [system], ["OUTPUT"], 2)
-    assert not takes([system], [system], ["OUTPUT"], 1)  # one replica: the worker copies it itself
-    assert not takes([system], [cuda], ["OUTPUT"], 2)
-    assert not takes([cuda], [], ["OUTPUT"], 1)  # the output goes in the body
-    assert not takes([cuda], [cuda], ["OUTPUT", "OUTPUT"], 1)
-    assert not takes([], [cuda], ["OUTPUT"], 1)
+    assert takes([cuda], [cuda], ["OUTPUT"])
+    assert takes([system], [system], ["OUTPUT"])
+    assert takes([system], [system, system], ["OUTPUT", "OUTPUT"])
+    assert not takes([system], [cuda], ["OUTPUT"])
+    assert not takes([cuda], [system], ["OUTPUT"])
+    assert not takes([cuda], [], ["OUTPUT"])  # the output goes in the body
+    assert not takes([cuda], [cuda], ["OUTPUT", "OUTPUT"])
+    assert not takes([], [cuda], ["OUTPUT"])

@@ -273,8 +273,10 @@ def test_persistent_connections_are_spread_evenly_over_the_workers(tmp_path):
     """Each connection goes to the worker with the fewest open ones: 8 clients that keep their
     connections get 4 each on 2 workers (a hash of each connection, as SO_REUSEPORT spreads
     them, puts all 8 on one worker 1 time in 128 and leaves them 4 : 4 only 27 times in 100),
-    and the clients that close theirs free their workers' share for the next."""
-    proc = DaemonProcess(tmp_path / "store", "--workers", "2").start()
+    and the clients that close theirs free their workers' share for the next. (The idle
+    timeout is long: a kept connection that the daemon closed between two of a slow run's
+    requests, 5 s by default, would be dealt again on the client's next request.)"""
+    proc = DaemonProcess(tmp_path / "store", "--workers", "2", "--idle-timeout", "300").start()
     x = np.random.default_rng().uniform(-1, 1, (3, 2)).astype(np.float32)
     try:
         wait_for_every_worker(proc.url, workers=2)

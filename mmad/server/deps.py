@@ -35,8 +35,8 @@ class Runtime:
     shutting_down: bool = False
     workers: Any = None  # the serving workers (mmad.server.workers.WorkerPool) of a primary with --workers
     # --workers on the cuda backend (mmad.server.region_forwards): the primary runs its workers'
-    # forwards between CUDA regions, and a several-replica model's between system regions (its
-    # RegionForwardRunner); a worker sends them (its RegionForwardClient)
+    # forwards between CUDA regions and between system regions (its RegionForwardRunner); a
+    # worker sends them (its RegionForwardClient)
     region_service: Any = None
     region_forwards: Any = None
 

@@ -76,7 +76,7 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
             sources, region_targets = list(parsed.shm_inputs.values()), [t for _, t in targets or []]
             remote = rt.region_forwards  # a worker's: the primary runs forwards between regions
             if (remote is not None and version is None
-                    and remote.takes(sources, region_targets, outputs, len(entry.replicas))):
+                    and remote.takes(sources, region_targets, outputs)):
                 await remote.forward(model, describe(parsed.shm_inputs[INPUT], shape=list(x.shape)),
                                      [describe(t, name=o.name) for o, t in targets], not entry.config.allow_nonfinite)
                 out = shape_only(out_shape, region_targets[0].array.dtype)

@@ -9,9 +9,9 @@ the tensors to the primary, which runs every worker's region forwards in its own
 group at a time: each replica's forwards of the group launched together
 (``CompiledModel.forward_group``: one kernel for them all on the mma variant, their finiteness
 checked inside it) under its lock, then one wait per device for the group, then every answer.
-A request all in system regions of a model with several replicas goes the same way (the
-primary copies the rows up from its page-locked mapping of the regions and back, the
-replicas in turn): each worker's contexts on every GPU would be time-sliced with the others'.
+A request all in system regions goes the same way (the primary copies the rows up from its
+page-locked mapping of the regions and back, a model's replicas in turn): each worker's
+contexts on every GPU would be time-sliced with the others'.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
 "outputs": [{...}], "check_finite"}`` names each tensor by ``region``, ``offset``, ``byte_size``,
@@ -46,6 +46,7 @@ log = logging.getLogger("mmad.server.region_forwards")
 
 HEADER = struct.Struct("<I")
 GROUP_MAX = 64  # forwards launched before one synchronize
+STAGED_KEPT = 8  # a slot keeps the staging arrays of its groups' first forwards (system regions)
 # an error's status back into the tree (the worker answers as the primary would have)
 ERRORS_BY_STATUS = {400: InvalidInput, 404: ModelNotFound, 409: ConflictError, 503: NotReady, 507: DeviceMemoryFull}
 
@@ -78,30 +79,54 @@ class _Work:
 
 
 class CudaGroupSlot:
-    """One group in flight on one device: its finiteness words on the device and in page-locked
-    host memory, and the event that says the group's kernels and the words' copy are done."""
+    """One group in flight on one device: its stream, its finiteness words on the device and in
+    page-locked host memory, and the event that says the group's kernels and the words' copy
+    are done.
+
+    Each slot has a stream of its own, so one group's downloads run beside the next group's
+    uploads (the copy engines of the two directions work at once; on one stream the PCIe link
+    carried one direction at a time). The streams are blocking ones: ordered with the device's
+    default stream, where training and the replicas' weight updates run, so a forward still
+    sees the weights of before or after a whole optimizer step."""
 
     def __init__(self, cp, device: int):
         self.cp = cp
         self.device = device
         with cp.cuda.Device(device):
+            self.stream = cp.cuda.Stream(non_blocking=False)
             self.words = cp.zeros(GROUP_MAX, dtype=cp.uint32)
             self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(GROUP_MAX * 4), np.uint32, GROUP_MAX)
             self.event = cp.cuda.Event(disable_timing=True)
+        self._staging: dict[tuple[str, int], Any] = {}  # (in|out, position in the group) -> device array
 
     def start(self) -> None:
-        """Zero the words (on the device's current stream, as everything after)."""
-        cp = self.cp
-        cp.cuda.runtime.memsetAsync(self.words.data.ptr, 0, self.words.nbytes, cp.cuda.get_current_stream().ptr)
+        """Zero the words (on the slot's stream, as everything after: the runner launches the
+        group inside ``with slot.stream``)."""
+        self.cp.cuda.runtime.memsetAsync(self.words.data.ptr, 0, self.words.nbytes, self.stream.ptr)
 
-    def upload(self, host: np.ndarray) -> Any:
-        """A device copy of the host array (a system region's rows), queued: asynchronous from
-        the primary's page-locked mapping of the region."""
-        cp = self.cp
-        device = cp.empty(host.shape, dtype=host.dtype)
-        cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, host.nbytes, 1,  # host to device
-                                    cp.cuda.get_current_stream().ptr)
+    def _staged(self, side: str, k: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """The device array of the group's ``k``-th forward's input or output: kept by the slot
+        for the next group of the same shapes (clients send the same sizes again and again, and
+        a pool allocation costs the launching thread more than the lookup)."""
+        key = (side, k)
+        array = self._staging.get(key)
+        if array is None or array.shape != shape or array.dtype != dtype:
+            array = self.cp.empty(shape, dtype=dtype)
+            if k < STAGED_KEPT:
+                self._staging[key] = array
+        return array
+
+    def upload(self, k: int, host: np.ndarray) -> Any:
+        """A device copy of the host array (the group's ``k``-th input, a system region's rows),
+        queued: asynchronous from the primary's page-locked mapping of the region."""
+        device = self._staged("in", k, host.shape, host.dtype)
+        self.cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, host.nbytes, 1,  # host to device
+                                         self.stream.ptr)
         return device
+
+    def output(self, k: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """The device array the group's ``k``-th forward writes, before its download."""
+        return self._staged("out", k, shape, dtype)
 
     def download(self, device: Any, host: np.ndarray) -> None:
         """Queue the copy of the device array into the host array (a system region), in its dtype."""
@@ -109,14 +134,13 @@ class CudaGroupSlot:
         if device.dtype != host.dtype:
             device = device.astype(host.dtype)
         cp.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, host.nbytes, 2,  # device to host
-                                    cp.cuda.get_current_stream().ptr)
+                                    self.stream.ptr)
 
     def finish(self, count: int) -> None:
         """Queue the copy of the first ``count`` words back, and the event after it."""
-        cp = self.cp
-        cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.words.data.ptr, count * 4, 2,  # device to host
-                                    cp.cuda.get_current_stream().ptr)
-        self.event.record()
+        self.cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.words.data.ptr, count * 4, 2,  # device to host
+                                         self.stream.ptr)
+        self.event.record(self.stream)
 
     def wait(self) -> np.ndarray:
         """The words, once the group is done (the wait lets go of the GIL)."""
@@ -132,7 +156,8 @@ class RegionForwardRunner:
     answers. Up to ``SLOTS`` groups per device are in flight. Everything either thread waits on
     (the sockets, a group's event) lets go of the GIL, and no request crosses from an event loop
     to a thread (through the primary's event loop and a queue to a thread, 8 clients got 1,536
-    requests/s on the H100 host)."""
+    requests/s on the H100 host; a launching thread per device, fed by the reading one, added
+    ~0.09 ms to each request, docs/gpu-notes-cuda.md)."""
 
     SLOTS = 4
 
@@ -244,14 +269,14 @@ class RegionForwardRunner:
 
     def _launch_on_device(self, device: int, by_replica: dict[int, tuple[Any, list[_Work]]]) -> None:
         """Launch every replica's forwards on ``device``: one ``forward_group`` each, under the
-        replica's lock, on the stream training uses too (a forward sees the weights before or
-        after a whole optimizer step); then the finiteness words' copy back and the group's
-        event, for the answering thread."""
+        replica's lock, on the slot's stream (ordered with training's: a forward sees the
+        weights before or after a whole optimizer step); then the finiteness words' copy back
+        and the group's event, for the answering thread."""
         cp = self.cp
         works = [work for _, batch in by_replica.values() for work in batch]
         slot = self._slot(device)
         try:
-            with cp.cuda.Device(device):
+            with cp.cuda.Device(device), slot.stream:
                 slot.start()
                 first = 0
                 for replica, batch in by_replica.values():
@@ -260,11 +285,11 @@ class RegionForwardRunner:
                             model = replica.model
                             if model is None:
                                 raise ModelNotReady(batch[0].doc["model"])
-                            for work in batch:
+                            for k, work in enumerate(batch, first):
                                 if work.on_host:
-                                    work.staged = (slot.upload(work.source.array),
-                                                   cp.empty(work.targets[0].array.shape,
-                                                            dtype=work.targets[0].array.dtype))
+                                    target = work.targets[0].array
+                                    work.staged = (slot.upload(k, work.source.array),
+                                                   slot.output(k, target.shape, target.dtype))
                             model.forward_group([work.staged or (work.source.array, work.targets[0].array)
                                                  for work in batch], slot.words[first:first + len(batch)])
                             for work in batch:
@@ -378,16 +403,16 @@ class RegionForwardClient:
         self._connecting = asyncio.Lock()
 
     @staticmethod
-    def takes(sources: list, targets: list, outputs: list, replicas: int) -> bool:
-        """Whether a request is one the primary runs: its input and every output in CUDA regions,
-        or all in system regions of a model with several replicas. (Each worker has a CUDA context
-        on every GPU, time-sliced with the others': with one replica the workers' own copies of
-        system regions overlap well, 1.2-1.3x in-process on the H100 host; with two, the
-        primary's one context per GPU spreads them, docs/multi-gpu.md.)"""
+    def takes(sources: list, targets: list, outputs: list) -> bool:
+        """Whether a request is one the primary runs: its input and every output in regions of
+        one kind (CUDA, or system shared memory). Each worker's CUDA context on a GPU would be
+        time-sliced with the others'; the primary's one context per GPU copies system regions
+        up and back on a stream per group in flight, both directions at once: a one-replica
+        model served 65,536-row requests to 8 clients at 250-278 M samples/s so, against the
+        workers' own copies' 224 (2x H100 host, docs/gpu-notes-cuda.md session 17 run 4)."""
         if not sources or not targets or len(targets) != len(outputs):
             return False
-        kinds = {t.on_device for t in [*sources, *targets]}
-        return kinds == {True} or (kinds == {False} and replicas > 1)
+        return len({t.on_device for t in [*sources, *targets]}) == 1
 
     async def _connect(self) -> asyncio.StreamWriter:
         async with self._connecting:

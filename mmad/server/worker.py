@@ -327,8 +327,8 @@ class WorkerApp:
         use_backend(rt, state["backend"])  # the primary's backend, whatever MMAD_BACKEND says here
         backend, row = rt.backend, rt.selected
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
-        if rt.shm.cuda_enabled:  # requests all in CUDA regions (and a several-replica model's all in
-            # system regions) run in the primary's context
+        if rt.shm.cuda_enabled:  # requests all in CUDA regions, or all in system regions, run in the
+            # primary's context
             from mmad.server.region_forwards import RegionForwardClient
 
             rt.region_forwards = RegionForwardClient(self.link.region_forwards_socket)
