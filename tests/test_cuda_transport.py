@@ -297,3 +297,56 @@ def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_input
         if not flagged:
             np.testing.assert_array_equal(cp.asnumpy(first), cp.asnumpy(second))
     model.close()
+
+
+def test_region_group_slot_waits_for_the_default_stream_and_keeps_its_staging(pair):
+    """The primary's region forwards (mmad/server/region_forwards.py) launch each group on its
+    slot's stream. That stream is a blocking one: what it runs waits for work queued before on
+    the device's default stream, where training writes the weights (a kernel that spins ~10 ms
+    there, then fills an array, is seen filled by a copy queued after it on the slot's stream).
+    A slot keeps the staging arrays of a group for the next group of the same shapes, and each
+    group's outputs are its own inputs' forward."""
+    import cupy as cp
+
+    from mmad.server.region_forwards import CudaGroupSlot
+
+    model, oracle = pair
+    slot = CudaGroupSlot(cp, 0)
+    spin = cp.RawKernel(r'''
+    extern "C" __global__ void spin_then_fill(float* a, int n, long long cycles) {
+        long long start = clock64();
+        while (clock64() - start < cycles) {}
+        for (int i = threadIdx.x; i < n; i += blockDim.x) a[i] = 1.0f;
+    }''', "spin_then_fill")
+    with cp.cuda.Device(0):
+        filled, seen = cp.zeros(4096, cp.float32), cp.full(4096, -1.0, cp.float32)
+        cp.cuda.Stream.null.synchronize()
+        spin((1,), (256,), (filled, np.int32(filled.size), np.int64(20_000_000)))  # the default stream
+        with slot.stream:
+            seen[...] = filled
+        slot.stream.synchronize()
+        assert float(seen.min()) == 1.0 and float(seen.max()) == 1.0
+
+    rng = np.random.default_rng()
+    n_out = model.spec.n_output_dims
+    staged_before = None
+    for rows in (3000, 3000, 1000):  # the same shapes twice (kept), then others (new arrays)
+        xs = [inputs(rng, rows, model.spec).astype(np.float16) for _ in range(2)]
+        outs = [np.full((rows, n_out), np.nan, np.float16) for _ in xs]
+        with cp.cuda.Device(0), slot.stream:
+            slot.start()
+            staged = [(slot.upload(k, x), slot.output(k, out.shape, out.dtype))
+                      for k, (x, out) in enumerate(zip(xs, outs))]
+            model.forward_group(staged, slot.words[:len(staged)])
+            for (_, device_out), out in zip(staged, outs):
+                slot.download(device_out, out)
+            slot.finish(len(staged))
+        flags = slot.wait()[:len(staged)]
+        assert not flags.any()
+        for x, out in zip(xs, outs):
+            err = rel_err(out.astype(np.float64), oracle.forward(x.astype(np.float32)))
+            assert err <= FWD_TOL, f"{rows} rows: {err:.2e}"
+        if staged_before is not None:
+            same = all(now is then for pairs in zip(staged, staged_before) for now, then in zip(*pairs))
+            assert same == (rows == 3000), f"{rows} rows: staging kept {same}"
+        staged_before = staged
