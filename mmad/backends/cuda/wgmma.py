@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -429,9 +429,10 @@ class CudaWgmmaModel(CudaMmaModel):
                 raise SpecError("network.n_neurons", self.wt.why_not)
             knobs = replace(knobs, fused_wgrad=False)  # the mma workspace keeps every layer's h and delta
         self._wg_stale = True
-        self.variant = "wgmma" if wgmma_training else "wgmma+mma"  # first: the constructor's refusals name it
+        variant = "wgmma" if wgmma_training else "wgmma+mma"
+        self.variant = variant  # first: the constructor's refusals name it
         super().__init__(spec, cp, info, cache, knobs)
-        self.variant = "wgmma" if wgmma_training else "wgmma+mma"  # CudaMmaModel's constructor names its own
+        self.variant = variant  # CudaMmaModel's constructor names its own
         self._wg_module = self._build_wgmma(cache)
         if wgmma_training:
             self._wt_module = self._build_training(cache)
