@@ -131,8 +131,7 @@ def missing_piece(driver: Driver) -> str | None:
     """Why no CuPy wheel can run on this driver (no driver, no GPU, an unreadable or too old
     driver), or None when one can."""
     if not driver.found_by:
-        return (f"no NVIDIA driver is installed (no {PROC_VERSION.parent}, {LIBCUDA} or nvidia-smi): "
-                "the cuda backend needs an NVIDIA GPU and its driver")
+        return f"no NVIDIA driver is installed (no {PROC_VERSION.parent}, {LIBCUDA} or nvidia-smi)"
     if driver.gpus == 0:
         return f"the NVIDIA driver (CUDA {driver.cuda_text()}) sees no GPU"
     if driver.cuda is None:
@@ -155,7 +154,7 @@ class Choice:
 def choose(driver: Driver, forced: str = "") -> Choice:
     """The CUDA extra for ``driver``; ``forced`` is MMAD_CUDA's value (12, 13, none; empty: read the driver)."""
     forced = forced.strip().lower()
-    if forced in ("none", "0", "off"):
+    if forced == "none":
         return Choice(None, "MMAD_CUDA=none: the cuda backend's packages are not installed")
     if forced:
         if not forced.isdigit() or int(forced) not in EXTRAS:
@@ -165,7 +164,7 @@ def choose(driver: Driver, forced: str = "") -> Choice:
                                      f"({cupy_package(major)}, nvmath-python)")
     why_not = missing_piece(driver)
     if why_not is not None:
-        return Choice(None, f"{why_not}; the cuda backend is not installed (MMAD_CUDA=12 or 13 installs it anyway)")
+        return Choice(None, f"the cuda backend is not installed: {why_not} (MMAD_CUDA=12 or 13 installs it anyway)")
     major = major_for(driver.cuda)
     gpus = "" if driver.gpus is None else f", {driver.gpus} GPU{'s' * (driver.gpus != 1)}"
     return Choice(EXTRAS[major], f"NVIDIA driver for CUDA {driver.cuda_text()}{gpus}: installing the "
