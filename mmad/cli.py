@@ -363,8 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train a small MLP with the best available backend; --image: fit a "
                                     "generated picture with tiny-cuda-nn's hash-grid config")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=300,
+                   help="training steps (Adam updates) to run (default 300)")
+    p.add_argument("--batch", type=int, default=4096,
+                   help="rows per step: random points of the field, or with --image random pixels of the "
+                        "picture (default 4096)")
     p.add_argument("--image", action="store_true", help="fit a picture with the HashGrid image config; writes "
                                                         "demo-image-reconstruction.png and demo-image-curve.png")
     p.add_argument("--size", type=int, default=128, help="--image: the picture's side in pixels")
@@ -376,7 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("export", help="a model as ONNX, a PyTorch state dict or mmad's safetensors weights; "
-                                      "imports tiny-cuda-nn parameters and nn.Sequential state dicts (docs/export.md)")
+                                      "imports tiny-cuda-nn parameters and nn.Sequential state dicts (docs/export.md)",
+                       description="Write a model, given by its config and one source of weights, as an ONNX file, "
+                                   "a PyTorch state dict or mmad's safetensors weights. The weights come from mmad "
+                                   "(--params: a store version's weights file, or GET /v2/models/NAME/weights), "
+                                   "from tiny-cuda-nn (--tcnn-params: its flat parameter buffer) or from PyTorch "
+                                   "(--state-dict of an nn.Sequential of Linear layers); --to safetensors turns "
+                                   "the last two into weights for PUT /v2/models/NAME/weights. The exported "
+                                   "forward is mmad's fp32 forward (docs/export.md).")
     p.add_argument("--config", required=True,
                    help="the model's tiny-cuda-nn JSON config, or a model store's model.json")
     src = p.add_mutually_exclusive_group(required=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 # pyproject file: the extras scripts/setup.sh --dev installs from it
@@ -54,7 +55,9 @@ def closure() -> dict[str, str]:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        found[dist.metadata["Name"]] = dist.version
+        # the public version: a local label (torch's +cpu) names a build that only the index that
+        # made it hosts, and ==2.13.0 matches 2.13.0+cpu where that build is what is installed
+        found[dist.metadata["Name"]] = Version(dist.version).public
         for line in dist.requires or []:
             req = Requirement(line)
             # a requirement applies when its marker holds for no extra or for one of those asked

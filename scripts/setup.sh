@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Installs what mmad needs on a Debian (bookworm) machine into ./.venv.
-#   scripts/setup.sh            runtime: daemon + cpu/vulkan/wgpu backends
+#   scripts/setup.sh            runtime: daemon + cpu/vulkan/wgpu backends, and the cuda backend
+#                               where an NVIDIA driver is present
 #   scripts/setup.sh --dev      also the test tools (pytest, tritonclient, ...), the export extra
-#                               (torch 2.13.0 CPU build, onnx, onnxruntime) and the client SDK
+#                               (torch 2.13.0, onnx, onnxruntime) and the client SDK
 # Mesa's lavapipe (a CPU Vulkan driver) comes from bookworm-backports (Mesa 25), so the Vulkan
-# and wgpu backends run even without a GPU. Set MMAD_SKIP_APT=1 to skip the system packages.
+# and wgpu backends run even without a GPU. Set MMAD_SKIP_APT=1 to skip the system packages; apt
+# waits up to MMAD_APT_LOCK_TIMEOUT seconds (default 600) for another package manager's lock.
+# The cuda backend: with an NVIDIA driver (libcuda, nvidia-smi or /proc/driver/nvidia) the extra
+# for the driver's CUDA major, cuda12 or cuda13 (CuPy's wheel for it with the CUDA libraries, and
+# nvmath-python); mmad/install.py reads the driver and says why. MMAD_CUDA=12 or 13 installs that
+# one whatever the driver says, MMAD_CUDA=none none.
+# torch (--dev) comes from the default index: on PyPI a CUDA build of several GB. PyTorch's own CPU
+# build (2.13.0+cpu, a few hundred MB) instead: MMAD_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (any index URL; only torch is taken from it).
 # Python packages are installed at the versions in constraints.txt (the tested ones).
 # A re-run skips apt when every package is already installed (Mesa from backports), and pip when
 # .venv/.mmad-setup records an install of this same pyproject/client/constraints/setup script (a --dev
-# install also counts for a plain one); MMAD_SETUP_FORCE=1 installs again regardless.
+# install also counts for a plain one) with the same CUDA extra and torch index; MMAD_SETUP_FORCE=1
+# installs again regardless.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dev=0
@@ -16,6 +26,7 @@ dev=0
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
   echo "setup: need root (or sudo) for: $*" >&2; return 1; fi; }
+apt_get() { as_root env MMAD_APT_LOCK_TIMEOUT="${MMAD_APT_LOCK_TIMEOUT:-600}" bash scripts/apt-get-wait.sh "$@"; }
 
 force="${MMAD_SETUP_FORCE:-0}"
 apt_packages=(python3 python3-venv python3-pip git curl mesa-vulkan-drivers libvulkan1)
@@ -48,20 +59,23 @@ elif [ "${MMAD_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
     echo "deb ${mirror:?no Debian mirror found in /etc/apt} bookworm-backports main" \
       | as_root tee /etc/apt/sources.list.d/mmad-backports.list >/dev/null
   fi
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip git curl >/dev/null
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports \
-    mesa-vulkan-drivers libvulkan1 >/dev/null
+  apt_get update -qq
+  apt_get install -y -qq python3 python3-venv python3-pip git curl >/dev/null
+  apt_get install -y -qq -t bookworm-backports mesa-vulkan-drivers libvulkan1 >/dev/null
   if [ "$dev" = 1 ]; then
     # the compose file is validated by the docker client alone (no engine needed)
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose \
-      chromium chromium-driver docker.io debootstrap >/dev/null
+    apt_get install -y -qq --no-install-recommends docker-compose chromium chromium-driver docker.io \
+      debootstrap >/dev/null
   fi
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# what the pip step installs follows from these files and the venv's Python
-key=$(cat pyproject.toml client/pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')
+# the extra for the NVIDIA driver's CUDA major, or none; the reason goes to stderr
+cuda_extra=$(.venv/bin/python -m mmad.install extra)
+extras="vulkan,wgpu${cuda_extra:+,$cuda_extra}"
+torch_index="${MMAD_TORCH_INDEX:-}"
+# what the pip step installs follows from these files, the venv's Python, the CUDA extra and the torch index
+key=$(cat pyproject.toml client/pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)-$(.venv/bin/python -c 'import sys; print(sys.version.split()[0])')-${cuda_extra:-no-cuda}-$(printf %s "$torch_index" | sha256sum | cut -c1-8)
 stamp=.venv/.mmad-setup
 if [ "$force" != 1 ] && [ -f "$stamp" ] && [ -x .venv/bin/mmad ] \
    && { grep -qx "dev $key" "$stamp" || { [ "$dev" = 0 ] && grep -qx "runtime $key" "$stamp"; }; }; then
@@ -70,10 +84,15 @@ else
   rm -f "$stamp"
   .venv/bin/python -m pip install -q -c constraints.txt --upgrade pip "setuptools>=77" wheel
   if [ "$dev" = 1 ]; then
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu,export,dev]" -e ./client
+    if [ -n "$torch_index" ]; then
+      # torch alone from that index, at the pinned version (2.13.0+cpu matches ==2.13.0): the
+      # install below finds it installed and takes its dependencies from the default index
+      .venv/bin/python -m pip install -q --no-deps --index-url "$torch_index" "$(grep -m1 '^torch==' constraints.txt)"
+    fi
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[$extras,export,dev]" -e ./client
     echo "dev $key" > "$stamp"
   else
-    .venv/bin/python -m pip install -q -c constraints.txt -e ".[vulkan,wgpu]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[$extras]"
     echo "runtime $key" > "$stamp"
   fi
 fi

@@ -124,3 +124,56 @@ def test_choose_agrees_with_select():
 def test_bench_help_mentions_service():
     proc = run_cli("bench", "--help")
     assert proc.returncode == 0 and "--service" in proc.stdout
+
+
+def cuda_reasons(monkeypatch, driver) -> set[str]:
+    import mmad.backends.cuda as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "read_driver", lambda: driver)
+    return {row.reason for row in cuda_backend.CudaBackend().probe()}
+
+
+def test_the_cuda_reason_names_the_missing_piece(monkeypatch):
+    """No driver, no GPU, a driver too old for any CuPy wheel, CuPy absent (with the command)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here: the missing-CuPy reasons cannot show")
+    from mmad.install import Driver
+
+    assert cuda_reasons(monkeypatch, Driver()) == {
+        "no NVIDIA driver is installed (no /proc/driver/nvidia, libcuda.so.1 or nvidia-smi)"}
+    assert cuda_reasons(monkeypatch, Driver(("libcuda",), (12, 4), 0)) == {"the NVIDIA driver (CUDA 12.4) sees no GPU"}
+    (old,) = cuda_reasons(monkeypatch, Driver(("nvidia-smi",), (11, 8), 1))
+    assert "CUDA 11.8; CuPy's wheels need CUDA 12 or newer: update the driver" in old
+    assert cuda_reasons(monkeypatch, Driver(("libcuda",), (13, 0), 1)) == {
+        "CuPy is not installed (the driver runs CUDA 13.0): `bash scripts/setup.sh` installs it for this driver, "
+        "or `pip install -e '.[cuda13]'`"}
+
+
+def test_a_cupy_newer_than_the_driver_is_named_with_the_wheel_to_take(monkeypatch):
+    """CuPy for CUDA 13 on a CUDA 12 driver: the device query fails; the reason says which wheel fits."""
+    import types
+
+    from mmad.install import Driver
+
+    def no_device():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version")
+
+    runtime = types.SimpleNamespace(getDeviceCount=no_device, runtimeGetVersion=lambda: 13000)
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=runtime)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    (reason,) = cuda_reasons(monkeypatch, Driver(("libcuda",), (12, 8), 1))
+    assert reason.startswith("CuPy is built for CUDA 13 (cupy-cuda13x), newer than this driver's CUDA 12.8")
+    assert "`pip install -e '.[cuda12]'`" in reason
+    # a driver new enough: the device error itself
+    (reason,) = cuda_reasons(monkeypatch, Driver(("libcuda",), (13, 0), 1))
+    assert reason.startswith("no CUDA device is usable: cudaErrorInsufficientDriver")
+
+
+def test_this_machines_cuda_reason_is_not_a_bare_import_error():
+    rows = [r for r in probe_all(["cuda"]) if not r.available]
+    if not rows:
+        pytest.skip("CUDA runs here")
+    assert not rows[0].reason.startswith("CuPy is not installed (No module named")

@@ -9,13 +9,16 @@ devices.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
+import socket
 import sys
 
 from pydantic import ValidationError
 
-from mmad.server.settings import Settings
+from mmad.errors import MMADError
+from mmad.server.settings import Settings, default_store_dir
 
 log = logging.getLogger("mmad.server")
 
@@ -24,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmad serve", description="Serve and train MLPs over the Open Inference Protocol v2.")
     p.add_argument("--host", help="address to listen on (MMAD_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (MMAD_PORT, default 8000)")
-    p.add_argument("--store", dest="store_dir", help="model store directory (MMAD_STORE_DIR)")
+    p.add_argument("--store", dest="store_dir",
+                   help=f"model store directory (MMAD_STORE_DIR, default {default_store_dir()}, "
+                        "i.e. $XDG_DATA_HOME/mmad/store)")
     p.add_argument("--backend", help="cuda|vulkan|wgpu|cpu[:variant] (MMAD_BACKEND, default: best available)")
     p.add_argument("--probe", help="backends listed in /v2/devices: 'all' or a comma list (MMAD_PROBE)")
     p.add_argument("--api-key-file", help="file holding the key that mutating endpoints require as "
@@ -146,6 +151,35 @@ def connection_cap(wanted: int) -> int:
     return wanted
 
 
+def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """The daemon's sockets, bound as uvicorn's event loop would bind them (one per address ``host``
+    resolves to, SO_REUSEADDR, IPv6 sockets IPv6 only) but not listening until the server starts:
+    a taken port ends ``mmad serve`` before the backends are probed, and stays this daemon's."""
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(
+                socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in bound:
+            sock.close()
+        raise
+    return bound
+
+
+def startup_error(settings: Settings, exc: OSError) -> str:
+    """One line for a port that cannot be had."""
+    where = f"{settings.host}:{settings.port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where} is already in use (another mmad daemon or another server): stop it or choose another --port"
+    return f"cannot listen on {where}: {exc.strerror or exc}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -158,22 +192,39 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("--api-key puts the key in the process list, where every user of this host can read it "
                     "(/proc/PID/cmdline); use --api-key-file or MMAD_API_KEY")
 
+    # what start-up would fail on late, after probing the devices, with uvicorn's traceback: a
+    # store another daemon holds, a taken port. Each ends here with one line.
+    from mmad.server.store import Store
+
+    pool, sockets, reserved = None, None, None
+    try:
+        Store(settings.store_dir, keep_versions=settings.keep_versions).close()
+        if settings.workers:
+            from mmad.server.workers import bind_shared_port
+
+            # the port, bound and never listened on: it stays this daemon's (a port of 0 is resolved
+            # once) while the pool's dealer listens beside it only when a worker is ready to take
+            # connections; the primary serves the workers on its own socket
+            reserved = bind_shared_port(settings.host, settings.port)
+        else:
+            sockets = bind_listening_sockets(settings.host, settings.port)
+    except MMADError as exc:
+        print(f"mmad serve: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"mmad serve: {startup_error(settings, exc)}", file=sys.stderr)
+        return 2
     limit_blas_threads(settings.blas_threads)
     import uvicorn
 
     from mmad.server.app import create_app
 
-    pool, sockets, reserved = None, None, None
     if settings.workers:
-        from mmad.server.workers import WorkerPool, bind_shared_port, bind_unix
+        from mmad.server.workers import WorkerPool, bind_unix
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per statistics read otherwise
 
         pool = WorkerPool(settings, settings.workers)
-        # the port, bound and never listened on: it stays this daemon's (a port of 0 is resolved
-        # once) while the pool's dealer listens beside it only when a worker is ready to take
-        # connections; the primary serves the workers on its own socket
-        reserved = bind_shared_port(settings.host, settings.port)
         sockets = [bind_unix(pool.primary_socket)]
     app = create_app(settings, workers=pool)
     runtime = app.state.runtime
@@ -181,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     class GracefulServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
+            if self.started and pool is None:  # uvicorn names the address only of sockets it bound itself
+                host = f"[{settings.host}]" if ":" in settings.host else settings.host
+                log.info("serving http://%s:%d (Ctrl-C stops)", host, sockets[0].getsockname()[1])
             runtime.metrics.process_connections.set_function(lambda: len(self.server_state.connections))
             # what start-up loaded (modules, the app, the models) lives as long as the daemon;
             # frozen, the collector's full passes skip it: they paused requests ~50 ms before
@@ -203,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                             access_log=settings.log_level == "debug")
     server = GracefulServer(config)
     if pool is None:
-        server.run()
+        server.run(sockets=sockets)
         return 0 if server.started else 1
     # the workers start now: their imports and device set-up overlap this process's start-up,
     # and each waits for the primary before it syncs its models and listens

@@ -55,6 +55,7 @@ from mmad.backends.cuda.wgmma import WGMMA_OFF, CudaWgmmaModel, WgmmaPlan, nvcc_
 from mmad.backends.dispatch import ROWS as DISPATCH_ROWS
 from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
+from mmad.install import cuda_unavailable_reason, read_driver
 from mmad.spec import MLPSpec
 
 VARIANTS = ("wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", *SPLIT_VARIANTS)
@@ -80,16 +81,24 @@ class CudaBackend(Backend):
         def all_unavailable(reason: str, **kw: Any) -> list[ProbeRow]:
             return [ProbeRow("cuda", v, False, reason=reason, **kw) for v in VARIANTS]
 
+        # where nothing can run, the driver tells which piece is missing: the driver, a GPU, a
+        # driver new enough for CuPy's CUDA, or CuPy itself (with the command that installs it)
         try:
             cp = cupy_module()
         except BackendUnavailable as exc:
-            return all_unavailable(exc.reason)
+            missing = getattr(exc.__cause__, "name", None) == "cupy"
+            return all_unavailable(cuda_unavailable_reason(read_driver(), exc.reason, cupy_missing=missing))
         try:
             count = cp.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # no driver, no device, broken install: all the same to the user
-            return all_unavailable(f"no CUDA device is usable: {exc}")
+        except Exception as exc:  # no driver, no device, a driver older than CuPy's CUDA, broken install
+            try:
+                cupy_cuda = cp.cuda.runtime.runtimeGetVersion() // 1000
+            except Exception:  # the runtime library itself is unusable: the device error says enough
+                cupy_cuda = None
+            return all_unavailable(cuda_unavailable_reason(read_driver(), f"no CUDA device is usable: {exc}",
+                                                           cupy_cuda=cupy_cuda))
         if count == 0:
-            return all_unavailable("no CUDA device is present")
+            return all_unavailable(cuda_unavailable_reason(read_driver(), "no CUDA device is present"))
         try:
             info = device_info(cp)
             nvrtc = nvrtc_version()
