@@ -54,6 +54,34 @@ def test_coopmat_kernels_compile_and_validate(tools, family, model):
                 assert b"SPV_KHR_cooperative_matrix" in spirv, name
 
 
+GRID_MODELS = {
+    "hash3d": {"n_input_dims": 3, "n_output_dims": 1, "network": {"n_neurons": 64, "n_hidden_layers": 2},
+               "encoding": {"otype": "HashGrid", "n_levels": 16, "log2_hashmap_size": 15}},
+    "instant-ngp": {"n_input_dims": 6, "n_output_dims": 4, "network": {"n_neurons": 64, "n_hidden_layers": 2},
+                    "encoding": {"otype": "Composite", "nested": [
+                        {"otype": "HashGrid", "n_dims_to_encode": 3, "n_levels": 6, "log2_hashmap_size": 12},
+                        {"otype": "SphericalHarmonics", "degree": 4}]}},
+}
+
+
+@pytest.mark.parametrize("model,family,gradient",
+                         [("hash3d", f, "atomic") for f in vulkan.COOPMAT_FAMILIES]
+                         + [("instant-ngp", (16, 16, 16), "sorted")],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_coopmat_grid_kernels_compile_and_validate(tools, model, family, gradient):
+    """A grid model on coopmat: the backward that runs on into d loss / d encoded input, the
+    optimizer that steps the tables and the grid kernels (both table gradients), for every shape
+    family."""
+    spec = MLPSpec.from_json(GRID_MODELS[model])
+    geometry = vulkan.Geometry.build(spec, 49152, family, 32)
+    sources = vulkan.kernel_sources(spec, geometry, "coopmat", gradient)
+    assert {"grid_encode", "grid_scatter" if gradient == "atomic" else "grid_gather"} <= set(sources)
+    for name in ("forward", "backward", "wgrad", "optimizer", *(n for n in sources if n.startswith("grid_"))):
+        spirv = glsl.compile_glsl(glsl.expand_includes(sources[name]), f"coopmat grid {name}")
+        assert spirv[:4] == b"\x03\x02\x23\x07", "not a SPIR-V module"
+    assert "#define GRID_PARTS" in sources["backward"]
+
+
 @pytest.mark.parametrize("model", list(GEOMETRIES))
 def test_simt_kernels_for_gpu_limits_compile(tools, model):
     """lavapipe runs the 32 KiB geometry; this builds the 48 KiB one (8-row register tiles) too."""
