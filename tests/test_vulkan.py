@@ -118,6 +118,19 @@ def test_probe_rows_describe_the_device(backend):
         assert r.available or r.reason
     simt = rows[1]
     assert simt.software == (simt.details["device_type"] == "cpu")
+    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, and why unused
+    coop = rows[0]
+    for ext in vulkan.NV_COOPERATIVE_EXTENSIONS:
+        note = coop.details[ext]
+        assert note.startswith(("not offered by", "offered, not used: ")), note
+    assert coop.details["subgroup_size_control"].startswith(("required ", "the driver's"))
+
+
+def test_glsl_extension_check():
+    """The probe's reason for an unused NVIDIA extension asks the compiler itself."""
+    glsl = pytest.importorskip("mmad.backends.vulkan.glsl")
+    assert glsl.knows_extension("GL_KHR_cooperative_matrix")
+    assert not glsl.knows_extension("GL_MMAD_no_such_extension")
 
 
 def test_probe_honours_coopmat_switch(monkeypatch):
@@ -495,6 +508,47 @@ def test_fp16_conversion_probe(backend, cache):
     rounds_rne = vulkan.fp16_conversion_is_rne(device, cache)
     if device.info.software or "NVIDIA" in device.info.name:
         assert rounds_rne  # LLVM (lavapipe) and NVIDIA's driver (measured) convert with RNE
+
+
+SUBGROUP_PROBE = """#version 450
+#extension GL_KHR_shader_subgroup_basic : require
+layout(local_size_x = 64) in;
+layout(std430, binding = 0) writeonly buffer Out { uint SIZES[]; };
+void main() {
+    if (gl_LocalInvocationID.x == 0u) { SIZES[0] = gl_SubgroupSize; SIZES[1] = gl_NumSubgroups; }
+}
+"""
+
+
+def test_pipelines_require_the_probed_subgroup_size(backend, cache):
+    """Where the device lets a pipeline require its subgroup size (VK_EXT_subgroup_size_control,
+    core in 1.3: lavapipe and NVIDIA do), a pipeline asked for the probed size runs with it, in
+    full subgroups (the coopmat kernels count subgroups by it); a size outside the device's range
+    is not required (the driver's choice)."""
+    device = backend._open_device(0)
+    info = device.info
+    if info.subgroup_size_range is None:
+        pytest.skip(f"{info.name} cannot require a compute pipeline's subgroup size")
+    lo, hi = info.subgroup_size_range
+    assert lo <= info.subgroup_size <= hi
+    spirv = vulkan.build_spirv(SUBGROUP_PROBE, "subgroup probe", cache, info.name)
+    for asked, required in ((info.subgroup_size, info.subgroup_size), (hi * 2, None)):
+        pipeline = vulkan.vr.Pipeline(device, spirv, 1, 0, name="subgroup-probe", subgroup_size=asked)
+        out = device.buffer(16)
+        program = None
+        try:
+            assert pipeline.subgroup_size == required
+            program = vulkan.vr.Program(device, [vulkan.vr.Dispatch(pipeline, [out], b"", (1, 1, 1))])
+            program.run()
+            size, count = np.frombuffer(out.read(8), np.uint32)
+            if required:
+                assert (size, count) == (required, 64 // required)
+        finally:
+            if program is not None:
+                program.destroy()
+            out.free()
+            pipeline.destroy()
+    assert {"forward", "backward", "wgrad"} <= set(vulkan.SUBGROUP_SIZED["coopmat"])
 
 
 def test_close_frees_and_refuses_further_use(backend, variant, cache):

@@ -62,6 +62,9 @@ VARIANTS = ("coopmat", "simt")
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (13, 20),
                       "finalize": (2, 16), "gather": (5, 48)}
 COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
+# kernels whose work is divided by subgroup (gl_SubgroupID, THREADS = subgroups x the probed size):
+# their pipelines require that subgroup size where the device lets them (VK_EXT_subgroup_size_control)
+SUBGROUP_SIZED = {"coopmat": ("forward", "forward_train", "backward", "wgrad")}
 # coopmat_forward.comp's specialization constant that makes its training pipeline
 TRAINING_CONSTANT = 14
 # mlp_common.glsl's INPUT_F16 / OUTPUT_F16: the kernels that read the input rows (forward, layer
@@ -83,6 +86,8 @@ ROW_ALIGN = 128
 HIST_CAP = 1024
 BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
 COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
+# the most subgroups a coopmat workgroup may have (4, 8 or 16; coopmat_tiling)
+COOPMAT_SUBGROUPS_ENV = "MMAD_VULKAN_COOPMAT_SUBGROUPS"
 # 1: open the device with VK_KHR_pipeline_executable_properties (compiler statistics per kernel)
 PIPELINE_STATS_ENV = "MMAD_VULKAN_PIPELINE_STATS"
 # 1: bake activations/loss into each pipeline (default on GPUs); 0: push constants, shared
@@ -93,8 +98,23 @@ SPECIALIZE_ENV = "MMAD_VULKAN_SPECIALIZE"
 # by table row and summed in a fixed order: bit-identical repeats, on every device)
 GRID_GRADIENT_ENV = "MMAD_VULKAN_GRID_GRADIENT"
 GRID_GRADIENTS = ("atomic", "sorted")
+# NVIDIA's cooperative extensions beyond VK_KHR_cooperative_matrix and their GLSL extensions: the
+# probe says whether the device offers each and why no variant uses it
+NV_COOPERATIVE_EXTENSIONS = {"VK_NV_cooperative_matrix2": "GL_NV_cooperative_matrix2",
+                             "VK_NV_cooperative_vector": "GL_NV_cooperative_vector"}
 # shape families the coopmat kernels are written for (M, N, K), best first
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
+
+
+def coopmat_subgroups_cap() -> int:
+    """The most subgroups a coopmat workgroup may have (COOPMAT_SUBGROUPS_ENV, default 16); 4
+    gives the layout of four column subgroups for every width (benchmarks compare the two)."""
+    asked = os.environ.get(COOPMAT_SUBGROUPS_ENV, "").strip()
+    if not asked:
+        return 16
+    if asked not in ("4", "8", "16"):
+        raise SpecError(COOPMAT_SUBGROUPS_ENV, f"must be 4, 8 or 16; got {asked!r}")
+    return int(asked)
 
 
 def variant_choices(spec: MLPSpec) -> tuple[str, ...]:
@@ -189,6 +209,46 @@ class GridLayout:
         return "\n".join(lines) + "\n"
 
 
+MAX_ACCUMULATORS = 8  # coopmat accumulator blocks per subgroup (registers: 8 x 16 x 16 fp32 = 32 a thread)
+MIN_SUBGROUPS = 4
+
+
+def coopmat_tiling(kmax: int, shape: tuple[int, int, int], subgroup_size: int, max_shared: int,
+                   max_threads: int = 512, max_subgroups: int = 16) -> tuple[int, int, int] | None:
+    """(rows per tile R, SG_COLS, SG_ROWS) of the coopmat kernels: subgroup s owns column blocks
+    s % SG_COLS + j * SG_COLS (NCJ of them at the widest layer) over R / CM_M / SG_ROWS row blocks
+    (its row group s / SG_COLS). Each weight block is read from global memory once per subgroup
+    and reused for every row block it owns, so the tile takes as many rows as fit (up to
+    ROW_ALIGN; the activation tile, R x (KMAX + 8) halves, in shared memory) with at most
+    MAX_ACCUMULATORS blocks per subgroup; wide layers get more subgroups side by side rather than
+    fewer rows (L, W: 8 column subgroups instead of 4 doubles R). Among the layouts of that R: the
+    most accumulators a subgroup, then the fewest threads, then the fewest row groups. Subgroup
+    counts are powers of two (the backward's loss reduction halves THREADS), at least
+    MIN_SUBGROUPS, at most ``max_subgroups`` and ``max_threads`` / subgroup_size. None: no tile fits."""
+    m_cm, n_cm, _ = shape
+    col_blocks = kmax // n_cm
+    rows = ROW_ALIGN
+    while rows >= m_cm:
+        options = []
+        row_blocks = rows // m_cm
+        sg_cols = 1
+        while sg_cols <= max(col_blocks, MIN_SUBGROUPS):
+            sg_rows = 1
+            while sg_rows <= row_blocks:
+                subgroups, threads = sg_cols * sg_rows, sg_cols * sg_rows * subgroup_size
+                nacc = row_blocks // sg_rows * math.ceil(col_blocks / sg_cols)
+                if (nacc <= MAX_ACCUMULATORS and MIN_SUBGROUPS <= subgroups <= max_subgroups
+                        and threads <= max_threads and 2 * rows * (kmax + 8) + 4 * threads <= max_shared):
+                    options.append((-nacc, threads, sg_rows, sg_cols))
+                sg_rows *= 2
+            sg_cols *= 2
+        if options:
+            _, _, sg_rows, sg_cols = min(options)
+            return rows, sg_cols, sg_rows
+        rows //= 2
+    return None
+
+
 def sort_items(reads: int) -> int:
     """The bitonic sort's length for ``reads`` table reads: the next power of two, at least one
     shared-memory block."""
@@ -241,6 +301,7 @@ class Geometry:
     micro_rows: int = 4  # simt: rows of an invocation's register tile
     act_stride: int = 0  # coopmat: row stride of the shared activation tile (fp16 elements)
     ncj: int = 0         # coopmat: column blocks per subgroup at the widest layer
+    sg_cols: int = 0     # coopmat: subgroups side by side over the columns (SG_COLS; coopmat_tiling)
     grid: GridLayout | None = None  # grid models: the kernel input and the tables
 
     def __post_init__(self) -> None:
@@ -260,7 +321,7 @@ class Geometry:
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
-              subgroup_size: int = 32) -> "Geometry":
+              subgroup_size: int = 32, max_threads: int = 512, max_subgroups: int = 16) -> "Geometry":
         in_pad = _round_up(spec.n_encoded_dims, 16)
         out_pad = _round_up(spec.n_output_dims, 16)
         k = [in_pad] + [spec.n_neurons] * spec.n_hidden_layers
@@ -270,23 +331,16 @@ class Geometry:
                              f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
                              f"({max_shared} bytes)")
         if coopmat is not None:
-            m_cm, n_cm, _ = coopmat
-            # subgroup s owns column blocks s, s + subgroups, ... (ncj of them at the widest
-            # layer) over all the tile's row blocks; at most 8 accumulator blocks each
-            col_blocks = kmax // n_cm
-            subgroups = 4  # a power of two: the backward's loss reduction halves THREADS
-            ncj = math.ceil(col_blocks / subgroups)
-            threads = subgroups * subgroup_size
-            act_stride = kmax + 8  # padded: a block's rows start in different banks
-            rows = 128
-            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 2 * rows * act_stride + threads * 4 > max_shared):
-                rows //= 2
-            if 2 * rows * act_stride + threads * 4 > max_shared:
+            tiling = coopmat_tiling(kmax, coopmat, subgroup_size, max_shared, max_threads, max_subgroups)
+            if tiling is None:
                 raise too_wide
-            nacc = (rows // m_cm) * ncj
+            rows, sg_cols, sg_rows = tiling
+            ncj = math.ceil(kmax // coopmat[1] / sg_cols)
+            threads = sg_cols * sg_rows * subgroup_size
+            nacc = rows // coopmat[0] // sg_rows * ncj
             # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
-            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, subgroups,
-                       act_stride=act_stride, ncj=ncj)
+            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, sg_cols * sg_rows,
+                       act_stride=kmax + 8, ncj=ncj, sg_cols=sg_cols)
         act_elems = 4096 if max_shared >= 48 * 1024 else 2048
         micro_rows = 8 if max_shared >= 48 * 1024 else 4  # register tile rows (MR)
         threads = act_elems // (4 * micro_rows)
@@ -389,7 +443,8 @@ class Geometry:
         if self.coopmat:
             m_cm, n_cm, k_cm = self.coopmat
             lines += [f"#define NACC {self.nacc}", f"#define SUBGROUPS {self.subgroups}",
-                      f"#define NCJ {self.ncj}", f"#define NRB {self.rows_per_tile // m_cm}",
+                      f"#define SG_COLS {self.sg_cols}", f"#define NCJ {self.ncj}",
+                      f"#define NRB {self.rows_per_tile // m_cm // (self.subgroups // self.sg_cols)}",
                       f"#define AS {self.act_stride}",
                       f"#define STORE_HIDDEN_Z {int(self.store_hidden_z)}",
                       # the output layer's column in the fp32 pre-activation buffer
@@ -1458,9 +1513,33 @@ class VulkanBackend(Backend):
         coop_details["fp16_storage"] = "float16_t buffers (training's activations and deltas), rounded to nearest even"
         if usable and not reason:
             coop_details["tile_shape"] = "x".join(map(str, usable[0]))
+            coop_details["cooperative_matrix"] = (f"{vr.COOPMAT_EXT}: f16*f16+f32 {coop_details['tile_shape']}, "
+                                                  "subgroup scope")
+        coop_details["subgroup_size_control"] = (
+            f"required {dev.subgroup_size} ({vr.SUBGROUP_SIZE_EXT})" if dev.subgroup_size_range is not None
+            else f"the driver's ({dev.name} cannot require one); the kernels count subgroups of {dev.subgroup_size}")
+        coop_details.update(self._nv_extension_notes(dev, compiler_error))
         coop = ProbeRow("vulkan", "coopmat", not reason, reason=reason, mma_shapes=shapes,
                         details=coop_details, **common)
         return [coop, simt]
+
+    @staticmethod
+    def _nv_extension_notes(dev: vr.DeviceInfo, compiler_error: str) -> dict[str, str]:
+        """Per NVIDIA cooperative extension (workgroup-scope matrices, cooperative vectors): not
+        offered, or offered and why no variant uses it."""
+        from mmad.backends.vulkan.glsl import compiler_version, knows_extension
+
+        notes = {}
+        for ext, glsl_ext in NV_COOPERATIVE_EXTENSIONS.items():
+            if ext not in dev.extensions:
+                notes[ext] = f"not offered by {dev.name}"
+            elif compiler_error:
+                notes[ext] = f"offered, not used: {compiler_error}"
+            elif not knows_extension(glsl_ext):
+                notes[ext] = f"offered, not used: the GLSL compiler here ({compiler_version()}) does not support {glsl_ext}"
+            else:
+                notes[ext] = "offered, not used: no vulkan variant has kernels for it"
+        return notes
 
     def _placeable(self) -> list[vr.DeviceInfo]:
         """The physical devices models can be placed on: the best one (the probe's) and every
@@ -1508,7 +1587,8 @@ class VulkanBackend(Backend):
             raise BackendUnavailable("vulkan:coopmat", f"device {index} ({device.info.name}) does not offer "
                                      f"{vr.COOPMAT_EXT}")
         shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
-        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
+        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size,
+                                  min(512, device.info.max_workgroup_invocations), coopmat_subgroups_cap())
         check_tables_fit(spec, geometry, device.info.max_storage_range)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant,
@@ -1530,12 +1610,14 @@ class VulkanBackend(Backend):
             if name == "forward_train":
                 used[TRAINING_CONSTANT] = 1
             used.update(extra or {})
-            key = (index, hashlib.sha256(spirvs[name]).hexdigest(), tuple(sorted(used.items())))
+            # the cooperative-matrix kernels count subgroups (gl_SubgroupID) of the probed size
+            subgroup = device.info.subgroup_size if name in SUBGROUP_SIZED.get(variant, ()) else None
+            key = (index, hashlib.sha256(spirvs[name]).hexdigest(), tuple(sorted(used.items())), subgroup)
             with self._lock:
                 if key not in self._pipelines:
                     n_bind, push = interface[name]
                     self._pipelines[key] = vr.Pipeline(device, spirvs[name], n_bind, push, used,
-                                                       name=f"{variant}/{name}")
+                                                       name=f"{variant}/{name}", subgroup_size=subgroup)
                 return self._pipelines[key]
 
         pipelines = {name: pipeline(name) for name in sources}

@@ -97,7 +97,7 @@ void main() {
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
-                uint at = zbase + (row0 + uint(rb * CM_M)) * uint(outer) + uint(cb * CM_N);
+                uint at = zbase + (row0 + uint(row_block(rb) * CM_M)) * uint(outer) + uint(cb * CM_N);
                 if (STORE_HIDDEN_Z == 1) {
                     ACC_T z;
                     coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
@@ -111,7 +111,7 @@ void main() {
                 }
                 ACC16_T d = ACC16_T(acc[i]);
                 coopMatStore(d, D16, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-                coopMatStore(d, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(d, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
             }
         }
     }
@@ -128,7 +128,7 @@ void main() {
             int i = j * NRB + rb;
             [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(acc[i][e]);
             ACC16_T d = ACC16_T(acc[i]);
-            coopMatStore(d, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+            coopMatStore(d, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
         }
     }
     barrier();

@@ -67,7 +67,7 @@ void main() {
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
-                uint row = row0 + uint(rb * CM_M);
+                uint row = row0 + uint(row_block(rb) * CM_M);
                 if (TRAINING == 1 && (last || STORE_HIDDEN_Z == 1))
                     coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
                                  gl_CooperativeMatrixLayoutRowMajor);
@@ -91,7 +91,7 @@ void main() {
                         acc[i][e] = STORE_HIDDEN_Z == 1 || TRAINING == 0 ? h : flag_nonpositive(h, acc[i][e]);
                     }
                     ACC16_T h = ACC16_T(acc[i]);
-                    coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
+                    coopMatStore(h, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS),
                                  gl_CooperativeMatrixLayoutRowMajor);
                     if (TRAINING == 1)
                         coopMatStore(h, H16, hbase + row * uint(nout) + uint(cb * CM_N), uint(nout),

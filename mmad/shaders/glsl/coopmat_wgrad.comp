@@ -29,7 +29,7 @@ layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_sp
 #define WS (TILE + 8)
 #define BGROUPS (THREADS >= 2 * TILE ? 2 : 1)
 #define WG_BLOCKS ((TILE / CM_M) * (TILE / CM_N))
-#define WACC ((WG_BLOCKS + 3) / 4)
+#define WACC ((WG_BLOCKS + SUBGROUPS - 1) / SUBGROUPS)  // the blocks of a subgroup
 shared float16_t DS[RC * WS];
 shared float16_t HS[RC * WS];
 shared float BSUM[TILE];
