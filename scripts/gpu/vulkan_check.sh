@@ -40,7 +40,8 @@ for phase in $PHASES; do
         timeout 60 python3 -P -m mmad.cli probe --backend vulkan
         timeout 60 python3 -P -m mmad.cli probe --backend cuda; } 2>&1 | tee "$OUT/probe.log" | tee -a "$SUMMARY" ;;
     tests)
-      timeout ${TEST_TIMEOUT:-110} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-4} \
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
+      timeout ${TEST_TIMEOUT:-110} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
           tests/test_vulkan.py tests/test_vulkan_grids.py tests/test_vulkan_epochs.py ${TEST_SELECT:+-k "$TEST_SELECT"} \
           -rfEs --tb=short --durations=10 > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
