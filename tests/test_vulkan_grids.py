@@ -60,6 +60,34 @@ def test_grid_forward_gradients_and_adam(backend, variant, case, interpolation):
         check_training(m, spec, params, x, y)
 
 
+ENCODE_CASES = {**{f"{case}-{interp}": ({**CASES[case][0], "interpolation": interp}, CASES[case][1], 3)
+                   for case in CASES for interp in ("Linear", "Nearest", "Smoothstep")},
+                "instant-ngp": (INSTANT_NGP, 6, 4)}
+
+
+def test_encoded_input_equals_the_emulating_oracle_bit_for_bit(backend):
+    """grid.comp's encode (tcnn's positions, cells, weights and corner order; the host columns
+    copied, the padding zero) gives the first layer's input of the emulating cpu oracle bit for
+    bit, for every grid type and interpolation in 2 and 3 dims (with 4 dims' 16 corners the
+    oracle's sums land an ulp away in places: test_hash_grid_4d_fp32 bounds them)."""
+    from mmad.backends import numerics as nm
+
+    rng = np.random.default_rng()
+    for name, (encoding, dims, n_out) in ENCODE_CASES.items():
+        spec = grid_spec(encoding, dims, n_out=n_out)
+        params = random_params(spec, rng)
+        x = grid_inputs(rng, 300, dims)
+        emulate = oracle(spec, params, "emulate")
+        want, _ = nm.encode_with_lookups(spec.encoding, x.astype(emulate.dtype), emulate._grids)
+        with backend.compile(spec, "simt") as m:
+            m.set_params(params)
+            m.forward(x)
+            in_pad = m.geo.in_pad
+            enc = np.frombuffer(m._batch["enc"].read(300 * in_pad * 4), np.float32).reshape(300, in_pad)
+        np.testing.assert_array_equal(enc[:, :spec.n_encoded_dims], want.astype(np.float32), err_msg=name)
+        assert not enc[:, spec.n_encoded_dims:].any(), name
+
+
 def test_hash_grid_4d_fp32(backend):
     """4 input dims, one feature per level, fp32 (on simt, the backend's choice for fp32): the device
     then matches float64 to float32's rounding."""

@@ -175,18 +175,24 @@ class GridLayout:
             return None
         return cls(*grid_input_layout(spec))
 
-    def header(self, mlp_params: int) -> str:
+    def header(self, mlp_params: int, in_pad: int) -> str:
         """``#define``s and constant arrays of grid.comp (and GRID_PARTS / MLP_PARAMS, which the
-        backward and the optimizer test)."""
+        backward and the optimizer test); ``in_pad``: the columns of the first layer's input, of
+        which the encode writes the grid parts' per level and every other column (host-encoded or
+        padding) one by one."""
         def array(name: str, kind: str, values: list) -> str:
             values = values or [0]  # GLSL has no empty arrays
             return f"const {kind} {name}[{len(values)}] = {kind}[{len(values)}]({', '.join(map(str, values))});"
         levels = [lv for g in self.parts for lv in g.levels]
         modes = [m for g in self.parts for m in g.modes]
         level0 = [sum(len(g.levels) for g in self.parts[:k]) for k in range(len(self.parts))]
+        grid_cols = {g.column + j for g in self.parts for j in range(len(g.levels) * g.features)}
+        others = [c for c in range(in_pad) if c not in grid_cols]
         lines = [f"#define GRID_PARTS {len(self.parts)}", f"#define HOST_PARTS {len(self.host)}",
                  f"#define MLP_PARAMS {mlp_params}", f"#define X_COLS {self.x_pad}",
                  f"#define MAX_FEATURES {max(g.features for g in self.parts)}",
+                 f"#define GRID_TOTAL_LEVELS {len(levels)}", f"#define OTHER_COLS {len(others)}",
+                 array("OTHER_COLUMN", "int", others),
                  array("GRID_BEGIN", "int", [g.begin for g in self.parts]),
                  array("GRID_DIMS", "int", [g.dims for g in self.parts]),
                  array("GRID_COLUMN", "int", [g.column for g in self.parts]),
@@ -848,8 +854,11 @@ class VulkanModel(CompiledModel):
         return program
 
     def _encode_dispatch(self, x_buf: vr.Buffer, table: vr.Buffer, rows_pad: int) -> vr.Dispatch:
-        """grid.comp's encode: the batch buffer ``enc`` (rows_pad x IN_PAD) from the kernel input."""
-        groups = min(65535, math.ceil(rows_pad * self.geo.in_pad / 256))
+        """grid.comp's encode: the batch buffer ``enc`` (rows_pad x IN_PAD) from the kernel input, an
+        invocation per (row, grid level) and per (row, other column)."""
+        grid = self.geo.grid
+        per_row = self.geo.in_pad - sum(len(g.levels) * (g.features - 1) for g in grid.parts)
+        groups = min(65535, math.ceil(rows_pad * per_row / 256))
         return vr.Dispatch(self._pipelines["grid_encode"], [x_buf, table, self._batch["enc"]],
                            np.uint32(rows_pad).tobytes(), (groups, 1, 1))
 
@@ -867,9 +876,9 @@ class VulkanModel(CompiledModel):
             for part in self.geo.grid.parts:
                 dispatches.append(vr.Dispatch(p["grid_zero"], [self._ggrad], u32(part.index),
                                               (min(65535, math.ceil(part.entries * part.features / 256)), 1, 1)))
-                reads = n_rows * part.lookups
+                items = n_rows * len(part.levels)  # a (row, level) an invocation: its cell once, every corner
                 dispatches.append(vr.Dispatch(p["grid_scatter"], [x_buf, b["din"], self._ggrad],
-                                              u32(0, n_rows, part.index), (min(65535, math.ceil(reads / 256)), 1, 1)))
+                                              u32(0, n_rows, part.index), (min(65535, math.ceil(items / 256)), 1, 1)))
             return dispatches
         for part in self.geo.grid.parts:
             for c, (row_base, rows) in enumerate(self._grid_chunks(n_rows)):
@@ -1733,7 +1742,7 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, table_gradie
         files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
     headers = {"optimizer": param_header}
     if geometry.grid is not None:
-        grid_header = geometry.grid.header(geometry.n_params)
+        grid_header = geometry.grid.header(geometry.n_params, geometry.in_pad)
         headers = {"optimizer": param_header + grid_header, "backward": header + grid_header}
         stages = {"atomic": (("grid_encode", 0), ("grid_scatter", 3), ("grid_zero", 4)),
                   "sorted": (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2))}[table_gradient]
