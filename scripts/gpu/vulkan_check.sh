@@ -2,7 +2,7 @@
 # The vulkan backend on an offline NVIDIA host against the cuda backend on the same GPU, in one device
 # call (carry .gl and .whl: the Vulkan loader + GL dispatch debs and the wheels, docs/gpu-notes-vulkan.md).
 #   OUT=<dir> bash scripts/gpu/vulkan_check.sh [phase ...]
-# phases (default: env tests bench hashgrid ratios), each under `timeout`, logs and JSON under $OUT:
+# phases (default: env tests hashgrid bench ratios, about 5 minutes), each under `timeout`, logs and JSON under $OUT:
 #   env       the GPU, `mmad probe --backend vulkan` (every variant's extension, shapes or reason) and cuda's
 #   tests     the vulkan tests on the NVIDIA driver: tests/test_vulkan.py, test_vulkan_grids.py and
 #             test_vulkan_epochs.py on the variants of MMAD_TEST_VULKAN_VARIANTS (default coopmat: lavapipe
@@ -21,7 +21,7 @@ set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/vulkan-check-out}
 mkdir -p "$OUT"
-PHASES=${*:-"env tests bench hashgrid ratios"}
+PHASES=${*:-"env tests hashgrid bench ratios"}
 CUDA_BACKEND=${CUDA_BACKEND:-cuda}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -43,7 +43,7 @@ for phase in $PHASES; do
         timeout 60 python3 -P -m mmad.cli probe --backend cuda; } 2>&1 | tee "$OUT/probe.log" | tee -a "$SUMMARY" ;;
     tests)
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
-      timeout ${TEST_TIMEOUT:-110} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
+      timeout ${TEST_TIMEOUT:-100} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
           tests/test_vulkan.py tests/test_vulkan_grids.py tests/test_vulkan_epochs.py ${TEST_SELECT:+-k "$TEST_SELECT"} \
           -rfEs --tb=short --durations=10 > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
@@ -51,7 +51,7 @@ for phase in $PHASES; do
     bench)
       : > "$OUT/bench.log"
       for model in ${MODELS:-S M L W}; do  # a model a process: what finished survives the time limit
-        left=$(( ${BENCH_TIMEOUT:-170} - ($(date +%s) - start) ))
+        left=$(( ${BENCH_TIMEOUT:-120} - ($(date +%s) - start) ))
         [ "$left" -gt 5 ] || { echo "bench: no time left for $model" | tee -a "$SUMMARY"; break; }
         timeout $left python3 -P -m mmad.bench --backend "vulkan,$CUDA_BACKEND" --models $model --io fp16 \
             --mode both --peer none --repeats ${REPEATS:-10} ${BENCH_ARGS:-} --json "$OUT/bench-$model.json" \
@@ -76,7 +76,7 @@ merged.write_text(json.dumps(doc, indent=2))
 EOF
       grep -E "^\| [SMLW] |^Not timed|^Dispatcher" "$OUT/bench.log" | tee -a "$SUMMARY" ;;
     hashgrid)
-      timeout ${HASHGRID_TIMEOUT:-100} python3 -P -m mmad.cli bench --hashgrid --backend "vulkan,$CUDA_BACKEND" \
+      timeout ${HASHGRID_TIMEOUT:-60} python3 -P -m mmad.cli bench --hashgrid --backend "vulkan,$CUDA_BACKEND" \
           --precision fp16 --peer none --repeats ${HASHGRID_REPEATS:-5} ${HASHGRID_ARGS:-} \
           --json "$OUT/hashgrid-h200.json" > "$OUT/hashgrid.log" 2>&1
       echo "hashgrid bench rc=$? in $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
