@@ -15,6 +15,9 @@
 #   hashgrid  `mmad bench --hashgrid` (tcnn's hash-grid image config, tables 2^15 and 2^19, fp16) on vulkan
 #             and $CUDA_BACKEND; JSON to $OUT/hashgrid-h200.json
 #   ratios    the vulkan ÷ cuda table of both JSONs (the issue's bar: 0.8), printed last
+#   profile   vulkan:coopmat alone on PROFILE_MODELS (default L,W) with GPU timestamps per dispatch and the
+#             driver's pipeline statistics, with the default tiling and with MMAD_VULKAN_COOPMAT_SUBGROUPS=4
+#             (four column subgroups: half the tile rows for L and W): a summary to $OUT/profile.txt
 #   serve     the daemon on the vulkan backend end to end (client -> HTTP -> kernels)
 # Every measurement runs through `python3 -m mmad.bench` (= `mmad bench`, docs/benchmarks.md).
 set -u
@@ -81,6 +84,33 @@ EOF
           --json "$OUT/hashgrid-h200.json" > "$OUT/hashgrid.log" 2>&1
       echo "hashgrid bench rc=$? in $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
       tail -n 12 "$OUT/hashgrid.log" | tee -a "$SUMMARY" ;;
+    profile)
+      for cap in 16 4; do
+        MMAD_VULKAN_COOPMAT_SUBGROUPS=$cap timeout ${PROFILE_TIMEOUT:-60} python3 -P -m mmad.bench \
+            --backend vulkan:coopmat --models ${PROFILE_MODELS:-L,W} --io fp16 --mode both --peer none --repeats 5 \
+            --profile --json "$OUT/profile-$cap.json" > /dev/null 2>&1
+        echo "profile (at most $cap subgroups) rc=$?" | tee -a "$SUMMARY"
+      done
+      python3 -P - "$OUT" <<'EOF' 2>&1 | tee "$OUT/profile.txt" | tee -a "$SUMMARY"
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for cap in (16, 4):
+    path = out / f"profile-{cap}.json"
+    if not path.exists():
+        continue
+    for r in json.loads(path.read_text())["results"]:
+        geo = r.get("geometry", {})
+        split = ", ".join(f"{k.split('/')[-1]} {1e3 * v:.3f}" for k, v in r.get("gpu_split_s", {}).items())
+        regs = {name: max((v for ex in stats.values() for key, v in ex.items() if "egister" in key), default=None)
+                for name, stats in r.get("pipeline_stats", {}).items()}
+        print(f"{r['model']} {r['mode']} <= {cap} subgroups: R {geo.get('rows_per_tile')}, {geo.get('threads')} threads, "
+              f"{r['samples_per_s'] / 1e6:,.0f} M samples/s, GPU {1e3 * r.get('gpu_seconds', 0):.3f} ms"
+              + (f" ({split})" if split else "") + (f"; registers {regs}" if r["mode"] == "forward" else ""))
+    path.unlink()
+EOF
+      ;;
     serve)
       timeout 120 python3 -m mmad.bench --daemon-check --backend vulkan 2>&1 | tee "$OUT/serve.log" | tail -n 6 ;;
     ratios)
@@ -111,6 +141,6 @@ if grid.exists():
 print("\n".join(lines) if len(lines) > 2 else "no vulkan and cuda figures to compare")
 EOF
       ;;
-    *) echo "unknown phase $phase (env tests bench hashgrid ratios serve)" | tee -a "$SUMMARY" ;;
+    *) echo "unknown phase $phase (env tests hashgrid bench ratios profile serve)" | tee -a "$SUMMARY" ;;
   esac
 done

@@ -1018,8 +1018,13 @@ class VulkanModel(CompiledModel):
             return [(d.pipeline.name, t) for d, t in zip(program.dispatches, program.gpu_seconds())]
 
     def pipeline_statistics(self) -> dict[str, Any]:
-        """The driver's compiler statistics of each kernel (with MMAD_VULKAN_PIPELINE_STATS=1)."""
-        return {name: p.statistics() for name, p in self._pipelines.items()}
+        """The driver's compiler statistics of each kernel (with MMAD_VULKAN_PIPELINE_STATS=1), the
+        fp16 I/O kernels made so far too (``forward+in16+out16``, ...)."""
+        stats = {name: p.statistics() for name, p in self._pipelines.items()}
+        for (name, *constants), p in self._io_pipelines.items():
+            tags = {INPUT_F16_CONSTANT: "in16", OUTPUT_F16_CONSTANT: "out16"}
+            stats["+".join([name, *(tags[c] for c in constants)])] = p.statistics()
+        return stats
 
     def _evict_programs(self) -> None:
         # bounded: recorded programs hold descriptor pools and command buffers
