@@ -46,7 +46,7 @@ for phase in $PHASES; do
         timeout 60 python3 -P -m mmad.cli probe --backend cuda; } 2>&1 | tee "$OUT/probe.log" | tee -a "$SUMMARY" ;;
     tests)
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
-      timeout ${TEST_TIMEOUT:-100} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
+      timeout ${TEST_TIMEOUT:-90} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
           tests/test_vulkan.py tests/test_vulkan_grids.py tests/test_vulkan_epochs.py ${TEST_SELECT:+-k "$TEST_SELECT"} \
           -rfEs --tb=short --durations=10 > "$OUT/pytest.log" 2>&1
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
@@ -79,7 +79,7 @@ merged.write_text(json.dumps(doc, indent=2))
 EOF
       grep -E "^\| [SMLW] |^Not timed|^Dispatcher" "$OUT/bench.log" | tee -a "$SUMMARY" ;;
     hashgrid)
-      timeout ${HASHGRID_TIMEOUT:-60} python3 -P -m mmad.cli bench --hashgrid --backend "vulkan,$CUDA_BACKEND" \
+      timeout ${HASHGRID_TIMEOUT:-80} python3 -P -m mmad.cli bench --hashgrid --backend "vulkan,$CUDA_BACKEND" \
           --precision fp16 --peer none --repeats ${HASHGRID_REPEATS:-5} ${HASHGRID_ARGS:-} \
           --json "$OUT/hashgrid-h200.json" > "$OUT/hashgrid.log" 2>&1
       echo "hashgrid bench rc=$? in $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
