@@ -118,6 +118,19 @@ def test_probe_rows_describe_the_device(backend):
         assert r.available or r.reason
     simt = rows[1]
     assert simt.software == (simt.details["device_type"] == "cpu")
+    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, and why unused
+    coop = rows[0]
+    for ext in vulkan.NV_COOPERATIVE_EXTENSIONS:
+        note = coop.details[ext]
+        assert note.startswith(("not offered by", "offered, not used: ")), note
+    assert coop.details["subgroup_size_control"].startswith(("required ", "the driver's"))
+
+
+def test_glsl_extension_check():
+    """The probe's reason for an unused NVIDIA extension asks the compiler itself."""
+    glsl = pytest.importorskip("mmad.backends.vulkan.glsl")
+    assert glsl.knows_extension("GL_KHR_cooperative_matrix")
+    assert not glsl.knows_extension("GL_MMAD_no_such_extension")
 
 
 def test_probe_honours_coopmat_switch(monkeypatch):
@@ -408,6 +421,51 @@ def test_device_arrays_stay_on_device(backend, variant, cache):
     assert model.device_bytes() == before  # and freeing them gave every byte back
 
 
+@pytest.mark.parametrize("n_in", [32, 5])  # bench S's input, and one the kernels pad to 16 columns
+def test_fp16_device_arrays(backend, variant, cache, n_in):
+    """float16 rows uploaded stay float16 on the device and ``forward(..., out_dtype=float16)``
+    writes an fp16 device output (the cuda backend's fp16 I/O): the kernels round every input to
+    fp16 anyway, so the fp16 forward equals the float32 forward with its output rounded to fp16,
+    bit for bit, and training on fp16 device rows equals training on the same values as float32."""
+    spec = bench_spec("S").replace(n_input_dims=n_in)
+    model = model_for(backend, variant, cache, spec)
+    rng = np.random.default_rng()
+    x16 = rng.uniform(-1, 1, (700, n_in)).astype(np.float16)
+    y = rng.uniform(-1, 1, (700, spec.n_output_dims)).astype(np.float32)
+    dx = model.upload(x16)
+    assert dx.dtype == np.float16 and dx.buffer.size == dx.rows_pad * dx.padded_cols * 2  # 2 bytes a value
+    np.testing.assert_array_equal(model.download(dx), x16)
+    out = model.forward(dx, out_dtype=np.float16)
+    assert isinstance(out, vulkan.VulkanArray) and out.dtype == np.float16
+    got = model.download(out)
+    assert got.dtype == np.float16 and got.shape == (700, spec.n_output_dims)
+    want32 = model.forward(x16.astype(np.float32))
+    np.testing.assert_array_equal(got, want32.astype(np.float16))
+    assert rel(got, CpuBackend("float64").compile(spec).forward(x16.astype(np.float64))) <= FWD_TOL
+    np.testing.assert_array_equal(model.download(model.forward(dx)), want32)  # fp16 in, fp32 out
+    again = model.forward(dx, out_dtype=np.float16)
+    model.forward_into(dx, again).run(times=2)  # the recorded fp16 program, re-submitted
+    np.testing.assert_array_equal(model.download(again), got)
+    loss16, grads16 = model.loss_and_grads(dx, y)
+    loss32, grads32 = model.loss_and_grads(x16.astype(np.float32), y)
+    assert loss16 == loss32 and all(np.array_equal(grads16[k], grads32[k]) for k in grads32)
+    for a in (dx, out, again):
+        a.free()
+
+
+def test_encoded_inputs_are_stored_as_float32(backend, cache):
+    """An encoding's output is float32 whatever the rows were sent as: an encoded model's device
+    input is float32 (its fp16 output still comes back fp16)."""
+    spec = MLPSpec.from_json({"n_input_dims": 3, "n_output_dims": 2, "network": {"n_neurons": 32, "n_hidden_layers": 1},
+                              "encoding": {"otype": "Frequency", "n_frequencies": 4}})
+    model = model_for(backend, "simt", cache, spec)
+    x16 = np.random.default_rng().uniform(-1, 1, (300, 3)).astype(np.float16)
+    dx = model.upload(x16)
+    assert dx.dtype == np.float32
+    out = model.download(model.forward(dx, out_dtype=np.float16))
+    np.testing.assert_array_equal(out, model.forward(x16.astype(np.float32)).astype(np.float16))
+
+
 def test_gpu_timestamps_time_every_dispatch(backend, variant, cache):
     spec = bench_spec("S", seed=7)
     model = backend.compile(spec, variant, cache)
@@ -450,6 +508,47 @@ def test_fp16_conversion_probe(backend, cache):
     rounds_rne = vulkan.fp16_conversion_is_rne(device, cache)
     if device.info.software or "NVIDIA" in device.info.name:
         assert rounds_rne  # LLVM (lavapipe) and NVIDIA's driver (measured) convert with RNE
+
+
+SUBGROUP_PROBE = """#version 450
+#extension GL_KHR_shader_subgroup_basic : require
+layout(local_size_x = 64) in;
+layout(std430, binding = 0) writeonly buffer Out { uint SIZES[]; };
+void main() {
+    if (gl_LocalInvocationID.x == 0u) { SIZES[0] = gl_SubgroupSize; SIZES[1] = gl_NumSubgroups; }
+}
+"""
+
+
+def test_pipelines_require_the_probed_subgroup_size(backend, cache):
+    """Where the device lets a pipeline require its subgroup size (VK_EXT_subgroup_size_control,
+    core in 1.3: lavapipe and NVIDIA do), a pipeline asked for the probed size runs with it, in
+    full subgroups (the coopmat kernels count subgroups by it); a size outside the device's range
+    is not required (the driver's choice)."""
+    device = backend._open_device(0)
+    info = device.info
+    if info.subgroup_size_range is None:
+        pytest.skip(f"{info.name} cannot require a compute pipeline's subgroup size")
+    lo, hi = info.subgroup_size_range
+    assert lo <= info.subgroup_size <= hi
+    spirv = vulkan.build_spirv(SUBGROUP_PROBE, "subgroup probe", cache, info.name)
+    for asked, required in ((info.subgroup_size, info.subgroup_size), (hi * 2, None)):
+        pipeline = vulkan.vr.Pipeline(device, spirv, 1, 0, name="subgroup-probe", subgroup_size=asked)
+        out = device.buffer(16)
+        program = None
+        try:
+            assert pipeline.subgroup_size == required
+            program = vulkan.vr.Program(device, [vulkan.vr.Dispatch(pipeline, [out], b"", (1, 1, 1))])
+            program.run()
+            size, count = np.frombuffer(out.read(8), np.uint32)
+            if required:
+                assert (size, count) == (required, 64 // required)
+        finally:
+            if program is not None:
+                program.destroy()
+            out.free()
+            pipeline.destroy()
+    assert {"forward", "backward", "wgrad"} <= set(vulkan.SUBGROUP_SIZED["coopmat"])
 
 
 def test_close_frees_and_refuses_further_use(backend, variant, cache):

@@ -4,8 +4,9 @@ The grids run on the device (``shaders/glsl/grid.comp``): a kernel encodes the f
 from the raw dims (interpolating the table's compute-type copy), the backward runs on through the
 first layer into d loss / d encoded input, and the tables' gradients are summed with fp32
 atomicAdd where the device offers it (lavapipe does), else (and with MMAD_VULKAN_GRID_GRADIENT=sorted)
-by a bitonic sort of the table reads by table row and a gather (deterministic). Grid models run on
-the simt variant (lavapipe in CI). The cases, the data and the tolerances are test_webgpu_grids.py's
+by a bitonic sort of the table reads by table row and a gather (deterministic). The fp16 cases run on
+every variant the device offers (simt on lavapipe in CI; coopmat too on a GPU host); fp32 models run
+on simt, which the backend picks for them. The cases, the data and the tolerances are test_webgpu_grids.py's
 (docs/design.md): forward ≤ 3e-3 (fp16) / 1e-5 (fp32) relative to float64; gradients ≤ the forward
 tolerance + 1.25 × the emulating oracle's own distance from float64, and ≤ 2e-3 from the emulating
 oracle; the loss of 40 Adam steps within 5 % of the oracle's at every step.
@@ -31,7 +32,7 @@ vulkan = pytest.importorskip("mmad.backends.vulkan", reason="the vulkan Python p
 pytestmark = pytest.mark.vulkan
 
 
-from test_vulkan import backend  # noqa: E402,F401 - the module's Vulkan backend (skips without a device)
+from test_vulkan import backend, variant  # noqa: E402,F401 - the Vulkan backend (skips without a device), its variants
 
 # the gradients' bound against the emulating oracle when the tables' sums are atomic adds: they land
 # in another order than the oracle's bincount, as on cuda (test_cuda_grids.CUDA_GRAD_VS_EMULATE);
@@ -45,22 +46,51 @@ def grads_vs_emulate(m) -> dict:
 
 @pytest.mark.parametrize("interpolation", ["Linear", "Nearest", "Smoothstep"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_grid_forward_gradients_and_adam(backend, case, interpolation):
+def test_grid_forward_gradients_and_adam(backend, variant, case, interpolation):
     doc, dims = CASES[case]
     spec = grid_spec({**doc, "interpolation": interpolation}, dims)
     rng = np.random.default_rng()  # fresh data and tables each run
     params = random_params(spec, rng)
     x = grid_inputs(rng, 600, dims)
     y = targets(rng, x)
-    with backend.compile(spec) as m:
-        assert m.variant == "simt"
+    with backend.compile(spec, variant) as m:
+        assert m.variant == variant
         m.set_params(params)
         check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         check_training(m, spec, params, x, y)
 
 
+ENCODE_CASES = {**{f"{case}-{interp}": ({**CASES[case][0], "interpolation": interp}, CASES[case][1], 3)
+                   for case in CASES for interp in ("Linear", "Nearest", "Smoothstep")},
+                "instant-ngp": (INSTANT_NGP, 6, 4)}
+
+
+def test_encoded_input_equals_the_emulating_oracle_bit_for_bit(backend):
+    """grid.comp's encode (tcnn's positions, cells, weights and corner order; the host columns
+    copied, the padding zero) gives the first layer's input of the emulating cpu oracle bit for
+    bit, for every grid type and interpolation in 2 and 3 dims (with 4 dims' 16 corners the
+    oracle's sums land an ulp away in places: test_hash_grid_4d_fp32 bounds them)."""
+    from mmad.backends import numerics as nm
+
+    rng = np.random.default_rng()
+    for name, (encoding, dims, n_out) in ENCODE_CASES.items():
+        spec = grid_spec(encoding, dims, n_out=n_out)
+        params = random_params(spec, rng)
+        x = grid_inputs(rng, 300, dims)
+        emulate = oracle(spec, params, "emulate")
+        want, _ = nm.encode_with_lookups(spec.encoding, x.astype(emulate.dtype), emulate._grids)
+        with backend.compile(spec, "simt") as m:
+            m.set_params(params)
+            m.forward(x)
+            in_pad = m.geo.in_pad
+            enc = np.frombuffer(m._batch["enc"].read(300 * in_pad * 4), np.float32).reshape(300, in_pad)
+        np.testing.assert_array_equal(enc[:, :spec.n_encoded_dims], want.astype(np.float32), err_msg=name)
+        assert not enc[:, spec.n_encoded_dims:].any(), name
+
+
 def test_hash_grid_4d_fp32(backend):
-    """4 input dims, one feature per level, fp32: the device then matches float64 to float32's rounding."""
+    """4 input dims, one feature per level, fp32 (on simt, the backend's choice for fp32): the device
+    then matches float64 to float32's rounding."""
     spec = grid_spec({"otype": "HashGrid", "n_levels": 3, "log2_hashmap_size": 10, "base_resolution": 3,
                       "per_level_scale": 2.0, "n_features_per_level": 1}, 4, precision="fp32")
     rng = np.random.default_rng()
@@ -68,13 +98,14 @@ def test_hash_grid_4d_fp32(backend):
     x = grid_inputs(rng, 400, 4)
     y = targets(rng, x)
     with backend.compile(spec) as m:
+        assert m.variant == "simt"
         m.set_params(params)
         errors = check_forward_and_gradients(m, spec, params, x, y, **grads_vs_emulate(m))
         assert max(errors.values()) <= 1e-5, errors
         check_training(m, spec, params, x, y)
 
 
-def test_instant_ngp_composite(backend):
+def test_instant_ngp_composite(backend, variant):
     """instant-NGP's shape: a HashGrid of the 3-D position beside SphericalHarmonics of the
     direction (encoded on the host, uploaded beside the raw dims), 6 inputs, 12 + 16 encoded columns."""
     spec = grid_spec(INSTANT_NGP, 6, n_out=4)
@@ -85,7 +116,7 @@ def test_instant_ngp_composite(backend):
     direction = rng.normal(size=(500, 3))
     x[:, 3:] = (direction / np.linalg.norm(direction, axis=1, keepdims=True) + 1) / 2
     y = targets(rng, x, 4)
-    with backend.compile(spec) as m:
+    with backend.compile(spec, variant) as m:
         grid = m.geo.grid
         assert [g.index for g in grid.parts] == [0] and grid.host == ((12, 16, 6),) and grid.x_cols == 22
         m.set_params(params)
@@ -94,7 +125,7 @@ def test_instant_ngp_composite(backend):
 
 
 @pytest.mark.parametrize("gradient", vulkan.GRID_GRADIENTS)
-def test_two_grids_in_chunks_with_sgd(backend, monkeypatch, gradient):
+def test_two_grids_in_chunks_with_sgd(backend, variant, monkeypatch, gradient):
     """Two grid parts (two tables) around a host-encoded part, a batch in several training chunks
     (and, sorted, several table-gradient chunks whose sums are added) and SGD with momentum and
     l2_reg (tcnn's SGD steps a table like the layers); with either table gradient."""
@@ -113,7 +144,7 @@ def test_two_grids_in_chunks_with_sgd(backend, monkeypatch, gradient):
     params = random_params(spec, rng)
     x = grid_inputs(rng, 1000, 5)
     y = targets(rng, x)
-    with backend.compile(spec) as m:
+    with backend.compile(spec, variant) as m:
         assert m.grid_gradient == gradient
         assert len(m.geo.grid.parts) == 2 and len(m._grid_chunks(1000)) == 4 and len(m._chunks(1024)) == 4
         m.set_params(params)
@@ -170,7 +201,7 @@ def test_grid_parameters_state_and_determinism(backend, monkeypatch):
         np.testing.assert_array_equal(m.get_optimizer_state()["steps.grid0"], np.where(moved, state["step"][0], 0))
 
 
-def test_grid_model_with_ema_and_device_inputs(backend):
+def test_grid_model_with_ema_and_device_inputs(backend, variant):
     """tcnn's EMA wrapper averages the tables like the layers (inference reads the averages), and
     a grid model's inputs stay on the device (the kernels read raw inputs)."""
     optimizer = {"otype": "EMA", "decay": 0.9, "nested": ADAM}
@@ -179,7 +210,7 @@ def test_grid_model_with_ema_and_device_inputs(backend):
     params = random_params(spec, rng)
     x = grid_inputs(rng, 500, 2)
     y = targets(rng, x)
-    with backend.compile(spec) as m:
+    with backend.compile(spec, variant) as m:
         m.set_params(params)
         xd, yd = m.upload(x), m.upload_target(y)
         np.testing.assert_array_equal(m.download(xd), x)  # a grid model's device input is the raw input
@@ -203,13 +234,13 @@ def test_grid_model_with_ema_and_device_inputs(backend):
         assert rel_err(m.forward(x), averaged.forward(x)) <= FWD_TOL["fp16"]
         assert rel_err(served, raw) > 10 * FWD_TOL["fp16"]
         # a restored average is what inference serves
-        with backend.compile(spec) as twin:
+        with backend.compile(spec, variant) as twin:
             twin.set_params(m.get_params())
             twin.set_optimizer_state(state)
             np.testing.assert_array_equal(twin.forward(x), m.forward(x))
 
 
-def test_train_epochs_on_a_grid_model(backend, monkeypatch):
+def test_train_epochs_on_a_grid_model(backend, variant, monkeypatch):
     """A dataset held on the device (raw inputs and the host-encoded parts) trains through
     train_epochs exactly as train_step does on the same batches (with the sorted table gradient,
     whose sums repeat bit for bit; atomic adds land in another order each run)."""
@@ -220,7 +251,7 @@ def test_train_epochs_on_a_grid_model(backend, monkeypatch):
     rows, batch = 700, 300
     x = grid_inputs(rng, rows, 6)
     y = targets(rng, x, 4)
-    with backend.compile(spec, cache=KernelCache()) as device, backend.compile(spec, cache=KernelCache()) as host:
+    with backend.compile(spec, variant, KernelCache()) as device, backend.compile(spec, variant, KernelCache()) as host:
         for m in (device, host):
             m.set_params(params)
         data = device.put_dataset([(x[:400], y[:400]), (x[400:], y[400:])], rows, np.float32, np.float32)
@@ -275,10 +306,35 @@ def test_grid_gradient_setting_is_checked_against_the_device(monkeypatch):
         vulkan.grid_gradient(with_atomics)
 
 
-def test_grid_models_take_the_simt_variant():
-    """The coopmat kernels have no grid backward: asking for it is refused by name (auto-selection
-    takes simt for a grid model)."""
-    spec = grid_spec(HASH_2D, 2)
-    geometry = vulkan.Geometry.build(spec, 49152, (16, 16, 16))
-    with pytest.raises(SpecError, match="simt variant only"):
-        vulkan.kernel_sources(spec, geometry, "coopmat")
+def test_grid_models_share_the_grid_kernels_between_variants():
+    """coopmat trains grid models with the grid kernels simt uses (one source, the same headers):
+    only the fused MLP kernels differ, and both backwards run on into d loss / d encoded input."""
+    spec = grid_spec(INSTANT_NGP, 6, n_out=4)
+    simt = vulkan.kernel_sources(spec, vulkan.Geometry.build(spec, 49152), "simt", "sorted")
+    coop = vulkan.kernel_sources(spec, vulkan.Geometry.build(spec, 49152, (16, 16, 16)), "coopmat", "sorted")
+    grid_kernels = {name for name in simt if name.startswith("grid_")}
+    assert grid_kernels == {"grid_encode", "grid_keys", "grid_gather", "grid_sort", "grid_sort_block"}
+    assert grid_kernels <= set(coop)
+    # the encode's header has the tile geometry's defines too (R, THREADS, ...), which differ: the
+    # grid part of each (its defines and arrays, and the stage) is the same
+    for name in grid_kernels:
+        if name.startswith("grid_sort"):  # no model header at all
+            assert simt[name] == coop[name]
+            continue
+        grid_part = lambda src: src[src.index("#define GRID_PARTS"):]  # noqa: E731
+        assert grid_part(simt[name]) == grid_part(coop[name]), name
+    for sources in (simt, coop):
+        assert "#define GRID_PARTS 1" in sources["backward"] and "#define GRID_PARTS 1" in sources["optimizer"]
+    assert vulkan.pipeline_interface("coopmat", True)["backward"] == (7, 44)
+    assert vulkan.pipeline_interface("simt", True)["backward"] == (6, 44)
+
+
+def test_fp32_models_take_the_simt_variant(backend):
+    """The cooperative matrices multiply fp16 operands: a precision fp32 model, grid or not, runs on
+    simt when the backend chooses, and asking for coopmat is refused by name."""
+    fp32 = grid_spec(HASH_2D, 2, precision="fp32")
+    assert vulkan.variant_choices(fp32) == ("simt",)
+    assert vulkan.variant_choices(grid_spec(HASH_2D, 2)) == ("coopmat", "simt")
+    with pytest.raises(SpecError, match="precision fp32 model runs on vulkan:simt") as info:
+        backend.compile(fp32, "coopmat")
+    assert info.value.field == "precision"

@@ -68,6 +68,8 @@ def test_probe(backend):
     assert row.device and row.details["backend_type"]
     assert row.details["limits"]["max-compute-workgroup-storage-size"] >= 16384
     assert row.details["f16"] == ("shader-f16" in row.details["features"])
+    assert row.details["cooperative_matrix"].startswith(
+        "offered (8x8 f32)" if "cooperative-matrix" in row.details["features"] else "cooperative-matrix not offered")
     cpu_adapter = row.details["adapter_type"] == "CPU" or "llvmpipe" in row.device.lower()
     assert row.software == cpu_adapter
 

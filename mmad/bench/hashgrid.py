@@ -14,7 +14,7 @@ uniform in [0, 1)^2, targets ``demo_field`` of them. For each backend and table:
   oracle with the same parameters (``mmad.bench.kernels.oracle_check``); above 3e-3 for fp16
   or 1e-4 for fp32 the backend is not timed and the run fails;
 * inference: ``forward(dx, out_dtype=float16)`` on device-array positions (fp32 in, fp16 out:
-  tcnn's I/O; vulkan and wgpu device arrays are float32 out), timed as ``mmad bench`` times a
+  tcnn's I/O; wgpu device arrays are float32 out), timed as ``mmad bench`` times a
   forward on that backend (mmad.bench.kernels: CUDA events over three rotated input sets on
   cuda, a recorded program re-submitted 10 times on vulkan, 10 calls a sample on wgpu);
 * training: ``train_step(dx, dy, steps)``, one call of ``--steps-per-sample`` steps whose
@@ -23,8 +23,7 @@ uniform in [0, 1)^2, targets ``demo_field`` of them. For each backend and table:
   the last below the first, else the run fails.
 
 A backend that cannot run here or refuses the model (BackendUnavailable, SpecError: vulkan's
-coopmat variant has no grid kernels, cuda none yet) is a "refused" row with its reason, not an
-error of the run.
+coopmat variant a precision fp32 model) is a "refused" row with its reason, not an error of the run.
 
 The PyTorch peer (``--peer torch``) is ``mmad.export.to_torch``: the same model in plain torch
 ops with the grid tables as parameters (checked against the float64 oracle in

@@ -11,7 +11,8 @@ loss, backward, Adam) as the median of ``--repeats`` samples after warm-up (mmad
   reads its loss); the forward rotates three input sets so that repeated calls do not time an
   input left in L2; ``--io fp16`` is ``forward(x16, out_dtype=float16)`` on fp16 device inputs
   (the PyTorch peer's own I/O);
-* vulkan — the forward's recorded program re-submitted 10 times a sample, training
+* vulkan — the forward's recorded program re-submitted 10 times a sample (``--io fp16``: fp16
+  device input and output, as on cuda), training
   ``train_step(steps=10)`` (a submission's wait is spread over 10 calls); a batch over the
   device's storage-buffer range trains on halves, its rate scaled to the full batch;
   ``--profile`` adds the GPU timestamps of each dispatch and the driver's pipeline statistics;
@@ -52,7 +53,7 @@ INPUT_SETS = 3
 # vulkan and wgpu: a sample's synchronisation (a fence wait, a read-back) costs about a
 # millisecond, so each sample is this many back-to-back calls
 CALLS_PER_SAMPLE = {"vulkan": 10, "wgpu": 10}
-DEVICE_FP32_ONLY = ("vulkan", "wgpu")  # their device arrays are float32 in and out
+DEVICE_FP32_ONLY = ("wgpu",)  # its device arrays are float32 in and out
 PROFILED = ("cuda", "vulkan")
 MODES = {"forward": ("forward",), "train": ("train",), "both": ("forward", "train")}
 ROWS_GPU = 1 << 20
@@ -466,7 +467,7 @@ def _measure_vulkan(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> di
         if any(stats.values()):
             result["pipeline_stats"] = stats
     if mode == "forward":
-        out = model.forward(dev_in)
+        out = model.forward(dev_in, out_dtype=out_dtype)
         program = model.forward_into(dev_in, out, run=False)
         result["seconds"] = timing.median_seconds(lambda: program.run(times=reps), opts.repeats, warmup=1, calls=reps)
         if opts.profile:

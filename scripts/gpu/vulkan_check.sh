@@ -1,46 +1,146 @@
 #!/usr/bin/env bash
-# Vulkan backend on an offline NVIDIA host (the host: docs/gpu-notes-vulkan.md): unpack the Vulkan loader + GL
-# dispatch debs and the wheels carried in .gl/ and .whl/, map the mmad package, run the vulkan
-# tests on the NVIDIA driver (simt + coopmat, plus the 2^20-row cases), then the throughput
-# benchmark vs PyTorch fp16, then (SERVE=1, the default) the daemon on the vulkan backend end to
-# end (client -> HTTP -> coopmat kernels). Logs and JSON go to $OUT (default ./vulkan-check-out).
-# TEST_SELECT: a pytest -k expression; BENCH_ARGS: more `mmad bench` options (e.g. '--models M');
-# SERVE=0 skips the daemon; PYTEST=0 and BENCH=0 skip the tests and the throughput benchmark;
-# JOBS=<models> also runs `mmad bench --jobs` (training jobs through the daemon against in-process
-# and PyTorch, docs/benchmarks.md) on vulkan:coopmat, its JSON to $OUT/jobs.json.
-# The benchmark and the daemon check run through `python3 -m mmad.bench`.
+# The vulkan backend on an offline NVIDIA host against the cuda backend on the same GPU, in one device
+# call (carry .gl and .whl: the Vulkan loader + GL dispatch debs and the wheels, docs/gpu-notes-vulkan.md).
+#   OUT=<dir> bash scripts/gpu/vulkan_check.sh [phase ...]
+# phases (default: env tests hashgrid bench ratios, about 5 minutes), each under `timeout`, logs and JSON under $OUT:
+#   env       the GPU, `mmad probe --backend vulkan` (every variant's extension, shapes or reason) and cuda's
+#   tests     the vulkan tests on the NVIDIA driver: tests/test_vulkan.py, test_vulkan_grids.py and
+#             test_vulkan_epochs.py on the variants of MMAD_TEST_VULKAN_VARIANTS (default coopmat: lavapipe
+#             in CI runs simt), TEST_SELECT a -k expression, MMAD_TEST_VULKAN_LARGE=1 adds the 2^20-row cases
+#   bench     `mmad bench` forward + training, 2^20 rows, fp16 I/O, on vulkan (its best variant) and
+#             $CUDA_BACKEND (default cuda: the variant its dispatcher chooses, measured once per model and
+#             kept in the kernel cache: cold, it takes minutes a model) in one process per model of
+#             MODELS (default "S M L W"), within BENCH_TIMEOUT seconds in all; the rows are merged into
+#             $OUT/vulkan-h200.json (BENCH_ARGS: more options, e.g. '--profile')
+#   hashgrid  `mmad bench --hashgrid` (tcnn's hash-grid image config, tables 2^15 and 2^19, fp16) on vulkan
+#             and $CUDA_BACKEND; JSON to $OUT/hashgrid-h200.json
+#   ratios    the vulkan ÷ cuda table of both JSONs (the issue's bar: 0.8), printed last
+#   profile   vulkan:coopmat alone on PROFILE_MODELS (default L,W) with GPU timestamps per dispatch and the
+#             driver's pipeline statistics, with the default tiling and with MMAD_VULKAN_COOPMAT_SUBGROUPS=4
+#             (four column subgroups: half the tile rows for L and W): a summary to $OUT/profile.txt
+#   serve     the daemon on the vulkan backend end to end (client -> HTTP -> kernels)
+# Every measurement runs through `python3 -m mmad.bench` (= `mmad bench`, docs/benchmarks.md).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/vulkan-check-out}
 mkdir -p "$OUT"
+PHASES=${*:-"env tests hashgrid bench ratios"}
+CUDA_BACKEND=${CUDA_BACKEND:-cuda}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+. scripts/gpu/site.sh
 export PYTHONPATH=/tmp/site:$PWD:$PWD/client  # the packages are ./mmad and ./client/mmad_client (not installed there)
 export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
-export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-1}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ "${PYTEST:-1}" = 1 ]; then
-  python3 -P -m pytest -q -p no:cacheprovider tests/test_vulkan.py tests/test_vulkan_coopmat.py tests/test_vulkan_epochs.py \
-      ${TEST_SELECT:+-k "$TEST_SELECT"} --durations=10 >"$OUT/pytest.log" 2>&1
-  echo "pytest exit $?" >>"$OUT/pytest.log"
-  tail -n 40 "$OUT/pytest.log"
-fi
-python3 -P -m mmad.cli probe --backend vulkan 2>&1 | tee "$OUT/probe.log"
-# both variants against PyTorch fp16 in the same run; --profile: GPU timestamps per dispatch and the
-# driver's pipeline statistics (registers, spills) as well
-if [ "${BENCH:-1}" = 1 ]; then
-  python3 -P -m mmad.bench --backend vulkan:simt,vulkan:coopmat --profile --json "$OUT/vulkan_bench.json" \
-      ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 24
-fi
-if [ -n "${JOBS:-}" ]; then
-  timeout ${JOBS_TIMEOUT:-300} python3 -P -m mmad.bench --jobs --backend vulkan:coopmat --models "$JOBS" \
-      --repeats ${JOBS_REPEATS:-2} --seconds ${JOBS_SECONDS:-0.6} ${JOBS_EXTRA:-} --json "$OUT/jobs.json" \
-      > "$OUT/jobs.log" 2>&1
-  echo "jobs bench rc=$?"; tail -n 8 "$OUT/jobs.log"
-fi
-if [ "${SERVE:-1}" = 1 ]; then
-  echo "--- daemon on MMAD_BACKEND=vulkan, end to end"
-  timeout 240 python3 -m mmad.bench --daemon-check --backend vulkan 2>&1 | tee "$OUT/serve.log" | tail -n 6
-fi
+export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-0}
+export MMAD_TEST_VULKAN_VARIANTS=${MMAD_TEST_VULKAN_VARIANTS:-coopmat}
+
+for phase in $PHASES; do
+  start=$(date +%s)
+  case $phase in
+    env)
+      { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+        timeout 60 python3 -P -m mmad.cli probe --backend vulkan
+        timeout 60 python3 -P -m mmad.cli probe --backend cuda; } 2>&1 | tee "$OUT/probe.log" | tee -a "$SUMMARY" ;;
+    tests)
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")
+      timeout ${TEST_TIMEOUT:-90} python3 -P -m pytest -q -p no:cacheprovider -o addopts="" $workers \
+          tests/test_vulkan.py tests/test_vulkan_grids.py tests/test_vulkan_epochs.py ${TEST_SELECT:+-k "$TEST_SELECT"} \
+          -rfEs --tb=short --durations=10 > "$OUT/pytest.log" 2>&1
+      echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
+      grep -E "^(FAILED|ERROR) " "$OUT/pytest.log" | sort -u | head -30 | tee -a "$SUMMARY" ;;
+    bench)
+      : > "$OUT/bench.log"
+      for model in ${MODELS:-S M L W}; do  # a model a process: what finished survives the time limit
+        left=$(( ${BENCH_TIMEOUT:-120} - ($(date +%s) - start) ))
+        [ "$left" -gt 5 ] || { echo "bench: no time left for $model" | tee -a "$SUMMARY"; break; }
+        timeout $left python3 -P -m mmad.bench --backend "vulkan,$CUDA_BACKEND" --models $model --io fp16 \
+            --mode both --peer none --repeats ${REPEATS:-10} ${BENCH_ARGS:-} --json "$OUT/bench-$model.json" \
+            >> "$OUT/bench.log" 2>&1
+        echo "bench $model rc=$? at $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
+      done
+      # the models' rows into one document (a later call's rows of a model replace an earlier call's)
+      python3 -P - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+merged = out / "vulkan-h200.json"
+doc = json.loads(merged.read_text()) if merged.exists() else {"results": [], "errors": []}
+for part in sorted(out.glob("bench-*.json")):
+    one = json.loads(part.read_text())
+    models = {r["model"] for r in one["results"]}
+    doc = {**one, "results": [r for r in doc["results"] if r["model"] not in models] + one["results"],
+           "errors": doc.get("errors", []) + one["errors"]}
+    part.unlink()
+merged.write_text(json.dumps(doc, indent=2))
+EOF
+      grep -E "^\| [SMLW] |^Not timed|^Dispatcher" "$OUT/bench.log" | tee -a "$SUMMARY" ;;
+    hashgrid)
+      timeout ${HASHGRID_TIMEOUT:-80} python3 -P -m mmad.cli bench --hashgrid --backend "vulkan,$CUDA_BACKEND" \
+          --precision fp16 --peer none --repeats ${HASHGRID_REPEATS:-5} ${HASHGRID_ARGS:-} \
+          --json "$OUT/hashgrid-h200.json" > "$OUT/hashgrid.log" 2>&1
+      echo "hashgrid bench rc=$? in $(( $(date +%s) - start )) s" | tee -a "$SUMMARY"
+      tail -n 12 "$OUT/hashgrid.log" | tee -a "$SUMMARY" ;;
+    profile)
+      for cap in 16 4; do
+        MMAD_VULKAN_COOPMAT_SUBGROUPS=$cap timeout ${PROFILE_TIMEOUT:-60} python3 -P -m mmad.bench \
+            --backend vulkan:coopmat --models ${PROFILE_MODELS:-L,W} --io fp16 --mode both --peer none --repeats 5 \
+            --profile --json "$OUT/profile-$cap.json" > /dev/null 2>&1
+        echo "profile (at most $cap subgroups) rc=$?" | tee -a "$SUMMARY"
+      done
+      python3 -P - "$OUT" <<'EOF' 2>&1 | tee "$OUT/profile.txt" | tee -a "$SUMMARY"
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for cap in (16, 4):
+    path = out / f"profile-{cap}.json"
+    if not path.exists():
+        continue
+    for r in json.loads(path.read_text())["results"]:
+        geo = r.get("geometry", {})
+        split = ", ".join(f"{k.split('/')[-1]} {1e3 * v:.3f}" for k, v in r.get("gpu_split_s", {}).items())
+        regs = {name: max((v for ex in stats.values() for key, v in ex.items() if "egister" in key), default=None)
+                for name, stats in r.get("pipeline_stats", {}).items()}
+        print(f"{r['model']} {r['mode']} <= {cap} subgroups: R {geo.get('rows_per_tile')}, {geo.get('threads')} threads, "
+              f"{r['samples_per_s'] / 1e6:,.0f} M samples/s, GPU {1e3 * r.get('gpu_seconds', 0):.3f} ms"
+              + (f" ({split})" if split else "") + (f"; registers {regs}" if r["mode"] == "forward" else ""))
+    path.unlink()
+EOF
+      ;;
+    serve)
+      timeout 120 python3 -m mmad.bench --daemon-check --backend vulkan 2>&1 | tee "$OUT/serve.log" | tail -n 6 ;;
+    ratios)
+      python3 -P - "$OUT/vulkan-h200.json" "$OUT/hashgrid-h200.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+from pathlib import Path
+
+bench, grid = (Path(p) for p in sys.argv[1:3])
+lines = ["| model | pass | vulkan | M samples/s | cuda | M samples/s | vulkan ÷ cuda |", "|---|---|---|---|---|---|---|"]
+if bench.exists():
+    rows = json.loads(bench.read_text())["results"]
+    for model in ("S", "M", "L", "W"):
+        for mode in ("forward", "train"):
+            got = {r["backend"].partition(":")[0]: r for r in rows if r["model"] == model and r["mode"] == mode}
+            if "vulkan" in got and "cuda" in got:
+                v, c = got["vulkan"], got["cuda"]
+                lines.append(f"| {model} | {mode} ({v['io']}) | {v['backend']} | {v['samples_per_s'] / 1e6:,.0f} | "
+                             f"{c['backend']} | {c['samples_per_s'] / 1e6:,.0f} | {c['seconds'] / v['seconds']:.2f} |")
+if grid.exists():
+    rows = [r for r in json.loads(grid.read_text())["results"] if r["status"] == "measured"]
+    for size in sorted({r["log2_hashmap_size"] for r in rows}):
+        got = {r["backend"].partition(":")[0]: r for r in rows if r["log2_hashmap_size"] == size}
+        for mode, key in (("forward", "infer_msps"), ("train", "train_msps")):
+            if "vulkan" in got and "cuda" in got:
+                v, c = got["vulkan"], got["cuda"]
+                lines.append(f"| hash 2^{size} | {mode} | {v['backend']} | {v[key]:,.0f} | {c['backend']} | "
+                             f"{c[key]:,.0f} | {v[key] / c[key]:.2f} |")
+print("\n".join(lines) if len(lines) > 2 else "no vulkan and cuda figures to compare")
+EOF
+      ;;
+    *) echo "unknown phase $phase (env tests hashgrid bench ratios profile serve)" | tee -a "$SUMMARY" ;;
+  esac
+done

@@ -16,7 +16,7 @@ every product accumulates in fp32; bias and activation act on the fp32 accumulat
 layer stays fp32. Masters and Adam/SGD state are fp32 on the device; the fp16 copies (two
 layouts: transposed for forward, plain for backward) are refreshed by the optimizer kernel.
 Encodings without parameters run on the host (``CompiledModel.encode``) before upload. The grid
-encodings (HashGrid, DenseGrid, TiledGrid; simt only) run on the device (``shaders/glsl/grid.comp``):
+encodings (HashGrid, DenseGrid, TiledGrid; both variants) run on the device (``shaders/glsl/grid.comp``):
 a kernel input of raw dims and host-encoded columns is encoded on the device before the forward,
 the backward runs on through the first layer, and the tables' gradients are fp32 atomic adds where
 the device offers them (tcnn's scatter), else a sort and a gather (deterministic; ``GRID_GRADIENT_ENV``
@@ -62,13 +62,17 @@ VARIANTS = ("coopmat", "simt")
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (13, 20),
                       "finalize": (2, 16), "gather": (5, 48)}
 COOPMAT_INTERFACE = {**PIPELINE_INTERFACE, "forward": (6, 24), "forward_train": (6, 24), "backward": (6, 44)}
+# kernels whose work is divided by subgroup (gl_SubgroupID, THREADS = subgroups x the probed size):
+# their pipelines require that subgroup size where the device lets them (VK_EXT_subgroup_size_control)
+SUBGROUP_SIZED = {"coopmat": ("forward", "forward_train", "backward", "wgrad")}
 # coopmat_forward.comp's specialization constant that makes its training pipeline
 TRAINING_CONSTANT = 14
-# grid models (simt): the backward also writes d loss / d encoded input, the optimizer steps the
-# tables too; the grid kernels (grid.comp, grid_sort.comp)
-GRID_INTERFACE = {**PIPELINE_INTERFACE, "backward": (6, 44), "optimizer": (17, 20), "grid_encode": (3, 4),
-                  "grid_keys": (4, 16), "grid_gather": (5, 16), "grid_sort": (2, 12), "grid_sort_block": (2, 12),
-                  "grid_scatter": (3, 12), "grid_zero": (1, 4)}
+# mlp_common.glsl's INPUT_F16 / OUTPUT_F16: the kernels that read the input rows (forward, layer
+# 0's weight gradient) or write the output (forward) specialised for fp16 device arrays
+INPUT_F16_CONSTANT, OUTPUT_F16_CONSTANT = 17, 18
+# the grid kernels (grid.comp, grid_sort.comp), the same for both variants
+GRID_KERNELS = {"grid_encode": (3, 4), "grid_keys": (4, 16), "grid_gather": (5, 16), "grid_sort": (2, 12),
+                "grid_sort_block": (2, 12), "grid_scatter": (3, 12), "grid_zero": (1, 4)}
 # a grid model's table gradient sorts at most this many table reads (rows x levels x corners) at
 # once: the batch's rows are taken in chunks of that many reads, each chunk's sums added
 MAX_GRID_LOOKUPS = 1 << 22
@@ -82,6 +86,8 @@ ROW_ALIGN = 128
 HIST_CAP = 1024
 BIAS_ROWS = 16  # biases are stored row-replicated so a coopmat accumulator can load them  # loss history slots in the control block: steps per submission
 COOPMAT_ENV = "MMAD_VULKAN_COOPMAT"
+# the most subgroups a coopmat workgroup may have (4, 8 or 16; coopmat_tiling)
+COOPMAT_SUBGROUPS_ENV = "MMAD_VULKAN_COOPMAT_SUBGROUPS"
 # 1: open the device with VK_KHR_pipeline_executable_properties (compiler statistics per kernel)
 PIPELINE_STATS_ENV = "MMAD_VULKAN_PIPELINE_STATS"
 # 1: bake activations/loss into each pipeline (default on GPUs); 0: push constants, shared
@@ -92,8 +98,40 @@ SPECIALIZE_ENV = "MMAD_VULKAN_SPECIALIZE"
 # by table row and summed in a fixed order: bit-identical repeats, on every device)
 GRID_GRADIENT_ENV = "MMAD_VULKAN_GRID_GRADIENT"
 GRID_GRADIENTS = ("atomic", "sorted")
+# NVIDIA's cooperative extensions beyond VK_KHR_cooperative_matrix and their GLSL extensions: the
+# probe says whether the device offers each and why no variant uses it
+NV_COOPERATIVE_EXTENSIONS = {"VK_NV_cooperative_matrix2": "GL_NV_cooperative_matrix2",
+                             "VK_NV_cooperative_vector": "GL_NV_cooperative_vector"}
 # shape families the coopmat kernels are written for (M, N, K), best first
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
+
+
+def coopmat_subgroups_cap() -> int:
+    """The most subgroups a coopmat workgroup may have (COOPMAT_SUBGROUPS_ENV, default 16); 4
+    gives the layout of four column subgroups for every width (benchmarks compare the two)."""
+    asked = os.environ.get(COOPMAT_SUBGROUPS_ENV, "").strip()
+    if not asked:
+        return 16
+    if asked not in ("4", "8", "16"):
+        raise SpecError(COOPMAT_SUBGROUPS_ENV, f"must be 4, 8 or 16; got {asked!r}")
+    return int(asked)
+
+
+def variant_choices(spec: MLPSpec) -> tuple[str, ...]:
+    """The variants that compute ``spec`` as its precision says, best first: the cooperative
+    matrices multiply fp16 operands, so a precision fp32 model runs on simt only."""
+    return ("simt",) if spec.precision == "fp32" else VARIANTS
+
+
+def pipeline_interface(variant: str, grid: bool) -> dict[str, tuple[int, int]]:
+    """(storage buffers, push-constant bytes) of each kernel of a model: a grid model's backward
+    also writes d loss / d encoded input, its optimizer steps the tables too, and it has the grid
+    kernels."""
+    interface = dict(COOPMAT_INTERFACE if variant == "coopmat" else PIPELINE_INTERFACE)
+    if grid:
+        n_bind, push = interface["backward"]
+        interface.update(GRID_KERNELS, backward=(n_bind + 1, push), optimizer=(17, 20))
+    return interface
 
 
 def _round_up(x: int, m: int) -> int:
@@ -137,18 +175,24 @@ class GridLayout:
             return None
         return cls(*grid_input_layout(spec))
 
-    def header(self, mlp_params: int) -> str:
+    def header(self, mlp_params: int, in_pad: int) -> str:
         """``#define``s and constant arrays of grid.comp (and GRID_PARTS / MLP_PARAMS, which the
-        backward and the optimizer test)."""
+        backward and the optimizer test); ``in_pad``: the columns of the first layer's input, of
+        which the encode writes the grid parts' per level and every other column (host-encoded or
+        padding) one by one."""
         def array(name: str, kind: str, values: list) -> str:
             values = values or [0]  # GLSL has no empty arrays
             return f"const {kind} {name}[{len(values)}] = {kind}[{len(values)}]({', '.join(map(str, values))});"
         levels = [lv for g in self.parts for lv in g.levels]
         modes = [m for g in self.parts for m in g.modes]
         level0 = [sum(len(g.levels) for g in self.parts[:k]) for k in range(len(self.parts))]
+        grid_cols = {g.column + j for g in self.parts for j in range(len(g.levels) * g.features)}
+        others = [c for c in range(in_pad) if c not in grid_cols]
         lines = [f"#define GRID_PARTS {len(self.parts)}", f"#define HOST_PARTS {len(self.host)}",
                  f"#define MLP_PARAMS {mlp_params}", f"#define X_COLS {self.x_pad}",
                  f"#define MAX_FEATURES {max(g.features for g in self.parts)}",
+                 f"#define GRID_TOTAL_LEVELS {len(levels)}", f"#define OTHER_COLS {len(others)}",
+                 array("OTHER_COLUMN", "int", others),
                  array("GRID_BEGIN", "int", [g.begin for g in self.parts]),
                  array("GRID_DIMS", "int", [g.dims for g in self.parts]),
                  array("GRID_COLUMN", "int", [g.column for g in self.parts]),
@@ -169,6 +213,46 @@ class GridLayout:
                  array("HOST_WIDTH", "int", [h[1] for h in self.host]),
                  array("HOST_SRC", "int", [h[2] for h in self.host])]
         return "\n".join(lines) + "\n"
+
+
+MAX_ACCUMULATORS = 8  # coopmat accumulator blocks per subgroup (registers: 8 x 16 x 16 fp32 = 32 a thread)
+MIN_SUBGROUPS = 4
+
+
+def coopmat_tiling(kmax: int, shape: tuple[int, int, int], subgroup_size: int, max_shared: int,
+                   max_threads: int = 512, max_subgroups: int = 16) -> tuple[int, int, int] | None:
+    """(rows per tile R, SG_COLS, SG_ROWS) of the coopmat kernels: subgroup s owns column blocks
+    s % SG_COLS + j * SG_COLS (NCJ of them at the widest layer) over R / CM_M / SG_ROWS row blocks
+    (its row group s / SG_COLS). Each weight block is read from global memory once per subgroup
+    and reused for every row block it owns, so the tile takes as many rows as fit (up to
+    ROW_ALIGN; the activation tile, R x (KMAX + 8) halves, in shared memory) with at most
+    MAX_ACCUMULATORS blocks per subgroup; wide layers get more subgroups side by side rather than
+    fewer rows (L, W: 8 column subgroups instead of 4 doubles R). Among the layouts of that R: the
+    most accumulators a subgroup, then the fewest threads, then the fewest row groups. Subgroup
+    counts are powers of two (the backward's loss reduction halves THREADS), at least
+    MIN_SUBGROUPS, at most ``max_subgroups`` and ``max_threads`` / subgroup_size. None: no tile fits."""
+    m_cm, n_cm, _ = shape
+    col_blocks = kmax // n_cm
+    rows = ROW_ALIGN
+    while rows >= m_cm:
+        options = []
+        row_blocks = rows // m_cm
+        sg_cols = 1
+        while sg_cols <= max(col_blocks, MIN_SUBGROUPS):
+            sg_rows = 1
+            while sg_rows <= row_blocks:
+                subgroups, threads = sg_cols * sg_rows, sg_cols * sg_rows * subgroup_size
+                nacc = row_blocks // sg_rows * math.ceil(col_blocks / sg_cols)
+                if (nacc <= MAX_ACCUMULATORS and MIN_SUBGROUPS <= subgroups <= max_subgroups
+                        and threads <= max_threads and 2 * rows * (kmax + 8) + 4 * threads <= max_shared):
+                    options.append((-nacc, threads, sg_rows, sg_cols))
+                sg_rows *= 2
+            sg_cols *= 2
+        if options:
+            _, _, sg_rows, sg_cols = min(options)
+            return rows, sg_cols, sg_rows
+        rows //= 2
+    return None
 
 
 def sort_items(reads: int) -> int:
@@ -223,6 +307,7 @@ class Geometry:
     micro_rows: int = 4  # simt: rows of an invocation's register tile
     act_stride: int = 0  # coopmat: row stride of the shared activation tile (fp16 elements)
     ncj: int = 0         # coopmat: column blocks per subgroup at the widest layer
+    sg_cols: int = 0     # coopmat: subgroups side by side over the columns (SG_COLS; coopmat_tiling)
     grid: GridLayout | None = None  # grid models: the kernel input and the tables
 
     def __post_init__(self) -> None:
@@ -242,7 +327,7 @@ class Geometry:
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
-              subgroup_size: int = 32) -> "Geometry":
+              subgroup_size: int = 32, max_threads: int = 512, max_subgroups: int = 16) -> "Geometry":
         in_pad = _round_up(spec.n_encoded_dims, 16)
         out_pad = _round_up(spec.n_output_dims, 16)
         k = [in_pad] + [spec.n_neurons] * spec.n_hidden_layers
@@ -252,23 +337,16 @@ class Geometry:
                              f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
                              f"({max_shared} bytes)")
         if coopmat is not None:
-            m_cm, n_cm, _ = coopmat
-            # subgroup s owns column blocks s, s + subgroups, ... (ncj of them at the widest
-            # layer) over all the tile's row blocks; at most 8 accumulator blocks each
-            col_blocks = kmax // n_cm
-            subgroups = 4  # a power of two: the backward's loss reduction halves THREADS
-            ncj = math.ceil(col_blocks / subgroups)
-            threads = subgroups * subgroup_size
-            act_stride = kmax + 8  # padded: a block's rows start in different banks
-            rows = 128
-            while rows > m_cm and ((rows // m_cm) * ncj > 8 or 2 * rows * act_stride + threads * 4 > max_shared):
-                rows //= 2
-            if 2 * rows * act_stride + threads * 4 > max_shared:
+            tiling = coopmat_tiling(kmax, coopmat, subgroup_size, max_shared, max_threads, max_subgroups)
+            if tiling is None:
                 raise too_wide
-            nacc = (rows // m_cm) * ncj
+            rows, sg_cols, sg_rows = tiling
+            ncj = math.ceil(kmax // coopmat[1] / sg_cols)
+            threads = sg_cols * sg_rows * subgroup_size
+            nacc = rows // coopmat[0] // sg_rows * ncj
             # weights are read from the fp16 copy in global memory: no shared chunk (wchunk 0)
-            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, subgroups,
-                       act_stride=act_stride, ncj=ncj)
+            return cls(spec, threads, rows, kmax, 0, 0, in_pad, out_pad, k, n, coopmat, nacc, sg_cols * sg_rows,
+                       act_stride=kmax + 8, ncj=ncj, sg_cols=sg_cols)
         act_elems = 4096 if max_shared >= 48 * 1024 else 2048
         micro_rows = 8 if max_shared >= 48 * 1024 else 4  # register tile rows (MR)
         threads = act_elems // (4 * micro_rows)
@@ -371,7 +449,8 @@ class Geometry:
         if self.coopmat:
             m_cm, n_cm, k_cm = self.coopmat
             lines += [f"#define NACC {self.nacc}", f"#define SUBGROUPS {self.subgroups}",
-                      f"#define NCJ {self.ncj}", f"#define NRB {self.rows_per_tile // m_cm}",
+                      f"#define SG_COLS {self.sg_cols}", f"#define NCJ {self.ncj}",
+                      f"#define NRB {self.rows_per_tile // m_cm // (self.subgroups // self.sg_cols)}",
                       f"#define AS {self.act_stride}",
                       f"#define STORE_HIDDEN_Z {int(self.store_hidden_z)}",
                       # the output layer's column in the fp32 pre-activation buffer
@@ -417,7 +496,8 @@ def shader_source(path: str, header: str) -> str:
 # -- device arrays -------------------------------------------------------------------------
 @dataclass
 class VulkanArray:
-    """Rows of a model's input, target or output, resident in a device buffer (padded)."""
+    """Rows of a model's input, target or output, resident in a device buffer (padded), float32
+    or float16 (inputs uploaded as float16, outputs of ``forward(..., out_dtype=float16)``)."""
 
     buffer: vr.Buffer
     rows: int
@@ -425,6 +505,11 @@ class VulkanArray:
     padded_cols: int
     kind: str  # "input", "target" or "output"
     owner: "VulkanModel"
+    dtype: np.dtype = np.dtype(np.float32)
+
+    @property
+    def half(self) -> bool:
+        return self.dtype == np.float16
 
     @property
     def rows_pad(self) -> int:
@@ -492,7 +577,8 @@ class VulkanModel(CompiledModel):
     gpu_timestamps: bool = False
 
     def __init__(self, spec: MLPSpec, device: vr.Device, variant: str, pipelines: dict[str, vr.Pipeline],
-                 geometry: Geometry, shape: tuple[int, int, int] | None = None):
+                 geometry: Geometry, shape: tuple[int, int, int] | None = None,
+                 make_pipeline: Any = None):
         super().__init__(spec)
         if spec.precision == "bf16":
             raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
@@ -508,6 +594,10 @@ class VulkanModel(CompiledModel):
         self._last_run: dict[str, vr.Program] = {}  # "forward"/"train": the program that ran last
         self._closed = False
         self._pipelines = pipelines  # owned by the backend, shared by models with the same kernels
+        # (name, extra specialization constants) -> pipeline: the fp16 device-array kernels, made
+        # on first use by the backend's ``make_pipeline(name, extra)``
+        self._make_pipeline = make_pipeline
+        self._io_pipelines: dict[tuple, vr.Pipeline] = {}
         self._acts = (ACTIVATION_CODES[spec.activation], ACTIVATION_CODES[spec.output_activation])
         try:
             geo = geometry
@@ -702,14 +792,18 @@ class VulkanModel(CompiledModel):
         return out
 
     def upload(self, x: np.ndarray) -> VulkanArray:
-        """Encode, pad and copy inputs to the device (a ``VulkanArray`` of kind ``input``)."""
+        """Encode, pad and copy inputs to the device (a ``VulkanArray`` of kind ``input``). float16
+        rows of a model without an encoding stay float16 on the device (half the bytes; the
+        kernels round every input to fp16 anyway); anything else is stored as float32."""
         with self._lock:
             self._check_open()
+            half = getattr(x, "dtype", None) == np.float16 and self.spec.encoding.passthrough
             x = self.check_input(x)
             rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
-            buf = self._alloc(rows_pad * self.geo.x_pad * 4)
-            buf.write(self._encode(x, rows_pad))
-            return VulkanArray(buf, x.shape[0], self.spec.n_input_dims, self.geo.x_pad, "input", self)
+            dtype = np.dtype(np.float16 if half else np.float32)
+            buf = self._alloc(rows_pad * self.geo.x_pad * dtype.itemsize)
+            buf.write(self._encode(x, rows_pad).astype(dtype, copy=False))  # float16 -> float32 -> float16: exact
+            return VulkanArray(buf, x.shape[0], self.spec.n_input_dims, self.geo.x_pad, "input", self, dtype)
 
     def upload_target(self, y: np.ndarray) -> VulkanArray:
         """Copy training targets to the device (a ``VulkanArray`` of kind ``target``)."""
@@ -726,8 +820,8 @@ class VulkanModel(CompiledModel):
             return np.asarray(a)
         with self._lock:
             self._check_open()
-            raw = a.buffer.read(a.rows * a.padded_cols * 4)
-            full = np.frombuffer(raw, np.float32).reshape(a.rows, a.padded_cols)
+            raw = a.buffer.read(a.rows * a.padded_cols * a.dtype.itemsize)
+            full = np.frombuffer(raw, a.dtype).reshape(a.rows, a.padded_cols)
             if a.kind == "input":  # encoded inputs (grid models: the raw inputs, which the device encodes)
                 return full[:, :self.spec.n_input_dims if self.geo.grid else self.spec.n_encoded_dims].copy()
             return full[:, :a.cols].copy()
@@ -736,10 +830,11 @@ class VulkanModel(CompiledModel):
         self.device.wait_idle()
 
     # -- programs -------------------------------------------------------------------------
-    def _forward_program(self, x_buf: vr.Buffer, out_buf: vr.Buffer, rows_pad: int, z_buf: vr.Buffer) -> vr.Program:
+    def _forward_program(self, x_buf: vr.Buffer, out_buf: vr.Buffer, rows_pad: int, z_buf: vr.Buffer,
+                         input_f16: bool = False, output_f16: bool = False) -> vr.Program:
         if self.geo.grid is not None:
             self._ensure_encoded_input(rows_pad)
-        key = ("forward", id(x_buf), id(out_buf), rows_pad)
+        key = ("forward", id(x_buf), id(out_buf), rows_pad, input_f16, output_f16)
         program = self._programs.get(key)
         if program is None:
             tiles = rows_pad // self.geo.rows_per_tile
@@ -752,15 +847,18 @@ class VulkanModel(CompiledModel):
             buffers = [x_buf, self._infer_weights, self._infer_bias, out_buf, z_buf]
             if self.variant == "coopmat":
                 buffers.append(z_buf)  # the fp16 activations, not written either
-            dispatches.append(vr.Dispatch(self._pipelines["forward"], buffers, push, grid))
+            dispatches.append(vr.Dispatch(self._pipeline_for("forward", input_f16, output_f16), buffers, push, grid))
             program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
             self._programs[key] = program
         self._last_run["forward"] = program
         return program
 
     def _encode_dispatch(self, x_buf: vr.Buffer, table: vr.Buffer, rows_pad: int) -> vr.Dispatch:
-        """grid.comp's encode: the batch buffer ``enc`` (rows_pad x IN_PAD) from the kernel input."""
-        groups = min(65535, math.ceil(rows_pad * self.geo.in_pad / 256))
+        """grid.comp's encode: the batch buffer ``enc`` (rows_pad x IN_PAD) from the kernel input, an
+        invocation per (row, grid level) and per (row, other column)."""
+        grid = self.geo.grid
+        per_row = self.geo.in_pad - sum(len(g.levels) * (g.features - 1) for g in grid.parts)
+        groups = min(65535, math.ceil(rows_pad * per_row / 256))
         return vr.Dispatch(self._pipelines["grid_encode"], [x_buf, table, self._batch["enc"]],
                            np.uint32(rows_pad).tobytes(), (groups, 1, 1))
 
@@ -778,9 +876,9 @@ class VulkanModel(CompiledModel):
             for part in self.geo.grid.parts:
                 dispatches.append(vr.Dispatch(p["grid_zero"], [self._ggrad], u32(part.index),
                                               (min(65535, math.ceil(part.entries * part.features / 256)), 1, 1)))
-                reads = n_rows * part.lookups
+                items = n_rows * len(part.levels)  # a (row, level) an invocation: its cell once, every corner
                 dispatches.append(vr.Dispatch(p["grid_scatter"], [x_buf, b["din"], self._ggrad],
-                                              u32(0, n_rows, part.index), (min(65535, math.ceil(reads / 256)), 1, 1)))
+                                              u32(0, n_rows, part.index), (min(65535, math.ceil(items / 256)), 1, 1)))
             return dispatches
         for part in self.geo.grid.parts:
             for c, (row_base, rows) in enumerate(self._grid_chunks(n_rows)):
@@ -806,22 +904,23 @@ class VulkanModel(CompiledModel):
         return dispatches
 
     def _training_program(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
-                          update: bool) -> vr.Program:
+                          update: bool, input_f16: bool = False) -> vr.Program:
         """forward → backward → weight gradients for each chunk of the batch, then the loss
         and the optimizer (or the gradient export) once over every chunk's partial sums."""
-        key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad)
+        key = ("train" if update else "grads", id(x_buf), id(y_buf), n_rows, rows_pad, input_f16)
         program = self._programs.get(key)
         if program is None:
-            program = vr.Program(self.device, self._training_dispatches(x_buf, y_buf, n_rows, rows_pad, update),
+            program = vr.Program(self.device,
+                                 self._training_dispatches(x_buf, y_buf, n_rows, rows_pad, update, input_f16),
                                  timestamps=self.gpu_timestamps)
             self._programs[key] = program
         self._last_run["train"] = program
         return program
 
     def _training_dispatches(self, x_buf: vr.Buffer, y_buf: vr.Buffer, n_rows: int, rows_pad: int,
-                             update: bool) -> list[vr.Dispatch]:
+                             update: bool, input_f16: bool = False) -> list[vr.Dispatch]:
         """The dispatches of one training step (``_training_program``'s, and the tail of the
-        program ``train_epochs`` records after its gather)."""
+        program ``train_epochs`` records after its gather); ``input_f16``: ``x_buf`` holds fp16 rows."""
         geo = self.geo
         b = self._ensure_batch(rows_pad, training=True)
         p = self._pipelines
@@ -843,17 +942,17 @@ class VulkanModel(CompiledModel):
                          + np.float32(self.spec.huber_delta).tobytes()
                          + u32(row_base, row_base // geo.rows_per_tile, n_rows))
             if self.variant == "coopmat":  # + the fp16 hidden activations; wgrad reads those
-                forward = p["forward_train"]
+                forward = self._pipeline_for("forward_train", input_f16)
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"], b["h"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["h"], b["d"], b["loss"]]
                 wgrad = [x_buf, b["h"], b["d"], b["part"]]
             else:
-                forward = p["forward"]
+                forward = self._pipeline_for("forward", input_f16)
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["d"], b["loss"]]
-                if geo.grid is not None:
-                    bwd.append(b["din"])
                 wgrad = [x_buf, b["z"], b["d"], b["part"]]
+            if geo.grid is not None:  # the backward runs on into d loss / d encoded input
+                bwd.append(b["din"])
             dispatches += [
                 vr.Dispatch(forward, fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
                 vr.Dispatch(p["backward"], bwd, loss_push, grid),
@@ -863,7 +962,7 @@ class VulkanModel(CompiledModel):
                 # the layers' gradients are independent (disjoint partial sums): no barriers
                 # between them, so their dispatches overlap
                 dispatches.append(vr.Dispatch(
-                    p["wgrad"], wgrad,
+                    self._pipeline_for("wgrad", input_f16 and layer == 0), wgrad,
                     u32(rows, layer, per_split, geo.grad_floats, hidden, row_base, split_base), wgrid,
                     barrier=layer == 0))
             split_base += splits
@@ -884,6 +983,19 @@ class VulkanModel(CompiledModel):
                              self._grad, self._ctrl, self._wall16 if self._wall16 is not None else unused, *ema],
             u32(self.n_params, split_base, geo.grad_floats, int(update), opt_grid[0]), opt_grid))
         return dispatches
+
+    def _pipeline_for(self, name: str, input_f16: bool = False, output_f16: bool = False) -> vr.Pipeline:
+        """Kernel ``name``, reading fp16 input rows (``input_f16``) or writing an fp16 output
+        (``output_f16``) where asked: its pipeline specialised with INPUT_F16 / OUTPUT_F16."""
+        extra = {c: 1 for c, on in ((INPUT_F16_CONSTANT, input_f16), (OUTPUT_F16_CONSTANT, output_f16)) if on}
+        if not extra:
+            return self._pipelines[name]
+        key = (name, *sorted(extra))
+        if key not in self._io_pipelines:
+            if self._make_pipeline is None:
+                raise LaunchError("this vulkan model was built without its fp16 I/O kernels")
+            self._io_pipelines[key] = self._make_pipeline(name, extra)
+        return self._io_pipelines[key]
 
     def set_gpu_timestamps(self, on: bool) -> None:
         """Record GPU timestamps around every dispatch of the programs run from now on (the
@@ -906,8 +1018,13 @@ class VulkanModel(CompiledModel):
             return [(d.pipeline.name, t) for d, t in zip(program.dispatches, program.gpu_seconds())]
 
     def pipeline_statistics(self) -> dict[str, Any]:
-        """The driver's compiler statistics of each kernel (with MMAD_VULKAN_PIPELINE_STATS=1)."""
-        return {name: p.statistics() for name, p in self._pipelines.items()}
+        """The driver's compiler statistics of each kernel (with MMAD_VULKAN_PIPELINE_STATS=1), the
+        fp16 I/O kernels made so far too (``forward+in16+out16``, ...)."""
+        stats = {name: p.statistics() for name, p in self._pipelines.items()}
+        for (name, *constants), p in self._io_pipelines.items():
+            tags = {INPUT_F16_CONSTANT: "in16", OUTPUT_F16_CONSTANT: "out16"}
+            stats["+".join([name, *(tags[c] for c in constants)])] = p.statistics()
+        return stats
 
     def _evict_programs(self) -> None:
         # bounded: recorded programs hold descriptor pools and command buffers
@@ -922,13 +1039,11 @@ class VulkanModel(CompiledModel):
             self._check_open()
             self._evict_programs()
             if isinstance(x, VulkanArray):
-                if dtype != np.float32:
-                    raise InvalidInput("the vulkan backend's device outputs are float32: download, then cast")
                 if x.owner is not self or x.kind != "input":
                     raise InvalidInput("forward takes an input array uploaded by this model")
-                out = self._alloc(x.rows_pad * self.geo.out_pad * 4)
-                self._forward_program(x.buffer, out, x.rows_pad, self._unused).run()
-                return VulkanArray(out, x.rows, self.spec.n_output_dims, self.geo.out_pad, "output", self)
+                out = self._alloc(x.rows_pad * self.geo.out_pad * dtype.itemsize)
+                self._forward_program(x.buffer, out, x.rows_pad, self._unused, x.half, dtype == np.float16).run()
+                return VulkanArray(out, x.rows, self.spec.n_output_dims, self.geo.out_pad, "output", self, dtype)
             x = self.check_input(x)
             rows_pad = _round_up(max(x.shape[0], 1), ROW_ALIGN)
             b = self._ensure_batch(rows_pad)
@@ -982,12 +1097,13 @@ class VulkanModel(CompiledModel):
             self._check_open()
             if x.owner is not self or x.kind != "input" or out.owner is not self or out.rows != x.rows:
                 raise InvalidInput("forward_into takes an input and an output array of this model with equal rows")
-            program = self._forward_program(x.buffer, out.buffer, x.rows_pad, self._unused)
+            program = self._forward_program(x.buffer, out.buffer, x.rows_pad, self._unused, x.half, out.half)
             if run:
                 program.run()
             return program
 
-    def _stage_batch(self, x: Any, y: Any) -> tuple[vr.Buffer, vr.Buffer, int, int]:
+    def _stage_batch(self, x: Any, y: Any) -> tuple[vr.Buffer, vr.Buffer, int, int, bool]:
+        """(input buffer, target buffer, rows, padded rows, whether the input rows are fp16)."""
         if isinstance(x, VulkanArray):
             if x.owner is not self or x.kind != "input":
                 raise InvalidInput("training takes an input array uploaded by this model")
@@ -1014,7 +1130,7 @@ class VulkanModel(CompiledModel):
         else:
             b["y"].write(self._pad_target(y, rows_pad))
             y_buf = b["y"]
-        return x_buf, y_buf, rows, rows_pad
+        return x_buf, y_buf, rows, rows_pad, isinstance(x, VulkanArray) and x.half
 
     def _write_step_tables(self, steps: int) -> None:
         """The control block's per-step tables of the next ``steps`` steps (one submission):
@@ -1034,8 +1150,8 @@ class VulkanModel(CompiledModel):
         with self._lock:
             self._check_open()
             self._evict_programs()
-            x_buf, y_buf, rows, rows_pad = self._stage_batch(x, y)
-            program = self._training_program(x_buf, y_buf, rows, rows_pad, update=True)
+            x_buf, y_buf, rows, rows_pad, half = self._stage_batch(x, y)
+            program = self._training_program(x_buf, y_buf, rows, rows_pad, update=True, input_f16=half)
             losses = []
             done = 0
             while done < steps:
@@ -1053,8 +1169,8 @@ class VulkanModel(CompiledModel):
         with self._lock:
             self._check_open()
             self._evict_programs()
-            x_buf, y_buf, rows, rows_pad = self._stage_batch(x, y)
-            self._training_program(x_buf, y_buf, rows, rows_pad, update=False).run()
+            x_buf, y_buf, rows, rows_pad, half = self._stage_batch(x, y)
+            self._training_program(x_buf, y_buf, rows, rows_pad, update=False, input_f16=half).run()
             loss = float(np.frombuffer(self._ctrl.read(4, offset=16), np.float32)[0])
             flat = np.frombuffer(self._grad.read(self.n_params * 4), np.float32)
             return loss, self._unflatten(flat)
@@ -1411,9 +1527,33 @@ class VulkanBackend(Backend):
         coop_details["fp16_storage"] = "float16_t buffers (training's activations and deltas), rounded to nearest even"
         if usable and not reason:
             coop_details["tile_shape"] = "x".join(map(str, usable[0]))
+            coop_details["cooperative_matrix"] = (f"{vr.COOPMAT_EXT}: f16*f16+f32 {coop_details['tile_shape']}, "
+                                                  "subgroup scope")
+        coop_details["subgroup_size_control"] = (
+            f"required {dev.subgroup_size} ({vr.SUBGROUP_SIZE_EXT})" if dev.subgroup_size_range is not None
+            else f"the driver's ({dev.name} cannot require one); the kernels count subgroups of {dev.subgroup_size}")
+        coop_details.update(self._nv_extension_notes(dev, compiler_error))
         coop = ProbeRow("vulkan", "coopmat", not reason, reason=reason, mma_shapes=shapes,
                         details=coop_details, **common)
         return [coop, simt]
+
+    @staticmethod
+    def _nv_extension_notes(dev: vr.DeviceInfo, compiler_error: str) -> dict[str, str]:
+        """Per NVIDIA cooperative extension (workgroup-scope matrices, cooperative vectors): not
+        offered, or offered and why no variant uses it."""
+        from mmad.backends.vulkan.glsl import compiler_version, knows_extension
+
+        notes = {}
+        for ext, glsl_ext in NV_COOPERATIVE_EXTENSIONS.items():
+            if ext not in dev.extensions:
+                notes[ext] = f"not offered by {dev.name}"
+            elif compiler_error:
+                notes[ext] = f"offered, not used: {compiler_error}"
+            elif not knows_extension(glsl_ext):
+                notes[ext] = f"offered, not used: the GLSL compiler here ({compiler_version()}) does not support {glsl_ext}"
+            else:
+                notes[ext] = "offered, not used: no vulkan variant has kernels for it"
+        return notes
 
     def _placeable(self) -> list[vr.DeviceInfo]:
         """The physical devices models can be placed on: the best one (the probe's) and every
@@ -1442,15 +1582,15 @@ class VulkanBackend(Backend):
                 device: int = 0, batch_rows: int | None = None) -> VulkanModel:
         rows = {r.variant: r for r in self.probe()}
         if variant is None:
-            # grid encodings have simt kernels only (kernel_sources): a grid model takes simt
-            choices = ("simt",) if spec.grid_shapes else VARIANTS
+            choices = variant_choices(spec)
             variant = next((v for v in choices if rows[v].available), None)
-            if spec.grid_shapes and rows["coopmat"].available:
-                log.info("vulkan backend: a grid-encoded model runs on the simt variant (grid kernels are simt only)")
             if variant is None:
                 raise BackendUnavailable("vulkan", "; ".join(f"{v}: {rows[v].reason}" for v in choices))
         if variant not in VARIANTS:
             raise SpecError("variant", f"the vulkan backend has variants {', '.join(VARIANTS)}; got {variant!r}")
+        if variant not in variant_choices(spec):
+            raise SpecError("precision", "vulkan:coopmat multiplies fp16 operands; a precision fp32 model runs on "
+                                         "vulkan:simt (or leave the variant to the backend)")
         if not rows[variant].available:
             raise BackendUnavailable(f"vulkan:{variant}", rows[variant].reason)
         if spec.precision == "bf16":
@@ -1461,7 +1601,8 @@ class VulkanBackend(Backend):
             raise BackendUnavailable("vulkan:coopmat", f"device {index} ({device.info.name}) does not offer "
                                      f"{vr.COOPMAT_EXT}")
         shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
-        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size)
+        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size,
+                                  min(512, device.info.max_workgroup_invocations), coopmat_subgroups_cap())
         check_tables_fit(spec, geometry, device.info.max_storage_range)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant,
@@ -1470,23 +1611,31 @@ class VulkanBackend(Backend):
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
         if variant == "coopmat":
             consts[13] = int(self._conversion_rounds_to_nearest_even(device, cache))
-        pipelines = {}
-        for name, src in sources.items():
-            spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
+        spirvs = {name: build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
+                  for name, src in sources.items()}
+        interface = pipeline_interface(variant, geometry.grid is not None)
+
+        def pipeline(name: str, extra: dict[int, int] | None = None) -> vr.Pipeline:
+            """Kernel ``name``'s pipeline with its specialization constants (and ``extra``), shared
+            by every model of the same SPIR-V and constants."""
             used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
             if name == "gather" or name.startswith("grid_"):  # no specialization constants
                 used = {}
             if name == "forward_train":
                 used[TRAINING_CONSTANT] = 1
-            key = (index, hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
+            used.update(extra or {})
+            # the cooperative-matrix kernels count subgroups (gl_SubgroupID) of the probed size
+            subgroup = device.info.subgroup_size if name in SUBGROUP_SIZED.get(variant, ()) else None
+            key = (index, hashlib.sha256(spirvs[name]).hexdigest(), tuple(sorted(used.items())), subgroup)
             with self._lock:
                 if key not in self._pipelines:
-                    interface = (COOPMAT_INTERFACE if variant == "coopmat" else
-                                 GRID_INTERFACE if geometry.grid is not None else PIPELINE_INTERFACE)
                     n_bind, push = interface[name]
-                    self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
-                pipelines[name] = self._pipelines[key]
-        model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
+                    self._pipelines[key] = vr.Pipeline(device, spirvs[name], n_bind, push, used,
+                                                       name=f"{variant}/{name}", subgroup_size=subgroup)
+                return self._pipelines[key]
+
+        pipelines = {name: pipeline(name) for name in sources}
+        model = VulkanModel(spec, device, variant, pipelines, geometry, shape, make_pipeline=pipeline)
         model.device_index = index
         self._models.add(model)
         if (variant, shape) not in self._announced:
@@ -1598,11 +1747,7 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, table_gradie
         files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
     headers = {"optimizer": param_header}
     if geometry.grid is not None:
-        if variant == "coopmat":
-            raise SpecError("encoding", "grid encodings run on the vulkan backend's simt variant only so far (the "
-                                        "coopmat backward does not run on through the first layer into the grid "
-                                        "tables): ask for vulkan:simt, or leave the variant to the backend")
-        grid_header = geometry.grid.header(geometry.n_params)
+        grid_header = geometry.grid.header(geometry.n_params, geometry.in_pad)
         headers = {"optimizer": param_header + grid_header, "backward": header + grid_header}
         stages = {"atomic": (("grid_encode", 0), ("grid_scatter", 3), ("grid_zero", 4)),
                   "sorted": (("grid_encode", 0), ("grid_keys", 1), ("grid_gather", 2))}[table_gradient]

@@ -88,6 +88,17 @@ def compile_glsl(source: str, what: str, validate: bool = True) -> bytes:
         return spv.read_bytes()
 
 
+@functools.lru_cache(maxsize=None)
+def knows_extension(extension: str) -> bool:
+    """Whether this glslang compiles a compute shader that requires the GLSL ``extension``."""
+    source = f"#version 450\n#extension {extension} : require\nlayout(local_size_x = 1) in;\nvoid main() {{}}\n"
+    try:
+        compile_glsl(source, f"{extension} check", validate=False)
+    except CompileError:
+        return False
+    return True
+
+
 def build_spirv(source: str, what: str, cache: KernelCache | None, device: str) -> bytes:
     """Expand includes, then compile through the kernel cache (a hit calls no tool)."""
     text = expand_includes(source)

@@ -42,6 +42,10 @@ COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: 
 SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 COOPMAT_EXT = "VK_KHR_cooperative_matrix"
 ATOMIC_FLOAT_EXT = "VK_EXT_shader_atomic_float"  # atomicAdd on fp32 in storage buffers (grid gradients)
+# a pipeline's subgroup size pinned (core in Vulkan 1.3): the cooperative-matrix kernels count their
+# subgroups (gl_SubgroupID) by the probed size, which a driver free to pick another (Intel's 8/16/32,
+# AMD's wave32/64) would break
+SUBGROUP_SIZE_EXT = "VK_EXT_subgroup_size_control"
 
 # VkStructureType values used below (core 1.0-1.2 plus the cooperative-matrix extension)
 ST = {
@@ -54,6 +58,7 @@ ST = {
     "exec_features": 1000269000, "pipeline_info": 1000269001, "exec_props": 1000269002,
     "exec_info": 1000269003, "exec_stat": 1000269004,
     "memory_props2": 1000059006, "memory_budget": 1000237000, "atomic_float_features": 1000260000,
+    "subgroup_size_props": 1000225000, "required_subgroup_size": 1000225001, "subgroup_size_features": 1000225002,
 }
 BUDGET_EXT = "VK_EXT_memory_budget"
 STATS_EXT = "VK_KHR_pipeline_executable_properties"
@@ -167,6 +172,9 @@ class DeviceInfo:
     extensions: set[str] = field(repr=False, default_factory=set)
     coopmat_shapes: list[dict[str, Any]] = field(default_factory=list)
     float32_atomic_add: bool = False  # shaderBufferFloat32AtomicAdd (VK_EXT_shader_atomic_float)
+    # (min, max) subgroup sizes a compute pipeline may require (SUBGROUP_SIZE_EXT), None without it
+    subgroup_size_range: tuple[int, int] | None = None
+    full_subgroups: bool = False  # computeFullSubgroups: every subgroup of a workgroup complete
 
     @property
     def software(self) -> bool:
@@ -184,6 +192,11 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     extensions = _extensions(pd)
     subgroup = ffi.new("VkPhysicalDeviceSubgroupProperties*")
     subgroup.sType = ST["subgroup_props"]
+    size_control = ffi.new("VkPhysicalDeviceSubgroupSizeControlProperties*")
+    size_control.sType = ST["subgroup_size_props"]
+    has_size_control = SUBGROUP_SIZE_EXT in extensions or props.apiVersion >= (1 << 22 | 3 << 12)
+    if has_size_control:
+        subgroup.pNext = size_control
     props2 = ffi.new("VkPhysicalDeviceProperties2*")
     props2.sType = ST["properties2"]
     props2.pNext = subgroup
@@ -198,6 +211,11 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         atomic = ffi.new("VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*")
         atomic.sType = ST["atomic_float_features"]
         f12.pNext = atomic
+    size_features = ffi.new("VkPhysicalDeviceSubgroupSizeControlFeatures*")
+    size_features.sType = ST["subgroup_size_features"]
+    if has_size_control:
+        size_features.pNext = f12.pNext
+        f12.pNext = size_features
     feats = ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = ST["features2"]
     feats.pNext = f11
@@ -216,6 +234,9 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         shader_float16=bool(f12.shaderFloat16), storage_16bit=bool(f11.storageBuffer16BitAccess),
         vulkan_memory_model=bool(f12.vulkanMemoryModel),
         extensions=extensions, float32_atomic_add=atomic is not None and bool(atomic.shaderBufferFloat32AtomicAdd))
+    if has_size_control and size_features.subgroupSizeControl and size_control.requiredSubgroupSizeStages & 0x20:
+        info.subgroup_size_range = (int(size_control.minSubgroupSize), int(size_control.maxSubgroupSize))
+        info.full_subgroups = bool(size_features.computeFullSubgroups)
     if COOPMAT_EXT in extensions:
         info.coopmat_shapes = _coopmat_shapes(instance, pd)
     return info
@@ -283,15 +304,20 @@ class Device:
                 (self.info.float32_atomic_add, "VkPhysicalDeviceShaderAtomicFloatFeaturesEXT*", "atomic_float_features",
                  "shaderBufferFloat32AtomicAdd", ATOMIC_FLOAT_EXT),
                 (self.pipeline_stats, "VkPhysicalDevicePipelineExecutablePropertiesFeaturesKHR*", "exec_features",
-                 "pipelineExecutableInfo", STATS_EXT)):
+                 "pipelineExecutableInfo", STATS_EXT),
+                (self.info.subgroup_size_range is not None, "VkPhysicalDeviceSubgroupSizeControlFeatures*",
+                 "subgroup_size_features", "subgroupSizeControl", SUBGROUP_SIZE_EXT)):
             if enabled:
                 struct = ffi.new(ctype)
                 struct.sType = ST[stype]
                 setattr(struct, feature, 1)
+                if ext == SUBGROUP_SIZE_EXT:
+                    struct.computeFullSubgroups = int(self.info.full_subgroups)
                 struct.pNext = f12.pNext
                 f12.pNext = struct
                 features.append(struct)
-                ext_names.append(ffi.new("char[]", ext.encode()))
+                if ext in self.info.extensions:  # core in Vulkan 1.3: the feature alone
+                    ext_names.append(ffi.new("char[]", ext.encode()))
         ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
         feats = ffi.new("VkPhysicalDeviceFeatures2*")
         feats.sType = ST["features2"]
@@ -555,7 +581,11 @@ class Pipeline:
     """A compute pipeline over ``n_bindings`` storage buffers (set 0, bindings 0..n-1)."""
 
     def __init__(self, device: Device, spirv: bytes, n_bindings: int, push_bytes: int = 0,
-                 spec_constants: dict[int, int | float] | None = None, name: str = "kernel"):
+                 spec_constants: dict[int, int | float] | None = None, name: str = "kernel",
+                 subgroup_size: int | None = None):
+        """``subgroup_size``: run with exactly that subgroup size, in full subgroups, where the
+        device lets a pipeline require one (DeviceInfo.subgroup_size_range); elsewhere the
+        driver's choice, which is then the probed size on the devices the kernels are sized for."""
         self.device = device
         self.name = name
         self.n_bindings = n_bindings
@@ -621,6 +651,16 @@ class Pipeline:
         info.stage.module = self.module
         info.stage.pName = entry_name
         info.stage.pSpecializationInfo = spec_info
+        self.subgroup_size = None  # the size this pipeline requires, where it requires one
+        size_range = device.info.subgroup_size_range
+        if subgroup_size is not None and size_range is not None and size_range[0] <= subgroup_size <= size_range[1]:
+            required = ffi.new("VkPipelineShaderStageRequiredSubgroupSizeCreateInfo*")
+            required.sType = ST["required_subgroup_size"]
+            required.requiredSubgroupSize = subgroup_size
+            info.stage.pNext = required
+            if device.info.full_subgroups:
+                info.stage.flags = 0x2  # REQUIRE_FULL_SUBGROUPS
+            self.subgroup_size = subgroup_size
         info.layout = self.layout
         if device.pipeline_stats:
             info.flags = 0x40  # CAPTURE_STATISTICS

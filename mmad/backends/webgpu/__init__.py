@@ -66,7 +66,11 @@ _LIMITS = ("max-storage-buffer-binding-size", "max-buffer-size", "max-compute-wo
            "max-compute-workgroup-size-x", "max-compute-workgroups-per-dimension",
            "max-dynamic-uniform-buffers-per-pipeline-layout")
 _INTERESTING_FEATURES = ("shader-f16", "subgroup", "subgroup-barrier", "shader-f64", "shader-int64",
-                         "timestamp-query", "pipeline-cache", "immediates", "shader-float32-atomic")
+                         "timestamp-query", "pipeline-cache", "immediates", "shader-float32-atomic",
+                         "cooperative-matrix")
+# wgpu-native's experimental cooperative matrices (8x8 f32 only: Metal simdgroup matrices on Apple7+,
+# Vulkan where the device offers 8x8x8 f32): the probe says whether the adapter offers them
+COOPMAT_FEATURE = "cooperative-matrix"
 
 
 def _sort_items(reads: int) -> int:
@@ -777,6 +781,8 @@ class WgpuBackend(Backend):
             "storage": "f16" if f16 else "f32 (fp16 rounding emulated with pack2x16float)",
             "features": [f for f in features if f in _INTERESTING_FEATURES],
             "limits": limits, "wgpu_py": wgpu.__version__,
+            "cooperative_matrix": ("offered (8x8 f32), not used: the wgpu kernels have no cooperative-matrix form"
+                                   if COOPMAT_FEATURE in features else f"{COOPMAT_FEATURE} not offered by this adapter"),
         }
         reason = "software adapter (CPU): used only when forced with MMAD_BACKEND=wgpu" if software else ""
         return [ProbeRow("wgpu", "default", True, device=f"{info.get('device', '?')} ({info.get('backend_type', '?')})",

@@ -6,7 +6,8 @@
 // fp32 pre-activations (STORE_HIDDEN_Z) or the flagged fp16 activations (flag_nonpositive) are
 // loaded as accumulator-shaped matrices so that act' applies element-wise. Deltas are stored
 // as fp16 (D16): they are fp16 values by the contract, and the conversion rounds them (RNE;
-// r16 first where the device's conversion does not).
+// r16 first where the device's conversion does not). Grid models (GRID_PARTS) run on through the
+// first layer: d loss / d encoded input, which the grid tables' gradients read (grid.comp).
 #extension GL_KHR_cooperative_matrix : require
 #extension GL_KHR_memory_scope_semantics : require
 #extension GL_KHR_shader_subgroup_basic : require
@@ -24,6 +25,10 @@ layout(std430, binding = 4) restrict writeonly buffer DBuf { float16_t D16[]; };
 // the same, 4 at a time (the output layer's block only: no element is written through both)
 layout(std430, binding = 4) restrict writeonly buffer DBuf4 { f16vec4 D16x4[]; };
 layout(std430, binding = 5) restrict writeonly buffer LossBuf { float LOSS_PART[]; };
+#ifdef GRID_PARTS
+// grid models: d loss / d encoded input (x LOSS_SCALE), rows_pad x IN_PAD fp32 over the whole batch
+layout(std430, binding = 6) restrict writeonly buffer DinBuf { vec4 DIN4[]; };
+#endif
 layout(push_constant) uniform Push {
     uint rows_pad; uint tiles_x; uint n_rows; uint n_out;
     int hidden_act; int output_act; int loss_id; float huber_delta;
@@ -92,7 +97,7 @@ void main() {
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
-                uint at = zbase + (row0 + uint(rb * CM_M)) * uint(outer) + uint(cb * CM_N);
+                uint at = zbase + (row0 + uint(row_block(rb) * CM_M)) * uint(outer) + uint(cb * CM_N);
                 if (STORE_HIDDEN_Z == 1) {
                     ACC_T z;
                     coopMatLoad(z, Z, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
@@ -106,8 +111,34 @@ void main() {
                 }
                 ACC16_T d = ACC16_T(acc[i]);
                 coopMatStore(d, D16, at, uint(outer), gl_CooperativeMatrixLayoutRowMajor);
-                coopMatStore(d, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(d, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
             }
         }
     }
+#ifdef GRID_PARTS
+    // rnd(delta_0 . W_0), the cpu backend's d_encoded (rows past n_rows have zero deltas, so zero
+    // here). The fp16 rounding is the conversion into the activation tile (NVIDIA's compiler folds
+    // an f32 -> f16 -> f32 round trip on accumulators away), copied out as fp32, 4 columns a store.
+    [[unroll]] for (int i = 0; i < NACC; ++i) acc[i] = ACC_T(0.0);
+    tile_mma(LAYER_N[0], IN_PAD, uint(WR_OFF[0]));
+    [[unroll]] for (int j = 0; j < NCJ; ++j) {
+        int cb = col_block(j);
+        if (cb >= IN_PAD / CM_N) break;
+        [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
+            int i = j * NRB + rb;
+            [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(acc[i][e]);
+            ACC16_T d = ACC16_T(acc[i]);
+            coopMatStore(d, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS), gl_CooperativeMatrixLayoutRowMajor);
+        }
+    }
+    barrier();
+    [[unroll]] for (int it = 0; it < (R * IN_PAD / 4 + THREADS - 1) / THREADS; ++it) {
+        uint i = tid + uint(it * THREADS);
+        if (i >= uint(R * IN_PAD / 4)) break;
+        uint r = i / uint(IN_PAD / 4), c = (i - r * uint(IN_PAD / 4)) * 4u;
+        uint a = r * uint(AS) + c;
+        DIN4[(pc.row_base + row0 + r) * uint(IN_PAD / 4) + c / 4u] =
+            vec4(float(ACT[a]), float(ACT[a + 1u]), float(ACT[a + 2u]), float(ACT[a + 3u]));
+    }
+#endif
 }

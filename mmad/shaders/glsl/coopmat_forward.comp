@@ -19,9 +19,11 @@ layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
 layout(std430, binding = 0) restrict readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 0) restrict readonly buffer InputBuf16 { uvec2 XH4[]; };  // the same as fp16 (INPUT_F16)
 layout(std430, binding = 1) restrict readonly buffer WeightBuf { float16_t WALL16[]; };  // fp16 weight copy
 layout(std430, binding = 2) restrict readonly buffer BiasBuf { float BIAS[]; };   // BIAS_ROWS x Z_COLS
 layout(std430, binding = 3) restrict writeonly buffer OutBuf { float OUT[]; };
+layout(std430, binding = 3) restrict writeonly buffer OutBuf16 { float16_t OUT16[]; };  // the same as fp16 (OUTPUT_F16)
 layout(std430, binding = 4) restrict writeonly buffer ZBuf { float Z[]; };      // fp32 pre-activations
 layout(std430, binding = 5) restrict writeonly buffer HBuf { float16_t H16[]; };  // hidden activations
 // row_base: first row of this chunk in the input (training runs big batches in chunks)
@@ -40,7 +42,8 @@ void main() {
     [[unroll]] for (int it = 0; it < (R * IN_PAD / 4 + THREADS - 1) / THREADS; ++it) {
         uint i = tid + uint(it * THREADS);
         if (i < uint(R * IN_PAD / 4)) {
-            vec4 v = pre_f16(X4[(pc.row_base + row0) * uint(IN_PAD) / 4u + i]);
+            uint at = (pc.row_base + row0) * uint(IN_PAD) / 4u + i;
+            vec4 v = INPUT_F16 == 1 ? unpack_halves(XH4[at]) : pre_f16(X4[at]);
             uint r = i / uint(IN_PAD / 4), c = (i - r * uint(IN_PAD / 4)) * 4u;
             [[unroll]] for (uint q = 0u; q < 4u; ++q) ACT[r * uint(AS) + c + q] = float16_t(v[q]);
         }
@@ -64,15 +67,22 @@ void main() {
             if (cb >= ncb) break;
             [[unroll]] for (int rb = 0; rb < NRB; ++rb) {
                 int i = j * NRB + rb;
-                uint row = row0 + uint(rb * CM_M);
+                uint row = row0 + uint(row_block(rb) * CM_M);
                 if (TRAINING == 1 && (last || STORE_HIDDEN_Z == 1))
                     coopMatStore(acc[i], Z, zbase + row * uint(nout) + uint(cb * CM_N), uint(nout),
                                  gl_CooperativeMatrixLayoutRowMajor);
                 if (last) {
                     if (TRAINING == 0) {  // training reads the pre-activation (above) instead
                         [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = activate(OUTPUT_ACT, acc[i][e]);
-                        coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
-                                     gl_CooperativeMatrixLayoutRowMajor);
+                        if (OUTPUT_F16 == 1) {  // the conversion rounds (RNE; r16 first where it does not)
+                            [[unroll]] for (int e = 0; e < acc[i].length(); ++e) acc[i][e] = pre_f16(acc[i][e]);
+                            ACC16_T o = ACC16_T(acc[i]);
+                            coopMatStore(o, OUT16, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
+                                         gl_CooperativeMatrixLayoutRowMajor);
+                        } else {
+                            coopMatStore(acc[i], OUT, row * uint(OUT_PAD) + uint(cb * CM_N), uint(OUT_PAD),
+                                         gl_CooperativeMatrixLayoutRowMajor);
+                        }
                     }
                 } else {
                     [[unroll]] for (int e = 0; e < acc[i].length(); ++e) {
@@ -81,7 +91,7 @@ void main() {
                         acc[i][e] = STORE_HIDDEN_Z == 1 || TRAINING == 0 ? h : flag_nonpositive(h, acc[i][e]);
                     }
                     ACC16_T h = ACC16_T(acc[i]);
-                    coopMatStore(h, ACT, uint(rb * CM_M * AS + cb * CM_N), uint(AS),
+                    coopMatStore(h, ACT, uint(row_block(rb) * CM_M * AS + cb * CM_N), uint(AS),
                                  gl_CooperativeMatrixLayoutRowMajor);
                     if (TRAINING == 1)
                         coopMatStore(h, H16, hbase + row * uint(nout) + uint(cb * CM_N), uint(nout),

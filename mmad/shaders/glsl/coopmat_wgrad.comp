@@ -17,6 +17,7 @@ layout(local_size_x = THREADS) in;
 #include "mlp_common.glsl"
 
 layout(std430, binding = 0) restrict readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 0) restrict readonly buffer InputBuf16 { uvec2 XH4[]; };  // the same as fp16 (INPUT_F16)
 layout(std430, binding = 1) restrict readonly buffer HBuf { uvec4 H8[]; };  // 8 fp16 activations each
 layout(std430, binding = 2) restrict readonly buffer DBuf { uvec4 D8[]; };  // 8 fp16 deltas each
 layout(std430, binding = 3) restrict writeonly buffer PartBuf { float PART[]; };
@@ -28,7 +29,7 @@ layout(push_constant) uniform Push { uint rows_pad; uint layer; uint rows_per_sp
 #define WS (TILE + 8)
 #define BGROUPS (THREADS >= 2 * TILE ? 2 : 1)
 #define WG_BLOCKS ((TILE / CM_M) * (TILE / CM_N))
-#define WACC ((WG_BLOCKS + 3) / 4)
+#define WACC ((WG_BLOCKS + SUBGROUPS - 1) / SUBGROUPS)  // the blocks of a subgroup
 shared float16_t DS[RC * WS];
 shared float16_t HS[RC * WS];
 shared float BSUM[TILE];
@@ -74,7 +75,8 @@ void main() {
                 if (i >= uint(RC * TILE / 4)) break;
                 uint rr = i / uint(TILE / 4), q = i - rr * uint(TILE / 4);
                 int ck = k0 + int(q) * 4;
-                vec4 h = ck < K ? pre_f16(X4[(pc.row_base + r + rr) * uint(IN_PAD / 4) + uint(ck / 4)]) : vec4(0.0);
+                uint at = (pc.row_base + r + rr) * uint(IN_PAD / 4) + uint(ck / 4);
+                vec4 h = ck >= K ? vec4(0.0) : INPUT_F16 == 1 ? unpack_halves(XH4[at]) : pre_f16(X4[at]);
                 [[unroll]] for (uint c = 0u; c < 4u; ++c) HS[rr * uint(WS) + q * 4u + c] = float16_t(h[c]);
             }
         }

@@ -8,7 +8,8 @@
 //   a grid column interpolates the table's compute-type copy (encodings.grid_lookup: tcnn's fmaf
 //   position (``position``), floor, smoothstep, dense index / coherent prime hash / index 0 per level, modulo the
 //   level's rows, the weight multiplying the dims' factors in dim order); a host column is copied;
-//   the padding columns are 0. The forward and layer 0's weight gradient read this buffer.
+//   the padding columns are 0; an invocation per (row, level) computes the level's cell once and
+//   all its features. The forward and layer 0's weight gradient read this buffer.
 // GRID_STAGE 1, keys: every table read of grid part pc.part for rows row_base .. row_base + n_rows - 1
 //   as (table row, read id) with its weight, read id = (row * levels + level) * corners + corner;
 //   padded to the power of two sort_n with key 0xffffffff (sorts last). grid_sort.comp sorts them.
@@ -18,7 +19,8 @@
 //   touched gets exactly 0, which tcnn's grid Adam skips. No float atomics: deterministic.
 // GRID_STAGE 3, scatter (devices with shaderBufferFloat32AtomicAdd, unless the sorted path is
 //   asked for): every table read of part pc.part for rows row_base .. row_base + n_rows - 1 adds
-//   weight x d loss / d encoded input into GGRAD with atomicAdd, as tiny-cuda-nn's backward does;
+//   weight x d loss / d encoded input into GGRAD with atomicAdd, as tiny-cuda-nn's backward does
+//   (an invocation per (row, level): the cell once, then each corner's reads);
 //   the order of the adds, so the last bits, varies from run to run.
 // GRID_STAGE 4, zero: part pc.part's values of GGRAD set to 0 before its first scatter (a row no
 //   read touched keeps exactly 0).
@@ -75,49 +77,64 @@ float position(float x, float scale) {
     return pos;
 }
 
-// (table row of the whole parameter, weight) of one read: grid part k, input row ``row``
-void grid_corner(uint k, uint row, uint level, uint corner, out uint entry, out float weight) {
+// one (grid part k, input row, level): per dim the cell's low corner coordinate and the weights
+// of the low and the high corner (tcnn's position, floor, smoothstep), computed once for all of
+// the level's corners
+struct LevelCell { uint c[4]; float lo[4]; float hi[4]; };
+
+LevelCell level_cell(uint k, uint row, uint level) {
+    LevelCell cell;
+    float scale = LV_SCALE[uint(GRID_LEVEL0[k]) + level];
+    for (uint d = 0u; d < uint(GRID_DIMS[k]); ++d) {
+        float pos = position(X[row * uint(X_COLS) + uint(GRID_BEGIN[k]) + d], scale);
+        float fl = floor(pos);
+        precise float frac = pos - fl;
+        if (GRID_INTERP[k] == 2) frac = frac * frac * (3.0 - 2.0 * frac);  // Smoothstep
+        precise float low = 1.0 - frac;
+        cell.c[d] = uint(int(fl));  // tcnn's (uint32_t)(int)floorf(pos), wrapping
+        cell.lo[d] = low;
+        cell.hi[d] = frac;
+    }
+    return cell;
+}
+
+// (table row of the whole parameter, weight) of one corner of a level's cell
+void cell_corner(uint k, uint level, LevelCell cell, uint corner, out uint entry, out float weight) {
     uint lv = uint(GRID_LEVEL0[k]) + level;
-    float scale = LV_SCALE[lv];
     uint index = 0u, stride = 1u;
     precise float w = 1.0;
     for (uint d = 0u; d < uint(GRID_DIMS[k]); ++d) {
-        float pos = position(X[row * uint(X_COLS) + uint(GRID_BEGIN[k]) + d], scale);
-        float cell = floor(pos);
-        precise float frac = pos - cell;
-        if (GRID_INTERP[k] == 2) frac = frac * frac * (3.0 - 2.0 * frac);  // Smoothstep
         uint bit = (corner >> d) & 1u;
-        uint c = uint(int(cell)) + bit;  // tcnn's (uint32_t)(int)floorf(pos), wrapping
+        uint c = cell.c[d] + bit;
         if (LV_MODE[lv] == 1u) {
             index ^= c * PRIMES[d];
         } else {
             index += c * stride;
             stride *= LV_RES[lv];
         }
-        if (GRID_INTERP[k] != 1) w *= bit == 1u ? frac : 1.0 - frac;  // Nearest: weight 1
+        if (GRID_INTERP[k] != 1) w *= bit == 1u ? cell.hi[d] : cell.lo[d];  // Nearest: weight 1
     }
     weight = w;
     if (LV_MODE[lv] == 2u) index = 0u;  // tcnn's stride 2^32 - 1 past 32 bits
     entry = LV_START[lv] + index % LV_ROWS[lv];
 }
+
+// (table row of the whole parameter, weight) of one read: grid part k, input row ``row``
+void grid_corner(uint k, uint row, uint level, uint corner, out uint entry, out float weight) {
+    cell_corner(k, level, level_cell(k, row, level), corner, entry, weight);
+}
+
+// the grid part and level of the j-th level of every part's levels
+uint part_of_level(uint j) {
+    uint k = 0u;
+    while (k + 1u < uint(GRID_PARTS) && j >= uint(GRID_LEVEL0[k + 1u])) ++k;
+    return k;
+}
 #endif
 
 #if GRID_STAGE == 0
-float encoded_value(uint row, uint c) {
-    for (int k = 0; k < GRID_PARTS; ++k) {
-        if (c >= uint(GRID_COLUMN[k]) && c < uint(GRID_COLUMN[k] + GRID_LEVELS[k] * GRID_FEATURES[k])) {
-            uint j = c - uint(GRID_COLUMN[k]);
-            uint level = j / uint(GRID_FEATURES[k]), f = j % uint(GRID_FEATURES[k]);
-            precise float acc = 0.0;  // no fused multiply-add: the oracle's products and sums
-            for (uint corner = 0u; corner < uint(GRID_CORNERS[k]); ++corner) {
-                uint entry;
-                float weight;
-                grid_corner(uint(k), row, level, corner, entry, weight);
-                acc += weight * TABLE[uint(GRID_TABLE[k]) + entry * uint(GRID_FEATURES[k]) + f];
-            }
-            return acc;
-        }
-    }
+// a host-encoded part's column, or 0 (padding)
+float other_value(uint row, uint c) {
     for (int h = 0; h < HOST_PARTS; ++h) {
         if (c >= uint(HOST_COLUMN[h]) && c < uint(HOST_COLUMN[h] + HOST_WIDTH[h]))
             return X[row * uint(X_COLS) + uint(HOST_SRC[h]) + c - uint(HOST_COLUMN[h])];
@@ -125,11 +142,33 @@ float encoded_value(uint row, uint c) {
     return 0.0;
 }
 
+// an item per (row, level of any grid part): the level's cell once, its features summed in fp32
+// in corner order (no fused multiply-add: the oracle's products and sums); then an item per
+// (row, other column): copied or zero
 void main() {
-    uint total = pc.rows_pad * uint(IN_PAD);
+    uint per_row = uint(GRID_TOTAL_LEVELS + OTHER_COLS);
+    uint total = pc.rows_pad * per_row;
     for (uint i = gl_GlobalInvocationID.x; i < total; i += gl_NumWorkGroups.x * 256u) {
-        uint row = i / uint(IN_PAD);
-        ENC[i] = encoded_value(row, i - row * uint(IN_PAD));
+        uint row = i / per_row, j = i - row * per_row;
+        if (j >= uint(GRID_TOTAL_LEVELS)) {
+            uint c = uint(OTHER_COLUMN[j - uint(GRID_TOTAL_LEVELS)]);
+            ENC[row * uint(IN_PAD) + c] = other_value(row, c);
+            continue;
+        }
+        uint k = part_of_level(j);
+        uint level = j - uint(GRID_LEVEL0[k]), features = uint(GRID_FEATURES[k]);
+        LevelCell cell = level_cell(k, row, level);
+        precise float acc[MAX_FEATURES];
+        for (uint f = 0u; f < features; ++f) acc[f] = 0.0;
+        for (uint corner = 0u; corner < uint(GRID_CORNERS[k]); ++corner) {
+            uint entry;
+            float weight;
+            cell_corner(k, level, cell, corner, entry, weight);
+            uint at = uint(GRID_TABLE[k]) + entry * features;
+            for (uint f = 0u; f < features; ++f) acc[f] += weight * TABLE[at + f];
+        }
+        uint out_col = row * uint(IN_PAD) + uint(GRID_COLUMN[k]) + level * features;
+        for (uint f = 0u; f < features; ++f) ENC[out_col + f] = acc[f];
     }
 }
 #elif GRID_STAGE == 1
@@ -182,19 +221,22 @@ void main() {
     }
 }
 #elif GRID_STAGE == 3
+// an item per (row, level): the level's cell once, then every corner's adds
 void main() {
     uint k = pc.part;
-    uint features = uint(GRID_FEATURES[k]), corners = uint(GRID_CORNERS[k]);
-    uint lc = uint(GRID_LEVELS[k]) * corners;
-    uint reads = pc.n_rows * lc;
-    for (uint i = gl_GlobalInvocationID.x; i < reads; i += gl_NumWorkGroups.x * 256u) {
-        uint row = pc.row_base + i / lc, level = (i % lc) / corners;
-        uint entry;
-        float weight;
-        grid_corner(k, row, level, i % corners, entry, weight);
+    uint features = uint(GRID_FEATURES[k]), levels = uint(GRID_LEVELS[k]);
+    uint items = pc.n_rows * levels;
+    for (uint i = gl_GlobalInvocationID.x; i < items; i += gl_NumWorkGroups.x * 256u) {
+        uint row = pc.row_base + i / levels, level = i % levels;
+        LevelCell cell = level_cell(k, row, level);
         uint base = row * uint(IN_PAD) + uint(GRID_COLUMN[k]) + level * features;
-        for (uint f = 0u; f < features; ++f)
-            atomicAdd(GGRAD[uint(GRID_TABLE[k]) + entry * features + f], weight * DIN[base + f]);
+        for (uint corner = 0u; corner < uint(GRID_CORNERS[k]); ++corner) {
+            uint entry;
+            float weight;
+            cell_corner(k, level, cell, corner, entry, weight);
+            for (uint f = 0u; f < features; ++f)
+                atomicAdd(GGRAD[uint(GRID_TABLE[k]) + entry * features + f], weight * DIN[base + f]);
+        }
     }
 }
 #else

@@ -25,8 +25,7 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 // Branch-free (every case computed, then selected). On NVIDIA, r16 on coopmat accumulator
 // elements (branchy or not) cost 256 B of local memory and ~5x the forward's time against
 // letting the fp16 conversion round (docs/gpu-notes-vulkan.md): see pre_f16 below.
-float r16(float x) {
-    if (ROUND_FP16 == 0) return x;
+float round_f16(float x) {
     uint u = floatBitsToUint(x);
     uint a = u & 0x7fffffffu;
     uint normal = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;           // 10 mantissa bits kept
@@ -37,7 +36,19 @@ float r16(float x) {
            : a;                                                             // Inf, NaN
     return uintBitsToFloat((u ^ a) | r);
 }
+float r16(float x) { return ROUND_FP16 == 0 ? x : round_f16(x); }
 vec4 r16(vec4 v) { return vec4(r16(v.x), r16(v.y), r16(v.z), r16(v.w)); }
+
+// fp16 device arrays (a VulkanArray of dtype float16): the forward's input rows (INPUT_F16) and its
+// output (OUTPUT_F16) as fp16, 4 halves in a uvec2, so that no 16-bit storage feature is needed;
+// 0: fp32 arrays. Unpacking is exact; packing takes values already rounded (round_f16), so
+// packHalf2x16's implementation-defined rounding has nothing left to round.
+layout(constant_id = 17) const int INPUT_F16 = 0;
+layout(constant_id = 18) const int OUTPUT_F16 = 0;
+vec4 unpack_halves(uvec2 h) { return vec4(unpackHalf2x16(h.x), unpackHalf2x16(h.y)); }
+uvec2 pack_halves(vec4 v) {
+    return uvec2(packHalf2x16(vec2(round_f16(v.x), round_f16(v.y))), packHalf2x16(vec2(round_f16(v.z), round_f16(v.w))));
+}
 
 // 1 where the device's own fp32 -> fp16 conversion was measured to round to nearest even
 // (fp16_conversion_is_rne in backends/vulkan.py): a value about to be converted to fp16 then

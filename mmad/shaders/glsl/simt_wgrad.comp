@@ -7,6 +7,7 @@ layout(local_size_x = 256) in;
 #include "mlp_common.glsl"
 
 layout(std430, binding = 0) readonly buffer InputBuf { vec4 X4[]; };
+layout(std430, binding = 0) readonly buffer InputBuf16 { uvec2 XH4[]; };  // the same as fp16 (INPUT_F16)
 layout(std430, binding = 1) readonly buffer ZBuf { vec4 Z4[]; };
 layout(std430, binding = 2) readonly buffer DBuf { vec4 D4[]; };
 layout(std430, binding = 3) writeonly buffer PartBuf { vec4 PART4[]; };
@@ -37,7 +38,8 @@ void main() {
         DS[tid] = load_n < N ? D4[dbase + row * uint(N / 4) + uint(load_n / 4)] : vec4(0.0);
         vec4 h = vec4(0.0);
         if (load_k < K) {
-            if (l == 0) h = r16(X4[(pc.row_base + row) * uint(IN_PAD / 4) + uint(load_k / 4)]);
+            uint at = (pc.row_base + row) * uint(IN_PAD / 4) + uint(load_k / 4);
+            if (l == 0) h = r16(INPUT_F16 == 1 ? unpack_halves(XH4[at]) : X4[at]);
             else h = r16(activate4(HIDDEN_ACT, Z4[zprev + row * uint(K / 4) + uint(load_k / 4)]));
         }
         HS[tid] = h;
