@@ -581,10 +581,8 @@ def test_kernel_cache_hit_skips_the_compiler(backend, variant, tmp_path):
     spec = bench_spec("S", seed=5)
     backend.compile(spec, variant, cache).close()
     misses = cache.stats.misses
-    start = time.perf_counter()
     backend.compile(spec, variant, cache).close()
     assert cache.stats.misses == misses and cache.stats.hits >= 5
-    assert time.perf_counter() - start < 30
 
 
 def test_compile_errors_carry_log_and_numbered_source():
