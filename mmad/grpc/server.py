@@ -1,0 +1,48 @@
+"""Start the gRPC front end (``mmad serve --grpc-port``, default 8001) on the running
+event loop, beside the HTTP one, over the engine the daemon's start-up built."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from mmad.engine.api import InferenceClient
+from mmad.errors import MMADError
+from mmad.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from mmad.grpc.service import InferenceService
+
+log = logging.getLogger("mmad.grpc")
+
+# the protobuf framing around a response's tensor bytes (names, shapes, parameters)
+RESPONSE_OVERHEAD_BYTES = 64 * 1024
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(engine: InferenceClient, host: str, port: int, api_key: str | None, max_request_bytes: int,
+                max_response_bytes: int) -> grpc.aio.Server:
+    """A started gRPC server on ``host:port``. Messages are capped as HTTP bodies are: a request
+    larger than ``max_request_bytes`` is refused RESOURCE_EXHAUSTED by gRPC itself, before it is
+    read whole. The port is this daemon's alone (no SO_REUSEPORT: a second daemon on the same
+    port fails to start rather than sharing its clients)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", max_request_bytes),
+        ("grpc.max_send_message_length", max_response_bytes + RESPONSE_OVERHEAD_BYTES),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(engine, api_key), server)
+    where = address(host, port)
+    try:
+        bound = server.add_insecure_port(where)
+    except RuntimeError as exc:  # grpcio raises where older releases returned 0
+        raise MMADError(f"the gRPC port cannot be bound at {where} ({exc}); is another server using it? "
+                        "--grpc-port picks another port, 0 turns gRPC off") from exc
+    if bound == 0:
+        raise MMADError(f"the gRPC port cannot be bound at {where}; is another server using it? "
+                        "--grpc-port picks another port, 0 turns gRPC off")
+    await server.start()
+    log.info("serving gRPC (KServe v2 / Triton) on %s", address(host, bound))
+    return server

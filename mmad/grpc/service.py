@@ -1,0 +1,255 @@
+"""Triton's ``inference.GRPCInferenceService`` (KServe's ``grpc-v2`` protocol and Triton's
+shared-memory, repository and statistics extensions) over an
+:class:`~mmad.engine.api.InferenceClient`.
+
+Each handler parses its message, awaits one engine method and builds the reply: the engine owns
+the models, their locks and devices. Errors leave as Triton's status codes (:mod:`mmad.grpc.errors`).
+The calls that need the API key over HTTP need it here, as ``authorization: Bearer <key>``
+metadata: repository load and unload, shared-memory register and unregister. Trace and log
+settings are not served (UNIMPLEMENTED, as the generated base class answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+from typing import AsyncIterator, Callable
+
+from mmad.engine.api import Caller, InferenceClient
+from mmad.engine.auth import authenticate
+from mmad.errors import InvalidInput
+from mmad.grpc.errors import status_of
+from mmad.grpc.generated import grpc_service_pb2 as pb, grpc_service_pb2_grpc as pb_grpc, model_config_pb2 as mc
+from mmad.grpc.tensors import infer_request, infer_response
+
+log = logging.getLogger("mmad.grpc")
+
+KEY_METADATA = "'authorization: Bearer <api key>' metadata"
+
+
+def _rpc(handler: Callable) -> Callable:
+    """A unary handler whose errors become gRPC statuses."""
+
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mmad's tree by the table, anything else INTERNAL
+            code, message, trailers = status_of(exc, handler.__name__)
+            if trailers:
+                context.set_trailing_metadata(trailers)
+            await context.abort(code, message)
+
+    return wrapped
+
+
+def is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) is this host."""
+    kind, _, address = peer.partition(":")
+    if kind == "unix":
+        return True
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _version(value: str) -> str | None:
+    return value or None
+
+
+def _repository(name: str) -> None:
+    if name:
+        raise InvalidInput(f"repository_name {name!r}: mmad serves one repository; leave it empty")
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    """The servicer; ``api_key``: the key administrative calls need (None: no key)."""
+
+    def __init__(self, engine: InferenceClient, api_key: str | None):
+        self.engine = engine
+        self.api_key = api_key
+
+    def _caller(self, context) -> Caller:
+        metadata = dict(context.invocation_metadata() or ())
+        verified = authenticate(self.api_key, metadata.get("authorization"), KEY_METADATA)
+        return Caller(key_verified=verified, loopback=is_loopback(context.peer()))
+
+    # -- health and metadata --------------------------------------------------------------------
+    @_rpc
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=await self.engine.live())
+
+    @_rpc
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=(await self.engine.ready()).ready)
+
+    @_rpc
+    async def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=await self.engine.model_ready(request.name, _version(request.version)))
+
+    @_rpc
+    async def ServerMetadata(self, request, context):
+        meta = await self.engine.server_metadata()
+        return pb.ServerMetadataResponse(name=meta.name, version=meta.version, extensions=list(meta.extensions))
+
+    @_rpc
+    async def ModelMetadata(self, request, context):
+        meta = await self.engine.model_metadata(request.name, _version(request.version))
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta.name, versions=meta.versions, platform=meta.platform,
+            inputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.inputs],
+            outputs=[tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in meta.outputs])
+
+    @_rpc
+    async def ModelConfig(self, request, context):
+        config = await self.engine.model_config(request.name, _version(request.version))
+        message = mc.ModelConfig(
+            name=config.name, platform=config.platform, backend=config.backend, max_batch_size=config.max_batch_size,
+            input=[mc.ModelInput(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+                   for t in config.inputs],
+            output=[mc.ModelOutput(name=t.name, data_type=mc.DataType.Value(t.data_type), dims=t.dims)
+                    for t in config.outputs],
+            dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=config.max_queue_delay_us))
+        for key, value in config.parameters.items():  # Triton's parameters are strings; unset ones are left out
+            if value is not None:
+                message.parameters[key].string_value = str(value).lower() if isinstance(value, bool) else str(value)
+        return pb.ModelConfigResponse(config=message)
+
+    @_rpc
+    async def ModelStatistics(self, request, context):
+        rows = await self.engine.statistics(request.name or None, _version(request.version))
+        duration = pb.StatisticDuration
+        reply = pb.ModelStatisticsResponse()
+        for s in rows:
+            stats = s.inference_stats
+            reply.model_stats.add(
+                name=s.name, version=s.version, last_inference=s.last_inference, inference_count=s.inference_count,
+                execution_count=s.execution_count,
+                inference_stats=pb.InferStatistics(**{k: duration(count=getattr(stats, k).count, ns=getattr(stats, k).ns)
+                                                      for k in ("success", "fail", "queue", "compute_input",
+                                                                "compute_infer", "compute_output", "cache_hit",
+                                                                "cache_miss")}),
+                batch_stats=[pb.InferBatchStatistics(
+                    batch_size=b.batch_size,
+                    compute_input=duration(count=b.compute_input.count, ns=b.compute_input.ns),
+                    compute_infer=duration(count=b.compute_infer.count, ns=b.compute_infer.ns),
+                    compute_output=duration(count=b.compute_output.count, ns=b.compute_output.ns))
+                    for b in s.batch_stats])
+        return reply
+
+    # -- repository -----------------------------------------------------------------------------
+    @_rpc
+    async def RepositoryIndex(self, request, context):
+        _repository(request.repository_name)
+        index = pb.RepositoryIndexResponse.ModelIndex
+        rows = await self.engine.repository_index(request.ready)
+        return pb.RepositoryIndexResponse(models=[index(name=r.name, version=r.version, state=r.state,
+                                                        reason=r.reason) for r in rows])
+
+    @_rpc
+    async def RepositoryModelLoad(self, request, context):
+        caller = self._caller(context)
+        _repository(request.repository_name)
+        if request.parameters:  # Triton's config override and model files: mmad's models come from its store
+            raise InvalidInput(f"load parameters ({', '.join(sorted(request.parameters))}) are not supported: a model "
+                               f"loads as stored; PUT /v2/models/{request.model_name} to change it")
+        await self.engine.load_model(request.model_name, caller)
+        return pb.RepositoryModelLoadResponse()
+
+    @_rpc
+    async def RepositoryModelUnload(self, request, context):
+        caller = self._caller(context)
+        _repository(request.repository_name)
+        if request.parameters:
+            raise InvalidInput(f"unload parameters ({', '.join(sorted(request.parameters))}) are not supported")
+        await self.engine.unload_model(request.model_name, caller)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- shared memory --------------------------------------------------------------------------
+    @_rpc
+    async def SystemSharedMemoryStatus(self, request, context):
+        status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        regions = await self.engine.system_shm_status(request.name or None)
+        return pb.SystemSharedMemoryStatusResponse(regions={
+            r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size) for r in regions})
+
+    @_rpc
+    async def SystemSharedMemoryRegister(self, request, context):
+        await self.engine.system_shm_register(request.name, request.key, request.offset, request.byte_size,
+                                              self._caller(context))
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def SystemSharedMemoryUnregister(self, request, context):
+        await self.engine.system_shm_unregister(request.name or None, self._caller(context))
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryStatus(self, request, context):
+        status = pb.CudaSharedMemoryStatusResponse.RegionStatus
+        regions = await self.engine.cuda_shm_status(request.name or None)
+        return pb.CudaSharedMemoryStatusResponse(regions={
+            r.name: status(name=r.name, device_id=r.device_id, byte_size=r.byte_size) for r in regions})
+
+    @_rpc
+    async def CudaSharedMemoryRegister(self, request, context):
+        if request.device_id < 0:
+            raise InvalidInput(f"device_id must be a non-negative integer; got {request.device_id}")
+        await self.engine.cuda_shm_register(request.name, request.raw_handle, request.device_id, request.byte_size,
+                                            self._caller(context))
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_rpc
+    async def CudaSharedMemoryUnregister(self, request, context):
+        await self.engine.cuda_shm_unregister(request.name or None, self._caller(context))
+        return pb.CudaSharedMemoryUnregisterResponse()
+
+    # -- inference ------------------------------------------------------------------------------
+    @_rpc
+    async def ModelInfer(self, request, context):
+        return infer_response(await self.engine.infer(infer_request(request)))
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator, context) -> AsyncIterator:
+        """Each request of the stream runs as it arrives, beside the others (the batcher merges
+        them), and its response is sent as it finishes; a request that fails answers with its
+        error in ``error_message`` and the stream goes on, as Triton's does."""
+        replies: asyncio.Queue = asyncio.Queue()
+        running: set[asyncio.Task] = set()
+
+        async def answer(request) -> None:
+            try:
+                reply = pb.ModelStreamInferResponse(infer_response=infer_response(
+                    await self.engine.infer(infer_request(request))))
+            except Exception as exc:  # noqa: BLE001 - the stream carries the error, as Triton's
+                _code, message, _ = status_of(exc, "ModelStreamInfer")
+                reply = pb.ModelStreamInferResponse(
+                    error_message=message,
+                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                         model_version=request.model_version, id=request.id))
+            replies.put_nowait(reply)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.ensure_future(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(set(running))
+            finally:
+                replies.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+            await reader  # the client's half closed cleanly, or its error ends the call
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
