@@ -165,8 +165,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelUnload(self, request, context):
         caller = self._caller(context)
         _repository(request.repository_name)
-        if request.parameters:
-            raise InvalidInput(f"unload parameters ({', '.join(sorted(request.parameters))}) are not supported")
+        # unload_dependents (tritonclient always sends it) has nothing to do: a model has no dependents
+        unknown = sorted(set(request.parameters) - {"unload_dependents"})
+        if unknown:
+            raise InvalidInput(f"unload parameters ({', '.join(unknown)}) are not supported")
         await self.engine.unload_model(request.model_name, caller)
         return pb.RepositoryModelUnloadResponse()
 
