@@ -426,3 +426,27 @@ def test_cuda_shared_memory_on_a_gpu(tmp_path):
             cudashm.destroy_shared_memory_region(dst)
     finally:
         proc.stop()
+
+
+def test_the_benchmarks_grpc_generator_measures_the_daemon(daemon, http, tmp_path):
+    """``mmad bench --service``'s gRPC rows: generator processes timing one window against the
+    daemon's gRPC port, every reply checked."""
+    import argparse
+    import types
+
+    from mmad.bench.grpc_load import grpc_clients
+    from mmad.bench.load import MODEL, Bench
+    from mmad.spec import bench_spec
+
+    r = http.put(f"/v2/models/{MODEL}", json={"spec": bench_spec(MODEL).to_json()}, headers=KEY)
+    assert r.status_code == 201, r.text
+    try:
+        bench = Bench(argparse.Namespace(generator_slack_s=60.0), tmp_path)
+        target = types.SimpleNamespace(grpc_port=int(daemon.grpc.rsplit(":", 1)[1]))
+        for rows, datatype in (((1, 16), "FP32"), ((300, 300), "FP16")):
+            res = grpc_clients(bench, target, rows, datatype, clients=3, processes=2, max_requests=60,
+                               duration_s=1.0, warmup_s=0.2, pool=8)
+            assert res["errors"] == {} and res["requests"] > 0 and res["processes"] == 2, res
+            assert res["requests_per_s"] > 0 and 0 < res["p50_ms"] <= res["p99_ms"] < 10_000
+    finally:
+        assert http.delete(f"/v2/models/{MODEL}", headers=KEY).status_code == 200
