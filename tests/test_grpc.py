@@ -450,3 +450,13 @@ def test_the_benchmarks_grpc_generator_measures_the_daemon(daemon, http, tmp_pat
             assert res["requests_per_s"] > 0 and 0 < res["p50_ms"] <= res["p99_ms"] < 10_000
     finally:
         assert http.delete(f"/v2/models/{MODEL}", headers=KEY).status_code == 200
+
+
+@pytest.mark.parametrize("peer, loopback, address", [
+    ("ipv4:127.0.0.1:5000", True, ("127.0.0.1", 5000)), ("ipv6:%5B::1%5D:5001", True, ("::1", 5001)),
+    ("ipv6:%5B::ffff:127.0.0.1%5D:5002", True, ("::ffff:127.0.0.1", 5002)),
+    ("ipv4:192.0.2.7:5003", False, ("192.0.2.7", 5003)), ("unix:/tmp/s", True, None)])
+def test_a_callers_address_as_grpc_names_it(peer, loopback, address):
+    from mmad.grpc.service import is_loopback, peer_address
+
+    assert is_loopback(peer) is loopback and peer_address(peer) == address

@@ -24,6 +24,8 @@ process (``--generator``), bounded in requests and in time:
   binary stream; mmad vs the peer at 64 clients), so both sides meet the same outside load;
 * tritonclient: ``tritonclient.http.InferenceServerClient(concurrency=N).async_infer`` with N
   requests in flight, and ``tritonclient.http.aio`` with N tasks, against the daemon;
+* gRPC (:mod:`mmad.bench.grpc_load`): Triton's ModelInfer with raw contents on the daemon's gRPC
+  port, 65,536-row FP16 requests and small requests, at the two ``--grpc-clients`` counts;
 * uvicorn settings: a daemon per loop/http pair (uvloop|asyncio x httptools|h11) at 64 clients.
 
 Request bodies are encoded before the clock starts (a load generator's job is to drive the

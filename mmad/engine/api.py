@@ -252,6 +252,9 @@ class Caller:
 
     key_verified: bool
     loopback: bool
+    # (client host, client port, the daemon's port) of a TCP client: which local user holds a
+    # loopback connection can be told from it; None where the transport does not say
+    address: tuple[str, int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -341,9 +341,11 @@ class InProcessEngine:
 
     # -- shared memory --------------------------------------------------------------------------
     def _shm_admin(self, caller: Caller) -> None:
-        """Registering a region lets the daemon read and write that memory: an administrative
-        call. Further rules on who may register (loopback-only keyless registration) belong here,
-        beside the HTTP front end's, so that every front end applies them."""
+        """Registering or unregistering a region lets the daemon read and write that memory: an
+        administrative call, with the API key where one is set. Who else may (the
+        ``--shared-memory`` mode: off, loopback callers only, or any; a keyless daemon's loopback
+        caller only for objects of its own user, told from ``caller.address``) is decided here
+        for every front end that reaches the engine; the HTTP routes apply the same rule."""
         self._serving()
         self._admin(caller)
 

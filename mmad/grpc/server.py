@@ -33,7 +33,8 @@ async def serve(engine: InferenceClient, host: str, port: int, api_key: str | No
         ("grpc.max_send_message_length", max_response_bytes + RESPONSE_OVERHEAD_BYTES),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(engine, api_key), server)
+    service = InferenceService(engine, api_key, port)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     where = address(host, port)
     try:
         bound = server.add_insecure_port(where)
@@ -43,6 +44,7 @@ async def serve(engine: InferenceClient, host: str, port: int, api_key: str | No
     if bound == 0:
         raise MMADError(f"the gRPC port cannot be bound at {where}; is another server using it? "
                         "--grpc-port picks another port, 0 turns gRPC off")
+    service.port = bound
     await server.start()
     log.info("serving gRPC (KServe v2 / Triton) on %s", address(host, bound))
     return server

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import urllib.parse
 from typing import AsyncIterator, Callable
 
 from mmad.engine.api import Caller, InferenceClient
@@ -45,16 +46,33 @@ def _rpc(handler: Callable) -> Callable:
     return wrapped
 
 
-def is_loopback(peer: str) -> bool:
-    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) is this host."""
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """(host, port) of a gRPC TCP peer (``ipv4:127.0.0.1:5000``, ``ipv6:%5B::1%5D:5000``); None
+    for any other (``unix:...``)."""
     kind, _, address = peer.partition(":")
-    if kind == "unix":
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = urllib.parse.unquote(address).rpartition(":")  # gRPC writes IPv6 as %5B::1%5D
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host.strip("[]"), int(port)
+    except ValueError:
+        return None
+
+
+def is_loopback(peer: str) -> bool:
+    """Whether a gRPC peer is this host (a loopback address, IPv4-mapped ones included, or a Unix socket)."""
+    if peer.startswith("unix:"):
+        return True
+    address = peer_address(peer)
+    if address is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(address[0])
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 def _version(value: str) -> str | None:
@@ -67,16 +85,21 @@ def _repository(name: str) -> None:
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    """The servicer; ``api_key``: the key administrative calls need (None: no key)."""
+    """The servicer; ``api_key``: the key administrative calls need (None: no key); ``port``:
+    the port it is served on (a caller's address names it)."""
 
-    def __init__(self, engine: InferenceClient, api_key: str | None):
+    def __init__(self, engine: InferenceClient, api_key: str | None, port: int = 0):
         self.engine = engine
         self.api_key = api_key
+        self.port = port
 
     def _caller(self, context) -> Caller:
         metadata = dict(context.invocation_metadata() or ())
         verified = authenticate(self.api_key, metadata.get("authorization"), KEY_METADATA)
-        return Caller(key_verified=verified, loopback=is_loopback(context.peer()))
+        peer = context.peer()
+        address = peer_address(peer)
+        return Caller(key_verified=verified, loopback=is_loopback(peer),
+                      address=None if address is None else (*address, self.port))
 
     # -- health and metadata --------------------------------------------------------------------
     @_rpc
