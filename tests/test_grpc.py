@@ -460,3 +460,46 @@ def test_a_callers_address_as_grpc_names_it(peer, loopback, address):
     from mmad.grpc.service import is_loopback, peer_address
 
     assert is_loopback(peer) is loopback and peer_address(peer) == address
+
+
+def test_infer_messages_at_the_wire_are_what_protobuf_reads():
+    """Raw contents read as views and written after the serialized message (mmad/grpc/wire.py):
+    protobuf itself reads the same messages back, on fresh random data."""
+    from mmad.grpc.generated import grpc_service_pb2 as pb
+    from mmad.grpc.wire import WireResponse, read_infer_request, write_infer_response, write_stream_response
+
+    rng = np.random.default_rng()
+    tensors = [rng.uniform(-1, 1, (int(rng.integers(1, 3000)), 2)).astype(np.float16) for _ in range(3)]
+    request = pb.ModelInferRequest(model_name="demo", id="w", model_version="1")
+    for t in tensors:
+        request.inputs.add(name="INPUT", datatype="FP16", shape=t.shape)
+        request.raw_input_contents.append(t.tobytes())
+    request.outputs.add(name="OUTPUT").parameters["output_datatype"].string_param = "FP16"
+    wire = read_infer_request(request.SerializeToString())
+    assert wire.error is None and [bytes(r) for r in wire.raw] == [t.tobytes() for t in tensors]
+    bare = pb.ModelInferRequest()
+    bare.CopyFrom(request)
+    bare.ClearField("raw_input_contents")
+    assert wire.message == bare
+    assert read_infer_request(request.SerializeToString()[:-7]).error.startswith("the ModelInferRequest cannot")
+
+    reply = pb.ModelInferResponse(model_name="demo", model_version="1", id="w")
+    reply.outputs.add(name="OUTPUT", datatype="FP16", shape=tensors[0].shape)
+    encoded = WireResponse.of(reply, [tensors[0], tensors[1][::2]])  # a strided array too
+    parsed = pb.ModelInferResponse.FromString(write_infer_response(encoded))
+    assert parsed.id == "w" and list(parsed.raw_output_contents) == [tensors[0].tobytes(), tensors[1][::2].tobytes()]
+    streamed = pb.ModelStreamInferResponse.FromString(write_stream_response(encoded))
+    assert streamed.error_message == "" and streamed.infer_response == parsed
+
+
+def test_trace_and_log_settings_are_unimplemented(daemon):
+    from mmad.grpc.generated import grpc_service_pb2 as pb
+
+    with grpc.insecure_channel(daemon.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/LogSettings",
+                                   request_serializer=pb.LogSettingsRequest.SerializeToString,
+                                   response_deserializer=pb.LogSettingsResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            call(pb.LogSettingsRequest())
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--log-level" in info.value.details()
+    assert "NotImplementedError" not in daemon.log()  # answered, not raised

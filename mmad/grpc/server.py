@@ -9,8 +9,7 @@ import grpc
 
 from mmad.engine.api import InferenceClient
 from mmad.errors import MMADError
-from mmad.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from mmad.grpc.service import InferenceService
+from mmad.grpc.service import InferenceService, method_handlers
 
 log = logging.getLogger("mmad.grpc")
 
@@ -34,7 +33,7 @@ async def serve(engine: InferenceClient, host: str, port: int, api_key: str | No
         ("grpc.so_reuseport", 0),
     ])
     service = InferenceService(engine, api_key, port)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((method_handlers(service),))
     where = address(host, port)
     try:
         bound = server.add_insecure_port(where)

@@ -6,7 +6,7 @@ Each handler parses its message, awaits one engine method and builds the reply: 
 the models, their locks and devices. Errors leave as Triton's status codes (:mod:`mmad.grpc.errors`).
 The calls that need the API key over HTTP need it here, as ``authorization: Bearer <key>``
 metadata: repository load and unload, shared-memory register and unregister. Trace and log
-settings are not served (UNIMPLEMENTED, as the generated base class answers).
+settings are not served (UNIMPLEMENTED).
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ import logging
 import urllib.parse
 from typing import AsyncIterator, Callable
 
+import grpc
+
 from mmad.engine.api import Caller, InferenceClient
 from mmad.engine.auth import authenticate
 from mmad.errors import InvalidInput
 from mmad.grpc.errors import status_of
 from mmad.grpc.generated import grpc_service_pb2 as pb, grpc_service_pb2_grpc as pb_grpc, model_config_pb2 as mc
 from mmad.grpc.tensors import infer_request, infer_response
+from mmad.grpc.wire import read_infer_request, write_infer_response, write_stream_response
 
 log = logging.getLogger("mmad.grpc")
 
@@ -234,6 +237,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await self.engine.cuda_shm_unregister(request.name or None, self._caller(context))
         return pb.CudaSharedMemoryUnregisterResponse()
 
+    # -- not served ------------------------------------------------------------------------------
+    async def TraceSetting(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "mmad does not serve Triton's trace settings")
+
+    async def LogSettings(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "mmad does not serve Triton's log settings; "
+                                                           "mmad serve --log-level sets the log level")
+
     # -- inference ------------------------------------------------------------------------------
     @_rpc
     async def ModelInfer(self, request, context):
@@ -248,14 +259,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def answer(request) -> None:
             try:
-                reply = pb.ModelStreamInferResponse(infer_response=infer_response(
-                    await self.engine.infer(infer_request(request))))
+                reply = infer_response(await self.engine.infer(infer_request(request)))
             except Exception as exc:  # noqa: BLE001 - the stream carries the error, as Triton's
                 _code, message, _ = status_of(exc, "ModelStreamInfer")
+                sent = request.message or pb.ModelInferRequest()
                 reply = pb.ModelStreamInferResponse(
                     error_message=message,
-                    infer_response=pb.ModelInferResponse(model_name=request.model_name,
-                                                         model_version=request.model_version, id=request.id))
+                    infer_response=pb.ModelInferResponse(model_name=sent.model_name,
+                                                         model_version=sent.model_version, id=sent.id))
             replies.put_nowait(reply)
 
         async def read() -> None:
@@ -278,3 +289,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             for task in list(running):
                 task.cancel()
+
+
+def method_handlers(service: InferenceService) -> grpc.GenericRpcHandler:
+    """The service's calls as gRPC handlers, each with its messages' protobuf (de)serializers,
+    but infer's, whose raw tensor contents :mod:`mmad.grpc.wire` reads and writes in place."""
+    wire_io = {"ModelInfer": (read_infer_request, write_infer_response),
+               "ModelStreamInfer": (read_infer_request, write_stream_response)}
+    descriptor = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in descriptor.methods:
+        read, write = wire_io.get(method.name, (getattr(pb, method.input_type.name).FromString,
+                                                getattr(pb, method.output_type.name).SerializeToString))
+        kind = (grpc.stream_stream_rpc_method_handler if method.client_streaming and method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        if method.client_streaming != method.server_streaming:
+            raise TypeError(f"{method.name}: a call streaming one way only is not served")
+        handlers[method.name] = kind(getattr(service, method.name), request_deserializer=read,
+                                     response_serializer=write)
+    return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)

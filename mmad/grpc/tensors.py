@@ -2,8 +2,8 @@
 
 Inputs come as raw bytes (``raw_input_contents``, what tritonclient sends: one entry per input
 that names no shared-memory region, in input order) or as typed contents (``contents.fp32_contents``
-...); either becomes a NumPy array of the declared shape, a view of the request's bytes where they
-are raw. Only the transport is checked here (the bytes or values match the declared shape); the
+...); either becomes a NumPy array of the declared shape, a view of the received bytes where they
+are raw (:mod:`mmad.grpc.wire`). Only the transport is checked here (the bytes or values match the declared shape); the
 engine checks the tensors against the model. Outputs always leave as raw bytes, as Triton's gRPC
 server sends them.
 """
@@ -18,6 +18,7 @@ import numpy as np
 from mmad.engine.api import DATATYPES, InferInput, InferRequest, InferResponse, RequestedOutput, ShmRef
 from mmad.errors import InvalidInput
 from mmad.grpc.generated import grpc_service_pb2 as pb
+from mmad.grpc.wire import WireRequest, WireResponse
 
 MAX_ELEMENTS = 1 << 31
 # typed contents: the field each datatype's values travel in (FP16 has none: it travels raw)
@@ -27,6 +28,7 @@ CONTENTS_FIELDS = {
     "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
 }
 SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
+NO_BYTES = np.empty(0, np.uint8)  # the raw entry of an output written into shared memory
 
 
 def parameters(params: Any) -> dict[str, Any]:
@@ -77,9 +79,11 @@ def _output_datatype(where: str, params: dict[str, Any], default: str) -> str:
     return datatype
 
 
-def infer_request(request: pb.ModelInferRequest) -> InferRequest:
-    """The engine's request for a ModelInferRequest."""
-    raw = request.raw_input_contents
+def infer_request(wire: WireRequest) -> InferRequest:
+    """The engine's request for a ModelInferRequest (raw contents: views of the received bytes)."""
+    if wire.error is not None:
+        raise InvalidInput(wire.error)
+    request, raw = wire.message, wire.raw
     inputs, used = [], 0
     for i, tensor in enumerate(request.inputs):
         where = f"input {tensor.name!r}" if tensor.name else f"inputs[{i}]"
@@ -96,8 +100,8 @@ def infer_request(request: pb.ModelInferRequest) -> InferRequest:
                                    "that carry data; give every such input one, in input order")
             data, used = raw[used], used + 1
             needed = math.prod(shape) * dtype.itemsize
-            if len(data) != needed:
-                raise InvalidInput(f"{where}: its raw_input_contents entry is {len(data)} bytes but shape "
+            if data.nbytes != needed:
+                raise InvalidInput(f"{where}: its raw_input_contents entry is {data.nbytes} bytes but shape "
                                    f"{list(shape)} of {tensor.datatype} needs {needed}")
             array = np.frombuffer(data, dtype=dtype).reshape(shape)
         else:
@@ -131,7 +135,7 @@ def infer_request(request: pb.ModelInferRequest) -> InferRequest:
                         request.id or None, defaults)
 
 
-def infer_response(response: InferResponse) -> pb.ModelInferResponse:
+def infer_response(response: InferResponse) -> WireResponse:
     """The ModelInferResponse of the engine's response: each output's bytes in
     ``raw_output_contents`` at the output's position (an output written into shared memory
     holds an empty entry there when an output with bytes follows it)."""
@@ -144,10 +148,9 @@ def infer_response(response: InferResponse) -> pb.ModelInferResponse:
             tensor.parameters["shared_memory_region"].string_param = out.shm.region
             tensor.parameters["shared_memory_offset"].int64_param = out.shm.offset
             tensor.parameters["shared_memory_byte_size"].int64_param = out.shm.byte_size
-            raws.append(b"")
+            raws.append(NO_BYTES)
         else:
-            raws.append(out.data.tobytes())
-    while raws and not raws[-1]:
+            raws.append(out.data)
+    while raws and raws[-1] is NO_BYTES:
         raws.pop()
-    message.raw_output_contents.extend(raws)
-    return message
+    return WireResponse.of(message, raws)
