@@ -503,3 +503,25 @@ def test_trace_and_log_settings_are_unimplemented(daemon):
             call(pb.LogSettingsRequest())
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--log-level" in info.value.details()
     assert "NotImplementedError" not in daemon.log()  # answered, not raised
+
+
+def test_the_grpc_front_end_reaches_the_models_through_the_engine_alone():
+    """No module of mmad/grpc imports the HTTP server's internals (registry, batcher, shared
+    memory) or a backend, and the engine's interface imports neither front end."""
+    import ast
+
+    def imports(path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    for path in sorted((REPO / "mmad" / "grpc").glob("*.py")):
+        bad = {m for m in imports(path) if m.startswith(("mmad.server", "mmad.backends"))}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+    for name in ("api.py", "auth.py"):
+        bad = {m for m in imports(REPO / "mmad" / "engine" / name) if m.startswith(("mmad.server", "mmad.grpc"))}
+        assert not bad, f"engine/{name} imports {sorted(bad)}"
