@@ -9,6 +9,7 @@ import base64
 import subprocess
 import sys
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -525,3 +526,40 @@ def test_the_grpc_front_end_reaches_the_models_through_the_engine_alone():
     for name in ("api.py", "auth.py"):
         bad = {m for m in imports(REPO / "mmad" / "engine" / name) if m.startswith(("mmad.server", "mmad.grpc"))}
         assert not bad, f"engine/{name} imports {sorted(bad)}"
+
+
+def test_calls_in_progress_are_capped_as_connections_are(tmp_path):
+    """``--max-connections`` bounds the gRPC calls in progress at once: two open streams hold
+    both places, the next call is refused RESOURCE_EXHAUSTED, and a place freed serves again."""
+    port = free_port()
+    proc = DaemonProcess(tmp_path / "store", "--grpc-port", str(port), "--max-connections", "2").start()
+    streams = [tg.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
+    answered = threading.Semaphore(0)
+    try:
+        for client in streams:
+            client.start_stream(lambda result, error: answered.release())
+        x = rows(4)
+        for client in streams:
+            infer_input = tg.InferInput("INPUT", [4, 2], "FP32")
+            infer_input.set_data_from_numpy(x)
+            client.async_stream_infer("demo", [infer_input])
+        for _ in streams:  # each stream's call is in progress on the server: it has answered
+            assert answered.acquire(timeout=30)
+        third = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        code, _ = status(lambda: third.is_server_live())
+        assert code == "StatusCode.RESOURCE_EXHAUSTED"
+        streams[0].stop_stream()
+        deadline = time.monotonic() + 10
+        while True:  # the server sees the stream end shortly after the client closes it
+            try:
+                assert third.is_server_live()
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        third.close()
+    finally:
+        for client in streams:
+            client.stop_stream()
+            client.close()
+        proc.stop()

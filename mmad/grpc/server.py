@@ -22,12 +22,13 @@ def address(host: str, port: int) -> str:
 
 
 async def serve(engine: InferenceClient, host: str, port: int, api_key: str | None, max_request_bytes: int,
-                max_response_bytes: int) -> grpc.aio.Server:
+                max_response_bytes: int, max_calls: int) -> grpc.aio.Server:
     """A started gRPC server on ``host:port``. Messages are capped as HTTP bodies are: a request
     larger than ``max_request_bytes`` is refused RESOURCE_EXHAUSTED by gRPC itself, before it is
-    read whole. The port is this daemon's alone (no SO_REUSEPORT: a second daemon on the same
-    port fails to start rather than sharing its clients)."""
-    server = grpc.aio.server(options=[
+    read whole; so is a call past ``max_calls`` in progress at once (as HTTP caps connections:
+    each call may hold a request's bytes). The port is this daemon's alone (no SO_REUSEPORT: a
+    second daemon on the same port fails to start rather than sharing its clients)."""
+    server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", max_response_bytes + RESPONSE_OVERHEAD_BYTES),
         ("grpc.so_reuseport", 0),

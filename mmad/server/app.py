@@ -116,7 +116,7 @@ async def start_grpc(rt: Runtime):
     from mmad.grpc.server import serve
 
     return await serve(InProcessEngine(rt), settings.host, settings.grpc_port, settings.api_key_value,
-                       settings.max_body_bytes, settings.max_response_bytes)
+                       settings.max_body_bytes, settings.max_response_bytes, settings.max_connections)
 
 
 class MMADApp(FastAPI):
