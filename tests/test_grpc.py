@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import signal
 import subprocess
 import sys
 import threading
@@ -563,3 +564,35 @@ def test_calls_in_progress_are_capped_as_connections_are(tmp_path):
             client.stop_stream()
             client.close()
         proc.stop()
+
+
+def test_an_open_stream_does_not_hold_the_shutdown(tmp_path):
+    """SIGTERM with a stream open and idle: the stream ends UNAVAILABLE at once and the daemon
+    exits well within its grace period (30 s), after answering what the stream had sent."""
+    port = free_port()
+    proc = DaemonProcess(tmp_path / "store", "--grpc-port", str(port)).start()
+    client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+    seen, ended = [], threading.Event()
+
+    def callback(result, error):
+        seen.append(error if error is not None else result.get_response().id)
+        if error is not None:
+            ended.set()
+
+    try:
+        client.start_stream(callback)
+        infer_input = tg.InferInput("INPUT", [3, 2], "FP32")
+        infer_input.set_data_from_numpy(rows(3))
+        client.async_stream_infer("demo", [infer_input], request_id="before")
+        deadline = time.monotonic() + 30
+        while "before" not in seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        began = time.monotonic()
+        assert proc.stop(timeout_s=25) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert time.monotonic() - began < 15 and "Traceback" not in proc.log()
+        assert ended.wait(10) and "daemon is stopping" in str(seen[-1])
+    finally:
+        client.stop_stream()
+        client.close()
+        proc.kill()

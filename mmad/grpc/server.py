@@ -22,7 +22,7 @@ def address(host: str, port: int) -> str:
 
 
 async def serve(engine: InferenceClient, host: str, port: int, api_key: str | None, max_request_bytes: int,
-                max_response_bytes: int, max_calls: int) -> grpc.aio.Server:
+                max_response_bytes: int, max_calls: int) -> "GrpcFrontEnd":
     """A started gRPC server on ``host:port``. Messages are capped as HTTP bodies are: a request
     larger than ``max_request_bytes`` is refused RESOURCE_EXHAUSTED by gRPC itself, before it is
     read whole; so is a call past ``max_calls`` in progress at once (as HTTP caps connections:
@@ -47,4 +47,17 @@ async def serve(engine: InferenceClient, host: str, port: int, api_key: str | No
     service.port = bound
     await server.start()
     log.info("serving gRPC (KServe v2 / Triton) on %s", address(host, bound))
-    return server
+    return GrpcFrontEnd(server, service)
+
+
+class GrpcFrontEnd:
+    """The started server and its service, stopped together."""
+
+    def __init__(self, server: grpc.aio.Server, service: InferenceService):
+        self.server, self.service = server, service
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls, end the open streams once they answered what they took, and let the
+        calls in flight finish for up to ``grace_s`` seconds."""
+        self.service.stop_streams()
+        await self.server.stop(grace_s)

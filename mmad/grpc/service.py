@@ -87,6 +87,16 @@ def _repository(name: str) -> None:
         raise InvalidInput(f"repository_name {name!r}: mmad serves one repository; leave it empty")
 
 
+class _Stream:
+    """An open ModelStreamInfer: the task reading its requests, whether it still reads them,
+    and whether the daemon is stopping it."""
+
+    def __init__(self) -> None:
+        self.reader: asyncio.Task | None = None
+        self.reading = True
+        self.stopped = False
+
+
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     """The servicer; ``api_key``: the key administrative calls need (None: no key); ``port``:
     the port it is served on (a caller's address names it)."""
@@ -95,6 +105,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.engine = engine
         self.api_key = api_key
         self.port = port
+        self._streams: set[_Stream] = set()
 
     def _caller(self, context) -> Caller:
         metadata = dict(context.invocation_metadata() or ())
@@ -269,26 +280,46 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                                          model_version=sent.model_version, id=sent.id))
             replies.put_nowait(reply)
 
+        stream = _Stream()
+
         async def read() -> None:
             try:
-                async for request in request_iterator:
-                    task = asyncio.ensure_future(answer(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                while running:
+                try:
+                    async for request in request_iterator:
+                        task = asyncio.ensure_future(answer(request))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                except asyncio.CancelledError:
+                    if not stream.stopped:
+                        raise
+                stream.reading = False
+                while running:  # the requests taken are answered
                     await asyncio.wait(set(running))
             finally:
                 replies.put_nowait(None)
 
-        reader = asyncio.ensure_future(read())
+        reader = stream.reader = asyncio.ensure_future(read())
+        self._streams.add(stream)
         try:
             while (reply := await replies.get()) is not None:
                 yield reply
             await reader  # the client's half closed cleanly, or its error ends the call
         finally:
+            self._streams.discard(stream)
             reader.cancel()
             for task in list(running):
                 task.cancel()
+        if stream.stopped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the daemon is stopping; open a new stream to "
+                                                             "another server or after its restart")
+
+    def stop_streams(self) -> None:
+        """At shutdown: every open stream takes no more requests; those it took are answered, then
+        it ends UNAVAILABLE (an idle stream at once: it would hold the shutdown for its whole grace)."""
+        for stream in list(self._streams):
+            stream.stopped = True
+            if stream.reading:  # waiting for the client's next request: stop waiting
+                stream.reader.cancel()
 
 
 def method_handlers(service: InferenceService) -> grpc.GenericRpcHandler:
