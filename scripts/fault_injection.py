@@ -135,7 +135,8 @@ class Daemon:
 
     def argv(self) -> list[str]:
         return ["--host", "127.0.0.1", "--port", str(self.port), "--store", str(self.store), "--backend", "cpu",
-                "--probe", "cpu", "--log-level", "warning", *([] if self.demo else ["--no-demo"]), *self.args]
+                "--probe", "cpu", "--log-level", "warning", "--grpc-port", "0", *([] if self.demo else ["--no-demo"]),
+                *self.args]
 
     def start(self, timeout_s: float = 60.0) -> "Daemon":
         self.port = free_port()  # a fresh port per start: the killed one may linger in TIME_WAIT

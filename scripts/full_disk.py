@@ -26,7 +26,7 @@ X = {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [2, 4],
 
 def start(store: str, cache: str) -> subprocess.Popen:
     env = dict(os.environ, MMAD_STORE_DIR=store, MMAD_CACHE_DIR=cache)
-    proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--port", str(PORT)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--port", str(PORT), "--grpc-port", "0"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(150):
         try:

@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def pytest_configure(config) -> None:
     run_seed()  # drawn here, before pytest-xdist's workers start, so that they inherit it
+    # the tests' daemons (subprocesses and in-process apps) listen on free ports: gRPC's fixed
+    # default (8001) would be taken by the first of them; a test that serves gRPC gives a port
+    os.environ["MMAD_GRPC_PORT"] = "0"
 
 
 def pytest_report_header(config) -> str:

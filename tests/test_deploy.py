@@ -99,13 +99,15 @@ def test_runtime_and_service_agree_with_each_other_and_with_the_image():
     assert model["runtime"] == runtime["metadata"]["name"]
     formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
     assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
-    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"] == ["v2"]
+    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
 
     (container,) = runtime["spec"]["containers"]
     assert container["name"] == "kserve-container"  # KServe injects storage and ports into this one
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    port = int(re.search(r"^EXPOSE (\d+)$", dockerfile, flags=re.M).group(1))
-    assert [p["containerPort"] for p in container["ports"]] == [port] == [8000]
+    port, grpc_port = (int(p) for p in re.findall(r"^EXPOSE (\d+)$", dockerfile, flags=re.M))
+    assert [p["containerPort"] for p in container["ports"]] == [port, grpc_port] == [8000, 8001]
+    assert container["ports"][1]["name"] == "h2c"  # how KServe tells the gRPC port
+    assert f"MMAD_GRPC_PORT={grpc_port}" in dockerfile
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": port}
     uid = int(re.search(r"useradd .*--uid (\d+)", dockerfile).group(1))
     assert container["securityContext"]["runAsUser"] == uid

@@ -25,7 +25,8 @@ def smoke_run(tmp_path_factory):
     argv = ["--out", str(out), "--docs", str(docs), "--concurrency", "1,8", "--sweep-wires", "json",
             "--duration-s", "0.6", "--warmup-s", "0.2", "--large-rows", "2048", "--large-requests", "2",
             "--large-duration-s", "2", "--tritonclient-concurrency", "4", "--in-process-repeats", "3",
-            "--uvicorn-matrix", "asyncio/h11", "--pairs", "1", "--pair-duration-s", "0.4"]
+            "--uvicorn-matrix", "asyncio/h11", "--pairs", "1", "--pair-duration-s", "0.4",
+            "--grpc-clients", "2,4", "--grpc-processes", "2"]
     assert load.main(argv) == 0
     return json.loads((out / "service-cpu.json").read_text()), docs
 
@@ -77,6 +78,15 @@ def test_tritonclient_against_daemon(smoke_run):
     for r in doc["tritonclient"]:
         assert r["errors"] == {}, r["first_error"]
         assert r["requests"] > 0
+
+
+def test_grpc_rows_beside_http(smoke_run):
+    doc, docs = smoke_run
+    assert [(r["datatype"], r["clients"]) for r in doc["grpc"]] == [("FP16", 2), ("FP32", 4)]
+    for r in doc["grpc"]:
+        assert r["errors"] == {}, r["first_error"]
+        assert r["requests"] > 0 and r["processes"] == 2
+    assert "**gRPC**" in docs.read_text()
 
 
 def test_report_written(smoke_run):

@@ -53,7 +53,7 @@ def daemon_check(backend: str = "cuda") -> tuple[bool, list[str]]:
     env = {**os.environ, "MMAD_BACKEND": backend}
     repo = Path(__file__).resolve().parents[2]
     daemon = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(port),
-                               "--store", str(store), "--no-demo", "--log-level", "warning"],
+                               "--store", str(store), "--no-demo", "--log-level", "warning", "--grpc-port", "0"],
                               stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
     try:
         client = Client(f"http://127.0.0.1:{port}")

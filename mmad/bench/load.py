@@ -24,6 +24,8 @@ process (``--generator``), bounded in requests and in time:
   binary stream; mmad vs the peer at 64 clients), so both sides meet the same outside load;
 * tritonclient: ``tritonclient.http.InferenceServerClient(concurrency=N).async_infer`` with N
   requests in flight, and ``tritonclient.http.aio`` with N tasks, against the daemon;
+* gRPC (:mod:`mmad.bench.grpc_load`): Triton's ModelInfer with raw contents on the daemon's gRPC
+  port, 65,536-row FP16 requests and small requests, at the two ``--grpc-clients`` counts;
 * uvicorn settings: a daemon per loop/http pair (uvloop|asyncio x httptools|h11) at 64 clients.
 
 Request bodies are encoded before the clock starts (a load generator's job is to drive the
@@ -513,6 +515,10 @@ def generator_main(scenario_json: str) -> int:
         result = run_tritonclient_shm_load(scenario)
     elif scenario["kind"] == "tritonclient":
         result = run_tritonclient_load(scenario)
+    elif scenario["kind"] == "grpc":
+        from mmad.bench.grpc_load import run_grpc_load
+
+        result = asyncio.run(run_grpc_load(scenario))  # grpc.aio runs on asyncio's own loop
     else:
         try:
             import uvloop
@@ -610,12 +616,13 @@ class Bench:
 
     # -- services ---------------------------------------------------------------------------
     def start_daemon(self, extra: list[str]) -> Service:
-        port = free_port()
+        port, grpc_port = free_port(), free_port()
         argv = [sys.executable, "-m", "mmad.server.main", "--host", HOST, "--port", str(port),
-                "--store", str(self.workdir / f"store-{port}"), "--backend", self.opts.backend,
-                "--probe", self.opts.backend.split(":")[0], "--no-demo",
+                "--grpc-port", str(grpc_port), "--store", str(self.workdir / f"store-{port}"),
+                "--backend", self.opts.backend, "--probe", self.opts.backend.split(":")[0], "--no-demo",
                 "--log-level", "warning", *extra]
         service = Service(f"daemon-{port}", argv, port, "/v2/health/ready", self.workdir)
+        service.grpc_port = grpc_port
         self.services.append(service)
         service.wait_ready(self.opts.start_timeout_s)
         return service
@@ -918,6 +925,21 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                         progress(f"{res['client']} N={clients}: {res['requests_per_s']:,.0f} req/s, "
                                  f"p99 {res['p99_ms']:.1f} ms, exec/req {res['executions_per_request']:.2f}, "
                                  f"errors {res['errors']}")
+            doc["grpc"] = []
+            if opts.grpc_clients:
+                from mmad.bench.grpc_load import grpc_clients
+
+                bench.put_model(daemon, batching_config(opts, True))
+                large_clients, small_clients = opts.grpc_clients
+                for rows, datatype, clients, requests, duration_s, warmup_s, pool in (
+                        ((opts.large_rows,) * 2, "FP16", large_clients, opts.large_requests * large_clients,
+                         opts.large_duration_s, 0.0, 3),
+                        ((1, 16), "FP32", small_clients, opts.max_requests, opts.duration_s, opts.warmup_s, 256)):
+                    res = grpc_clients(bench, daemon, rows, datatype, clients, opts.grpc_processes, requests,
+                                       duration_s, warmup_s, pool)
+                    res.update(rows=list(rows))
+                    doc["grpc"].append(res)
+                    progress(grpc_line(res))
             doc["uvicorn"] = []
             for loop, http in opts.uvicorn_matrix:
                 variant = bench.start_daemon([*opts.server_args, f"--loop={loop}", f"--http={http}"])
@@ -951,6 +973,13 @@ def batching_config(opts: argparse.Namespace, on: bool) -> dict[str, int]:
 
 def progress(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
+
+
+def grpc_line(res: dict[str, Any]) -> str:
+    rows = "-".join(map(str, sorted(set(res["rows"]))))
+    return (f"gRPC raw {res['datatype']} {rows} rows, {res['clients']} clients ({res['processes']} processes): "
+            f"{res['requests_per_s']:,.0f} req/s, {res['samples_per_s']:,.0f} samples/s, p50 {res['p50_ms']:.2f} "
+            f"p99 {res['p99_ms']:.2f} ms, errors {res['errors']}")
 
 
 def sweep_line(res: dict[str, Any]) -> str:
@@ -1088,6 +1117,14 @@ def markdown(doc: dict[str, Any], png_name: str | None, before: dict[str, Any] |
         for r in doc["tritonclient"]:
             lines.append(f"| {r['client']} | {r['clients']} | {r['requests_per_s']:,.0f} | {r['p50_ms']:.1f} | "
                          f"{r['p99_ms']:.1f} | {r['executions_per_request']:.2f} | {sum(r['errors'].values())} |")
+    if doc.get("grpc"):
+        lines += ["", "**gRPC** (Triton's ModelInfer with raw contents, a channel per client, batching on)", "",
+                  "| datatype | rows | clients | req/s | samples/s | p50 ms | p99 ms | errors |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in doc["grpc"]:
+            lines.append(f"| {r['datatype']} | {'-'.join(map(str, sorted(set(r['rows']))))} | {r['clients']} | "
+                         f"{r['requests_per_s']:,.0f} | {r['samples_per_s']:,.0f} | {r['p50_ms']:.1f} | "
+                         f"{r['p99_ms']:.1f} | {sum(r['errors'].values())} |")
     if doc.get("uvicorn"):
         lines += ["", "**uvicorn settings** (mmad, 64 clients, 1-16 rows, batching on; one daemon per setting)", "",
                   "| loop | http | wire | req/s | p50 ms | p99 ms | server CPU ms/req | foreign cores |",
@@ -1204,6 +1241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=int, default=65536, help="batching on: rows per launch")
     p.add_argument("--max-queue-delay-us", type=int, default=500, help="batching on: longest wait")
     p.add_argument("--tritonclient-concurrency", default="8,64", help="'' to skip the tritonclient check")
+    p.add_argument("--grpc-clients", default="8,64",
+                   help="gRPC raw contents: clients of the large-request row and of the small-request row ('' to skip)")
+    p.add_argument("--grpc-processes", type=int, default=4,
+                   help="generator processes the gRPC clients are spread over (timing the same window)")
     p.add_argument("--uvicorn-matrix", default="uvloop/httptools,asyncio/httptools,uvloop/h11,asyncio/h11",
                    help="loop/http pairs measured at 64 clients with a daemon each; '' to skip")
     p.add_argument("--before", default="bench/results/service-cpu-before.json",
@@ -1245,6 +1286,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sweep-wires: unknown {bad[0]!r}; use json, binary32, binary16")
     opts.tritonclient_concurrency = [int(c) for c in opts.tritonclient_concurrency.split(",") if c.strip()]
     opts.tritonclient = bool(opts.tritonclient_concurrency)
+    opts.grpc_clients = [int(c) for c in opts.grpc_clients.split(",") if c.strip()]
+    if len(opts.grpc_clients) not in (0, 2):
+        raise SystemExit("--grpc-clients: two counts (large requests, small requests), or '' to skip")
     try:
         opts.uvicorn_matrix = [tuple(pair.split("/")) for pair in opts.uvicorn_matrix.split(",") if pair.strip()]
         for loop, http in opts.uvicorn_matrix:

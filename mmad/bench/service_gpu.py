@@ -12,6 +12,9 @@ of issue 16, in one run, against the same run's in-process and hardware figures.
   in-process rate, the larger of the two) and, on cuda, CUDA shared memory through
   ``tritonclient.utils.cuda_shared_memory`` (ratio to the kernel's device-array rate), 1 and 8
   clients (a process each, timing the same window), FP16 in and out;
+* gRPC (Triton's ModelInfer, raw contents, :mod:`mmad.bench.grpc_load`): 65,536 FP16 rows and
+  small requests (1-16 rows FP32), at the two ``--grpc-clients`` counts (default 8 and 64), the
+  clients spread over ``--grpc-processes`` generator processes;
 * small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
 
 Every measurement runs in a fresh load-generator process (:mod:`mmad.bench.load`), timings with
@@ -34,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from mmad.bench.grpc_load import grpc_clients
 from mmad.bench.load import (
-    FP16_TOLERANCE, MODEL, Bench, BenchError, batching_config, progress, scenario_http,
+    FP16_TOLERANCE, MODEL, Bench, BenchError, batching_config, grpc_line, progress, scenario_http,
 )
 from mmad.bench.timing import median_seconds
 
@@ -172,6 +176,23 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                     progress(f"HTTP binary FP16 {LARGE_ROWS} rows, {clients} clients: {res['GBps_tensor']:.2f} GB/s, "
                              f"{res['M_samples_per_s']:.2f} M samples/s, errors {res['errors']}")
 
+            doc["grpc"] = []
+            if opts.grpc_clients:  # Triton's gRPC with raw contents, beside HTTP: the large row, then the small
+                large_clients, small_clients = opts.grpc_clients
+                for key, rows, datatype, clients, requests, duration_s, warmup_s, pool in (
+                        ("large", (LARGE_ROWS, LARGE_ROWS), "FP16", large_clients, opts.large_requests * large_clients,
+                         opts.large_duration_s, 0.0, 3),
+                        ("small", (1, 16), "FP32", small_clients, opts.max_requests, opts.duration_s,
+                         opts.warmup_s, 256)):
+                    res = phase(f"grpc_{key}_{clients}", lambda: grpc_clients(
+                        bench, daemon, rows, datatype, clients, opts.grpc_processes, requests, duration_s, warmup_s,
+                        pool))
+                    if res:
+                        res.update(size=key, rows=list(rows), M_samples_per_s=res["samples_per_s"] / 1e6,
+                                   GBps_tensor=res["samples_per_s"] * (n_in + n_out) * 2 / 1e9)
+                        doc["grpc"].append(res)
+                        progress(grpc_line(res))
+
             kinds = [("system_shm", "tritonclient-shm", ip_rate.get(LARGE_ROWS))]
             if opts.backend.split(":")[0] == "cuda":
                 kinds.append(("cuda_shm", "tritonclient-cudashm", kernel))
@@ -255,6 +276,21 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 rows.append({"what": f"{key} through tritonclient, {res['clients']} client(s), ratio to "
                                      f"{res['reference']}",
                              "value": res["ratio_to_reference"], "bar": bar, "met": res["ratio_to_reference"] >= bar})
+    large = next((r for r in doc.get("grpc", []) if r["size"] == "large"), None)
+    http_large = next((r for r in doc.get("http_binary16", []) if r["clients"] == (large or {}).get("clients")), None)
+    if large is not None and http_large is not None:  # the bar is the same run's HTTP figure
+        rows.append({"what": f"gRPC raw FP16 65,536 rows, {large['clients']} clients, GB/s of tensor bytes "
+                             "(bar: HTTP binary, same run)",
+                     "value": large["GBps_tensor"], "bar": http_large["GBps_tensor"],
+                     "met": large["GBps_tensor"] >= http_large["GBps_tensor"]})
+    grpc_small = next((r for r in doc.get("grpc", []) if r["size"] == "small"), None)
+    if grpc_small is not None:
+        rows.append({"what": f"gRPC small requests (1-16 rows FP32), {grpc_small['clients']} clients: req/s "
+                             "(p99 <= 20 ms)",
+                     "value": grpc_small["requests_per_s"], "bar": 15000,
+                     "met": grpc_small["requests_per_s"] >= 15000 and grpc_small["p99_ms"] <= 20})
+        rows.append({"what": f"gRPC small requests, {grpc_small['clients']} clients: p99 ms",
+                     "value": grpc_small["p99_ms"], "bar": None, "met": None})
     small = next((r for r in doc.get("small", []) if r["wire"] == "binary32" and r["clients"] == 64), None)
     if small is not None:
         rows.append({"what": "small binary requests, 64 clients: req/s (p99 <= 20 ms)",

@@ -47,7 +47,7 @@ def start_daemon(store: Path, backend: str, flags: list[str] | tuple[str, ...] =
     port = free_port()
     env = {**os.environ, "MMAD_BACKEND": backend, "MMAD_PROBE": backend.split(":")[0], "MMAD_LOG_LEVEL": "warning"}
     proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--port", str(port), "--store", str(store),
-                             "--no-demo", *flags], env=env)
+                             "--no-demo", "--grpc-port", "0", *flags], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -107,6 +107,18 @@ async def stop_runtime(rt: Runtime) -> None:
     await release_runtime(rt)
 
 
+async def start_grpc(rt: Runtime):
+    """The gRPC front end over this process's engine (None with ``grpc_port`` 0)."""
+    settings = rt.settings
+    if not settings.grpc_port:
+        return None
+    from mmad.engine.inprocess import InProcessEngine
+    from mmad.grpc.server import serve
+
+    return await serve(InProcessEngine(rt), settings.host, settings.grpc_port, settings.api_key_value,
+                       settings.max_body_bytes, settings.max_response_bytes, settings.max_connections)
+
+
 class MMADApp(FastAPI):
     """FastAPI with the infer hot path in front of its middleware stack: each request meets the
     body cap, then :class:`~mmad.server.inference.InferFastPath`, and only what that passes on
@@ -132,10 +144,14 @@ def create_app(settings: Settings | None = None, workers=None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        grpc_server = None
         try:
             await start_runtime(rt)
+            grpc_server = await start_grpc(rt)
             yield
         finally:
+            if grpc_server is not None:  # its calls in flight finish before the runtime goes
+                await grpc_server.stop(settings.graceful_timeout_s)
             await stop_runtime(rt)
 
     app = MMADApp(rt, settings.max_body_bytes, title="mmad", version=mmad.__version__, lifespan=lifespan,

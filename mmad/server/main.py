@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmad serve", description="Serve and train MLPs over the Open Inference Protocol v2.")
     p.add_argument("--host", help="address to listen on (MMAD_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (MMAD_PORT, default 8000)")
+    p.add_argument("--grpc-port", type=int, help="gRPC (KServe v2 / Triton) port (MMAD_GRPC_PORT, default 8001; "
+                                                 "0: no gRPC)")
     p.add_argument("--store", dest="store_dir",
                    help=f"model store directory (MMAD_STORE_DIR, default {default_store_dir()}, "
                         "i.e. $XDG_DATA_HOME/mmad/store)")

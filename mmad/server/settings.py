@@ -26,6 +26,9 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    # the gRPC front end (mmad/grpc/): Triton's GRPCInferenceService on host:grpc_port, as Triton's
+    # --grpc-port (8001); served by the primary process, also with --workers
+    grpc_port: int = Field(8001, ge=0, le=65535, description="gRPC (KServe v2 / Triton) port; 0: no gRPC")
     store_dir: Path = Field(default_factory=default_store_dir)
     backend: str | None = Field(None, description="cuda|vulkan|wgpu|cpu[:variant]; unset = best available")
     probe: str = Field("all", description="backends listed in /v2/devices: 'all' or a comma list")

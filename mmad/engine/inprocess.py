@@ -1,0 +1,430 @@
+"""The engine in the front end's own process: :class:`InProcessEngine` serves the
+:class:`~mmad.engine.api.InferenceClient` and :class:`~mmad.engine.api.ModelStoreClient`
+methods with the daemon's components (the registry and its batchers, the shared-memory
+regions, the store, the metrics) on the daemon's event loop and compute threads.
+
+It knows no transport: a front end hands it typed requests and encodes what it returns. It
+takes the model locks and moves the device arrays (through the registry's and the forwards'
+own functions), so no front end does. A request's tensors are checked against the model once,
+here (names, datatypes, shapes, rows, finiteness: small inputs on the host, large ones by their
+forward, on the device where there is one). With ``mmad serve --workers`` it runs in the
+primary process, which answers its own requests; the serving workers' counts are added to its
+statistics.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import mmad
+from mmad.engine.api import (
+    DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, CudaRegion, Duration, InferInput, InferOutput,
+    InferRequest, InferResponse, InferStatistics, ModelConfig, ModelMetadata, ModelStatistics, Readiness,
+    RepositoryEntry, RequestedOutput, ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata,
+    VersionInfo, WeightsSnapshot,
+)
+from mmad.errors import InvalidInput, MMADError, ModelNotFound, ModelNotReady, NonFiniteInput, NotReady, Unauthorized
+from mmad.server import hostmem
+from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, check_response_size
+from mmad.server.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
+from mmad.server.workers import merge_stats, worker_records, worker_stats
+from mmad.spec import MLPSpec
+
+if TYPE_CHECKING:  # the runtime's type lives with the HTTP front end's dependencies
+    from mmad.server.deps import Runtime
+
+# the extensions of Triton's protocol the engine serves (a front end adds its own)
+EXTENSIONS = ("system_shared_memory", "model_repository", "statistics", "model_configuration")
+PLATFORM = "mmad"
+
+
+def _shm_params(ref: ShmRef) -> dict[str, Any]:
+    """A reference as the shared-memory registry reads one (Triton's tensor parameters)."""
+    return {"shared_memory_region": ref.region, "shared_memory_offset": ref.offset,
+            "shared_memory_byte_size": ref.byte_size}
+
+
+def _duration(doc: dict[str, int]) -> Duration:
+    return Duration(doc["count"], doc["ns"])
+
+
+def _statistics(doc: dict[str, Any]) -> ModelStatistics:
+    """The registry's statistics document as the typed record."""
+    stats = doc["inference_stats"]
+    return ModelStatistics(
+        doc["name"], doc["version"], doc["last_inference"], doc["inference_count"], doc["execution_count"],
+        InferStatistics(**{key: _duration(value) for key, value in stats.items()}),
+        [BatchStatistics(b["batch_size"], _duration(b["compute_input"]), _duration(b["compute_infer"]),
+                         _duration(b["compute_output"])) for b in doc["batch_stats"]])
+
+
+def _version_info(doc: dict[str, Any]) -> VersionInfo:
+    return VersionInfo(doc["version"], int(doc.get("step", 0)), float(doc.get("created", 0.0)))
+
+
+class InProcessEngine:
+    """The engine of this process, over the daemon's :class:`~mmad.server.deps.Runtime` (the
+    registry, shared-memory regions and settings its start-up made)."""
+
+    def __init__(self, runtime: "Runtime"):
+        self.rt = runtime
+
+    # -- the daemon -----------------------------------------------------------------------------
+    def _serving(self) -> None:
+        if not self.rt.ready:
+            raise NotReady("the daemon is starting or stopping")
+
+    def _admin(self, caller: Caller) -> None:
+        """Administrative calls (load, unload, shared-memory registration) need the API key when
+        one is set: the front end has checked what the caller sent."""
+        if self.rt.settings.api_key_value is not None and not caller.key_verified:
+            raise Unauthorized("this call needs the API key")
+
+    async def live(self) -> bool:
+        return True
+
+    async def ready(self) -> Readiness:
+        rt = self.rt
+        if not rt.ready or rt.shutting_down:
+            return Readiness(False, "the daemon is not ready")
+        if rt.workers is not None and rt.workers.waiting:
+            return Readiness(False, f"serving worker(s) {', '.join(map(str, rt.workers.waiting))} are still starting")
+        return Readiness(True)
+
+    async def server_metadata(self) -> ServerMetadata:
+        cuda = ("cuda_shared_memory",) if self.rt.shm.cuda_enabled else ()
+        return ServerMetadata("mmad", mmad.__version__, EXTENSIONS + cuda)
+
+    # -- models ---------------------------------------------------------------------------------
+    def _entry(self, name: str, version: str | None) -> ModelEntry:
+        self._serving()
+        entry = self.rt.registry.get(name)
+        if version is not None:
+            self.rt.registry.check_version(name, version)
+        return entry
+
+    async def model_metadata(self, name: str, version: str | None = None) -> ModelMetadata:
+        entry = self._entry(name, version)
+        registry = self.rt.registry
+        return ModelMetadata(
+            name, [v["version"] for v in registry.versions(name)], PLATFORM,
+            [TensorMetadata(INPUT, "FP32", (-1, entry.spec.n_input_dims))],
+            [TensorMetadata(OUTPUT, "FP32", (-1, entry.spec.n_output_dims))],
+            "READY" if entry.ready else "UNAVAILABLE", entry.reason, registry.backend_label)
+
+    async def model_ready(self, name: str, version: str | None = None) -> bool:
+        """As Triton: False for a model that is unknown, not loaded or lacks the version."""
+        try:
+            entry = self._entry(name, version)
+        except (ModelNotFound, InvalidInput):
+            return False
+        return entry.ready
+
+    async def model_config(self, name: str, version: str | None = None) -> ModelConfig:
+        entry = self._entry(name, version)
+        limits = entry.config.limits(self.rt.settings)
+        serving = {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
+                   "max_queue_requests": limits.max_queue_requests, "allow_nonfinite": entry.config.allow_nonfinite,
+                   "device": entry.config.device, "replicas": entry.config.replicas, "variant": entry.config.variant}
+        return ModelConfig(name, PLATFORM, self.rt.registry.backend_label, 0,
+                           [TensorConfig(INPUT, "TYPE_FP32", (-1, entry.spec.n_input_dims))],
+                           [TensorConfig(OUTPUT, "TYPE_FP32", (-1, entry.spec.n_output_dims))],
+                           limits.max_queue_delay_us, serving)
+
+    async def statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+        self._serving()
+        registry = self.rt.registry
+        if name is not None:
+            self._entry(name, version)  # an unknown name is answered before the workers are asked
+        records = await worker_records(self.rt)
+        out = []
+        for model in [name] if name is not None else sorted(registry.models):
+            entry = registry.get(model)
+            doc = entry.stats.to_json(model, version or registry.latest_version(model))
+            others = worker_stats(records, model, entry.incarnation)
+            out.append(_statistics(merge_stats(doc, others) if others else doc))
+        return out
+
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        self._serving()
+        registry = self.rt.registry
+        rows = []
+        # the store's models, and the model repository's folders that gave none (unreadable holds both)
+        for name in sorted(set(self.rt.store.list_models()) | set(registry.unreadable)):
+            entry = registry.models.get(name)
+            ready = entry is not None and entry.ready
+            if ready_only and not ready:
+                continue
+            reason = entry.reason if entry else registry.unreadable.get(name, "not loaded")
+            rows.append(RepositoryEntry(name, registry.latest_version(name) if entry else "",
+                                        "READY" if ready else "UNAVAILABLE", reason))
+        return rows
+
+    async def load_model(self, name: str, caller: Caller) -> None:
+        self._serving()
+        self._admin(caller)
+        await self.rt.registry.load(name)
+
+    async def unload_model(self, name: str, caller: Caller) -> None:
+        self._serving()
+        self._admin(caller)
+        await self.rt.registry.unload(name)
+
+    # -- inference ------------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """One request through the model's batcher (live weights), its pinned version, or (a
+        CUDA region among its tensors) the replica on the regions' GPU; the statistics and
+        Triton's metric families count it."""
+        self._serving()
+        rt, registry = self.rt, self.rt.registry
+        rt.metrics.process_infers.inc()
+        check_model_name(request.model)
+        stats = entry = served = None
+        t0 = time.perf_counter_ns()
+        try:
+            entry = registry.get(request.model)
+            stats = entry.stats  # failures of a known model count in its statistics, not-ready included
+            entry = registry.get_ready(request.model)
+            version = request.version
+            if version is not None:
+                registry.check_version(request.model, version)
+            served = version or registry.latest_version(request.model)
+            try:
+                x, parsed, check_finite = self._input(entry, request.inputs)
+                outputs, out, targets = self._outputs(entry, request.outputs, parsed, (x.shape[0], entry.spec.n_output_dims))
+                t1 = time.perf_counter_ns()
+                out, queue_ns, compute_ns = await self._forward(entry, version, x, parsed, outputs, out, targets,
+                                                                check_finite)
+            except NonFiniteInput as exc:
+                raise InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to allow "
+                                   "them)") from exc
+            t2 = time.perf_counter_ns()
+            results = self._results(outputs, out, targets)
+        except MMADError:
+            if stats is not None:
+                with stats.lock:
+                    stats.fail.add(time.perf_counter_ns() - t0)
+            if served is not None:
+                rt.metrics.inference.request_failed(entry, served)
+            raise
+        t3 = time.perf_counter_ns()
+        with stats.lock:
+            stats.inference_count += x.shape[0]
+            stats.last_inference_ms = int(time.time() * 1000)
+            stats.success.add(t3 - t0)
+            stats.queue.add(queue_ns)
+            stats.compute_input.add(t1 - t0)
+            stats.compute_infer.add(compute_ns)
+            stats.compute_output.add(t3 - t2)
+        rt.metrics.queue_seconds.labels(entry.name, registry.backend_label).observe(queue_ns / 1e9)
+        rt.metrics.inference.request_succeeded(entry, served, t3 - t0, queue_ns, t1 - t0, compute_ns, t3 - t2)
+        return InferResponse(request.model, served, results, request.id, {})
+
+    def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedTensors, bool]:
+        """(INPUT's rows, the tensors as the forwards take them, whether the forward checks them
+        finite): every input checked against the model here, once."""
+        from mmad.server.tensors import INLINE_TENSOR_VALUES, model_tensors
+
+        tensors, shm_inputs = {}, {}
+        for tensor in inputs:
+            where = f"input {tensor.name!r}"
+            if tensor.name in tensors:
+                raise InvalidInput(f"{where} is given twice")
+            if tensor.datatype not in MODEL_DATATYPES:
+                raise InvalidInput(f"{where}: datatype must be one of {', '.join(MODEL_DATATYPES)}; got "
+                                   f"{tensor.datatype!r}")
+            dtype = DATATYPES[tensor.datatype]
+            if (tensor.shm is None) == (tensor.data is None):
+                raise InvalidInput(f"{where} needs its data or a shared-memory region, one of the two")
+            if tensor.shm is not None:
+                shm_inputs[tensor.name] = self.rt.shm.tensor(where, _shm_params(tensor.shm), dtype,
+                                                             tuple(tensor.shape), tensor.datatype)
+                tensors[tensor.name] = shm_inputs[tensor.name].array
+            elif tensor.data.dtype != dtype or tensor.data.shape != tuple(tensor.shape):
+                raise InvalidInput(f"{where}: its data is {list(tensor.data.shape)} but the tensor is declared "
+                                   f"{tensor.datatype} {list(tensor.shape)}")
+            else:
+                tensors[tensor.name] = tensor.data
+        parsed = ParsedTensors({}, tensors, shm=self.rt.shm, uses_shm=bool(shm_inputs), shm_inputs=shm_inputs)
+        names = {INPUT: entry.spec.n_input_dims}
+        small = sum(t.size for t in inputs) <= INLINE_TENSOR_VALUES
+        if any(t.on_device for t in shm_inputs.values()) or not small:
+            # a CUDA region's input is checked finite on its device (device_forward); a large host
+            # input by its forward (on the device on a GPU backend, where it costs no host time)
+            x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
+            return x, parsed, not small and not entry.config.allow_nonfinite
+        return model_tensors(entry, parsed, names, keep_fp16=True)[INPUT], parsed, False
+
+    def _outputs(self, entry: ModelEntry, asked: list[RequestedOutput] | None, parsed: ParsedTensors,
+                 shape: tuple[int, int]) -> tuple[list[OutputChoice], np.ndarray | None, list]:
+        """(the outputs asked for, the array the forward writes into where one output takes it
+        all, the outputs' views of their shared-memory regions)."""
+        from mmad.server.inference import shm_outputs
+
+        choices = []
+        for o in asked or [RequestedOutput(OUTPUT)]:
+            if o.name != OUTPUT:
+                raise InvalidInput(f"unknown output {o.name!r}; model {entry.name!r} has {OUTPUT}")
+            if o.datatype not in MODEL_DATATYPES:
+                raise InvalidInput(f"output {o.name!r}: datatype must be one of {', '.join(MODEL_DATATYPES)}; got "
+                                   f"{o.datatype!r}")
+            if o.shm is not None:
+                self.rt.shm.reference(f"output {o.name!r}", _shm_params(o.shm))  # the region holds the range
+            choices.append(OutputChoice(o.name, o.binary, o.datatype, None if o.shm is None else _shm_params(o.shm)))
+        check_response_size(choices, shape, self.rt.settings.max_response_bytes)
+        targets = shm_outputs(parsed, choices, shape) if any(c.shm is not None for c in choices) else []
+        on_device = any(t.on_device for t in parsed.shm_inputs.values()) or any(t.on_device for _, t in targets)
+        out = None
+        if len(choices) == 1 and not on_device:  # the forward writes (and casts) into its one destination
+            if targets:
+                out = targets[0][1].array
+            else:  # page-locked where the backend copies from a GPU: the download lands here directly
+                dtype = DATATYPES[choices[0].datatype]
+                out = hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
+        return choices, out, targets
+
+    async def _forward(self, entry: ModelEntry, version: str | None, x: np.ndarray, parsed: ParsedTensors,
+                       outputs: list[OutputChoice], out: np.ndarray | None, targets: list,
+                       check_finite: bool) -> tuple[Any, int, int]:
+        """(the output rows, queue ns, compute ns)."""
+        registry = self.rt.registry
+        region_targets = [t for _, t in targets]
+        on_device = any(t.on_device for t in [*parsed.shm_inputs.values(), *region_targets])
+        t1 = time.perf_counter_ns()
+        if on_device:
+            from mmad.server.inference import device_forward  # CUDA specifics: the backend's, once moved
+
+            if version is not None:
+                raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
+            if out is None and any(o.shm is None for o in outputs):
+                out = np.empty(x.shape[:1] + (entry.spec.n_output_dims,), dtype=np.float32)
+            out = await registry.run(device_forward, entry, x, list(parsed.shm_inputs.values()), region_targets, out)
+            compute_ns = time.perf_counter_ns() - t1
+            registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            return out, 0, compute_ns
+        if version is None:
+            batcher = entry.batcher  # None once an unload that began meanwhile finished
+            if batcher is None:
+                raise ModelNotReady(entry.name)
+            result = await batcher.submit(x, out, check_finite)
+            out = result.output
+            queue_ns, compute_ns = result.queue_ns, result.compute_ns
+        else:
+            if out is None:
+                out = np.empty(x.shape[:1] + (entry.spec.n_output_dims,), dtype=np.float32)
+            out = await registry.run(registry.forward_pinned, entry, version, x, out, check_finite)
+            queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+            registry.record_batch(entry, x.shape[0], 1, compute_ns, version)
+        for target in region_targets:
+            if target.array is not out:
+                np.copyto(target.array, out, casting="same_kind")
+        return out, queue_ns, compute_ns
+
+    @staticmethod
+    def _results(outputs: list[OutputChoice], out: Any, targets: list) -> list[InferOutput]:
+        results = []
+        for choice in outputs:
+            shape = tuple(out.shape)
+            if choice.shm is not None:
+                ref = ShmRef(choice.shm["shared_memory_region"], choice.shm.get("shared_memory_offset", 0),
+                             choice.shm["shared_memory_byte_size"])
+                results.append(InferOutput(choice.name, choice.datatype, shape, None, ref))
+            else:
+                data = np.asarray(out).astype(DATATYPES[choice.datatype], copy=False)
+                results.append(InferOutput(choice.name, choice.datatype, shape, data))
+        return results
+
+    # -- shared memory --------------------------------------------------------------------------
+    def _shm_admin(self, caller: Caller) -> None:
+        """Registering or unregistering a region lets the daemon read and write that memory: an
+        administrative call, with the API key where one is set. Who else may (the
+        ``--shared-memory`` mode: off, loopback callers only, or any; a keyless daemon's loopback
+        caller only for objects of its own user, told from ``caller.address``) is decided here
+        for every front end that reaches the engine; the HTTP routes apply the same rule."""
+        self._serving()
+        self._admin(caller)
+
+    def _cuda(self) -> None:
+        if not self.rt.shm.cuda_enabled:
+            raise InvalidInput(self.rt.shm.cuda_unavailable)
+
+    async def system_shm_register(self, name: str, key: str, offset: int, byte_size: int, caller: Caller) -> None:
+        self._shm_admin(caller)
+        self.rt.shm.register(name, {"key": key, "offset": offset, "byte_size": byte_size})
+
+    async def system_shm_unregister(self, name: str | None, caller: Caller) -> None:
+        self._shm_admin(caller)
+        self.rt.shm.unregister(name)
+
+    async def system_shm_status(self, name: str | None = None) -> list[SystemRegion]:
+        self._serving()
+        return [SystemRegion(d["name"], d["key"], d["offset"], d["byte_size"]) for d in self.rt.shm.status(name)]
+
+    async def cuda_shm_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
+                                caller: Caller) -> None:
+        self._shm_admin(caller)
+        self._cuda()
+        doc = {"raw_handle": {"b64": base64.b64encode(raw_handle).decode()}, "device_id": device_id,
+               "byte_size": byte_size}
+        # opening an IPC handle maps device memory: off the event loop
+        await self.rt.registry.run(self.rt.shm.register_cuda, name, doc)
+
+    async def cuda_shm_unregister(self, name: str | None, caller: Caller) -> None:
+        self._shm_admin(caller)
+        self._cuda()
+        self.rt.shm.unregister(name, cuda=True)
+
+    async def cuda_shm_status(self, name: str | None = None) -> list[CudaRegion]:
+        self._serving()
+        self._cuda()
+        return [CudaRegion(d["name"], d["device_id"], d["byte_size"]) for d in self.rt.shm.status(name, cuda=True)]
+
+    # -- model management, versions and weights -------------------------------------------------
+    async def create_model(self, name: str, spec: dict[str, Any], config: dict[str, Any] | None,
+                           caller: Caller) -> bool:
+        """Create (True) or replace (False) a model from a tiny-cuda-nn spec; version 1 holds the
+        seed's weights."""
+        self._serving()
+        self._admin(caller)
+        check_model_name(name)
+        return await self.rt.registry.create(name, MLPSpec.from_json(spec), ServingConfig.parse(config))
+
+    async def delete_model(self, name: str, caller: Caller) -> None:
+        self._serving()
+        self._admin(caller)
+        await self.rt.registry.delete(name)
+
+    async def versions(self, name: str) -> list[VersionInfo]:
+        self._serving()
+        return [_version_info(v) for v in self.rt.registry.versions(name)]
+
+    async def checkpoint(self, name: str, caller: Caller) -> VersionInfo:
+        self._serving()
+        self._admin(caller)
+        registry = self.rt.registry
+        return _version_info(await registry.run(registry.checkpoint_blocking, registry.get_ready(name)))
+
+    async def get_weights(self, name: str, version: str | None = None) -> WeightsSnapshot:
+        """A stored version's safetensors file, else the live weights now (a consistent snapshot:
+        taken under the model's lock, between optimizer steps)."""
+        self._serving()
+        registry = self.rt.registry
+        if version is not None:
+            self._entry(name, version)
+            return WeightsSnapshot(await registry.run(registry.store.weights_bytes, name, version), version, None)
+        entry = registry.get_ready(name)
+        params, _state, step = await registry.run(registry.snapshot_blocking, entry)
+        return WeightsSnapshot(await registry.run(tensors_to_bytes, params), None, step)
+
+    async def set_weights(self, name: str, safetensors: bytes, caller: Caller) -> VersionInfo:
+        self._serving()
+        self._admin(caller)
+        registry = self.rt.registry
+        entry = registry.get_ready(name)
+        params = tensors_from_bytes(safetensors, "the weights")
+        return _version_info(await registry.run(registry.set_weights_blocking, entry, params))
