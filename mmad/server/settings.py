@@ -84,7 +84,7 @@ class Settings(BaseSettings):
     keep_versions: int = Field(100, ge=0, description="versions kept per model, the newest (a model's config "
                                                       "keep_versions overrides it); 0 keeps all")
     max_host_dataset_bytes: int | None = Field(
-        None, ge=0, description="datasets a host-memory backend (cpu) holds for training at once; the least "
+        None, ge=1, description="datasets a host-memory backend (cpu) holds for training at once; the least "
                                 "recently used go first, one larger is 507; unset: a quarter of the host's memory")
 
     @field_validator("backend", "api_key", "api_key_file", "model_repository", mode="before")
