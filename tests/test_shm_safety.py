@@ -36,6 +36,15 @@ IN_COLS, OUT_COLS = 2, 3  # the demo model
 SHM = "/dev/shm"
 
 
+@pytest.fixture(scope="module")
+def keyless(tmp_path_factory):
+    """A keyless daemon as the README starts it (--shared-memory loopback, the default), with a
+    second model serving beside the attacks; shared by the tests that leave it as they found it."""
+    daemon = DaemonProcess(tmp_path_factory.mktemp("keyless") / "store").start()
+    yield daemon
+    daemon.stop()
+
+
 @pytest.fixture
 def objects():
     """make(nbytes, root=SHM) -> key of a fresh object (sparse: ftruncate), removed afterwards."""
@@ -111,27 +120,26 @@ class OtherModel:
 SHRINK_REQUESTS = 150  # infers answered while the object shrinks and grows
 
 
-def test_shrinking_a_region_under_running_infers_never_kills_the_daemon(tmp_path, objects):
+def test_shrinking_a_region_under_running_infers_never_kills_the_daemon(keyless, objects):
     """The client truncates the region's object and grows it back, over and over, while three
     clients infer from and into it: each infer answers 200 (right output) or 400 naming the
     shrink, the daemon lives, the other model serves throughout. (Before: exit -7 within 3
     requests, the mapping touched past the object's end.)"""
-    daemon = DaemonProcess(tmp_path / "store").start()
+    rows = 2048
+    in_bytes, out_bytes = rows * IN_COLS * 4, rows * OUT_COLS * 4
+    key = objects(in_bytes + out_bytes)
+    x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
+    with open(SHM + key, "r+b") as f:
+        f.write(x.tobytes())
+    admin = httpx.Client(base_url=keyless.url, timeout=30.0)
     try:
-        rows = 2048
-        in_bytes, out_bytes = rows * IN_COLS * 4, rows * OUT_COLS * 4
-        key = objects(in_bytes + out_bytes)
-        x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
-        with open(SHM + key, "r+b") as f:
-            f.write(x.tobytes())
-        admin = httpx.Client(base_url=daemon.url, timeout=30.0)
         assert register(admin, "target", key, in_bytes + out_bytes).status_code == 200
         want = oracle(admin, "demo", x)
-        bystander = OtherModel(daemon.url)
+        bystander = OtherModel(keyless.url)
         codes, wrong, stop = [], [], threading.Event()
 
         def client() -> None:
-            with httpx.Client(base_url=daemon.url, timeout=30.0) as c:
+            with httpx.Client(base_url=keyless.url, timeout=30.0) as c:
                 while not stop.is_set():
                     try:
                         r = region_infer(c, "target", rows, in_bytes)
@@ -148,7 +156,7 @@ def test_shrinking_a_region_under_running_infers_never_kills_the_daemon(tmp_path
         fd = os.open(SHM + key, os.O_RDWR)
         rounds = 0
         try:  # bounded by answers, not time: a slow machine takes longer, never fails for it
-            while len(codes) < SHRINK_REQUESTS and -1 not in codes and daemon.proc.poll() is None:
+            while len(codes) < SHRINK_REQUESTS and -1 not in codes and keyless.proc.poll() is None:
                 os.ftruncate(fd, (rounds * 997) % in_bytes)  # somewhere inside the input, or to nothing
                 time.sleep(0.001)
                 os.pwrite(fd, x.tobytes(), 0)  # grows it back (sparse beyond) with the input in place
@@ -161,7 +169,7 @@ def test_shrinking_a_region_under_running_infers_never_kills_the_daemon(tmp_path
             for t in threads:
                 t.join(60)
             bystander.finish()
-        assert daemon.proc.poll() is None, daemon.log()
+        assert keyless.proc.poll() is None, keyless.log()
         assert set(codes) <= {200, 400} and not wrong, (set(codes), wrong[:3])
         assert codes.count(400) and rounds, "no infer met a shrunk object"
         r = region_infer(admin, "target", rows, in_bytes)  # intact again: the right answer
@@ -170,9 +178,10 @@ def test_shrinking_a_region_under_running_infers_never_kills_the_daemon(tmp_path
             f.seek(in_bytes)
             out = np.frombuffer(f.read(out_bytes), np.float32).reshape(rows, OUT_COLS)
         assert rel_err(out, want) <= 1e-5
-        admin.close()
     finally:
-        daemon.stop()
+        if keyless.proc.poll() is None:
+            admin.post("/v2/systemsharedmemory/unregister")
+        admin.close()
 
 
 def _unshare_prefix() -> list[str] | None:
@@ -317,20 +326,17 @@ def raw_register(port: int, name: str, key: str, nbytes: int) -> str:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another user needs root")
-def test_a_keyless_daemon_refuses_an_object_of_another_user(tmp_path, objects):
+def test_a_keyless_daemon_refuses_an_object_of_another_user(keyless, objects):
     """What the daemon's user can open is not what a client may: a client registers only
     objects of its own user. The attacker (nobody) names an object of root's, mode 0600, through
     a daemon running as root. (Before: registered, overwritten through an output, read back.)"""
-    daemon = DaemonProcess(tmp_path / "store").start()
-    try:
-        key = objects(64)  # root's, 0600
-        answer = as_user(65534, lambda: raw_register(daemon.port, "stolen", key, 64))
-        assert answer.startswith("403") and "belongs to another user" in answer, answer
-        with httpx.Client(base_url=daemon.url, timeout=30.0) as client:
-            assert client.get("/v2/systemsharedmemory/status").json() == []
-            assert register(client, "mine", key, 64).status_code == 200  # root's own client: its object
-    finally:
-        daemon.stop()
+    key = objects(64)  # root's, 0600
+    answer = as_user(65534, lambda: raw_register(keyless.port, "stolen", key, 64))
+    assert answer.startswith("403") and "belongs to another user" in answer, answer
+    with httpx.Client(base_url=keyless.url, timeout=30.0) as client:
+        assert client.get("/v2/systemsharedmemory/status").json() == []
+        assert register(client, "mine", key, 64).status_code == 200  # root's own client: its object
+        assert client.post("/v2/systemsharedmemory/unregister").status_code == 200
 
 
 def test_the_loopback_peer_is_told_by_its_user():
