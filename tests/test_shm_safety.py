@@ -29,11 +29,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import DaemonProcess
+from test_fault_injection import load_script
 from test_server_api import SMALL_SPEC, binary_infer, create, oracle, rel_err
 from mmad.server import Settings, create_app
 
 IN_COLS, OUT_COLS = 2, 3  # the demo model
 SHM = "/dev/shm"
+attack = load_script("attack_shm_store")  # the attacks' own helpers (scripts/attack_shm_store.py)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +53,7 @@ def objects():
     made = []
 
     def make(nbytes: int, root: str = SHM) -> str:
-        key = f"/mmad-safety-{uuid.uuid4().hex[:12]}"
-        fd = os.open(root + key, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
+        key = attack.make_object(root, nbytes)
         made.append(root + key)
         return key
 
@@ -71,14 +70,7 @@ def register(client: httpx.Client, name: str, key: str, nbytes: int, offset: int
                        json={"key": key, "offset": offset, "byte_size": nbytes}, **kw)
 
 
-def region_infer(client: httpx.Client, name: str, rows: int, out_offset: int) -> httpx.Response:
-    """An infer reading [rows, 2] FP32 at offset 0 of region ``name`` and writing its output after it."""
-    return client.post("/v2/models/demo/infer", json={
-        "inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [rows, IN_COLS], "parameters": {
-            "shared_memory_region": name, "shared_memory_byte_size": rows * IN_COLS * 4}}],
-        "outputs": [{"name": "OUTPUT", "parameters": {
-            "shared_memory_region": name, "shared_memory_offset": out_offset,
-            "shared_memory_byte_size": rows * OUT_COLS * 4}}]})
+region_infer = attack.region_infer  # reads [rows, 2] FP32 at offset 0 of a region, writes the output after it
 
 
 class OtherModel:
@@ -352,3 +344,52 @@ def test_the_loopback_peer_is_told_by_its_user():
     finally:
         client.close()
         server.close()
+
+
+def test_page_locked_regions_hand_device_copies_the_mapping_and_host_code_a_copy(objects):
+    """Where region forwards run (enable_dma), a region is mapped and page-locked at
+    registration: device copies get views of the mapping; everything else a buffer of the
+    daemon's, read and written with pread/pwrite. Unregistered under a live view, the mapping
+    stays (and locked) until the view is gone, then is unlocked before it is unmapped."""
+    from mmad.server.shm import SharedMemoryRegistry
+
+    rows, nbytes = 8, 8 * (IN_COLS + OUT_COLS) * 4
+    key = objects(nbytes)
+    x = np.random.default_rng().uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
+    with open(SHM + key, "r+b") as f:
+        f.write(x.tobytes())
+    locked, events = [], []
+
+    def pin(mapping):
+        locked.append(len(mapping))
+        return lambda: events.append("unpinned")
+
+    registry = SharedMemoryRegistry()
+    registry.pin = pin
+    registry.register("plain", {"key": key, "byte_size": nbytes})  # no region forwards: nothing mapped
+    assert locked == [] and "page_locked" not in registry.status("plain")[0]
+    registry.enable_dma()
+    registry.register("dma", {"key": key, "byte_size": nbytes})
+    assert locked == [nbytes] and registry.status("dma")[0]["page_locked"] is True
+    params = {"shared_memory_region": "dma", "shared_memory_byte_size": x.nbytes}
+    view = registry.tensor("input", params, np.dtype(np.float32), x.shape, "FP32", dma=True)
+    assert view.copy is None
+    np.testing.assert_array_equal(view.array, x)  # the mapping itself
+    copied = registry.tensor("input", params, np.dtype(np.float32), x.shape, "FP32")
+    assert copied.copy is not None and not np.shares_memory(copied.array, view.array)
+    copied.load()
+    np.testing.assert_array_equal(copied.array, x)
+    out = registry.tensor("output", {**params, "shared_memory_offset": x.nbytes,
+                                     "shared_memory_byte_size": rows * OUT_COLS * 4},
+                          np.dtype(np.float32), (rows, OUT_COLS), "FP32", at_least=True)
+    out.array[...] = 7.0
+    out.store()
+    with open(SHM + key, "rb") as f:
+        f.seek(x.nbytes)
+        assert np.all(np.frombuffer(f.read(rows * OUT_COLS * 4), np.float32) == 7.0)
+    registry.unregister("dma")
+    assert events == []  # a device copy may still use the view
+    del view
+    registry.status()  # retired regions are closed once nothing holds them
+    assert events == ["unpinned"]
+    registry.close()

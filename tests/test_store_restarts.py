@@ -7,9 +7,7 @@ real lifespan) on the cpu backend."""
 from __future__ import annotations
 
 import errno
-import json
 import pathlib
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,31 +17,16 @@ import pytest
 from safetensors.numpy import save as st_save
 
 import mmad.server.store as store_module
-from mmad.backends.cpu import CpuBackend
 from mmad.errors import DeviceMemoryFull
-from mmad.server.store import Store
-from mmad.spec import MLPSpec
+from test_fault_injection import load_script
 from test_store_faults import SPEC, app_client, infer, live_weights, outputs, same, train, version_weights
 
 
-def stored_model(root: Path, versions: int, name: str = "m", config: dict | None = None) -> None:
-    """A store holding model ``name`` with ``versions`` acknowledged versions, written directly
-    (version 1 through the store, the others copies of its files under the listing): seconds
-    for thousands of versions, where a daemon would fsync each."""
-    model = CpuBackend().compile(MLPSpec.from_json(SPEC))
-    store = Store(root)
-    try:
-        doc = {"spec": SPEC, "config": config or {}, "created": time.time()}
-        first = store.create_model(name, doc, model.get_params(), model.get_optimizer_state())
-    finally:
-        store.close()
-    folder = root / "models" / name
-    listing = [first]
-    for v in range(2, versions + 1):
-        for sub in ("weights", "optimizer"):
-            shutil.copyfile(folder / sub / "1.safetensors", folder / sub / f"{v}.safetensors")
-        listing.append({**first, "version": str(v), "step": v})
-    (folder / "versions.json").write_text(json.dumps({"versions": listing}))
+attack = load_script("attack_shm_store")  # its store writer: thousands of versions in seconds
+
+
+def stored_model(root: Path, versions: int, name: str = "m") -> None:
+    attack.write_versions(root, versions, name, SPEC)
 
 
 # -- item 5: start-up linear in versions; retention ---------------------------------------------
