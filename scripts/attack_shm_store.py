@@ -300,11 +300,26 @@ def write_versions(store: Path, versions: int, name: str = "m", spec: dict | Non
     (folder / "versions.json").write_text(json.dumps({"versions": listing}))
 
 
+def start_up_s(store: Path) -> float:
+    """Seconds the daemon's start-up takes on ``store`` in this process, imports done: the
+    lifespan (the store opened, every model loaded) as ``mmad serve`` runs it."""
+    from fastapi.testclient import TestClient
+
+    from mmad.server import Settings, create_app
+
+    app = create_app(Settings(store_dir=store, backend="cpu", probe="cpu", demo=False, keep_versions=0))
+    t0 = time.perf_counter()
+    with TestClient(app) as client:
+        elapsed = time.perf_counter() - t0
+        assert client.get("/v2/health/ready").status_code == 200
+    return elapsed
+
+
 def versions_startup(args, tmp: Path) -> int:
-    t0 = time.perf_counter()  # the same daemon on an empty store: what the process start alone costs
-    Daemon(tmp / "empty", "--no-demo", log_path=tmp / "empty.log").start(timeout_s=300).stop()
-    empty_s = time.perf_counter() - t0
     write_versions(tmp / "store", args.versions)
+    start_up_s(tmp / "warm")  # imports and first-use costs, not counted below
+    empty = statistics.median(start_up_s(tmp / f"empty{i}") for i in range(3))
+    loaded = statistics.median(start_up_s(tmp / "store") for _ in range(3))
     t0 = time.perf_counter()
     daemon = started(tmp, "--keep-versions", "0", "--no-demo")
     ready_s = time.perf_counter() - t0
@@ -320,8 +335,8 @@ def versions_startup(args, tmp: Path) -> int:
         p50 = statistics.median(uploads) * 1000
         ok = latest == str(args.versions + args.uploads)
         return summary(f"versions-startup {args.versions}", ok,
-                       f"ready in {ready_s:.2f} s (an empty store: {empty_s:.2f} s); {args.uploads} uploads "
-                       f"p50 {p50:.1f} ms")
+                       f"start-up {loaded:.2f} s (an empty store {empty:.2f} s; median of 3, in process, imports "
+                       f"done); the daemon process ready in {ready_s:.2f} s; {args.uploads} uploads p50 {p50:.1f} ms")
     finally:
         daemon.stop()
 

@@ -195,9 +195,9 @@ def device_forward(entry, x, sources: list[ShmTensor], targets: list[ShmTensor],
     """The forward of the model's replica on the GPU of the request's CUDA shared-memory
     regions: the input read on the device where it lies (uploaded first if it came from the body or a system
     region), checked finite there, the output written on the device into each CUDA region, and
-    copied to the host only into ``out`` (the response buffer) or a system region's buffer (which the
-    caller writes into the region). Returns
-    ``out``, or the device result (its shape is all the response needs) when nothing is on the host."""
+    copied to the host only into ``out`` (the response buffer) or a system region's buffer (the
+    caller writes it into the region). Returns ``out``, or the device result (its shape is all the
+    response needs) when nothing is on the host."""
     device_targets = [t for t in targets if t.on_device]
     on_device = [t for t in [*sources, *device_targets] if t.on_device]
     device = on_device[0].device

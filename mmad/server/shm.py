@@ -113,7 +113,11 @@ class Region:
 
     def dma_array(self, where: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A view of the page-locked mapping, for device copies only (host code touching it
-        could fault: the module docstring)."""
+        could fault: the module docstring). An object shrunk below the region is refused: the
+        copies would be safe, but would no longer reach the client's file."""
+        size = os.fstat(self.descriptor.fd).st_size
+        if size < self.offset + self.byte_size:
+            raise self._shrank(where, size)
         with self._exports_lock:  # one at a time with close(): a view is made before it, or refused
             try:
                 flat = np.frombuffer(self.view, dtype=dtype, count=math.prod(shape), offset=offset)
