@@ -59,7 +59,6 @@ SHM_DIR = "/dev/shm"
 _KEY = re.compile(r"/[^/\x00]{1,255}")
 NAME_MAX = 128  # characters of a region name (it is echoed in statuses, errors and logs)
 CUDA_IPC_HANDLE_SIZE = 64  # bytes of a cudaIpcMemHandle_t
-DEFAULT_MAX_REGIONS = 256
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
@@ -416,10 +415,6 @@ class SharedMemoryRegistry:
         if busy:
             with self._lock:
                 self._retired.extend(busy)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._regions)
 
     def status(self, name: str | None = None, cuda: bool = False) -> list[dict[str, Any]]:
         self._retire([])  # close what device copies have let go of since
