@@ -22,6 +22,7 @@ runs the daemon in a mount namespace of its own (``unshare``: root, or user name
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shutil
@@ -214,28 +215,42 @@ def sparse_region(args, tmp: Path) -> int:
         daemon.stop()
 
 
+def as_user(uid: int, call) -> str:
+    """``call()`` (a str) in a forked child that became user ``uid``: another local user's
+    process (nobody: 65534). The child uses only the socket and the stdlib's HTTP client,
+    imported already (a forked child of a process with threads must not take their locks)."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write, call().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        answer = f.read().decode()
+    os.waitpid(child, 0)
+    return answer
+
+
+def raw_register(port: int, name: str, key: str, nbytes: int) -> str:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", f"/v2/systemsharedmemory/region/{name}/register",
+                       body=json.dumps({"key": key, "byte_size": nbytes}), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return f"{response.status} {response.read().decode()}"
+
+
 def register_foreign(args, tmp: Path) -> int:
     if os.geteuid() != 0:
         return summary("register-foreign", False, "needs root (an attacker of another user: setuid)")
     daemon = started(tmp, *backend_args(args))
     key = make_object(SHM, 4096, b"root's secret")  # root's, 0600
     try:
-        read, write = os.pipe()
-        child = os.fork()
-        if child == 0:  # the attacker: user nobody on the same host
-            try:
-                os.close(read)
-                os.setgid(65534)
-                os.setuid(65534)
-                with httpx.Client(base_url=daemon.url, timeout=30.0) as c:
-                    r = c.post("/v2/systemsharedmemory/region/stolen/register", json={"key": key, "byte_size": 4096})
-                    os.write(write, f"{r.status_code} {r.json().get('error', '')}".encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        with os.fdopen(read, "rb") as f:
-            answer = f.read().decode()
-        os.waitpid(child, 0)
+        answer = as_user(65534, lambda: raw_register(daemon.port, "stolen", key, 4096))
         with httpx.Client(base_url=daemon.url, timeout=30.0) as c:
             held = [r["name"] for r in c.get("/v2/systemsharedmemory/status").json()]
         ok = answer.startswith("403") and not held

@@ -12,8 +12,6 @@ objects of another user, printable bounded names, the region cap.
 from __future__ import annotations
 
 import errno
-import http.client
-import json
 import os
 import shutil
 import socket
@@ -289,41 +287,13 @@ def test_shared_memory_on_needs_an_api_key(tmp_path):
     assert r.returncode == 2 and "needs an API key" in r.stderr, r.stderr
 
 
-def as_user(uid: int, call) -> str:
-    """``call()`` (a str) in a forked child that became user ``uid``: another local user's
-    process. The child uses only the socket and the stdlib's HTTP client, imported already."""
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(read)
-            os.setgid(uid)
-            os.setuid(uid)
-            os.write(write, call().encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        answer = f.read().decode()
-    os.waitpid(child, 0)
-    return answer
-
-
-def raw_register(port: int, name: str, key: str, nbytes: int) -> str:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("POST", f"/v2/systemsharedmemory/region/{name}/register",
-                       body=json.dumps({"key": key, "byte_size": nbytes}), headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    return f"{response.status} {response.read().decode()}"
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another user needs root")
 def test_a_keyless_daemon_refuses_an_object_of_another_user(keyless, objects):
     """What the daemon's user can open is not what a client may: a client registers only
     objects of its own user. The attacker (nobody) names an object of root's, mode 0600, through
     a daemon running as root. (Before: registered, overwritten through an output, read back.)"""
     key = objects(64)  # root's, 0600
-    answer = as_user(65534, lambda: raw_register(keyless.port, "stolen", key, 64))
+    answer = attack.as_user(65534, lambda: attack.raw_register(keyless.port, "stolen", key, 64))
     assert answer.startswith("403") and "belongs to another user" in answer, answer
     with httpx.Client(base_url=keyless.url, timeout=30.0) as client:
         assert client.get("/v2/systemsharedmemory/status").json() == []
