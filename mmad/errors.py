@@ -24,12 +24,15 @@
     │   └── StorageFull            the store's disk or quota is full; nothing served changed
     ├── DeviceMemoryFull           what was asked for does not fit in the device's free memory
     │                              (checked before allocating); nothing was allocated
+    ├── RegionFull                 a shared-memory region's filesystem has no room for an output
+    ├── StoreDamaged               what the store holds for a model or version is damaged
     ├── Unauthorized               no API key was sent to a daemon that requires one
-    └── Forbidden                  the API key sent is wrong
+    └── Forbidden                  the API key sent is wrong, or the daemon's settings refuse the
+                                   action to this client
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503, 507 for a store that cannot be written or a device without the memory asked
-for; compile, launch and cache failures 500); anything not in this tree that escapes a handler
+409 (also a damaged stored model or version), 413, 503, 507 for a store that cannot be written,
+a device without the memory asked for or a shared-memory region without room; compile, launch and cache failures 500); anything not in this tree that escapes a handler
 is a bug and becomes a 500.
 """
 
@@ -156,9 +159,21 @@ class DeviceMemoryFull(MMADError):
     507, Insufficient Storage); the check comes before any allocation, so nothing changed."""
 
 
+class RegionFull(MMADError):
+    """An output could not be written into its shared-memory region: the filesystem of the
+    region's object has no room (a sparse object larger than its /dev/shm) (HTTP 507)."""
+
+
+class StoreDamaged(ConflictError):
+    """What the store holds for a model or version cannot be used: a damaged or unreadable
+    description, listing or weights file (HTTP 409: the request conflicts with the store's
+    state; the message says what is damaged). Nothing damaged is ever served."""
+
+
 class Unauthorized(MMADError):
     """No API key was sent to a daemon that requires one (HTTP 401)."""
 
 
 class Forbidden(MMADError):
-    """The API key sent is wrong (HTTP 403)."""
+    """The API key sent is wrong, or the daemon's settings refuse the action to this client
+    (e.g. shared-memory registration from another host) (HTTP 403)."""

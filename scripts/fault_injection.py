@@ -274,7 +274,7 @@ class Harness:
         self.store = store
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
-        self.daemon = Daemon(store, zygote=zygote)
+        self.daemon = Daemon(store, "--keep-versions", "0", zygote=zygote)  # every acknowledged version is checked
         self.acked: dict[str, Acked] = {}
         self.lock = threading.Lock()
         self.report = Report()
@@ -434,15 +434,26 @@ class Harness:
         self.report.rounds += 1
 
 
-def run(kills: int, seed: int = 0, store: Path | None = None, budget_s: float = 600.0, fork: bool = True) -> Report:
-    """``kills`` kill -9 rounds (stops early, with a failure, when ``budget_s`` runs out)."""
+def run(kills: int, seed: int = 0, store: Path | None = None, budget_s: float | None = 600.0, fork: bool = True,
+        min_acks: int = 0, max_kills: int | None = None) -> Report:
+    """``kills`` kill -9 rounds, then more while fewer than ``min_acks`` versions were
+    acknowledged by each path (a slow machine does less between kills), up to ``max_kills``
+    rounds in all; stops early, with a failure, when ``budget_s`` (None: no limit) runs out."""
     root = Path(store) if store is not None else Path(tempfile.mkdtemp(prefix="mmad-fi-"))
     zygote = Zygote() if fork else None
     harness = Harness(root / "store", seed, zygote)
+    report = harness.report
     t0 = time.perf_counter()
+
+    def more() -> bool:
+        if report.kills < kills:
+            return True
+        return (report.kills < (max_kills or kills)
+                and min(report.acked_by_job, report.acked_by_upload) < min_acks)
+
     try:
-        while harness.report.kills < kills:
-            if time.perf_counter() - t0 > budget_s:
+        while more():
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
                 harness.fail(f"time budget of {budget_s} s ran out after {harness.report.kills} kills")
                 break
             harness.round()

@@ -320,7 +320,8 @@ def run(duration_s: float, seed: int = 0, workdir: Path | None = None, trace_mem
     import tempfile
 
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="mmad-soak-"))
-    daemon = Daemon(root / "store", "--max-queue-requests", "64", log_path=root / "daemon.log")
+    # every version stays: pinned infers pick any version acknowledged since the start
+    daemon = Daemon(root / "store", "--max-queue-requests", "64", "--keep-versions", "0", log_path=root / "daemon.log")
     daemon.command = [sys.executable, str(Path(__file__).resolve()), "--serve"]
     if trace_memory:
         os.environ["MMAD_SOAK_TRACEMALLOC"] = "1"  # inherited by the daemon process

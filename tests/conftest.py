@@ -42,9 +42,11 @@ def free_port() -> int:
 class DaemonProcess:
     """``mmad serve`` in a subprocess with its own store; ``kill()`` is a kill -9."""
 
-    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
+        """``prefix``: a command that runs the daemon's command line (e.g. ``unshare ...``)."""
         self.store = store
         self.args = args
+        self.prefix = prefix or []
         self.env = {**os.environ, "MMAD_BACKEND": "cpu", "MMAD_PROBE": "cpu", "MMAD_LOG_LEVEL": "warning",
                     **(env or {})}
         self.port = free_port()
@@ -54,10 +56,8 @@ class DaemonProcess:
 
     def start(self, timeout_s: float = 60.0) -> "DaemonProcess":
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(self.port),
-             "--store", str(self.store), *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen([*self.prefix, *self.command()], env=self.env, stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -70,6 +70,10 @@ class DaemonProcess:
             time.sleep(0.1)
         self.kill()
         raise RuntimeError(f"the daemon did not become ready in {timeout_s} s:\n{self.log()}")
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(self.port),
+                "--store", str(self.store), *self.args]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

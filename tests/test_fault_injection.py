@@ -2,7 +2,10 @@
 
 Runs ``scripts/fault_injection.py`` for 50 kills on one store: after every restart each
 acknowledged version must be listed with the sha256 it was acknowledged with, download and
-serve, and no temporary or partial file may be visible. Bounded: 50 kills, 200 s.
+serve, and no temporary or partial file may be visible. Bounded by rounds, not time: 50 kills,
+more (up to 150) until each path had 20 versions acknowledged, so a loaded machine takes longer
+and never fails for being slow (every step of a round has its own bound: the daemon's start,
+each request's timeout).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 KILLS = 50
-BUDGET_S = 200.0
+MIN_ACKS = 20  # versions acknowledged by jobs, and by uploads
 
 
 def load_script(name: str):
@@ -46,14 +49,15 @@ def test_leftover_detector_sees_partial_writes(tmp_path):
     assert any("weights/2.safetensors" in p for p in problems)
 
 
-@pytest.mark.timeout(BUDGET_S + 60)
+@pytest.mark.timeout(0)  # rounds bound it (see the module docstring), not the suite's per-test limit
 def test_kill_9_loses_no_acknowledged_version(tmp_path):
-    report = fault_injection.run(KILLS, seed=20261121, store=tmp_path, budget_s=BUDGET_S)
+    report = fault_injection.run(KILLS, seed=20261121, store=tmp_path, budget_s=None, min_acks=MIN_ACKS,
+                                 max_kills=3 * KILLS)
     summary = report.to_json()
     print(json.dumps(summary, indent=1))
     assert not report.failures, "\n".join(report.failures[:20])
     assert report.kills >= KILLS
     assert report.kills_during_job >= 10 and report.kills_during_upload >= 10
     # the kills must land among real work: versions acknowledged by both paths, checked back
-    assert report.acked_by_job >= 20 and report.acked_by_upload >= 20
+    assert report.acked_by_job >= MIN_ACKS and report.acked_by_upload >= MIN_ACKS
     assert report.versions_downloaded >= report.acked_versions

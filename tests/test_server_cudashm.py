@@ -63,7 +63,9 @@ class FakeIpc:
 @pytest.fixture(scope="module")
 def app_client(tmp_path_factory):
     root = tmp_path_factory.mktemp("cudashm")
-    app = create_app(Settings(store_dir=root / "store", backend="cpu", probe="cpu", api_key=API_KEY))
+    # the in-process client is no loopback peer: a keyed daemon open to every client
+    app = create_app(Settings(store_dir=root / "store", backend="cpu", probe="cpu", api_key=API_KEY,
+                              shared_memory="on"))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield app, client
 

@@ -147,9 +147,10 @@ def _json_word(value: Any) -> str:
 def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> InferRequest:
     """Split and validate a request body; tensors come back as float32/float16 arrays.
 
-    ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` that inputs naming a
-    ``shared_memory_region`` are read from (views of a system region's mapping, or device
-    arrays in a CUDA region).
+    ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` of the regions that inputs
+    naming a ``shared_memory_region`` lie in: device arrays in a CUDA region; for a system
+    region, a buffer of the daemon's, filled by ``ShmTensor.load`` once the caller knows where
+    the forward runs (``shm_inputs``).
     """
     json_part = body if header_length is None else memoryview(body)[:header_length]
     if not json_part:

@@ -15,12 +15,20 @@ the copy of a model replaced, deleted or unloaded is dropped with it (``forget_m
 a dataset appended to or deleted at once (``invalidate``). Dropping a copy drops the cache's
 reference only: a training job that holds the Dataset keeps it (and its memory) until it ends,
 so deleting a dataset a job trains from is safe, the job goes on with the copy it holds.
+
+A backend that holds datasets in host memory (cpu: ``free_device_bytes`` is None, it cannot
+tell what is free) holds at most ``--max-host-dataset-bytes`` of them at once (default a quarter
+of the host's memory): a new copy first drops the least recently used ones until it fits, and
+one larger than the bound on its own is a 507 before anything is allocated. A job holding a
+dropped copy keeps it until it ends; the next use copies it in again from the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,12 +76,26 @@ class _Held:
     data: list[Dataset]  # one per replica: the whole dataset, or its shards (data-parallel)
 
 
+def host_memory_bytes() -> int | None:
+    """This host's physical memory, where the OS tells."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 class DatasetCache:
     """The datasets held by the backends of the registry's models; see the module docstring."""
 
     def __init__(self, registry: "Registry"):
         self.registry = registry
-        self._held: dict[tuple[str, str | None, str, int], _Held] = {}
+        limit = registry.settings.max_host_dataset_bytes
+        if limit is None:
+            memory = host_memory_bytes()
+            limit = memory // 4 if memory else None
+        self.host_limit = limit  # bytes of host-memory copies held at once (None: unbounded)
+        # least recently used first: a new host copy drops from the front
+        self._held: collections.OrderedDict[tuple[str, str | None, str, int], _Held] = collections.OrderedDict()
         self._building: dict[tuple[str, str | None, str, int], asyncio.Lock] = {}
         # bumped by every invalidation: a copy built across one is handed out but not kept
         self._generation: dict[tuple[str, str], int] = {}
@@ -104,29 +126,36 @@ class DatasetCache:
         key = (entry.name, entry.incarnation, dataset_id, parts)
         held = self._held.get(key)
         if held is not None and held.compiled == compiled:
+            self._held.move_to_end(key)
             return held.data
         lock = self._building.setdefault(key, asyncio.Lock())
         async with lock:
             held = self._held.get(key)
             if held is not None and held.compiled == compiled:
+                self._held.move_to_end(key)
                 return held.data
             generation = self._generation.get((entry.name, dataset_id), 0)
             run = self.registry.run
             info = await run(self.registry.store.dataset_info, entry.name, dataset_id)
             bounds = shard_bounds(info.rows, parts)
+            host_need = 0
             for model, (start, stop) in zip(compiled, bounds):
                 if stop == start:
                     raise InvalidInput(f"dataset {dataset_id!r} has {info.rows} rows: too few to split over the "
                                        f"{parts} replicas of model {entry.name!r}")
                 need = model.dataset_bytes(stop - start, info.x_dtype, info.y_dtype)
                 free = await run(model.free_device_bytes)
-                if free is not None and need > free:
+                if free is None:  # held in host memory: bounded by host_limit below
+                    host_need += need
+                elif need > free:
                     where = f"device {model.device_index} of " if parts > 1 else ""
                     raise DeviceMemoryFull(
                         f"the dataset{' shard' if parts > 1 else ''} needs {size_words(need)} on {where}"
                         f"{self.registry.backend_label}'s device; {size_words(free)} is free (dataset {dataset_id!r} "
                         f"of model {entry.name!r}, {stop - start} rows); free memory (unload models, or finish other "
                         "jobs) or train from a smaller dataset")
+            if host_need:
+                self._make_host_room(host_need, entry.name, dataset_id)
             changed = ConflictError(f"model {entry.name!r} was unloaded or replaced while dataset {dataset_id!r} "
                                     "was being copied to its device; try again")
 
@@ -149,6 +178,9 @@ class DatasetCache:
                 raise changed
             if self._generation.get((entry.name, dataset_id), 0) == generation:
                 self._held[key] = _Held(compiled, data)
+                self._held.move_to_end(key)
+                if host_need:  # copies built meanwhile for other datasets may have taken the room
+                    self._make_host_room(0, entry.name, dataset_id, keep=key)
                 self._update_metric(entry.name)
             # else: appended to or deleted meanwhile; the caller gets the dataset as it was read
             log.info("dataset %s of model %s held for training: %d rows, %s (%s%s)", dataset_id, entry.name,
@@ -156,6 +188,31 @@ class DatasetCache:
                      "on the device" if data[0].on_device else "in host memory",
                      f", in {parts} shards on devices {[m.device_index for m in compiled]}" if parts > 1 else "")
             return data
+
+    def host_bytes(self) -> int:
+        """Bytes of the copies held in host memory, every model's."""
+        return sum(d.nbytes for h in self._held.values() for d in h.data if not d.on_device)
+
+    def _make_host_room(self, need: int, model: str, dataset_id: str, keep: tuple | None = None) -> None:
+        """Drop the least recently used host copies (never ``keep``) until ``need`` more bytes fit
+        under ``host_limit``; a need larger than the limit itself is a 507."""
+        limit = self.host_limit
+        if limit is None:
+            return
+        if need > limit:
+            raise DeviceMemoryFull(
+                f"dataset {dataset_id!r} of model {model!r} needs {size_words(need)} of host memory to train from; "
+                f"this daemon holds at most {size_words(limit)} of datasets in host memory (--max-host-dataset-bytes)"
+                "; raise it or train from a smaller dataset")
+        for key in list(self._held):
+            if self.host_bytes() + need <= limit:
+                return
+            held = self._held[key]
+            if key != keep and not any(d.on_device for d in held.data):
+                del self._held[key]
+                log.info("dataset %s of model %s no longer held in host memory (least recently used; "
+                         "--max-host-dataset-bytes %d)", key[2], key[0], limit)
+                self._update_metric(key[0])
 
     def resident(self, model: str) -> list[str]:
         """Ids of the model's datasets held now."""

@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmad.errors import (
     BackendUnavailable, CacheError, CompileError, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput, LaunchError,
-    MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
+    MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, RegionFull, SpecError, StoreUnwritable,
+    Unauthorized,
 )
 
 log = logging.getLogger("mmad.server")
@@ -23,7 +24,7 @@ log = logging.getLogger("mmad.server")
 STATUS_TABLE: list[tuple[type, int]] = [
     (Unauthorized, 401), (Forbidden, 403), (ModelNotFound, 404), (ConflictError, 409),
     (PayloadTooLarge, 413), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
-    (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (DeviceMemoryFull, 507),
+    (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (DeviceMemoryFull, 507), (RegionFull, 507),
     (CompileError, 500), (LaunchError, 500), (CacheError, 500),
 ]
 
@@ -40,8 +41,8 @@ ERROR_STATUSES = {
     400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
     404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
     413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
-    507: "the model store is full or read-only, or the device lacks the memory asked for; nothing was saved "
-         "and nothing served changed",
+    507: "the model store is full or read-only, the device lacks the memory asked for, or a shared-memory "
+         "region's filesystem has no room for an output; nothing was saved and nothing served changed",
 }
 # Documented on every route (routers pass it to APIRouter): any route can meet the body cap,
 # a daemon that is not ready yet, or bad input; OpenAPI clients and fuzzers rely on the list.

@@ -17,7 +17,7 @@ from mmad.server.errors import internal_error_response, mmad_error_response, sta
 from mmad.server.metrics import UNKNOWN_MODEL
 from mmad.server.region_forwards import describe
 from mmad.server.registry import INPUT, OUTPUT
-from mmad.server.shm import ShmTensor
+from mmad.server.shm import COPY_INLINE_BYTES, ShmTensor, copy_bytes
 from mmad.server.store import check_model_name
 from mmad.server.tensors import (
     INLINE_TENSOR_VALUES, accepted_encoding, compress, model_tensors, nonfinite_input, parse_tensors, tensor_response,
@@ -46,10 +46,15 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         parsed = await parse_tensors(rt, request)
         names = {INPUT: entry.spec.n_input_dims}
         check_finite = False  # left to the forward
-        on_device = any(t.on_device for t in parsed.shm_inputs.values())
+        sources = list(parsed.shm_inputs.values())
+        on_device = any(t.on_device for t in sources)
+        small = sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES
+        if small:  # read from its region now (a few KiB); a large one once it is known to run here
+            for source in sources:
+                source.load()
         if on_device:  # a CUDA region's input: checked finite on the device, in device_forward
             x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
-        elif sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES:
+        elif small:
             x = model_tensors(entry, parsed, names, keep_fp16=True)[INPUT]
         else:
             # a large tensor's finiteness is checked by its forward: on the device on a GPU backend,
@@ -70,42 +75,46 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
             if parsed.uses_shm:
                 targets = shm_outputs(parsed, outputs, out_shape)
                 on_device = on_device or any(t.on_device for _, t in targets)
-                if len(outputs) == 1 and targets and not on_device:  # the forward writes (and casts) into the region
-                    out = targets[0][1].array
+                if len(outputs) == 1 and targets and not on_device:  # the forward writes (and casts) into the
+                    out = targets[0][1].array  # output's buffer, written into its region once computed
             t1 = time.perf_counter_ns()
-            sources, region_targets = list(parsed.shm_inputs.values()), [t for _, t in targets or []]
+            region_targets = [t for _, t in targets or []]
             remote = rt.region_forwards  # a worker's: the primary runs forwards between regions
             if (remote is not None and version is None
                     and remote.takes(sources, region_targets, outputs)):
                 await remote.forward(model, describe(parsed.shm_inputs[INPUT], shape=list(x.shape)),
                                      [describe(t, name=o.name) for o, t in targets], not entry.config.allow_nonfinite)
                 out = shape_only(out_shape, region_targets[0].array.dtype)
-                targets = None  # written by the primary
                 queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
                 registry.record_batch(entry, x.shape[0], 1, compute_ns)
-            elif on_device:
-                if version is not None:
-                    raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
-                if out is None and any(o.shm is None for o in outputs):
-                    out = np.empty(out_shape, dtype=np.float32)
-                out = await registry.run(device_forward, entry, x, sources, region_targets, out)
-                queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
-                registry.record_batch(entry, x.shape[0], 1, compute_ns)
-            elif version is None:
-                batcher = entry.batcher  # None once an unload that began while the body was read finished
-                if batcher is None:
-                    raise ModelNotReady(model)
-                result = await batcher.submit(x, out, check_finite)
-                out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
             else:
-                out = await registry.run(registry.forward_pinned, entry, version, x,
-                                         np.empty(out_shape, dtype=np.float32) if out is None else out, check_finite)
-                queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
-                registry.record_batch(entry, x.shape[0], 1, compute_ns, version)
-            if targets and not on_device:
-                for _, target in targets:
-                    if target.array is not out:
-                        np.copyto(target.array, out, casting="same_kind")
+                if not small:
+                    await copy_regions(rt, sources, ShmTensor.load)
+                if on_device:
+                    if version is not None:
+                        raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
+                    if out is None and any(o.shm is None for o in outputs):
+                        out = np.empty(out_shape, dtype=np.float32)
+                    out = await registry.run(device_forward, entry, x, sources, region_targets, out)
+                    queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+                    registry.record_batch(entry, x.shape[0], 1, compute_ns)
+                elif version is None:
+                    batcher = entry.batcher  # None once an unload that began while the body was read finished
+                    if batcher is None:
+                        raise ModelNotReady(model)
+                    result = await batcher.submit(x, out, check_finite)
+                    out, queue_ns, compute_ns = result.output, result.queue_ns, result.compute_ns
+                else:
+                    out = await registry.run(registry.forward_pinned, entry, version, x,
+                                             np.empty(out_shape, dtype=np.float32) if out is None else out,
+                                             check_finite)
+                    queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
+                    registry.record_batch(entry, x.shape[0], 1, compute_ns, version)
+                if region_targets and not on_device:
+                    for target in region_targets:
+                        if target.array is not out:
+                            np.copyto(target.array, out, casting="same_kind")
+                await copy_regions(rt, region_targets, ShmTensor.store)
             t2 = time.perf_counter_ns()
             if body is None:
                 outs = [(o, out) for o in outputs]
@@ -146,6 +155,19 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
     return tensor_response(body, header_length, encoding)
 
 
+async def copy_regions(rt: Runtime, tensors: list[ShmTensor], copy) -> None:
+    """``copy`` (``ShmTensor.load`` or ``.store``) of each system-region tensor: on the event loop
+    when small, else on a compute thread."""
+    size = copy_bytes(tensors)
+    if not size:
+        return
+    if size <= COPY_INLINE_BYTES:
+        for t in tensors:
+            copy(t)
+        return
+    await rt.registry.run(lambda: [copy(t) for t in tensors])
+
+
 def shape_only(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A read-only array of ``shape`` and ``dtype`` over one zero element (what the response of
     outputs written elsewhere needs): cheaper than ``np.broadcast_to``."""
@@ -173,8 +195,9 @@ def device_forward(entry, x, sources: list[ShmTensor], targets: list[ShmTensor],
     """The forward of the model's replica on the GPU of the request's CUDA shared-memory
     regions: the input read on the device where it lies (uploaded first if it came from the body or a system
     region), checked finite there, the output written on the device into each CUDA region, and
-    copied to the host only into ``out`` (the response buffer) or a system region. Returns
-    ``out``, or the device result (its shape is all the response needs) when nothing is on the host."""
+    copied to the host only into ``out`` (the response buffer) or a system region's buffer (the
+    caller writes it into the region). Returns ``out``, or the device result (its shape is all the
+    response needs) when nothing is on the host."""
     device_targets = [t for t in targets if t.on_device]
     on_device = [t for t in [*sources, *device_targets] if t.on_device]
     device = on_device[0].device

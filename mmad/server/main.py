@@ -54,8 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-delay-us", type=int, help="dynamic batching: longest wait (MMAD_MAX_QUEUE_DELAY_US)")
     p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
     p.add_argument("--checkpoint-every", type=int, help="training jobs' default checkpoint interval in steps")
-    p.add_argument("--keep-versions", type=int,
-                   help="versions kept per model, the newest (MMAD_KEEP_VERSIONS, default 0: all)")
     p.add_argument("--compute-threads", type=int, help="threads that run device work (MMAD_COMPUTE_THREADS)")
     p.add_argument("--workers", type=int,
                    help="inference worker processes serving the port: each answers infer for the live weights "
@@ -79,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn event loop (MMAD_LOOP, default auto: uvloop when installed)")
     p.add_argument("--http", choices=("auto", "h11", "httptools"),
                    help="uvicorn HTTP parser (MMAD_HTTP, default auto: httptools when installed)")
+    # shared memory, the store and held datasets
+    p.add_argument("--shared-memory", choices=("off", "loopback", "on"),
+                   help="who may register shared-memory regions: off, loopback (clients on this host; keyless: "
+                        "objects of the client's own user only) or on (any client, needs an API key) "
+                        "(MMAD_SHARED_MEMORY, default loopback)")
+    p.add_argument("--max-shm-regions", type=int,
+                   help="shared-memory regions registered at once (MMAD_MAX_SHM_REGIONS, default 256)")
+    p.add_argument("--keep-versions", type=int,
+                   help="versions kept per model, the newest; a model's config keep_versions overrides it "
+                        "(MMAD_KEEP_VERSIONS, default 100; 0: all)")
+    p.add_argument("--max-host-dataset-bytes", type=int,
+                   help="datasets held in host memory for training at once, least recently used dropped first "
+                        "(cpu backend; MMAD_MAX_HOST_DATASET_BYTES, default a quarter of the host's memory)")
     p.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help="(MMAD_LOG_LEVEL)")
     return p
 

@@ -10,8 +10,10 @@ group at a time: each replica's forwards of the group launched together
 (``CompiledModel.forward_group``: one kernel for them all on the mma variant, their finiteness
 checked inside it) under its lock, then one wait per device for the group, then every answer.
 A request all in system regions goes the same way (the primary copies the rows up from its
-page-locked mapping of the regions and back, a model's replicas in turn): each worker's
-contexts on every GPU would be time-sliced with the others'.
+page-locked mapping of the regions and back by DMA, a model's replicas in turn; a region that
+could not be page-locked is read with ``pread`` into a buffer and written back with ``pwrite``
+once its group is done, :mod:`mmad.server.shm`): each worker's contexts on every GPU would be
+time-sliced with the others'.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
 "outputs": [{...}], "check_finite"}`` names each tensor by ``region``, ``offset``, ``byte_size``,
@@ -167,6 +169,7 @@ class RegionForwardRunner:
         self.rt = rt
         self.cp = cp
         self.slot_type = slot_type
+        rt.shm.enable_dma()  # system regions page-locked from now on: the copies below DMA straight
         self._free: dict[int, queue.SimpleQueue] = {}  # device -> its slots not in flight
         self._turns: dict[str, int] = {}  # model -> the replica the next system-region forward takes
         self._done: queue.SimpleQueue = queue.SimpleQueue()  # (slot or None, works) to answer, in order
@@ -341,6 +344,12 @@ class RegionForwardRunner:
                     work.error = InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to "
                                               "allow them)")
                 if work.error is None:
+                    try:  # the outputs of regions that are not page-locked: written from their buffers
+                        for t in work.targets:
+                            t.store()
+                    except MMADError as exc:
+                        work.error = exc
+                if work.error is None:
                     answer = {"id": work.doc["id"], "ok": True}
                 else:
                     answer = {"id": work.doc["id"], "status": status_for(work.error), "error": str(work.error)}
@@ -363,10 +372,11 @@ class RegionForwardRunner:
         if len(shape) != 2 or shape[1] != spec.n_input_dims:
             raise InvalidInput(f"input {INPUT!r} has shape {list(shape)}; model {entry.name!r} takes "
                                f"[-1, {spec.n_input_dims}]")
-        source = shm.tensor(f"input {INPUT!r}", _params(ind), WIRE_DTYPES[ind["datatype"]], shape, ind["datatype"])
+        source = shm.tensor(f"input {INPUT!r}", _params(ind), WIRE_DTYPES[ind["datatype"]], shape, ind["datatype"],
+                            dma=True)
         out_shape = (shape[0], spec.n_output_dims)
         targets = [shm.tensor(f"output {o['name']!r}", _params(o), WIRE_DTYPES[o["datatype"]], out_shape,
-                              o["datatype"], at_least=True) for o in doc["outputs"]]
+                              o["datatype"], at_least=True, dma=True) for o in doc["outputs"]]
         if any(t.on_device != source.on_device for t in targets):
             raise InvalidInput("a region forward reads and writes regions of one kind: all CUDA or all system "
                                "shared memory")
@@ -386,6 +396,7 @@ class RegionForwardRunner:
             replica = entry.replicas[turn % len(entry.replicas)]
             device = replica.device
             work.on_host = True
+            source.load()  # a region that is not page-locked: read into the buffer the upload copies from
         work.source, work.targets, work.device = source, targets, device
         return replica
 

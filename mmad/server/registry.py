@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
-from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady
+from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.datasets import DatasetCache
 from mmad.server.metrics import Metrics
@@ -73,6 +73,11 @@ class ModelConfig(BaseModel):
                                 description="run the model on this variant of the daemon's backend (cuda: mma, "
                                             "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
                                             "for the model, measured (docs/cuda.md)")
+    # Triton's version_policy {"latest": {"num_versions": N}} keeps N versions served; here the
+    # store keeps only the newest N (each new version drops the oldest beyond them)
+    keep_versions: int | None = Field(None, ge=0, le=1_000_000,
+                                      description="versions of this model kept in the store, the newest; 0 keeps "
+                                                  "all (default: the daemon's --keep-versions)")
 
     @classmethod
     def parse(cls, doc: Any) -> "ModelConfig":
@@ -439,15 +444,17 @@ class Registry:
         versions = self.store.versions(entry.name)
         damaged: dict[str, str] = {}
         loaded = None
+        # what is served is read and sha256-checked; the older versions only seen to be there
+        # (their sha256 is checked when a request reads one): start-up stays linear in versions
         for v in reversed(versions):
             try:
                 if loaded is None:
-                    params, optimizer_state = self.store.load_version(entry.name, v["version"])
+                    params, optimizer_state = self.store.load_version(entry.name, v["version"], v)
                     if not params_finite(params):
-                        raise MMADError(f"stored weights of {entry.name!r} version {v['version']} hold NaN or Inf")
+                        raise StoreDamaged(f"stored weights of {entry.name!r} version {v['version']} hold NaN or Inf")
                     loaded = v["version"], params, optimizer_state
                 else:
-                    self.store.weights_bytes(entry.name, v["version"])
+                    self.store.version_files_present(entry.name, v["version"])
             except MMADError as exc:
                 damaged[v["version"]] = str(exc)
         entry.versions = versions
@@ -471,7 +478,7 @@ class Registry:
         damaged = entry.damaged
         if not damaged:
             return ""
-        order = sorted(damaged, key=int)
+        order = sorted(damaged, key=int)  # (a damaged version beyond the loaded one: found when read)
         return (f"serving version {entry.loaded_version}, the newest intact one; damaged versions "
                 f"{', '.join(order)}: " + "; ".join(damaged[v] for v in order))
 
@@ -523,6 +530,14 @@ class Registry:
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
         self.changed(entry)
 
+    def _entry_from_store(self, name: str) -> ModelEntry:
+        """A model's entry from its stored description; one that cannot be used is StoreDamaged (409)."""
+        doc = self.store.read_model_doc(name)
+        try:
+            return ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
+        except Exception as exc:  # noqa: BLE001 - a spec or config no longer valid, in any way
+            raise StoreDamaged(f"the description of model {name!r} (model.json) is unreadable: {_reason(exc)}") from exc
+
     async def load_all(self) -> None:
         """Load every model of the store; one that cannot be loaded stays UNAVAILABLE with its
         reason (index, metadata, log) and never stops the others."""
@@ -530,10 +545,9 @@ class Registry:
             if name in self.models:  # created by this process already (the demo model)
                 continue
             try:
-                doc = self.store.read_model_doc(name)
-                entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
-            except Exception as exc:  # noqa: BLE001 - whatever is wrong with one model, the others serve
-                self.unreadable[name] = f"the model's description (model.json) is unreadable: {_reason(exc)}"
+                entry = self._entry_from_store(name)
+            except MMADError as exc:  # whatever is wrong with one model, the others serve
+                self.unreadable[name] = str(exc)
                 log.error("model %s in the store stays unloaded: %s", name, self.unreadable[name])
                 continue
             self.models[name] = entry
@@ -589,10 +603,12 @@ class Registry:
             entry = self.get(name)
             if entry.busy_job:
                 raise ConflictError(f"model {name!r} is training (job {entry.busy_job}); cancel it first")
+            # the store first: a refused deletion (a read-only store: 507) changes nothing served; once
+            # the directory is gone, a checkpoint racing this fails (the incarnation is gone too)
+            await self.run(self.store.delete_model, name)
             await self._deactivate(entry)
             del self.models[name]
             self.changed()
-            await self.run(self.store.delete_model, name)
             self.unreadable.pop(name, None)
 
     async def load(self, name: str) -> None:
@@ -604,8 +620,7 @@ class Registry:
             if entry is None:
                 if not self.store.exists(name):
                     raise ModelNotFound(f"unknown model {name!r}")
-                doc = self.store.read_model_doc(name)
-                entry = ModelEntry(name, MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config")))
+                entry = self._entry_from_store(name)
                 self.models[name] = entry
             self._activate(entry, await self.run(self._load_blocking, entry))
 
@@ -636,7 +651,8 @@ class Registry:
             if not params_finite(params):
                 raise Diverged(f"the live weights of model {entry.name!r} hold NaN or Inf; they were not saved "
                                f"(put a version back: PUT /v2/models/{entry.name}/weights)")
-            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
+            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation,
+                                             entry.config.keep_versions)
             self._versions_changed(entry)
             return version
 
@@ -680,6 +696,9 @@ class Registry:
         ``keep_versions``) and free the pinned copies of versions it no longer lists."""
         entry.versions = self.store.versions(entry.name)
         listed = {v["version"] for v in entry.versions}
+        entry.loaded_version = entry.versions[-1]["version"]  # what the live weights were saved as
+        entry.damaged = {v: why for v, why in entry.damaged.items() if v in listed}
+        entry.reason = self._damage_note(entry)
         with entry.pinned_lock:
             for version in [v for v in entry.pinned if v not in listed]:
                 entry.pinned.pop(version).close()
@@ -694,7 +713,8 @@ class Registry:
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
             # the store first: a refused write (full disk, replaced model) changes nothing served
-            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation)
+            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation,
+                                             entry.config.keep_versions)
             entry.put_all(params)
             self._versions_changed(entry)
             return version
@@ -703,13 +723,19 @@ class Registry:
                        check_finite: bool = False) -> np.ndarray:
         """Forward through an immutable stored version (compiled copy cached per version) into ``out``."""
         with entry.pinned_lock:
-            if not entry.ready:  # unloaded meanwhile: its pinned copies were freed, do not compile one
+            live = entry.live  # read once: an unload may close it at any moment
+            if live is None:  # unloaded meanwhile: its pinned copies were freed, do not compile one
                 raise ModelNotReady(entry.name)
             compiled = entry.pinned.get(version)
             if compiled is None:
-                params, _ = self.store.load_version(entry.name, version)
+                try:
+                    params, _ = self.store.load_version(entry.name, version, optimizer=False)
+                except StoreDamaged as exc:  # found now: said in the model's reason from here on
+                    entry.damaged[version] = str(exc)
+                    entry.reason = self._damage_note(entry)
+                    raise
                 # the live model's variant: a pinned version computes as the live one does
-                compiled = self._compile(entry.spec, entry.replicas[0].device, entry.live.variant)
+                compiled = self._compile(entry.spec, live.device_index, live.variant)
                 compiled.set_params(params)
                 entry.pinned[version] = compiled
                 while len(entry.pinned) > PINNED_CACHE_SIZE:

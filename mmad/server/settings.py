@@ -55,7 +55,6 @@ class Settings(BaseSettings):
     max_queue_delay_us: int = Field(500, ge=0)
     max_queue_requests: int = Field(256, ge=1)
     checkpoint_every: int = Field(100, ge=1, description="default for training jobs")
-    keep_versions: int = Field(0, ge=0, description="versions kept per model, the newest; 0 keeps all")
     compute_threads: int = Field(4, ge=1, description="worker threads that run device work")
     # several processes on one port (mmad/server/workers.py): one event loop bounds serving
     workers: int = Field(0, ge=0, le=64, description="inference worker processes serving the port, the "
@@ -76,6 +75,20 @@ class Settings(BaseSettings):
     blas_threads: int = Field(1, ge=0, description="threads of NumPy's BLAS library (0: its own default)")
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
     http: Literal["auto", "h11", "httptools"] = Field("auto", description="uvicorn HTTP parser")
+    # -- shared memory, the store and held datasets (docs/service.md, "Shared memory: who may
+    # register"; docs/reliability.md, "Shared memory, the store and restarts")
+    # a registered region is read and written with the daemon's permissions: an admin action
+    shared_memory: Literal["off", "loopback", "on"] = Field(
+        "loopback", description="who may register shared-memory regions: off (nobody), loopback (clients on "
+                                "this host; a keyless daemon: objects of the client's own user only) or on (any "
+                                "client with the API key)")
+    max_shm_regions: int = Field(256, ge=1, le=65536, description="shared-memory regions registered at once "
+                                                                  "(each holds a descriptor); more are 409")
+    keep_versions: int = Field(100, ge=0, description="versions kept per model, the newest (a model's config "
+                                                      "keep_versions overrides it); 0 keeps all")
+    max_host_dataset_bytes: int | None = Field(
+        None, ge=1, description="datasets a host-memory backend (cpu) holds for training at once; the least "
+                                "recently used go first, one larger is 507; unset: a quarter of the host's memory")
 
     @field_validator("backend", "api_key", "api_key_file", "model_repository", mode="before")
     @classmethod
@@ -103,6 +116,13 @@ class Settings(BaseSettings):
         if not key:
             raise ValueError(f"api_key_file {str(self.api_key_file)!r} is empty")
         self.api_key = SecretStr(key)
+        return self
+
+    @model_validator(mode="after")
+    def _shared_memory_on_needs_a_key(self):
+        if self.shared_memory == "on" and self.api_key is None:
+            raise ValueError("shared_memory 'on' lets any client that reaches the port register shared memory; "
+                             "it needs an API key (api_key_file / MMAD_API_KEY_FILE); use 'loopback' without one")
         return self
 
     @property

@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import orjson
 from safetensors.numpy import load as st_load, save as st_save
 
 from mmad.errors import (
-    ConflictError, InvalidInput, ModelNotFound, MMADError, PayloadTooLarge, StorageFull, StoreUnwritable,
+    ConflictError, InvalidInput, ModelNotFound, MMADError, PayloadTooLarge, StorageFull, StoreDamaged, StoreUnwritable,
 )
 
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -116,7 +117,8 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 
 def _dump_json(doc: Any) -> bytes:
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    # orjson: a listing of 4,000 versions took the standard library 0.14 s to write (indented), 1 ms here
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
 
 
 def tensors_to_bytes(tensors: dict[str, np.ndarray]) -> bytes:
@@ -130,10 +132,23 @@ def tensors_from_bytes(data: bytes, what: str) -> dict[str, np.ndarray]:
         raise InvalidInput(f"{what} is not a valid safetensors file: {exc}") from exc
 
 
+def _stored_tensors(data: bytes, what: str) -> dict[str, np.ndarray]:
+    """A stored safetensors file's tensors: one that cannot be parsed is damaged (409), not bad input."""
+    try:
+        return tensors_from_bytes(data, what)
+    except InvalidInput as exc:
+        raise StoreDamaged(f"{exc} (damaged in the store)") from exc
+
+
 class Store:
     """One store directory; methods are thread-safe per model (one lock each).
 
-    ``keep_versions``: how many versions of a model to keep (the newest); 0 keeps every one.
+    ``keep_versions``: how many versions of a model to keep (the newest); 0 keeps every one (a
+    model's own ``keep_versions``, passed to :meth:`add_version`, overrides it).
+
+    Each model's version listing is read from disk once and then kept in memory, replaced by
+    every listing this store writes (it alone writes the directory: ``daemon.lock``), so that
+    neither start-up nor a new version re-reads a listing that grows with every version.
     """
 
     def __init__(self, root: Path, keep_versions: int = 0):
@@ -157,6 +172,7 @@ class Store:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._incarnations: dict[str, str] = {}  # name -> id of the directory now in place
+        self._listings: dict[str, list[dict[str, Any]]] = {}  # name -> the acknowledged listing as last written
         self.sweep_leftovers()
 
     def close(self) -> None:
@@ -234,6 +250,7 @@ class Store:
                         os.replace(staging, final)
                         _fsync_dir(self.models_dir)
                     self._incarnations[name] = uuid.uuid4().hex
+                    self._listings[name] = [entry]
                     shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -249,37 +266,57 @@ class Store:
             os.replace(path, trash)
             _fsync_dir(self.models_dir)
             self._incarnations.pop(name, None)
+            self._listings.pop(name, None)
             shutil.rmtree(trash, ignore_errors=True)
             shutil.rmtree(self.datasets_dir / name, ignore_errors=True)
 
     def read_model_doc(self, name: str) -> dict[str, Any]:
-        return json.loads((self.model_dir(name) / "model.json").read_bytes())
+        """The model's description (spec and config); damaged or unreadable: StoreDamaged (409)."""
+        try:
+            doc = json.loads((self.model_dir(name) / "model.json").read_bytes())
+        except FileNotFoundError as exc:
+            raise ModelNotFound(f"unknown model {name!r}") from exc
+        except OSError as exc:  # a directory in its place, no permission
+            raise StoreDamaged(f"the description of model {name!r} (model.json) cannot be read: "
+                               f"{exc.strerror or type(exc).__name__}") from exc
+        except ValueError as exc:
+            raise StoreDamaged(f"the description of model {name!r} (model.json) is damaged (not JSON)") from exc
+        if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
+            raise StoreDamaged(f"the description of model {name!r} (model.json) is damaged: it holds no spec")
+        return doc
 
     # -- versions -------------------------------------------------------------------------
     def versions(self, name: str) -> list[dict[str, Any]]:
-        """The acknowledged listing, its shape checked (a damaged one raises MMADError); an entry's
-        sha256 is checked with its file (``weights_bytes``), so one bad entry spoils only its version."""
+        """The acknowledged listing (a copy of the one kept in memory; read from disk the first
+        time), its shape checked (a damaged one raises StoreDamaged); an entry's sha256 is checked
+        with its file (``weights_bytes``), so one bad entry spoils only its version."""
+        listing = self._listings.get(name)
+        if listing is None:
+            listing = self._listings[name] = self._read_versions(name)
+        return list(listing)
+
+    def _read_versions(self, name: str) -> list[dict[str, Any]]:
         path = self.model_dir(name) / "versions.json"
         try:
             data = path.read_bytes()
         except FileNotFoundError as exc:
             raise ModelNotFound(f"unknown model {name!r}") from exc
         except OSError as exc:
-            raise MMADError(f"the version listing of model {name!r} cannot be read: {exc.strerror}") from exc
+            raise StoreDamaged(f"the version listing of model {name!r} cannot be read: {exc.strerror}") from exc
         try:
-            listing = json.loads(data)["versions"]
+            listing = orjson.loads(data)["versions"]
         except (ValueError, KeyError, TypeError) as exc:  # empty, truncated, flipped bytes, wrong shape
-            raise MMADError(f"the version listing of model {name!r} is damaged (not the expected JSON)") from exc
+            raise StoreDamaged(f"the version listing of model {name!r} is damaged (not the expected JSON)") from exc
         if not isinstance(listing, list) or not listing:
-            raise MMADError(f"the version listing of model {name!r} is damaged: it lists no version")
+            raise StoreDamaged(f"the version listing of model {name!r} is damaged: it lists no version")
         previous = 0
         for v in listing:
             if (not isinstance(v, dict) or not isinstance(v.get("version"), str)
                     or not VERSION_RE.match(v["version"]) or int(v["version"]) <= previous):
-                raise MMADError(f"the version listing of model {name!r} is damaged: bad entry {v!r:.80}")
+                raise StoreDamaged(f"the version listing of model {name!r} is damaged: bad entry {v!r:.80}")
             if isinstance(v.get("step"), bool) or not isinstance(v.get("step"), int):
-                raise MMADError(f"the version listing of model {name!r} is damaged: version {v['version']} "
-                                "has no step count")
+                raise StoreDamaged(f"the version listing of model {name!r} is damaged: version {v['version']} "
+                                   "has no step count")
             previous = int(v["version"])
         return listing
 
@@ -293,25 +330,28 @@ class Store:
 
     def add_version(self, name: str, params: dict[str, np.ndarray],
                     optimizer_state: dict[str, np.ndarray], step: int,
-                    incarnation: str | None = None) -> dict[str, Any]:
+                    incarnation: str | None = None, keep_versions: int | None = None) -> dict[str, Any]:
         """Persist a new version; when this returns, it survives a crash (it is acknowledged).
 
         ``incarnation`` (from :meth:`incarnation`) is the model the weights belong to: a model
         replaced since raises ConflictError, a deleted one ModelNotFound, and nothing is written.
 
-        With ``keep_versions`` set, the same listing write drops the oldest versions beyond it;
-        their files go after it (a crash in between leaves files no listing names, which
-        ``remove_unlisted_files`` clears when the model loads).
+        With ``keep_versions`` (the model's, else the store's) set, the same listing write drops
+        the oldest versions beyond it; their files go after it (a crash in between leaves files no
+        listing names, which ``remove_unlisted_files`` clears when the model loads).
         """
         model_dir = self.model_dir(name)
+        keep = self.keep_versions if keep_versions is None else keep_versions
         with self.lock(name), store_write(f"a new version of model {name!r}"):
             self._check_incarnation(name, incarnation, "a new version")
             listing = self.versions(name)
-            version = str(max((int(v["version"]) for v in listing), default=0) + 1)
+            version = str(int(listing[-1]["version"]) + 1)  # the listing is in increasing order, never empty
             entry = self._write_version_files(model_dir, version, params, optimizer_state, step)
             listing.append(entry)
-            dropped = listing[:-self.keep_versions] if self.keep_versions else []
-            atomic_write(model_dir / "versions.json", _dump_json({"versions": listing[len(dropped):]}))
+            dropped = listing[:-keep] if keep else []
+            kept = listing[len(dropped):]
+            atomic_write(model_dir / "versions.json", _dump_json({"versions": kept}))
+            self._listings[name] = kept
             for old in dropped:
                 for sub in ("weights", "optimizer"):
                     (model_dir / sub / f"{old['version']}.safetensors").unlink(missing_ok=True)
@@ -324,31 +364,50 @@ class Store:
                 return entry
         raise ModelNotFound(f"model {name!r} has no version {version!r}")
 
-    def weights_bytes(self, name: str, version: str) -> bytes:
-        entry = self.version_entry(name, version)
+    def _version_file(self, name: str, version: str, sub: str, what: str) -> bytes:
+        """A stored file of a listed version: one the retention dropped meanwhile is ModelNotFound
+        (404), one that is missing or unreadable otherwise StoreDamaged (409)."""
         try:
-            data = (self.model_dir(name) / "weights" / f"{version}.safetensors").read_bytes()
+            return (self.model_dir(name) / sub / f"{version}.safetensors").read_bytes()
         except OSError as exc:
-            raise MMADError(f"stored weights of {name!r} version {version} cannot be read "
-                            f"({exc.strerror or type(exc).__name__})") from exc
+            if not any(v["version"] == version for v in self.versions(name)):
+                raise ModelNotFound(f"model {name!r} has no version {version!r} (dropped by keep_versions)") from exc
+            raise StoreDamaged(f"stored {what} of {name!r} version {version} cannot be read "
+                               f"({exc.strerror or type(exc).__name__})") from exc
+
+    def weights_bytes(self, name: str, version: str, entry: dict[str, Any] | None = None) -> bytes:
+        """A version's weights file, checked against its listing entry's sha256 (``entry``: that
+        entry, when the caller holds the listing already)."""
+        entry = entry if entry is not None else self.version_entry(name, version)
+        data = self._version_file(name, version, "weights", "weights")
         expected = entry.get("sha256")
         if not isinstance(expected, str) or not SHA256_RE.match(expected):  # this version only: others serve
-            raise MMADError(f"the listing of {name!r} version {version} has no valid sha256")
+            raise StoreDamaged(f"the listing of {name!r} version {version} has no valid sha256")
         if hashlib.sha256(data).hexdigest() != expected:
-            raise MMADError(f"stored weights of {name!r} version {version} do not match their sha256")
+            raise StoreDamaged(f"stored weights of {name!r} version {version} do not match their sha256")
         return data
 
-    def load_version(self, name: str, version: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """(params, optimizer state) of one acknowledged version, sha256-checked."""
-        params = tensors_from_bytes(self.weights_bytes(name, version), f"weights of {name} v{version}")
-        opt_path = self.model_dir(name) / "optimizer" / f"{version}.safetensors"
+    def version_files_present(self, name: str, version: str) -> None:
+        """StoreDamaged unless the version's weights file is there (what start-up checks of the
+        versions it does not load: their sha256 is checked when they are read)."""
+        path = self.model_dir(name) / "weights" / f"{version}.safetensors"
         try:
-            data = opt_path.read_bytes()
+            if path.stat().st_size > 0:
+                return
         except OSError as exc:
-            raise MMADError(f"stored optimizer state of {name!r} version {version} cannot be read "
-                            f"({exc.strerror or type(exc).__name__})") from exc
-        optimizer_state = tensors_from_bytes(data, f"optimizer state of {name} v{version}")
-        return params, optimizer_state
+            raise StoreDamaged(f"stored weights of {name!r} version {version} cannot be read "
+                               f"({exc.strerror or type(exc).__name__})") from exc
+        raise StoreDamaged(f"stored weights of {name!r} version {version} are empty")
+
+    def load_version(self, name: str, version: str, entry: dict[str, Any] | None = None,
+                     optimizer: bool = True) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+        """(params, optimizer state or None without ``optimizer``) of one acknowledged version,
+        sha256-checked; a damaged one is StoreDamaged (409)."""
+        params = _stored_tensors(self.weights_bytes(name, version, entry), f"the weights of {name!r} version {version}")
+        if not optimizer:
+            return params, None
+        data = self._version_file(name, version, "optimizer", "optimizer state")
+        return params, _stored_tensors(data, f"the optimizer state of {name!r} version {version}")
 
     def remove_unlisted_files(self, name: str) -> int:
         """Delete weight/optimizer files of versions that were never acknowledged."""

@@ -32,14 +32,20 @@ from mmad.server.metrics import Metrics
 from mmad.server.registry import ModelConfig, ModelEntry, Registry
 from mmad.server.settings import Settings
 from mmad.server.store import tensors_from_bytes
+from mmad.server.peers import CLIENT_HEADER, peer_of
 from mmad.server.workers import INTERNAL_PREFIX, TOKEN_HEADER, SharedCounter, WorkerLink, check_token
 from mmad.spec import MLPSpec
 
 log = logging.getLogger("mmad.server.worker")
 
+# headers only a worker sets (the client's own are dropped): the client's address for the
+# shared-memory admin routes, which the primary believes only beside the link's token
+WORKER_SET = frozenset({CLIENT_HEADER.encode(), TOKEN_HEADER.encode()})
+SHM_ROUTES = ("/v2/systemsharedmemory", "/v2/cudasharedmemory")
 # headers of one connection, not of the request (RFC 9110 7.6.1): never passed on
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
                         b"upgrade"})
+NOT_PASSED_ON = HOP_BY_HOP | WORKER_SET
 # and the primary's own ``date`` and ``server``: this process's server writes its own
 NOT_PASSED_BACK = HOP_BY_HOP | {b"date", b"server"}
 PRIMARY_WAIT_LOG_S = 10.0
@@ -252,7 +258,11 @@ class WorkerApp:
     async def pass_on(self, scope, receive, send) -> None:
         """The request to the primary and its answer back, both streamed; the primary's
         status, headers and body unchanged."""
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in NOT_PASSED_ON]
+        peer = peer_of(scope, False)
+        if peer is not None and scope["path"].startswith(SHM_ROUTES):  # who registers: the primary decides
+            headers += [(CLIENT_HEADER.encode(), peer.header().encode()),
+                        (TOKEN_HEADER.encode(), self.link.token.encode())]
         disconnected = asyncio.Event()
 
         async def body():

@@ -2,7 +2,8 @@
 # Issue 16 on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
 # serving report (docs/benchmarks.md, "--service on a GPU host").
 #   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=8] [SHM_CLIENTS=8,16,32] scripts/gpu/service_check.sh [phase ...]
-#   phases: env tests service vulkan grpc (default: env tests service vulkan)
+#   phases: env tests shm service vulkan grpc (default: env tests service vulkan; shm: the shared-memory
+#   attacks of scripts/attack_shm_store.py against page-locked regions)
 #   grpc: the gRPC front end's tests (tritonclient.grpc, CUDA shared memory on the GPU) and a short
 #   report of gRPC raw contents beside HTTP in one run ($OUT/service-grpc.json): 65,536-row FP16
 #   requests at 8 clients against HTTP binary, small requests at 64 clients (bars: HTTP's figure;
@@ -68,7 +69,19 @@ for phase in $PHASES; do
         --server-arg=--workers=$WORKERS --json "$OUT/service-grpc.json" > "$OUT/service-grpc.log" 2>&1
       echo "gRPC beside HTTP ($BACKEND, $WORKERS inference workers) rc=$?" | tee -a "$SUMMARY"
       grep -E "^\||gRPC raw" "$OUT/service-grpc.log" | tee -a "$SUMMARY" ;;
-    *) echo "unknown phase $phase (env tests service vulkan grpc)" | tee -a "$SUMMARY" ;;
+    shm)
+      # shared memory under attack on the GPU backend (scripts/attack_shm_store.py): the object shrunk
+      # under running infers and a sparse object on a 4 MiB /dev/shm, through the primary's region
+      # forwards (--workers 2: page-locked regions, DMA) and in one process (pread/pwrite); one log
+      : > "$OUT/shm_attack.log"
+      for w in 2 0; do
+        for attack in "shrink-region --rounds ${SHM_ROUNDS:-1000}" "sparse-region --rounds ${SPARSE_ROUNDS:-100}"; do
+          timeout ${SHM_TIMEOUT:-150} python3 scripts/attack_shm_store.py --backend "$BACKEND" --workers $w $attack \
+            >> "$OUT/shm_attack.log" 2>&1
+          echo "workers=$w ${attack%% *} rc=$?: $(tail -n 1 "$OUT/shm_attack.log")" | tee -a "$SUMMARY"
+        done
+      done ;;
+    *) echo "unknown phase $phase (env tests shm service vulkan grpc)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "==== summary ===="

@@ -35,5 +35,8 @@ async def ready(request: Request):
 
 @router.get("/v2")
 async def server_metadata(request: Request):
-    cuda = ["cuda_shared_memory"] if request.app.state.runtime.shm.cuda_enabled else []
-    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": [*EXTENSIONS, *cuda]})
+    rt = request.app.state.runtime
+    extensions = [*EXTENSIONS, *(["cuda_shared_memory"] if rt.shm.cuda_enabled else [])]
+    if rt.settings.shared_memory == "off":  # --shared-memory off: neither extension is offered
+        extensions = [e for e in extensions if not e.endswith("_shared_memory")]
+    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": extensions})

@@ -1,5 +1,12 @@
 """Triton's system and CUDA shared-memory extensions: register, unregister and list regions.
 
+Registering a region lets the daemon read and write memory with its own permissions, so it is
+an admin action: the API key where one is set, and ``--shared-memory`` (``off``: none;
+``loopback``, the default: from clients on this host only; ``on``: from any client, which
+needs an API key). A keyless daemon lets a local client register only a ``/dev/shm`` object of
+the client's own user (:mod:`mmad.server.peers` tells which user holds the connection), so no
+local process reaches, through the daemon, an object it could not open itself.
+
 The CUDA routes answer 400 with the reason (CUDA shared memory needs the cuda backend) on any
 other backend; ``GET /v2`` lists ``cuda_shared_memory`` only where they work."""
 
@@ -7,12 +14,36 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from mmad.errors import InvalidInput
+from mmad.errors import Forbidden, InvalidInput
 from mmad.server.bodies import json_body, json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
+from mmad.server.peers import loopback_peer_uid, peer_of
+from mmad.server.workers import check_token
 
 router = APIRouter(tags=["shared memory"], responses=ERROR_RESPONSES)
+
+
+def admitted(request: Request, rt: Runtime) -> int | None:
+    """Refuse (403) a client that ``--shared-memory`` does not let change the regions; the user
+    id a keyless daemon's client must own its object with (None: any object; a key holder is an
+    admin)."""
+    mode = rt.settings.shared_memory
+    if mode == "off":
+        raise Forbidden("shared memory is off on this daemon (--shared-memory off)")
+    via_worker = request.client is None and rt.workers is not None and check_token(request.headers, rt.workers.token)
+    peer = peer_of(request.scope, via_worker)
+    if mode == "loopback" and (peer is None or not peer.loopback):
+        raise Forbidden("this daemon changes shared-memory regions for clients on its own host only "
+                        "(--shared-memory loopback); start it with --shared-memory on and an API key to "
+                        "allow other hosts")
+    if rt.settings.api_key_value is not None:
+        return None
+    uid = loopback_peer_uid(peer) if peer is not None else None
+    if uid is None:  # a keyless daemon trusts a client only as far as its own user's files
+        raise Forbidden("this keyless daemon cannot tell which local user is asking (the connection is not "
+                        "listed as a loopback TCP socket); set an API key to register from here")
+    return uid
 
 _REGISTER_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["key", "byte_size"], "properties": {
@@ -33,18 +64,23 @@ async def status_one(region: str, rt: Runtime = Depends(runtime)):
 @router.post("/v2/systemsharedmemory/region/{region}/register", dependencies=[Depends(require_key)],
              openapi_extra=_REGISTER_DOC)
 async def register(region: str, request: Request, rt: Runtime = Depends(runtime)):
-    rt.shm.register(region, json_body(await request.body()))
+    owner = admitted(request, rt)
+    # opening and (with region forwards) page-locking the object: off the event loop
+    await rt.registry.run(rt.shm.register, region, json_body(await request.body()), owner,
+                          rt.settings.max_shm_regions)
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/unregister", dependencies=[Depends(require_key)])
-async def unregister_all(rt: Runtime = Depends(runtime)):
+async def unregister_all(request: Request, rt: Runtime = Depends(runtime)):
+    admitted(request, rt)
     rt.shm.unregister(None)
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/region/{region}/unregister", dependencies=[Depends(require_key)])
-async def unregister_one(region: str, rt: Runtime = Depends(runtime)):
+async def unregister_one(region: str, request: Request, rt: Runtime = Depends(runtime)):
+    admitted(request, rt)
     rt.shm.unregister(region)
     return json_response({})
 
@@ -77,20 +113,23 @@ async def cuda_status_one(region: str, rt: Runtime = Depends(runtime)):
              openapi_extra=_CUDA_REGISTER_DOC)
 async def cuda_register(region: str, request: Request, rt: Runtime = Depends(runtime)):
     _cuda(rt)
+    admitted(request, rt)  # (an IPC handle names memory of the client's own process: no owner to check)
     # opening an IPC handle maps device memory: off the event loop
-    await rt.registry.run(rt.shm.register_cuda, region, json_body(await request.body()))
+    await rt.registry.run(rt.shm.register_cuda, region, json_body(await request.body()), rt.settings.max_shm_regions)
     return json_response({})
 
 
 @router.post("/v2/cudasharedmemory/unregister", dependencies=[Depends(require_key)])
-async def cuda_unregister_all(rt: Runtime = Depends(runtime)):
+async def cuda_unregister_all(request: Request, rt: Runtime = Depends(runtime)):
     _cuda(rt)
+    admitted(request, rt)
     rt.shm.unregister(None, cuda=True)
     return json_response({})
 
 
 @router.post("/v2/cudasharedmemory/region/{region}/unregister", dependencies=[Depends(require_key)])
-async def cuda_unregister_one(region: str, rt: Runtime = Depends(runtime)):
+async def cuda_unregister_one(region: str, request: Request, rt: Runtime = Depends(runtime)):
     _cuda(rt)
+    admitted(request, rt)
     rt.shm.unregister(region, cuda=True)
     return json_response({})
