@@ -5,6 +5,7 @@ numeric result against the float64 oracle on fresh random data."""
 from __future__ import annotations
 
 import asyncio
+import os
 import base64
 import signal
 import subprocess
@@ -596,3 +597,26 @@ def test_an_open_stream_does_not_hold_the_shutdown(tmp_path):
         client.stop_stream()
         client.close()
         proc.kill()
+
+
+@pytest.mark.parametrize("mode", ["loopback", "off"])
+def test_grpc_registration_follows_the_shared_memory_rule(tmp_path, mode):
+    """gRPC applies the same ``--shared-memory`` rule as HTTP: a keyless daemon registers an
+    object of the loopback client's own user (``loopback``), and none at all with ``off``."""
+    port = free_port()
+    daemon = DaemonProcess(tmp_path / "store", "--grpc-port", str(port), "--shared-memory", mode).start()
+    name = f"mmad-grpc-rule-{os.getpid()}-{mode}"
+    handle = shm.create_shared_memory_region(name, "/" + name, 64)
+    try:
+        with tg.InferenceServerClient(f"127.0.0.1:{port}") as c:
+            if mode == "off":
+                code, message = status(lambda: c.register_system_shared_memory(name, "/" + name, 64))
+                assert code == "StatusCode.PERMISSION_DENIED" and "--shared-memory off" in message, message
+                assert c.get_system_shared_memory_status(as_json=True) == {}
+            else:
+                c.register_system_shared_memory(name, "/" + name, 64)
+                assert list(c.get_system_shared_memory_status(as_json=True)["regions"]) == [name]
+                c.unregister_system_shared_memory(name)
+    finally:
+        shm.destroy_shared_memory_region(handle)
+        daemon.stop()

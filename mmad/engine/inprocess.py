@@ -30,6 +30,8 @@ from mmad.engine.api import (
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, ModelNotReady, NonFiniteInput, NotReady, Unauthorized
 from mmad.server import hostmem
 from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, check_response_size
+from mmad.server.peers import Peer, shared_memory_owner
+from mmad.server.shm import ShmTensor
 from mmad.server.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.server.workers import merge_stats, worker_records, worker_stats
@@ -195,7 +197,7 @@ class InProcessEngine:
                 registry.check_version(request.model, version)
             served = version or registry.latest_version(request.model)
             try:
-                x, parsed, check_finite = self._input(entry, request.inputs)
+                x, parsed, check_finite = await self._input(entry, request.inputs)
                 outputs, out, targets = self._outputs(entry, request.outputs, parsed, (x.shape[0], entry.spec.n_output_dims))
                 t1 = time.perf_counter_ns()
                 out, queue_ns, compute_ns = await self._forward(entry, version, x, parsed, outputs, out, targets,
@@ -225,7 +227,7 @@ class InProcessEngine:
         rt.metrics.inference.request_succeeded(entry, served, t3 - t0, queue_ns, t1 - t0, compute_ns, t3 - t2)
         return InferResponse(request.model, served, results, request.id, {})
 
-    def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedTensors, bool]:
+    async def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedTensors, bool]:
         """(INPUT's rows, the tensors as the forwards take them, whether the forward checks them
         finite): every input checked against the model here, once."""
         from mmad.server.tensors import INLINE_TENSOR_VALUES, model_tensors
@@ -251,6 +253,10 @@ class InProcessEngine:
             else:
                 tensors[tensor.name] = tensor.data
         parsed = ParsedTensors({}, tensors, shm=self.rt.shm, uses_shm=bool(shm_inputs), shm_inputs=shm_inputs)
+        # a system region's input is read (pread) into the daemon's buffer before it is checked
+        from mmad.server.inference import copy_regions
+
+        await copy_regions(self.rt, list(shm_inputs.values()), ShmTensor.load)
         names = {INPUT: entry.spec.n_input_dims}
         small = sum(t.size for t in inputs) <= INLINE_TENSOR_VALUES
         if any(t.on_device for t in shm_inputs.values()) or not small:
@@ -306,6 +312,7 @@ class InProcessEngine:
             out = await registry.run(device_forward, entry, x, list(parsed.shm_inputs.values()), region_targets, out)
             compute_ns = time.perf_counter_ns() - t1
             registry.record_batch(entry, x.shape[0], 1, compute_ns)
+            await self._store(region_targets)  # a system region's output copied from the device
             return out, 0, compute_ns
         if version is None:
             batcher = entry.batcher  # None once an unload that began meanwhile finished
@@ -323,7 +330,14 @@ class InProcessEngine:
         for target in region_targets:
             if target.array is not out:
                 np.copyto(target.array, out, casting="same_kind")
+        await self._store(region_targets)
         return out, queue_ns, compute_ns
+
+    async def _store(self, targets: list) -> None:
+        """Each system region's output written (pwrite) from the daemon's buffer into its object."""
+        from mmad.server.inference import copy_regions
+
+        await copy_regions(self.rt, targets, ShmTensor.store)
 
     @staticmethod
     def _results(outputs: list[OutputChoice], out: Any, targets: list) -> list[InferOutput]:
@@ -340,22 +354,27 @@ class InProcessEngine:
         return results
 
     # -- shared memory --------------------------------------------------------------------------
-    def _shm_admin(self, caller: Caller) -> None:
+    def _shm_admin(self, caller: Caller) -> int | None:
         """Registering or unregistering a region lets the daemon read and write that memory: an
         administrative call, with the API key where one is set. Who else may (the
         ``--shared-memory`` mode: off, loopback callers only, or any; a keyless daemon's loopback
         caller only for objects of its own user, told from ``caller.address``) is decided here
-        for every front end that reaches the engine; the HTTP routes apply the same rule."""
+        for every front end that reaches the engine; the HTTP routes apply the same rule. Returns
+        the user id whose objects the caller may register (None: any)."""
         self._serving()
         self._admin(caller)
+        peer = Peer(*caller.address) if caller.address is not None else None
+        return shared_memory_owner(self.rt.settings.shared_memory, self.rt.settings.api_key_value is not None, peer)
 
     def _cuda(self) -> None:
         if not self.rt.shm.cuda_enabled:
             raise InvalidInput(self.rt.shm.cuda_unavailable)
 
     async def system_shm_register(self, name: str, key: str, offset: int, byte_size: int, caller: Caller) -> None:
-        self._shm_admin(caller)
-        self.rt.shm.register(name, {"key": key, "offset": offset, "byte_size": byte_size})
+        owner = self._shm_admin(caller)
+        # opening and (with region forwards) page-locking the object: off the event loop
+        await self.rt.registry.run(self.rt.shm.register, name, {"key": key, "offset": offset, "byte_size": byte_size},
+                                   owner, self.rt.settings.max_shm_regions)
 
     async def system_shm_unregister(self, name: str | None, caller: Caller) -> None:
         self._shm_admin(caller)
@@ -372,7 +391,7 @@ class InProcessEngine:
         doc = {"raw_handle": {"b64": base64.b64encode(raw_handle).decode()}, "device_id": device_id,
                "byte_size": byte_size}
         # opening an IPC handle maps device memory: off the event loop
-        await self.rt.registry.run(self.rt.shm.register_cuda, name, doc)
+        await self.rt.registry.run(self.rt.shm.register_cuda, name, doc, self.rt.settings.max_shm_regions)
 
     async def cuda_shm_unregister(self, name: str | None, caller: Caller) -> None:
         self._shm_admin(caller)

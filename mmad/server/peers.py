@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from mmad.errors import Forbidden
+
 CLIENT_HEADER = "mmad-client"  # "<client host> <client port> <daemon port>", set by a serving worker
 _TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 
@@ -99,3 +101,23 @@ def loopback_peer_uid(peer: Peer, tables: tuple[str, ...] = _TCP_TABLES) -> int 
         except (OSError, ValueError):
             continue
     return None
+
+
+def shared_memory_owner(mode: str, keyed: bool, peer: Peer | None) -> int | None:
+    """The ``--shared-memory`` rule, the same for every front end: refuse (403) a client that
+    ``mode`` does not let change the regions; return the user id whose ``/dev/shm`` objects a
+    keyless daemon's client may register (None: any object, the caller holds the API key).
+    ``keyed``: the daemon has an API key (which the front end has already checked)."""
+    if mode == "off":
+        raise Forbidden("shared memory is off on this daemon (--shared-memory off)")
+    if mode == "loopback" and (peer is None or not peer.loopback):
+        raise Forbidden("this daemon changes shared-memory regions for clients on its own host only "
+                        "(--shared-memory loopback); start it with --shared-memory on and an API key to "
+                        "allow other hosts")
+    if keyed:
+        return None
+    uid = loopback_peer_uid(peer) if peer is not None else None
+    if uid is None:  # a keyless daemon trusts a client only as far as its own user's files
+        raise Forbidden("this keyless daemon cannot tell which local user is asking (the connection is not "
+                        "listed as a loopback TCP socket); set an API key to register from here")
+    return uid

@@ -14,36 +14,22 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from mmad.errors import Forbidden, InvalidInput
+from mmad.errors import InvalidInput
 from mmad.server.bodies import json_body, json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.server.peers import loopback_peer_uid, peer_of
+from mmad.server.peers import peer_of, shared_memory_owner
 from mmad.server.workers import check_token
 
 router = APIRouter(tags=["shared memory"], responses=ERROR_RESPONSES)
 
 
 def admitted(request: Request, rt: Runtime) -> int | None:
-    """Refuse (403) a client that ``--shared-memory`` does not let change the regions; the user
-    id a keyless daemon's client must own its object with (None: any object; a key holder is an
-    admin)."""
-    mode = rt.settings.shared_memory
-    if mode == "off":
-        raise Forbidden("shared memory is off on this daemon (--shared-memory off)")
+    """:func:`~mmad.server.peers.shared_memory_owner` for an HTTP request (the client's address
+    as the connection or, behind ``--workers``, the serving worker tells it)."""
     via_worker = request.client is None and rt.workers is not None and check_token(request.headers, rt.workers.token)
-    peer = peer_of(request.scope, via_worker)
-    if mode == "loopback" and (peer is None or not peer.loopback):
-        raise Forbidden("this daemon changes shared-memory regions for clients on its own host only "
-                        "(--shared-memory loopback); start it with --shared-memory on and an API key to "
-                        "allow other hosts")
-    if rt.settings.api_key_value is not None:
-        return None
-    uid = loopback_peer_uid(peer) if peer is not None else None
-    if uid is None:  # a keyless daemon trusts a client only as far as its own user's files
-        raise Forbidden("this keyless daemon cannot tell which local user is asking (the connection is not "
-                        "listed as a loopback TCP socket); set an API key to register from here")
-    return uid
+    return shared_memory_owner(rt.settings.shared_memory, rt.settings.api_key_value is not None,
+                               peer_of(request.scope, via_worker))
 
 _REGISTER_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["key", "byte_size"], "properties": {
