@@ -39,9 +39,10 @@ def free_port() -> int:
 class DaemonProcess:
     """``mmad serve`` in a subprocess with its own store; ``kill()`` is a kill -9."""
 
-    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None, main: list[str] | None = None):
         self.store = store
         self.args = args
+        self.main = main or [sys.executable, "-m", "mmad.server.main"]  # the command before its arguments
         self.env = {**os.environ, "MMAD_BACKEND": "cpu", "MMAD_PROBE": "cpu", "MMAD_LOG_LEVEL": "warning",
                     **(env or {})}
         self.port = free_port()
@@ -52,7 +53,7 @@ class DaemonProcess:
     def start(self, timeout_s: float = 60.0) -> "DaemonProcess":
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(self.port),
+            [*self.main, "--host", "127.0.0.1", "--port", str(self.port),
              "--store", str(self.store), *self.args],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + timeout_s

@@ -1,85 +1,33 @@
-"""Dispatch by measurement (mmad.backends.dispatch) with fake variants whose speed the test sets.
+"""Dispatch by measurement (mmad.backends.dispatch) with fake variants whose speed the test sets
+(tests/fake_variants.py), measured before returning and in the background.
 
-A fake variant is the cpu backend's model (real forward, real training, checked against the real
-float64 oracle) that advances a fake clock by its own cost per call; the dispatcher's timer seam
-reads that clock. Variants that fail to compile, fail at run time or compute wrong numbers are
-skipped with their reasons. The cuda backend's wiring (candidates, the MMAD_DISPATCH knob) runs
-here with CuPy stubbed; the override and the reports go through a real daemon on the cpu backend.
+Variants that fail to compile, fail at run time or compute wrong numbers are skipped with their
+reasons. The cuda backend's wiring (candidates, quick variants, the twin spec it times, the
+MMAD_DISPATCH knob) runs here with CuPy stubbed; the override and the reports go through a real
+daemon on the cpu backend (the swap in the daemon: tests/test_background_dispatch.py).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import types
 from contextlib import nullcontext
 
 import numpy as np
 import pytest
+from fake_variants import ROWS, FakeBackend
 
 from mmad.backends import dispatch as D
 from mmad.backends.cache import KernelCache
 from mmad.backends.cpu import CpuModel
-from mmad.errors import CompileError, SpecError
+from mmad.errors import SpecError
 from mmad.spec import MLPSpec
 
 SPEC_DOC = {"n_input_dims": 8, "n_output_dims": 4, "network": {"n_neurons": 16, "n_hidden_layers": 2},
             "precision": "fp16", "seed": 3}
 SPEC = MLPSpec.from_json(SPEC_DOC)
-ROWS = 2048  # small: numpy does the work
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-        self.timed = 0  # calls timed through the seam: 0 when nothing was measured
-
-    def timer(self, fn, sync, calls=None):
-        began = self.now
-        fn()
-        sync()
-        self.timed += 1
-        return self.now - began
-
-
-class FakeModel(CpuModel):
-    def __init__(self, spec, name, clock, forward_s, train_s, wrong=False, run_fails=False):
-        super().__init__(spec, "fp32")
-        self.variant = name
-        self.clock, self.forward_s, self.train_s = clock, forward_s, train_s
-        self.wrong, self.run_fails = wrong, run_fails
-
-    def forward(self, x, out_dtype=np.float32):
-        if self.run_fails:
-            raise RuntimeError("an illegal memory access was encountered")
-        self.clock.now += self.forward_s
-        out = super().forward(x, out_dtype)
-        return out * 1.5 if self.wrong else out
-
-    def train_step(self, x, y, steps=1):
-        self.clock.now += self.train_s * steps
-        return super().train_step(x, y, steps)
-
-
-class FakeBackend:
-    """Variants name -> (forward seconds, train seconds, behaviour); counts compiles per variant."""
-
-    def __init__(self, variants):
-        self.variants = variants
-        self.clock = Clock()
-        self.compiles: dict[str, int] = {}
-
-    def build(self, name, spec):
-        self.compiles[name] = self.compiles.get(name, 0) + 1
-        forward_s, train_s, how = self.variants[name]
-        if how == "compile fails":
-            raise CompileError(f"the {name} kernels", "ptxas error: too many resources requested\nmore", "src")
-        return FakeModel(spec, name, self.clock, forward_s, train_s, wrong=how == "wrong",
-                         run_fails=how == "run fails")
-
-    def compile(self, spec, cache, device="Fake GPU sm_90", **kw):
-        candidates = {name: (lambda name=name: self.build(name, spec)) for name in self.variants}
-        return D.dispatch(spec, candidates, backend="fake", device=device, cache=cache, rows=ROWS,
-                          timer=self.clock.timer, **kw)
 
 
 def fast_and_slow():
@@ -217,7 +165,7 @@ def test_an_intact_entry_that_is_not_a_decision_is_measured_again(tmp_path):
 def test_the_measurement_uses_the_real_timer_by_default(tmp_path):
     """No timer passed: the benchmarks' median timer on the host clock (real seconds, positive)."""
     fake = FakeBackend({"a": (0.0, 0.0, "ok"), "b": (0.0, 0.0, "ok")})
-    candidates = {name: (lambda name=name: fake.build(name, SPEC)) for name in fake.variants}
+    candidates = {name: (lambda s, name=name: fake.build(name, s)) for name in fake.variants}
     model = D.dispatch(SPEC, candidates, backend="fake", device="x", cache=KernelCache(tmp_path), rows=256)
     assert all(v["forward_s"] > 0 and v["train_s"] > 0 for v in model.dispatch.to_json()["variants"])
 
@@ -237,7 +185,7 @@ def stub_cuda(monkeypatch, tmp_path):
         Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
     monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
     monkeypatch.setattr(cuda, "device_info", lambda cp: {"name": "NVIDIA H100 80GB HBM3", "cc": (9, 0)})
-    monkeypatch.setattr(cuda, "median_timer", lambda clock: fake.clock.timer)
+    monkeypatch.setattr(cuda, "median_timer", lambda clock, **kw: fake.clock.timer)
     monkeypatch.setattr(cuda.CudaBackend, "_build", staticmethod(
         lambda variant, spec, cp, info, cache, knobs: fake.build(variant, spec)))
     monkeypatch.setattr(cuda.CudaBackend, "_wgmma_fits", staticmethod(lambda spec, variant="wgmma+mma": True))
@@ -258,14 +206,18 @@ def stub_cuda(monkeypatch, tmp_path):
 
 
 def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub_cuda):
-    model = stub_cuda.backend().compile(SPEC)
+    quick = stub_cuda.backend().compile(SPEC)
+    # served at once on cuBLASLt (library matmuls: the quickest to compile), measured meanwhile
+    assert quick.variant == "cublaslt" and isinstance(quick.dispatch, D.Background)
+    assert "the quickest to compile" in quick.dispatch.reason
+    model = D.settled(quick)
     assert model.variant == "mma"
     doc = model.dispatch.to_json()
     assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"]
     assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
     # where the probe offers it (an sm_90 GPU, nvcc): a candidate like the others, and its pair
     # with cublaslt's training too
-    offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
+    offered = D.settled(stub_cuda.backend(wgmma_offered=True).compile(SPEC))
     assert offered.variant == "wgmma"
     assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == [
         "wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
@@ -276,7 +228,7 @@ def test_cuda_takes_the_pair_where_one_variant_trains_and_another_forwards_faste
     mma-f16acc+cublaslt variant (its forward and its training are theirs) scores best of all."""
     stub_cuda.fake.variants.update({"mma": (1.4, 1.3, "ok"), "mma-f16acc": (1.0, 1.3, "ok"),
                                     "cublaslt": (1.9, 1.0, "ok"), "mma-f16acc+cublaslt": (1.0, 1.0, "ok")})
-    model = stub_cuda.backend().compile(SPEC)
+    model = D.settled(stub_cuda.backend().compile(SPEC))
     assert model.variant == "mma-f16acc+cublaslt"
     scores = {v["variant"]: v["score"] for v in model.dispatch.to_json()["variants"]}
     assert scores["mma-f16acc+cublaslt"] == pytest.approx(2.0)
@@ -302,6 +254,7 @@ def test_cuda_measures_at_the_batch_the_model_runs(stub_cuda, monkeypatch):
     from mmad.backends import cuda
 
     monkeypatch.setattr(cuda, "MAX_DISPATCH_ROWS", 8192)  # the fake variants compute on the host
+    monkeypatch.setenv("MMAD_DISPATCH", "measure")  # measured before returning: no quick variant
     backend = stub_cuda.backend()
     assert backend.compile(SPEC).dispatch.rows == D.ROWS
     assert backend.compile(SPEC, batch_rows=4096).dispatch.rows == 4096
@@ -312,7 +265,7 @@ def test_cuda_measures_at_the_batch_the_model_runs(stub_cuda, monkeypatch):
 
 def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
     monkeypatch.setenv("MMAD_DISPATCH", "fastest")
-    with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of measure, fixed; got 'fastest'"):
+    with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of background, measure, fixed; got 'fastest'"):
         stub_cuda.backend().compile(SPEC)
 
 
@@ -429,7 +382,9 @@ def test_cuda_offers_ema_models_only_the_mma_variants_and_grid_models_take_mma_f
     mma-f16acc only; a grid model left to the backend takes mma-f16acc without measuring
     (tiny-cuda-nn's arithmetic; a fresh model's tables tell nothing of trained ones), mma when named."""
     ema = MLPSpec.from_json({**SPEC_DOC, "optimizer": {"otype": "EMA", "decay": 0.9, "nested": {"otype": "Adam"}}})
-    model = stub_cuda.backend(wgmma_offered=True).compile(ema)
+    quick = stub_cuda.backend(wgmma_offered=True).compile(ema)
+    assert quick.variant == "mma"  # cuBLASLt keeps no average: the first mma variant serves meanwhile
+    model = D.settled(quick)
     assert [v["variant"] for v in model.dispatch.to_json()["variants"]] == ["mma", "mma-f16acc"]
     timed = stub_cuda.fake.clock.timed
     grid = MLPSpec.from_json({**SPEC_DOC, "n_input_dims": 2, "encoding": {"otype": "HashGrid", "n_levels": 2}})
