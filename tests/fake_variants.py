@@ -103,12 +103,14 @@ class FakeBackend:
         self.gate = gate
         self.compiles: dict[str, int] = {}
         self.threads: set[str] = set()  # the threads that compiled
+        self.built: list[tuple[str, str, object]] = []  # (variant, thread, spec) of every build
         self._lock = threading.Lock()
 
     def build(self, name, spec):
         with self._lock:
             self.compiles[name] = self.compiles.get(name, 0) + 1
             self.threads.add(threading.current_thread().name)
+            self.built.append((name, threading.current_thread().name, spec))
         forward_s, train_s, how = self.variants[name]
         if how == "compile fails":
             raise CompileError(f"the {name} kernels", "ptxas error: too many resources requested\nmore", "src")

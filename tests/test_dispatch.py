@@ -170,6 +170,144 @@ def test_the_measurement_uses_the_real_timer_by_default(tmp_path):
     assert all(v["forward_s"] > 0 and v["train_s"] > 0 for v in model.dispatch.to_json()["variants"])
 
 
+# -- in the background ------------------------------------------------------------------------------
+VARIANT_SETS = {
+    "fast-and-slow": {"a": (1.0, 10.0, "ok"), "b": (0.5, 12.0, "ok"), "c": (2.0, 5.0, "ok")},
+    "a tie": {"first": (1.0, 1.0, "ok"), "second": (1.0, 1.0, "ok")},
+    "failures": {"broken": (0.1, 0.1, "compile fails"), "crashes": (0.1, 0.1, "run fails"),
+                 "wrong": (0.1, 0.1, "wrong"), "slow": (3.0, 30.0, "ok"), "slower": (4.0, 40.0, "ok")},
+    "the split pair wins": {"mma": (1.4, 1.3, "ok"), "mma-f16acc": (1.0, 1.3, "ok"), "cublaslt": (1.9, 1.0, "ok"),
+                            "mma-f16acc+cublaslt": (1.0, 1.0, "ok")},
+}
+
+
+def _quick_order(variants):
+    """Quick variants in the order to try: the slowest correct one last, so the test sees a swap."""
+    return [(name, "compiles at once") for name in reversed(variants)]
+
+
+@pytest.mark.parametrize("case", VARIANT_SETS)
+def test_the_background_measurement_ends_with_the_blocking_choice(tmp_path, case):
+    """The same variants measured before returning and in the background: the same choice, the
+    same figures and reasons; the background one served a quick variant meanwhile."""
+    blocking = FakeBackend(VARIANT_SETS[case]).compile(SPEC, KernelCache(tmp_path / "blocking"))
+    fake = FakeBackend(VARIANT_SETS[case])
+    served = fake.compile(SPEC, KernelCache(tmp_path / "background"), quick=_quick_order(VARIANT_SETS[case]))
+    assert isinstance(served.dispatch, D.Background)
+    quick = served.variant
+    model = D.settled(served, timeout=60)
+    assert model.variant == blocking.variant
+    keep = ("variant", "status", "forward_s", "train_s", "score", "reason")
+    assert ([{k: v.get(k) for k in keep} for v in model.dispatch.to_json()["variants"]]
+            == [{k: v.get(k) for k in keep} for v in blocking.dispatch.to_json()["variants"]])
+    assert model.dispatch.to_json()["served_while_measuring"] == quick and model.dispatch.measure_s > 0
+    # the measurement ran on the device's queue, its compiles on the compiler threads
+    assert any(t.startswith("mmad-compile") for t in fake.threads) and fake.clock.timed > 0
+
+
+def test_a_quick_variant_serves_at_once_and_answers_while_the_others_are_measured(tmp_path):
+    gate = threading.Event()  # holds the measurement at its first call
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "compiles at once")])
+    try:
+        doc = model.dispatch.to_json()
+        assert model.variant == "c" and doc["state"] == "measuring in background"
+        assert doc["reason"] == "serving c while the 2 other variants are measured: compiles at once"
+        assert doc["candidates"] == ["a", "b", "c"]
+        x = np.random.default_rng(1).standard_normal((64, SPEC.n_input_dims), dtype=np.float32)
+        y = np.random.default_rng(2).standard_normal((64, SPEC.n_output_dims), dtype=np.float32)
+        assert np.isfinite(model.forward(x)).all() and np.isfinite(model.train_step(x, y, 3)).all()
+        assert not model.dispatch.done() and fake.clock.timed == 0
+    finally:
+        gate.set()
+    settled = D.settled(model, timeout=60)
+    assert settled.variant == "b" and settled.dispatch.to_json()["state"] == "decided"
+
+
+def test_a_quick_variant_that_computes_wrong_numbers_is_passed_over(tmp_path):
+    fake = FakeBackend({"wrong": (0.1, 0.1, "wrong"), "broken": (0.1, 0.1, "compile fails"), "ok": (1.0, 1.0, "ok")})
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("wrong", "fast"), ("broken", "fast"), ("ok", "slow")])
+    assert model.variant == "ok"
+    reason = model.dispatch.reason
+    assert reason.startswith("serving ok while the 2 other variants are measured: slow (not wrong: wrong result: "
+                             "the forward differs from the float64 oracle by ")
+    assert "broken: failed to compile: the broken kernels: ptxas error: too many resources requested" in reason
+    assert D.settled(model, timeout=60).variant == "ok"
+
+
+def test_the_chosen_variant_gets_the_trained_parameters_and_optimizer_state(tmp_path):
+    gate = threading.Event()
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "compiles at once")])
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((128, SPEC.n_input_dims), dtype=np.float32)
+    y = rng.standard_normal((128, SPEC.n_output_dims), dtype=np.float32)
+    model.train_step(x, y, 7)  # trained while the others are measured
+    params, state = model.get_params(), model.get_optimizer_state()
+    gate.set()
+    chosen = D.settled(model, timeout=60)
+    assert chosen.variant == "b" and chosen is not model
+    assert all(np.array_equal(chosen.get_params()[k], v) for k, v in params.items())
+    got = chosen.get_optimizer_state()
+    assert int(got["step"][0]) == 7 and all(np.array_equal(got[k], v) for k, v in state.items())
+    # and it trains on from there as the quick variant would have
+    reference = CpuModel(SPEC, "fp32")
+    reference.set_params(params)
+    reference.set_optimizer_state(state)
+    assert np.array_equal(chosen.train_step(x, y, 2), reference.train_step(x, y, 2))
+
+
+def test_a_failed_background_measurement_leaves_the_quick_variant_serving_and_says_why(tmp_path):
+    fake = FakeBackend({"quick": (1.0, 1.0, "fails when measured"), "broken": (0.1, 0.1, "compile fails")})
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("quick", "compiles at once")])
+    with pytest.raises(D.DispatchFailed, match="the background measurement failed: no variant of the fake backend "
+                                               "runs this model correctly: quick: failed to run: RuntimeError: the "
+                                               "device was lost; broken: failed to compile: "):
+        D.settled(model, timeout=60)
+    doc = model.dispatch.to_json()
+    assert doc["state"] == "failed" and doc["variant"] == "quick" and doc["error"].endswith("; quick goes on serving")
+    x = np.random.default_rng(3).standard_normal((16, SPEC.n_input_dims), dtype=np.float32)
+    assert np.isfinite(model.forward(x)).all()
+    assert not list(tmp_path.glob("*/*.bin"))  # nothing was decided: nothing stored
+
+
+def test_a_cached_decision_serves_the_chosen_variant_at_once_without_measuring(tmp_path):
+    D.settled(fast_and_slow().compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")]), timeout=60)
+    again = fast_and_slow()  # a restart: a new backend on the same cache directory
+    model = again.compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")])
+    assert model.variant == "b" and model.dispatch.from_cache and model.dispatch.to_json()["state"] == "decided"
+    assert again.compiles == {"b": 1} and again.clock.timed == 0
+
+
+def test_a_model_no_longer_wanted_is_not_measured_further(tmp_path):
+    gate = threading.Event()
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")])
+    model.dispatch.wanted = lambda: False  # replaced meanwhile: the measurement stops before its next variant
+    gate.set()
+    with pytest.raises(D.DispatchFailed, match="stopped: the model is no longer served"):
+        model.dispatch.wait(60)
+    assert fake.clock.timed <= 2  # at most the variant it was in: forward and training
+    assert not list(tmp_path.glob("*/*.bin"))
+
+
+def test_the_timer_spends_its_budget_in_three_to_ten_samples():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02)
+
+    D.median_timer(budget_s=0.001)(slow, lambda: None, None)
+    assert len(calls) == 1 + D.MIN_REPEATS  # a warm-up sample, then the fewest samples
+    calls.clear()
+    D.median_timer(budget_s=10.0)(lambda: calls.append(1), lambda: None, None)
+    assert len(calls) == 1 + 10  # a warm-up sample, then at most ``repeats``
+    calls.clear()
+    D.median_timer()(lambda: calls.append(1), lambda: None, 2)  # no budget: three warm-up samples, ten timed
+    assert len(calls) == (3 + 10) * 2
+
+
 # -- the cuda backend's wiring, CuPy stubbed -------------------------------------------------------
 @pytest.fixture
 def stub_cuda(monkeypatch, tmp_path):
@@ -267,6 +405,48 @@ def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
     monkeypatch.setenv("MMAD_DISPATCH", "fastest")
     with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of background, measure, fixed; got 'fastest'"):
         stub_cuda.backend().compile(SPEC)
+
+
+# a host-encoded model like the one whose measurement stalled: OneBlob on 32 inputs (512 encoded
+# columns), Tanh hidden layers, Sigmoid output; narrow here, the fake variants compute on the host
+ONEBLOB = MLPSpec.from_json({"n_input_dims": 32, "n_output_dims": 4, "encoding": {"otype": "OneBlob", "n_bins": 16},
+                             "network": {"n_neurons": 16, "n_hidden_layers": 2, "activation": "Tanh",
+                                         "output_activation": "Sigmoid"}, "precision": "fp16", "seed": 2})
+
+
+def test_cuda_times_a_host_encoded_model_on_its_encoded_twin(stub_cuda):
+    """Every cuda variant encodes the input on the host, the same code for each: the variants are
+    timed on the encoded columns (the twin spec), the model served on its own spec."""
+    from mmad.backends.cuda import host_encoded_twin
+
+    twin = host_encoded_twin(ONEBLOB)
+    assert (twin.n_input_dims, twin.encoding.passthrough, twin.n_encoded_dims) == (512, True, 512)
+    assert host_encoded_twin(SPEC) is SPEC
+    quick = stub_cuda.backend().compile(ONEBLOB, batch_rows=1024)
+    model = D.settled(quick, timeout=120)
+    assert model.spec == ONEBLOB and quick.spec == ONEBLOB
+    measured = [spec for _, thread, spec in stub_cuda.fake.built if not thread.startswith("MainThread")]
+    assert measured and all(spec == twin for spec in measured)
+    assert model.dispatch.rows == 1024
+
+
+@pytest.mark.parametrize("name", ["S", "W"])
+def test_the_encoded_twin_compiles_the_same_kernels(name):
+    """The twin's kernels are the model's (one compile serves both): the same mma, element-wise
+    and wgmma sources."""
+    from mmad.backends.cuda import host_encoded_twin
+    from mmad.backends.cuda.cublaslt import elementwise_source
+    from mmad.backends.cuda.mma import MmaPlan
+    from mmad.backends.cuda.wgmma import WgmmaPlan
+    from mmad.spec import bench_spec
+
+    spec = bench_spec(name, encoding={"otype": "Frequency", "n_frequencies": 2}, n_input_dims=8)
+    twin = host_encoded_twin(spec)
+    assert twin.n_input_dims == spec.n_encoded_dims == 32
+    assert MmaPlan(twin).source == MmaPlan(spec).source
+    assert MmaPlan(twin, forward_acc16=True).source == MmaPlan(spec, forward_acc16=True).source
+    assert elementwise_source(twin) == elementwise_source(spec)
+    assert WgmmaPlan(twin).source == WgmmaPlan(spec).source
 
 
 # -- the daemon: the per-model override and the reports ----------------------------------------------
