@@ -320,7 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`mmad bench --multi-gpu [options]` times replicas and data-parallel training "
                                    "over two devices (docs/multi-gpu.md). `mmad bench --hashgrid [options]` times "
                                    "tiny-cuda-nn's hash-grid image config against PyTorch and tiny-cuda-nn's "
-                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options.")
+                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options. "
+                                   "`mmad bench --ready [options]` times a model's PUT to READY and to its first "
+                                   "answer, cold and warm cache (docs/benchmarks.md); `mmad bench --ready --help` "
+                                   "lists its options.")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
                         "vulkan[:coopmat|simt], wgpu; repeatable or "
@@ -405,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # `mmad bench FLAG [options]`: a benchmark with options of its own, parsed by its module's main
 BENCH_COMMANDS = {"--service": "mmad.bench.load", "--jobs": "mmad.bench.jobs", "--multi-gpu": "mmad.bench.multi_gpu",
-                  "--hashgrid": "mmad.bench.hashgrid"}
+                  "--hashgrid": "mmad.bench.hashgrid", "--ready": "mmad.bench.ready"}
 
 
 def main(argv: list[str] | None = None) -> int:

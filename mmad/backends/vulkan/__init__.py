@@ -40,7 +40,7 @@ import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
-from mmad.backends.cache import KernelCache
+from mmad.backends.cache import KernelCache, build_all
 from mmad.backends.encodings import GridPart, grid_input_layout
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
@@ -1470,8 +1470,10 @@ class VulkanBackend(Backend):
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
         if variant == "coopmat":
             consts[13] = int(self._conversion_rounds_to_nearest_even(device, cache))
-        pipelines = {}
-        for name, src in sources.items():
+        interface = (COOPMAT_INTERFACE if variant == "coopmat" else
+                     GRID_INTERFACE if geometry.grid is not None else PIPELINE_INTERFACE)
+
+        def pipeline(name: str, src: str) -> vr.Pipeline:
             spirv = build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
             used = {k: v for k, v in consts.items() if name == "optimizer" or k < 6 or k == 13}
             if name == "gather" or name.startswith("grid_"):  # no specialization constants
@@ -1480,12 +1482,20 @@ class VulkanBackend(Backend):
                 used[TRAINING_CONSTANT] = 1
             key = (index, hashlib.sha256(spirv).hexdigest(), tuple(sorted(used.items())))
             with self._lock:
-                if key not in self._pipelines:
-                    interface = (COOPMAT_INTERFACE if variant == "coopmat" else
-                                 GRID_INTERFACE if geometry.grid is not None else PIPELINE_INTERFACE)
-                    n_bind, push = interface[name]
-                    self._pipelines[key] = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
-                pipelines[name] = self._pipelines[key]
+                if key in self._pipelines:
+                    return self._pipelines[key]
+            n_bind, push = interface[name]
+            made = vr.Pipeline(device, spirv, n_bind, push, used, name=f"{variant}/{name}")
+            with self._lock:
+                if key in self._pipelines:  # made by another compile meanwhile
+                    made.destroy()
+                else:
+                    self._pipelines[key] = made
+                return self._pipelines[key]
+
+        # glslang (a subprocess) and the driver's pipeline compiler (cffi calls, without the GIL)
+        # work on the kernels of a model side by side
+        pipelines = build_all({name: (lambda name=name, src=src: pipeline(name, src)) for name, src in sources.items()})
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape)
         model.device_index = index
         self._models.add(model)
