@@ -180,3 +180,29 @@ def test_a_model_replaced_while_measuring_is_not_swapped_into_its_successor(fake
     # the successor's three variants' (one measurement at a time on the device's queue)
     assert daemon.timed_calls() == 2 + 6
     daemon.stop()
+
+
+def test_cache_warm_leaves_the_decision_a_daemon_then_serves_at_once(fake_daemon, tmp_path, monkeypatch, capsys):
+    """``mmad cache warm`` (what the image and scripts/start.sh run) measures the model before any
+    daemon does: a daemon on that cache serves it on the chosen variant at once, measuring nothing."""
+    from mmad import backends, cli
+
+    daemon = fake_daemon()
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps(SPEC_DOC))
+    for key, value in daemon.env.items():
+        if key != "PYTHONPATH":
+            monkeypatch.setenv(key, value)
+    monkeypatch.setitem(backends.BACKENDS, "fake", ("fake_variants", "FakeDispatchBackend"))
+    daemon.gate.touch()
+    assert cli.main(["cache", "warm", "--backend", "fake", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.startswith("model: fake:fast in ")
+    timed = daemon.timed_calls()
+    assert timed == 6  # three variants, forward and training each
+
+    client = daemon.start()
+    meta = client.create_model("m", SPEC_DOC)
+    assert meta["variant"] == "fast"
+    dispatch = daemon.meta()["dispatch"]
+    assert dispatch["state"] == "decided" and dispatch["from_cache"] and daemon.timed_calls() == timed
+    daemon.stop()

@@ -279,16 +279,39 @@ def test_a_cached_decision_serves_the_chosen_variant_at_once_without_measuring(t
     assert again.compiles == {"b": 1} and again.clock.timed == 0
 
 
+class HeldGate:
+    """A gate that says when the measurement has reached it."""
+
+    def __init__(self):
+        self.reached, self.open = threading.Event(), threading.Event()
+
+    def wait(self):
+        self.reached.set()
+        self.open.wait()
+
+
 def test_a_model_no_longer_wanted_is_not_measured_further(tmp_path):
-    gate = threading.Event()
+    gate = HeldGate()
     fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
     model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")])
+    assert gate.reached.wait(60)  # the measurement is in its first variant
     model.dispatch.wanted = lambda: False  # replaced meanwhile: the measurement stops before its next variant
-    gate.set()
+    gate.open.set()
     with pytest.raises(D.DispatchFailed, match="stopped: the model is no longer served"):
         model.dispatch.wait(60)
-    assert fake.clock.timed <= 2  # at most the variant it was in: forward and training
+    assert fake.clock.timed == 2  # the variant it was in: forward and training
     assert not list(tmp_path.glob("*/*.bin"))
+    # one no longer wanted before its turn is not measured at all
+    queued = FakeBackend(VARIANT_SETS["fast-and-slow"])
+    hold = HeldGate()
+    blocker = FakeBackend(VARIANT_SETS["a tie"], gate=hold).compile(SPEC, KernelCache(tmp_path / "b"), quick=[("second", "q")])
+    assert hold.reached.wait(60)  # the device's queue is busy with another model
+    later = queued.compile(SPEC, KernelCache(tmp_path / "c"), quick=[("c", "quick")])
+    later.dispatch.wanted = lambda: False
+    hold.open.set()
+    with pytest.raises(D.DispatchFailed, match="not measured: the model stopped being served before its turn"):
+        later.dispatch.wait(60)
+    assert queued.clock.timed == 0 and D.settled(blocker, timeout=60).variant == "first"
 
 
 def test_the_timer_spends_its_budget_in_three_to_ten_samples():

@@ -158,7 +158,8 @@ class Decision:
     io: str
     results: list[VariantResult]
     measured_at: float
-    measure_s: float = 0.0  # wall seconds the measurement took (compiles, checks, timings)
+    measure_s: float = 0.0  # wall seconds the measurement took (compiles, checks, timings) ...
+    compile_s: float = 0.0  # ... of which compiling every candidate side by side first (in the background)
     key: str = ""
     from_cache: bool = False  # loaded from the kernel cache rather than measured for this model
     served_meanwhile: str = ""  # the quick variant that served while it was measured in the background
@@ -167,7 +168,8 @@ class Decision:
         out = {"state": DECIDED, "backend": self.backend, "device": self.device, "variant": self.variant,
                "rows": self.rows, "io": self.io, "score_rule": SCORE_RULE,
                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.measured_at)),
-               "measure_s": self.measure_s, "from_cache": self.from_cache, "key": self.key,
+               "measure_s": self.measure_s, "compile_s": self.compile_s, "from_cache": self.from_cache,
+               "key": self.key,
                "variants": [r.to_json(self.rows) for r in self.results]}
         if self.served_meanwhile:
             out["served_while_measuring"] = self.served_meanwhile
@@ -176,7 +178,7 @@ class Decision:
     def stored(self) -> bytes:
         return json.dumps({"format": DECISION_FORMAT, "backend": self.backend, "device": self.device,
                            "variant": self.variant, "rows": self.rows, "io": self.io,
-                           "measured_at": self.measured_at, "measure_s": self.measure_s,
+                           "measured_at": self.measured_at, "measure_s": self.measure_s, "compile_s": self.compile_s,
                            "results": [r.__dict__ for r in self.results]}, sort_keys=True).encode()
 
     @classmethod
@@ -190,7 +192,7 @@ class Decision:
                 return None
             results = [VariantResult(**r) for r in doc["results"]]
             return cls(doc["backend"], doc["device"], doc["variant"], doc["rows"], doc["io"], results,
-                       doc["measured_at"], doc["measure_s"])
+                       doc["measured_at"], doc["measure_s"], doc["compile_s"])
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
 
@@ -484,6 +486,7 @@ def measure(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str,
 
         built = build_all({name: (lambda name=name: compile_one(name)) for name in candidates})
         skipped = {name: r for name, r in built.items() if r is not None}
+    compile_s = time.perf_counter() - started
     x, y = _data(spec, rows, io)
     results = []
     for name, build in candidates.items():
@@ -500,7 +503,8 @@ def measure(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str,
         r.score = r.forward_s / best_forward + r.train_s / best_train
     chosen = min(measured, key=lambda r: r.score)  # min keeps the first of equal scores
     chosen.status = "chosen"
-    return Decision(backend, device, chosen.variant, rows, io, results, time.time(), time.perf_counter() - started)
+    return Decision(backend, device, chosen.variant, rows, io, results, time.time(), time.perf_counter() - started,
+                    compile_s)
 
 
 def _data(spec: MLPSpec, rows: int, io: str) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,9 @@ tiny-cuda-nn JSON configs, e.g. tests/configs/*.json) in turn:
   starting the process to ``/v2/health/ready`` (every model loaded), then each model's first
   inference.
 
+``--cache-from DIR`` starts the daemons on a copy of a cache warmed by ``mmad cache warm`` (what an
+image built with ``WARM_CACHE`` holds) instead of an empty one.
+
 The JSON (``--json``) has every figure; the table (``--markdown``, and printed) one row per
 backend and model. A model the backend refuses (e.g. a bf16 config on a backend computing in fp16)
 is a row saying why; ``--precision`` sets every model's precision instead.
@@ -66,6 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decision-timeout", type=float, default=120.0,
                    help="seconds to wait for a background measurement to end (default 120)")
     p.add_argument("--no-restart", action="store_true", help="leave out the restart phase")
+    p.add_argument("--cache-from", metavar="DIR",
+                   help="start each daemon on a copy of this kernel cache instead of an empty one (one made by "
+                        "`mmad cache warm`, as an image built with WARM_CACHE holds): its 'cold' phase is then "
+                        "what such an image serves")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     return p.parse_args(argv)
@@ -185,7 +192,8 @@ def wait_decided(url: str, name: str, since: float, timeout_s: float) -> dict[st
     out: dict[str, Any] = {"decided_after_s": time.perf_counter() - since, "decision": dispatch["state"],
                            "chosen": dispatch.get("variant")}
     if dispatch["state"] == "decided":
-        out.update(measure_s=dispatch.get("measure_s"), served_meanwhile=dispatch.get("served_while_measuring"))
+        out.update(measure_s=dispatch.get("measure_s"), compile_s=dispatch.get("compile_s"),
+                   served_meanwhile=dispatch.get("served_while_measuring"))
     else:
         out["error"] = dispatch.get("error", "")
     return out
@@ -196,6 +204,8 @@ def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.
     Client = _client_class()
     daemon = Daemon(backend, root)
     result: dict[str, Any] = {"models": {name: {} for name in docs}}
+    if args.cache_from:
+        shutil.copytree(args.cache_from, daemon.cache)
     try:
         result["start_s"] = daemon.start()
         client = Client(daemon.url, timeout=READY_TIMEOUT_S)
@@ -239,10 +249,18 @@ def _progress(backend: str, name: str, phase: str, figures: dict[str, Any]) -> N
     if "error" in figures and "ready_s" not in figures:
         print(f"{backend} {name} {phase}: {figures['error']}", flush=True)
         return
-    extra = (f", measured in the background in {figures['measure_s']:.1f} s: {figures.get('served_meanwhile')} "
-             f"-> {figures['chosen']}" if figures.get("measure_s") is not None else "")
+    extra = (f", measured in the background in {figures['measure_s']:.1f} s ({figures.get('compile_s') or 0:.1f} s "
+             f"compiling): {figures.get('served_meanwhile')} -> {figures['chosen']}"
+             if figures.get("measure_s") is not None else "")
     print(f"{backend} {name} {phase}: READY {figures['ready_s']:.2f} s, first answer {figures['first_answer_s']:.2f} s "
           f"on {figures['variant']}{extra}", flush=True)
+
+
+def _timing_s(cold: dict[str, Any]) -> float | None:
+    """The background measurement's checks and timings: its duration less its compiles."""
+    if cold.get("measure_s") is None:
+        return None
+    return cold["measure_s"] - (cold.get("compile_s") or 0.0)
 
 
 def _s(value: Any) -> str:
@@ -250,21 +268,22 @@ def _s(value: Any) -> str:
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
-    head = ("| backend | model | cold: READY s | cold: first answer s | served first | background measurement s "
-            "| chosen | warm: READY s | warm: first answer s | restart: first answer s |")
+    head = ("| backend | model | cold: READY s | cold: first answer s | served first | background: compile s "
+            "| background: measure s | chosen | warm: READY s | warm: first answer s | restart: first answer s |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for backend, result in doc["backends"].items():
         for name, phases in result["models"].items():
             cold, warm, restart = phases.get("cold", {}), phases.get("warm", {}), phases.get("restart", {})
             if "ready_s" not in cold:
                 lines.append(f"| {backend} | {name} | {cold.get('error', result.get('error', 'not run'))} |"
-                             + " |" * 7)
+                             + " |" * 8)
                 continue
             chosen = cold.get("chosen") or cold["variant"]
             if cold.get("decision") not in (None, "decided"):
                 chosen = f"{chosen} ({cold['decision']}: {cold.get('error', '')})"
             lines.append(f"| {backend} | {name} | {_s(cold['ready_s'])} | {_s(cold['first_answer_s'])} | "
-                         f"{cold['variant']} | {_s(cold.get('measure_s'))} | {chosen} | {_s(warm.get('ready_s'))} | "
+                         f"{cold['variant']} | {_s(cold.get('compile_s'))} | {_s(_timing_s(cold))} | {chosen} | "
+                         f"{_s(warm.get('ready_s'))} | "
                          f"{_s(warm.get('first_answer_s'))} | {_s(restart.get('first_answer_s'))} |")
     restarts = [f"{b}: daemon start {_s(r.get('start_s'))} s, restart to READY with every model {_s(r.get('restart_ready_s'))} s"
                 for b, r in doc["backends"].items()]
