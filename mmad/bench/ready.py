@@ -199,11 +199,13 @@ def wait_decided(url: str, name: str, since: float, timeout_s: float) -> dict[st
     return out
 
 
-def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.Namespace,
-                  root: Path) -> dict[str, Any]:
+def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.Namespace, root: Path,
+                  result: dict[str, Any], save) -> None:
+    """Every phase on one backend, its figures into ``result`` (``save()`` after each model: a run
+    cut short keeps what it measured)."""
     Client = _client_class()
     daemon = Daemon(backend, root)
-    result: dict[str, Any] = {"models": {name: {} for name in docs}}
+    result["models"] = {name: {} for name in docs}
     if args.cache_from:
         shutil.copytree(args.cache_from, daemon.cache)
     try:
@@ -216,6 +218,7 @@ def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.
                 cold.update(wait_decided(daemon.url, name, since, args.decision_timeout))
             result["models"][name]["cold"] = cold
             _progress(backend, name, "cold", cold)
+            save()
         for name, doc in docs.items():
             if "error" in result["models"][name]["cold"]:
                 continue
@@ -223,6 +226,7 @@ def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.
             warm = put_and_answer(client, daemon.url, name, doc, args.rows)
             result["models"][name]["warm"] = warm
             _progress(backend, name, "warm", warm)
+            save()
         if not args.no_restart:
             daemon.stop()
             result["restart_ready_s"] = daemon.start()
@@ -242,7 +246,6 @@ def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.
         print(f"{backend}: {result['error']}", file=sys.stderr, flush=True)
     finally:
         daemon.stop()
-    return result
 
 
 def _progress(backend: str, name: str, phase: str, figures: dict[str, Any]) -> None:
@@ -298,16 +301,23 @@ def main(argv: list[str] | None = None) -> int:
         "command": "mmad bench --ready " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": socket.gethostname().split(".")[0], "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "python": platform.python_version(), "rows": args.rows, "models": docs, "backends": {}}
+    json_path, markdown_path = (Path(args.json) if args.json else None), (Path(args.markdown) if args.markdown else None)
+
+    def save() -> None:
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(doc, indent=2, default=str))
+
     root = Path(tempfile.mkdtemp(prefix="mmad-bench-ready-"))
     try:
         for backend in backends:
-            doc["backends"][backend] = bench_backend(backend, docs, args, root / backend.replace(":", "-"))
+            doc["backends"][backend] = {}
+            bench_backend(backend, docs, args, root / backend.replace(":", "-"), doc["backends"][backend], save)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     from mmad.bench.kernels import write_report
 
-    write_report(doc, markdown_table(doc), Path(args.json) if args.json else None,
-                 Path(args.markdown) if args.markdown else None)
+    write_report(doc, markdown_table(doc), json_path, markdown_path)
     return 1 if any("error" in r for r in doc["backends"].values()) else 0
 
 
