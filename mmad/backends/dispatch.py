@@ -60,13 +60,14 @@ unreadable, is measured again.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 
@@ -320,7 +321,8 @@ def decision_key(backend: str, device: str, spec: MLPSpec, candidates: list[str]
 def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str, cache: KernelCache,
              io: str = "fp16", rows: int = ROWS, timer: Timer | None = None, key_extra: Any = None,
              timed_spec: MLPSpec | None = None, quick: Sequence[tuple[str, str]] = (),
-             device_queue: str = "") -> CompiledModel:
+             device_queue: str = "", device_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+             ) -> CompiledModel:
     """The fastest correct candidate compiled for ``spec``, with its decision as ``.dispatch``, or
     (``quick``, no decision cached) a quick one at once while the others are measured on the
     queue ``device_queue`` (default ``device``), its ``.dispatch`` a :class:`Background`.
@@ -329,7 +331,9 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
     inputs and outputs in fp16) or "fp32"; ``timer``: how a call is timed (default: the host
     clock, :func:`median_timer` with ``BUDGET_S``); ``key_extra``: the backend's settings that
     change speed; ``timed_spec``: the spec the candidates are timed on (default ``spec``);
-    ``quick``: (variant, why it is quick) in the order to try. One candidate is compiled without
+    ``quick``: (variant, why it is quick) in the order to try; ``device_context``: what a
+    measurement in the background runs inside (cuda: the model's device made current on the
+    queue's thread). One candidate is compiled without
     measuring. Raises :class:`DispatchFailed` naming every candidate's reason when none is usable.
     """
     if not candidates:
@@ -380,10 +384,11 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
                 measured.append(run(stop=stopped, compile_first=True))
                 return measured[-1].stored()
 
-            decision = Decision.from_stored(cache.get_or_build(build, **parts))
-            if decision is None:
-                cache.store(key, build(), stored_parts)
-                decision = measured[-1]
+            with device_context():
+                decision = Decision.from_stored(cache.get_or_build(build, **parts))
+                if decision is None:
+                    cache.store(key, build(), stored_parts)
+                    decision = measured[-1]
             decision.key, decision.from_cache = key, not measured
         except Exception as exc:  # noqa: BLE001 - whatever ends the measurement, the quick variant serves on
             background._finish(None, f"the background measurement failed: {in_words(exc)}")

@@ -254,7 +254,7 @@ class CudaBackend(Backend):
                             rows=DISPATCH_ROWS if batch_rows is None else min(batch_rows, MAX_DISPATCH_ROWS),
                             timed_spec=host_encoded_twin(spec),
                             quick=[q for q in QUICK_VARIANTS if q[0] in usable] if knobs.dispatch == "background" else (),
-                            device_queue=f"cuda:{device}")
+                            device_queue=f"cuda:{device}", device_context=lambda: cp.cuda.Device(device))
 
     @staticmethod
     def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,
