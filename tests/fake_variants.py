@@ -30,7 +30,7 @@ import numpy as np
 
 from mmad.backends import dispatch as D
 from mmad.backends.cache import KernelCache
-from mmad.backends.contract import Backend, ProbeRow
+from mmad.backends.contract import Backend, DeviceInfo, ProbeRow
 from mmad.backends.cpu import CpuModel
 from mmad.errors import CompileError
 
@@ -148,11 +148,15 @@ class FakeDispatchBackend(Backend):
     def probe(self) -> list[ProbeRow]:
         return [ProbeRow("fake", "measured", True, device="Fake GPU")]
 
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo(0, "Fake GPU"), DeviceInfo(1, "Fake GPU")]  # two of the same: replicas
+
     def compile(self, spec, variant=None, cache=None, device=0, batch_rows=None):
-        if variant is not None:
-            return self.fake.build(variant, spec)
-        return self.fake.compile(spec, cache if cache is not None else KernelCache(), device_queue="fake:0",
-                                 quick=[(self.quick, "compiles at once")])
+        model = (self.fake.build(variant, spec) if variant is not None else
+                 self.fake.compile(spec, cache if cache is not None else KernelCache(), device_queue=f"fake:{device}",
+                                   quick=[(self.quick, "compiles at once")]))
+        model.device_index = device
+        return model
 
 
 def register() -> None:

@@ -206,3 +206,31 @@ def test_cache_warm_leaves_the_decision_a_daemon_then_serves_at_once(fake_daemon
     dispatch = daemon.meta()["dispatch"]
     assert dispatch["state"] == "decided" and dispatch["from_cache"] and daemon.timed_calls() == timed
     daemon.stop()
+
+
+def test_every_replica_swaps_to_the_measured_variant(fake_daemon):
+    """A model on two devices: each replica measured on its device's queue (the second finds the
+    first's decision), both swapped together, training and inference going on across the swap."""
+    daemon = fake_daemon()
+    client = daemon.start()
+    client.create_model("m", SPEC_DOC, config={"replicas": 2})
+    report = httpx.get(f"{daemon.proc.url}/v2/devices").json()["dispatch"]
+    assert [(r["device_index"], r["state"], r["variant"]) for r in report] == [
+        (0, "measuring in background", "quick"), (1, "measuring in background", "quick")]
+    x, y = _data(128)
+    reference = CpuModel(SPEC, "fp32")
+    np.testing.assert_allclose(client.train_step("m", x, y, steps=3), reference.train_step(x, y, 3), rtol=1e-5)
+    daemon.gate.touch()
+    meta = daemon.wait_decided()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the replicas' decisions end one after the other
+        report = httpx.get(f"{daemon.proc.url}/v2/devices").json()["dispatch"]
+        if all(r["state"] == "decided" for r in report):
+            break
+        time.sleep(0.05)
+    assert [(r["device_index"], r["variant"]) for r in report] == [(0, "fast"), (1, "fast")]
+    assert sorted(r["from_cache"] for r in report) == [False, True]  # measured once: the other queue waited for it
+    assert meta["variant"] == "fast" and daemon.timed_calls() == 6
+    for _ in range(4):  # the forwards go to both replicas in turn: each holds the trained weights
+        np.testing.assert_allclose(client.infer("m", x), reference.forward(x), rtol=1e-5, atol=1e-6)
+    daemon.stop()

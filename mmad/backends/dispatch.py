@@ -438,7 +438,7 @@ def _quick_model(spec: MLPSpec, candidates: Candidates, quick: Sequence[tuple[st
         if refused:
             reason += f" (not {'; '.join(refused)})"
         model.dispatch = Background(variant, reason, names,
-                                    lambda chosen, device_spec=spec: candidates[chosen](device_spec))
+                                    lambda chosen: candidates[chosen](spec))
         return model
     log.warning("no quick variant serves this model (%s); every variant is measured first", "; ".join(refused))
     return None

@@ -40,10 +40,11 @@ SWAP_POLL_S = 1.0  # how often a thread waiting for the swap checks that the eve
 
 def watch(registry: "Registry", entry: "ModelEntry") -> None:
     """Follow the background measurements of ``entry``'s replicas (called as it starts serving,
-    on the event loop); nothing when its variant was not left to one."""
+    on the event loop); nothing when none of them was left to one."""
     models = [r.model for r in entry.replicas]
-    pending = [m.dispatch for m in models if isinstance(m.dispatch, Background)]
-    if not pending or len(pending) != len(models):
+    pending = [m.dispatch if isinstance(m.dispatch, Background) else None for m in models]
+    waiting = [b for b in pending if b is not None]
+    if not waiting:
         return
     loop = asyncio.get_running_loop()
 
@@ -51,7 +52,7 @@ def watch(registry: "Registry", entry: "ModelEntry") -> None:
         return (registry.models.get(entry.name) is entry and len(entry.replicas) == len(models)
                 and all(r.model is m for r, m in zip(entry.replicas, models)))
 
-    left = [len(pending)]
+    left = [len(waiting)]
     lock = threading.Lock()
 
     def ended(_: Background) -> None:
@@ -61,37 +62,42 @@ def watch(registry: "Registry", entry: "ModelEntry") -> None:
                 return
         settle(registry, entry, models, pending, served, loop)
 
-    for background in pending:
+    for background in waiting:
         background.wanted = served
-    for background in pending:
+    for background in waiting:
         background.add_done_callback(ended)
 
 
-def settle(registry: "Registry", entry: "ModelEntry", models: list[CompiledModel], pending: list[Background],
-           served, loop: asyncio.AbstractEventLoop) -> None:
-    """What follows the ended measurements (see the module's description), on the thread that ended the last."""
+def settle(registry: "Registry", entry: "ModelEntry", models: list[CompiledModel],
+           pending: list[Background | None], served, loop: asyncio.AbstractEventLoop) -> None:
+    """What follows the ended measurements (see the module's description), on the thread that
+    ended the last. ``pending[i]``: replica i's measurement, None where it was compiled on a
+    cached decision (it started after another replica's measurement had stored one)."""
     if not served():
         return
-    failed = [b for b in pending if b.decision is None]
+    waiting = [b for b in pending if b is not None]
+    failed = [b for b in waiting if b.decision is None]
     if failed:
-        log.warning("model %s goes on serving %s: %s", entry.name, pending[0].variant, failed[0].error)
+        log.warning("model %s goes on serving %s: %s", entry.name, waiting[0].variant, failed[0].error)
         registry.changed(entry)
         return
-    decision = pending[0].decision
-    if decision.variant == models[0].variant:
+    decision = waiting[0].decision
+    swapped = [b is not None and m.variant != decision.variant for m, b in zip(models, pending)]
+    if not any(swapped):
         for model, background in zip(models, pending):
-            model.dispatch = background.decision
+            if background is not None:
+                model.dispatch = background.decision
         log.info("model %s: %s measured the fastest (%.1f s of measurement); it goes on serving", entry.name,
                  decision.variant, decision.measure_s)
         registry.changed(entry)
         return
-    new: list[CompiledModel] = []
+    new: list[CompiledModel | None] = []
     try:
-        for background in pending:
-            new.append(background.build(decision.variant))
+        for background, swap_it in zip(pending, swapped):
+            new.append(background.build(decision.variant) if swap_it else None)
     except Exception as exc:  # noqa: BLE001 - the quick variant serves on, the metadata says why
         _close(new)
-        _fail(registry, entry, pending, f"compiling the chosen {decision.variant} failed: {in_words(exc)}")
+        _fail(registry, entry, waiting, f"compiling the chosen {decision.variant} failed: {in_words(exc)}")
         return
     future = asyncio.run_coroutine_threadsafe(swap(registry, entry, served, new, pending), loop)
     while True:
@@ -105,62 +111,71 @@ def settle(registry: "Registry", entry: "ModelEntry", models: list[CompiledModel
                 return
         except Exception as exc:  # noqa: BLE001
             _close(new)
-            _fail(registry, entry, pending, f"swapping {decision.variant} in failed: {in_words(exc)}")
+            _fail(registry, entry, waiting, f"swapping {decision.variant} in failed: {in_words(exc)}")
             return
 
 
-async def swap(registry: "Registry", entry: "ModelEntry", served, new: list[CompiledModel],
-               pending: list[Background]) -> None:
-    """``new`` (one model per replica, the primary first) serves ``entry`` from now on, with its
-    primary's parameters and optimizer state; the old models are closed."""
-    decision = pending[0].decision
+async def swap(registry: "Registry", entry: "ModelEntry", served, new: list[CompiledModel | None],
+               pending: list[Background | None]) -> None:
+    """``new[i]`` (where not None) serves replica i of ``entry`` from now on, with the primary's
+    parameters and optimizer state; the models it replaces are closed."""
+    waiting = [b for b in pending if b is not None]
+    decision = waiting[0].decision
     async with registry._admin:
         if not served():  # replaced, deleted or unloaded while the choice compiled
             await registry.run(_close, new)
             return
+        serving = [n if n is not None else r.model for n, r in zip(new, entry.replicas)]
         parallel = None
         if entry.parallel is not None:  # a data-parallel trainer over the old models: one over the new
             try:
-                parallel = await registry.run(registry.backend.data_parallel, new)
+                parallel = await registry.run(registry.backend.data_parallel, serving)
             except Exception as exc:  # noqa: BLE001
                 await registry.run(_close, new)
-                _fail(registry, entry, pending, f"{decision.variant} cannot train this model's replicas "
+                _fail(registry, entry, waiting, f"{decision.variant} cannot train this model's replicas "
                                                 f"data-parallel: {in_words(exc)}")
                 return
-        old = await registry.run(_swap_blocking, entry, new, [b.decision for b in pending], parallel)
+        decisions = [b.decision if b is not None else r.model.dispatch for b, r in zip(pending, entry.replicas)]
+        old = await registry.run(_swap_blocking, entry, new, decisions, parallel)
         registry.datasets.forget_model(entry.name)  # copies made for the old models: the next job copies anew
     registry.changed(entry)
     log.info("model %s now serves %s, measured the fastest in %.1f s (it served %s meanwhile)", entry.name,
-             decision.variant, decision.measure_s, old[0].variant)
+             decision.variant, decision.measure_s, waiting[0].variant)
     await registry.run(_close, old)
 
 
-def _swap_blocking(entry: "ModelEntry", new: list[CompiledModel], decisions: list[Decision],
+def _swap_blocking(entry: "ModelEntry", new: list[CompiledModel | None], decisions: list[Any],
                    parallel: Any) -> list[CompiledModel]:
+    """The replicas' models replaced where ``new`` has one (every lock held: no forward or
+    training step sees a mix); the models replaced."""
     with contextlib.ExitStack() as stack:
         for replica in entry.replicas:  # in replica order, as every trainer takes them
             stack.enter_context(replica.lock)
         params, state = entry.live.get_params(), entry.live.get_optimizer_state()
-        for model, decision in zip(new, decisions):
-            model.set_params(params)
-            model.set_optimizer_state(state)
-            model.dispatch = decision
-        old = [r.model for r in entry.replicas]
-        for replica, model in zip(entry.replicas, new):
-            replica.model = model
+        for model in new:
+            if model is not None:
+                model.set_params(params)
+                model.set_optimizer_state(state)
+        old = []
+        for replica, model, decision in zip(entry.replicas, new, decisions):
+            if model is not None:
+                old.append(replica.model)
+                replica.model = model
+            replica.model.dispatch = decision
         old_parallel, entry.parallel = entry.parallel, parallel
     if old_parallel is not None:
         old_parallel.close()
     return old
 
 
-def _fail(registry: "Registry", entry: "ModelEntry", pending: list[Background], error: str) -> None:
-    for background in pending:
+def _fail(registry: "Registry", entry: "ModelEntry", waiting: list[Background], error: str) -> None:
+    for background in waiting:
         background.fail(error)
-    log.warning("model %s goes on serving %s: %s", entry.name, pending[0].variant, error)
+    log.warning("model %s goes on serving %s: %s", entry.name, waiting[0].variant, error)
     registry.changed(entry)
 
 
-def _close(models: list[CompiledModel]) -> None:
+def _close(models: list[CompiledModel | None]) -> None:
     for model in models:
-        model.close()
+        if model is not None:
+            model.close()
