@@ -136,3 +136,20 @@ def test_build_all_runs_the_builds_side_by_side():
     assert build_all({name: (lambda i=i: build(i)) for i, name in enumerate("ab")}) == {"a": 0, "b": 1}
     with pytest.raises(ZeroDivisionError):
         build_all({"ok": lambda: 1, "bad": lambda: 1 / 0})
+
+
+def test_build_all_nested_in_a_compile_thread_runs_in_turn():
+    """A build that itself builds several things (a backend compiling a model's kernels, inside the
+    dispatcher's side-by-side compile) runs them on its own thread: never waiting on the pool."""
+    import threading
+
+    from mmad.backends.cache import COMPILE_THREADS, build_all
+
+    def outer(i):
+        inner = build_all({"a": lambda: threading.current_thread().name, "b": lambda: threading.current_thread().name})
+        return i, inner["a"] == inner["b"] == threading.current_thread().name
+
+    # more outer builds than compiler threads, each with inner ones: all end
+    results = build_all({str(i): (lambda i=i: outer(i)) for i in range(2 * COMPILE_THREADS)})
+    assert sorted(r[0] for r in results.values()) == list(range(2 * COMPILE_THREADS))
+    assert all(r[1] for r in results.values())

@@ -30,6 +30,7 @@ LAYOUT_VERSION = 1  # bump when packing or kernel-interface conventions change
 # compilers that release the GIL (a subprocess: glslang, nvcc; NVRTC through CuPy) run this many
 # at once: the kernels of one model, or the variants the dispatcher measures, compile side by side
 COMPILE_THREADS = max(2, min(8, os.cpu_count() or 2))
+COMPILE_THREAD_NAME = "mmad-compile"
 
 _building: dict[tuple[str, str], threading.Event] = {}  # (directory, key) -> set when that build ends
 _building_lock = threading.Lock()
@@ -41,14 +42,16 @@ def compile_pool() -> ThreadPoolExecutor:
     global _pool
     with _building_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="mmad-compile")
+            _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix=COMPILE_THREAD_NAME)
         return _pool
 
 
 def build_all(builds: dict[str, Callable[[], Any]]) -> dict[str, Any]:
     """Every ``builds[name]()`` run on :func:`compile_pool`'s threads; their results by name (the
-    first exception, if any, raised once all have ended)."""
-    if len(builds) < 2:
+    first exception, if any, raised once all have ended). Called on one of those threads (a
+    build that builds several things), they run there in turn: a pool waiting on itself could
+    hold every thread."""
+    if len(builds) < 2 or threading.current_thread().name.startswith(COMPILE_THREAD_NAME):
         return {name: build() for name, build in builds.items()}
     futures = {name: compile_pool().submit(build) for name, build in builds.items()}
     return {name: future.result() for name, future in futures.items()}
