@@ -333,8 +333,8 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
     change speed; ``timed_spec``: the spec the candidates are timed on (default ``spec``);
     ``quick``: (variant, why it is quick) in the order to try; ``device_context``: what a
     measurement in the background runs inside (cuda: the model's device made current on the
-    queue's thread). One candidate is compiled without
-    measuring. Raises :class:`DispatchFailed` naming every candidate's reason when none is usable.
+    queue's thread). One candidate is compiled without measuring. Raises
+    :class:`DispatchFailed` naming every candidate's reason when none is usable.
     """
     if not candidates:
         raise DispatchFailed(f"the {backend} backend has no usable variant for this model")
@@ -345,28 +345,30 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
     key, stored_parts = KernelCache.key(**parts)
     timed_spec = timed_spec or spec
 
-    def run(stop: Callable[[], bool] | None = None, compile_first: bool = False) -> Decision:
-        return measure(timed_spec, candidates, backend=backend, device=device, io=io, rows=rows,
-                       timer=timer or median_timer(budget_s=BUDGET_S), stop=stop, compile_first=compile_first)
+    def measured(stop: Callable[[], bool] | None = None, compile_first: bool = False) -> Decision:
+        """The decision measured now and stored, or the one a concurrent measurement stored."""
+        made: list[Decision] = []
+
+        def build() -> bytes:
+            made.append(measure(timed_spec, candidates, backend=backend, device=device, io=io, rows=rows,
+                                timer=timer or median_timer(budget_s=BUDGET_S), stop=stop,
+                                compile_first=compile_first))
+            return made[-1].stored()
+
+        decision = Decision.from_stored(cache.get_or_build(build, **parts))
+        if decision is None:  # an intact entry that does not read as a decision: measured again
+            cache.store(key, build(), stored_parts)
+            decision = made[-1]
+        decision.key, decision.from_cache = key, not made
+        return decision
 
     decision = Decision.from_stored(cache.load(key))
     if decision is not None:
         decision.key, decision.from_cache = key, True
         return _compiled_for(candidates, spec, decision)
     model = _quick_model(spec, candidates, quick, io) if quick else None
-    if model is None:  # measured now; a concurrent measurement of the same model is waited for
-        measured: list[Decision] = []
-
-        def build() -> bytes:
-            measured.append(run())
-            return measured[-1].stored()
-
-        decision = Decision.from_stored(cache.get_or_build(build, **parts))
-        if decision is None:  # an intact entry that does not read as a decision: measured again
-            cache.store(key, build(), stored_parts)
-            decision = measured[-1]
-        decision.key, decision.from_cache = key, not measured
-        return _compiled_for(candidates, spec, decision)
+    if model is None:  # measured now
+        return _compiled_for(candidates, spec, measured())
 
     background = model.dispatch
 
@@ -378,18 +380,8 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
             background._finish(None, "not measured: the model stopped being served before its turn")
             return
         try:
-            measured: list[Decision] = []
-
-            def build() -> bytes:
-                measured.append(run(stop=stopped, compile_first=True))
-                return measured[-1].stored()
-
             with device_context():
-                decision = Decision.from_stored(cache.get_or_build(build, **parts))
-                if decision is None:
-                    cache.store(key, build(), stored_parts)
-                    decision = measured[-1]
-            decision.key, decision.from_cache = key, not measured
+                decision = measured(stop=stopped, compile_first=True)
         except Exception as exc:  # noqa: BLE001 - whatever ends the measurement, the quick variant serves on
             background._finish(None, f"the background measurement failed: {in_words(exc)}")
             return

@@ -67,15 +67,16 @@ PINNED_PORTABLE = 1  # cudaHostAllocPortable
 # the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
 # host memory); a model that runs larger batches is measured on this many rows
 MAX_DISPATCH_ROWS = 1 << 20
-# what a model serves on while its variants are measured: the first of these it can use, and why
-# it is ready quickly (H200, cold cache: cuBLASLt's element-wise kernels 0.14 s for W, where the
-# mma module took 3.3 s for M and 18.8 s for W)
+# what a model serves on while its variants are measured: the first of these it can use and that
+# compiles and runs correctly (the later ones are fallbacks), and why it is ready quickly (H200,
+# cold cache: cuBLASLt's element-wise kernels 0.14 s for W, where the mma module took 3.3 s for M
+# and 18.8 s for W)
 QUICK_VARIANTS = (
     ("cublaslt", "the quickest to compile (library matmuls and a few small element-wise kernels)"),
-    ("mma", "the quickest to compile of the variants this model can use (one module of fused kernels)"),
-    ("mma-f16acc", "the quickest to compile of the variants this model can use (one module of fused kernels)"),
-    ("wgmma+mma", "the only variants this model can use compile with nvcc"),
-    ("wgmma", "the only variant this model can use compiles with nvcc"),
+    ("mma", "one NVRTC module of fused kernels"),
+    ("mma-f16acc", "one NVRTC module of fused kernels"),
+    ("wgmma+mma", "nvcc-built forwards, the mma variant's training"),
+    ("wgmma", "nvcc-built kernels"),
 )
 
 
