@@ -52,7 +52,7 @@ class FakeDaemon:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             meta = self.meta(name)
-            if meta["dispatch"]["state"] != "measuring in background":
+            if meta["dispatch"]["state"] not in ("measuring in background", "swapping in the chosen variant"):
                 return meta
             time.sleep(0.05)
         raise AssertionError(f"still measuring after {timeout_s} s:\n{self.proc.log()[-2000:]}")
@@ -233,4 +233,35 @@ def test_every_replica_swaps_to_the_measured_variant(fake_daemon):
     assert meta["variant"] == "fast" and daemon.timed_calls() == 6
     for _ in range(4):  # the forwards go to both replicas in turn: each holds the trained weights
         np.testing.assert_allclose(client.infer("m", x), reference.forward(x), rtol=1e-5, atol=1e-6)
+    daemon.stop()
+
+
+def test_a_training_job_goes_on_across_the_swap(fake_daemon):
+    """A job started on the quick variant during the measurement trains on after the swap, on the
+    chosen variant, with the dataset copy it holds: its steps keep counting up, none is lost."""
+    daemon = fake_daemon()
+    client = daemon.start()
+    client.create_model("m", SPEC_DOC)
+    x, y = _data(4096)
+    dataset = client.upload_dataset("m", x, y, progress=False)
+    job = client.start_job("m", dataset, steps=10_000_000, batch_size=64)
+    deadline = time.monotonic() + 30
+    while client.job_status("m", job)["step"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.meta()["variant"] == "quick" and client.job_status("m", job)["state"] == "running"
+    daemon.gate.touch()
+    assert daemon.wait_decided()["variant"] == "fast"
+    at_swap = client.job_status("m", job)
+    assert at_swap["state"] == "running"
+    deadline = time.monotonic() + 30
+    while client.job_status("m", job)["step"] <= at_swap["step"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    later = client.job_status("m", job)
+    assert later["state"] == "running" and later["step"] > at_swap["step"]
+    client.cancel_job("m", job)
+    deadline = time.monotonic() + 30
+    while client.job_status("m", job)["state"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    final = client.job_status("m", job)
+    assert final["state"] == "cancelled" and daemon.meta()["step"] == final["step"] >= later["step"]
     daemon.stop()

@@ -90,7 +90,9 @@ TRAIN_STEPS_PER_CALL = 10  # a timed training call: its steps' losses are read o
 SCORE_RULE = "forward / best forward + train / best train; lowest wins"
 BUDGET_S = 0.5  # seconds of samples a phase (forward, training) of one variant is timed for ...
 MIN_REPEATS = 3  # ... in at least this many samples after the warm-up one
-MEASURING, DECIDED, FAILED = "measuring in background", "decided", "failed"
+# a Background's states, then the Decision's: measuring, then the choice made and being swapped in
+# by whoever serves the model (the daemon; settled()), or failed (the quick variant serving on)
+MEASURING, SWAPPING, DECIDED, FAILED = "measuring in background", "swapping in the chosen variant", "decided", "failed"
 
 Timer = Callable[[Callable[[], Any], Callable[[], None], int | None], float]  # (fn, sync, calls) -> s a call
 Candidates = dict[str, Callable[[MLPSpec], CompiledModel]]  # variant -> compile it for a spec
@@ -200,8 +202,9 @@ class Decision:
 
 class Background:
     """The dispatch of a model that serves on a quick variant while the others are measured on
-    its device's queue: its ``model.dispatch`` until the measurement ends (``state``
-    "measuring in background", then "decided" with ``decision``, or "failed" with ``error``).
+    its device's queue: its ``model.dispatch`` until the chosen variant serves (``state``
+    "measuring in background", then "swapping in the chosen variant" with ``decision``, or
+    "failed" with ``error``); the model that then serves carries the decision.
 
     ``wanted`` is set by whoever serves the model: once it returns False (the model was replaced,
     deleted or unloaded) the measurement stops before its next variant. ``build(variant)``
@@ -227,6 +230,8 @@ class Background:
                                "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started_at))}
         if self.state == FAILED:
             out["error"] = self.error
+        if self.decision is not None:
+            out["chosen"] = self.decision.variant
         return out
 
     def done(self) -> bool:
@@ -257,7 +262,7 @@ class Background:
     def _finish(self, decision: Decision | None, error: str = "") -> None:
         if decision is not None:
             decision.served_meanwhile = self.variant
-            self.state, self.decision = DECIDED, decision
+            self.state, self.decision = SWAPPING, decision
         else:
             self.fail(error)
         with self._lock:

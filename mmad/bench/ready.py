@@ -46,7 +46,7 @@ import numpy as np
 from mmad.spec import bench_spec
 
 READY_TIMEOUT_S = 180.0  # a daemon's start, or a model's PUT, before it counts as failed
-MEASURING = "measuring in background"
+PENDING = ("measuring in background", "swapping in the chosen variant")  # dispatch states before the choice serves
 ONEBLOB32 = {"n_input_dims": 32, "n_output_dims": 4, "encoding": {"otype": "OneBlob", "n_bins": 16},
              "network": {"otype": "FullyFusedMLP", "activation": "Tanh", "output_activation": "Sigmoid",
                          "n_neurons": 256, "n_hidden_layers": 2},
@@ -182,7 +182,7 @@ def wait_decided(url: str, name: str, since: float, timeout_s: float) -> dict[st
     """The background measurement's outcome once it has ended (or the wait's timeout)."""
     while True:
         dispatch = httpx.get(f"{url}/v2/models/{name}", timeout=30).json()["dispatch"] or {}
-        if dispatch.get("state") != MEASURING:
+        if dispatch.get("state") not in PENDING:
             break
         if time.perf_counter() - since > timeout_s:
             return {"decision": f"still measuring after {timeout_s:.0f} s"}
@@ -214,7 +214,7 @@ def bench_backend(backend: str, docs: dict[str, dict[str, Any]], args: argparse.
         for name, doc in docs.items():
             since = time.perf_counter()
             cold = put_and_answer(client, daemon.url, name, doc, args.rows)
-            if "error" not in cold and cold["dispatch_state"] == MEASURING:
+            if "error" not in cold and cold["dispatch_state"] in PENDING:
                 cold.update(wait_decided(daemon.url, name, since, args.decision_timeout))
             result["models"][name]["cold"] = cold
             _progress(backend, name, "cold", cold)
