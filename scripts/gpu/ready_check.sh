@@ -9,8 +9,9 @@
 #   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]
 #   phases: env ready warm tests (default: env ready warm; `tests`, tests/test_cuda_dispatch.py and
 #   tests/test_cuda_ema.py, takes about 3 minutes more)
-# Expects the repository root on the GPU host with .whl carried (nvmath-python and the daemon's
-# dependencies, py3.12 wheels: docs/gpu-notes-cuda.md); logs and JSON under $OUT (or /tmp/out), the
+# Expects the repository root on the GPU host with .whl and .gl carried (nvmath-python, glslang and
+# the daemon's dependencies as py3.12 wheels, the Vulkan loader's debs: docs/gpu-notes-cuda.md,
+# docs/gpu-notes-vulkan.md); logs and JSON under $OUT (or /tmp/out), the
 # short table printed last. Each phase runs under `timeout`; one that fails does not stop the others.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -19,6 +20,14 @@ PHASES=${*:-"env ready warm"}
 CUDA=${CUDA:-cuda}
 VULKAN=${VULKAN:-vulkan}
 . scripts/gpu/site.sh
+# the Vulkan loader (the debs carried in .gl) and glslang (the cmeel wheel in .whl), as
+# scripts/gpu/vulkan_check.sh sets them up
+if [ -d .gl ]; then
+  for f in .gl/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+fi
+export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 CONFIGS="--config tests/configs/tcnn_composite.json --config tests/configs/tcnn_config_hash.json"
