@@ -241,12 +241,49 @@ def _cache(args: argparse.Namespace) -> int:
     from mmad.backends.cache import KernelCache
 
     cache = KernelCache()
+    if args.action == "warm":
+        return _warm_cache(args, cache)
     if args.action == "clear":
         print(f"removed {cache.clear()} entries from {cache.directory}")
     else:
-        entries = list(cache.directory.glob("*/*.bin")) if cache.directory.exists() else []
-        size = sum(p.stat().st_size for p in entries)
-        print(f"{cache.directory}: {len(entries)} entries, {size / 1e6:.1f} MB")
+        print(_cache_summary(cache))
+    return 0
+
+
+def _cache_summary(cache) -> str:
+    entries = list(cache.directory.glob("*/*.bin")) if cache.directory.exists() else []
+    return f"{cache.directory}: {len(entries)} entries, {sum(p.stat().st_size for p in entries) / 1e6:.1f} MB"
+
+
+def _warm_cache(args: argparse.Namespace, cache) -> int:
+    """Compile the models asked for as the daemon would (its backend, the variant MMAD_BACKEND names,
+    its max_batch_rows), and wait for each dispatch decision: the kernels and the decisions land
+    in the kernel cache."""
+    from mmad.backends import parse_forced, select
+    from mmad.backends.dispatch import settled
+    from mmad.server.registry import DEMO_NAME, DEMO_SPEC
+    from mmad.server.settings import Settings
+    from mmad.spec import MLPSpec, bench_spec
+
+    everything = not (args.bench_models or args.demo or args.config)
+    specs = {}
+    if args.bench_models or everything:
+        specs.update({name: bench_spec(name) for name in ("S", "M", "L", "W")})
+    if args.demo or everything:
+        specs[DEMO_NAME] = MLPSpec.from_json(DEMO_SPEC)
+    for path in map(Path, args.config):
+        specs[path.stem] = MLPSpec.from_json(path.read_text())
+    backend, row = select(args.backend)
+    forced = parse_forced(args.backend)
+    rows = args.batch_rows or Settings().max_batch_rows
+    began = time.perf_counter()
+    for name, spec in specs.items():
+        started = time.perf_counter()
+        model = settled(backend.compile(spec, variant=forced[1] if forced else None, cache=cache, batch_rows=rows))
+        print(f"{name}: {row.backend}:{model.variant} in {time.perf_counter() - started:.1f} s", flush=True)
+        model.close()
+    print(f"warmed {len(specs)} models in {time.perf_counter() - began:.1f} s; {_cache_summary(cache)}")
+    backend.close()
     return 0
 
 
@@ -320,7 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`mmad bench --multi-gpu [options]` times replicas and data-parallel training "
                                    "over two devices (docs/multi-gpu.md). `mmad bench --hashgrid [options]` times "
                                    "tiny-cuda-nn's hash-grid image config against PyTorch and tiny-cuda-nn's "
-                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options.")
+                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options. "
+                                   "`mmad bench --ready [options]` times a model's PUT to READY and to its first "
+                                   "answer, cold and warm cache (docs/benchmarks.md); `mmad bench --ready --help` "
+                                   "lists its options.")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
                         "vulkan[:coopmat|simt], wgpu; repeatable or "
@@ -407,15 +447,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="the file to write")
     p.set_defaults(func=_export)
 
-    p = sub.add_parser("cache", help="inspect or clear the kernel cache (MMAD_CACHE_DIR)")
-    p.add_argument("action", choices=["info", "clear"])
+    p = sub.add_parser("cache", help="inspect, clear or warm the kernel cache (MMAD_CACHE_DIR)",
+                       description="info: the cache's entries and size; clear: remove them; warm: compile models "
+                                   "on the daemon's backend and, where it measures its variants (cuda), measure "
+                                   "them, so that a daemon on this cache serves them at once on their chosen "
+                                   "variants (the bench models S/M/L/W with --bench-models, the demo model with "
+                                   "--demo, tiny-cuda-nn configs with --config; none given: all but the configs)")
+    p.add_argument("action", choices=["info", "clear", "warm"])
+    p.add_argument("--bench-models", action="store_true", help="warm: the benchmark models S, M, L, W")
+    p.add_argument("--demo", action="store_true", help="warm: the daemon's demo model")
+    p.add_argument("--config", action="append", default=[], metavar="PATH",
+                   help="warm: a model's tiny-cuda-nn JSON config, with n_input_dims and n_output_dims (repeatable)")
+    p.add_argument("--backend", metavar="NAME[:VARIANT]",
+                   help="warm: the backend the daemon will run (default MMAD_BACKEND, else the best available)")
+    p.add_argument("--batch-rows", type=int, metavar="N",
+                   help="warm: the models' max_batch_rows, the batch their variants are measured at (default the "
+                        "daemon's, MMAD_MAX_BATCH_ROWS)")
     p.set_defaults(func=_cache)
     return parser
 
 
 # `mmad bench FLAG [options]`: a benchmark with options of its own, parsed by its module's main
 BENCH_COMMANDS = {"--service": "mmad.bench.load", "--jobs": "mmad.bench.jobs", "--multi-gpu": "mmad.bench.multi_gpu",
-                  "--hashgrid": "mmad.bench.hashgrid"}
+                  "--hashgrid": "mmad.bench.hashgrid", "--ready": "mmad.bench.ready"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,11 +42,14 @@ def free_port() -> int:
 class DaemonProcess:
     """``mmad serve`` in a subprocess with its own store; ``kill()`` is a kill -9."""
 
-    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
-        """``prefix``: a command that runs the daemon's command line (e.g. ``unshare ...``)."""
+    def __init__(self, store: Path, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None,
+                 main: list[str] | None = None):
+        """``prefix``: a command that runs the daemon's command line (e.g. ``unshare ...``);
+        ``main``: the command before the daemon's arguments (default ``python -m mmad.server.main``)."""
         self.store = store
         self.args = args
         self.prefix = prefix or []
+        self.main = main or [sys.executable, "-m", "mmad.server.main"]
         self.env = {**os.environ, "MMAD_BACKEND": "cpu", "MMAD_PROBE": "cpu", "MMAD_LOG_LEVEL": "warning",
                     **(env or {})}
         self.port = free_port()
@@ -72,8 +75,7 @@ class DaemonProcess:
         raise RuntimeError(f"the daemon did not become ready in {timeout_s} s:\n{self.log()}")
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port", str(self.port),
-                "--store", str(self.store), *self.args]
+        return [*self.main, "--host", "127.0.0.1", "--port", str(self.port), "--store", str(self.store), *self.args]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

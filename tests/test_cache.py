@@ -74,3 +74,82 @@ def test_directory_from_environment(tmp_path, monkeypatch):
     KernelCache().get_or_build(FakeCompiler(), **KEY)
     assert len(list((tmp_path / "k").glob("*/*.bin"))) == 1
     assert KernelCache().clear() == 1
+
+
+def test_concurrent_builds_of_one_entry_compile_once(tmp_path):
+    """Threads asking for the same entry at once (variants sharing a module, compiled side by
+    side): one compiles, the others wait and read its entry; other entries compile meanwhile."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow_compiler() -> bytes:
+        calls.append(threading.current_thread().name)
+        started.set()
+        release.wait(10)
+        return b"cubin"
+
+    with ThreadPoolExecutor(4) as pool:
+        same = [pool.submit(KernelCache(tmp_path).get_or_build, slow_compiler, **KEY) for _ in range(3)]
+        started.wait(10)
+        other = KernelCache(tmp_path).get_or_build(FakeCompiler(), **{**KEY, "source": "other"})  # not held up
+        release.set()
+        assert [f.result(10) for f in same] == [b"cubin"] * 3
+    assert len(calls) == 1 and other.endswith(b"spirv")
+
+
+def test_a_failed_build_lets_a_waiting_thread_build_it_itself(tmp_path):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started, release = threading.Event(), threading.Event()
+
+    def failing() -> bytes:
+        started.set()
+        release.wait(10)
+        raise RuntimeError("compiler crashed")
+
+    compiler = FakeCompiler()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(KernelCache(tmp_path).get_or_build, failing, **KEY)
+        started.wait(10)
+        second = pool.submit(KernelCache(tmp_path).get_or_build, compiler, **KEY)
+        release.set()
+        with pytest.raises(RuntimeError, match="compiler crashed"):
+            first.result(10)
+        assert second.result(10).endswith(b"spirv") and compiler.calls == 1
+
+
+def test_build_all_runs_the_builds_side_by_side():
+    import threading
+
+    from mmad.backends.cache import build_all
+
+    barrier = threading.Barrier(2, timeout=10)  # only passes when two builds run at once (COMPILE_THREADS >= 2)
+
+    def build(i):
+        barrier.wait()
+        return i * i
+
+    assert build_all({name: (lambda i=i: build(i)) for i, name in enumerate("ab")}) == {"a": 0, "b": 1}
+    with pytest.raises(ZeroDivisionError):
+        build_all({"ok": lambda: 1, "bad": lambda: 1 / 0})
+
+
+def test_build_all_nested_in_a_compile_thread_runs_in_turn():
+    """A build that itself builds several things (a backend compiling a model's kernels, inside the
+    dispatcher's side-by-side compile) runs them on its own thread: never waiting on the pool."""
+    import threading
+
+    from mmad.backends.cache import COMPILE_THREADS, build_all
+
+    def outer(i):
+        inner = build_all({"a": lambda: threading.current_thread().name, "b": lambda: threading.current_thread().name})
+        return i, inner["a"] == inner["b"] == threading.current_thread().name
+
+    # more outer builds than compiler threads, each with inner ones: all end
+    results = build_all({str(i): (lambda i=i: outer(i)) for i in range(2 * COMPILE_THREADS)})
+    assert sorted(r[0] for r in results.values()) == list(range(2 * COMPILE_THREADS))
+    assert all(r[1] for r in results.values())

@@ -1,85 +1,33 @@
-"""Dispatch by measurement (mmad.backends.dispatch) with fake variants whose speed the test sets.
+"""Dispatch by measurement (mmad.backends.dispatch) with fake variants whose speed the test sets
+(tests/fake_variants.py), measured before returning and in the background.
 
-A fake variant is the cpu backend's model (real forward, real training, checked against the real
-float64 oracle) that advances a fake clock by its own cost per call; the dispatcher's timer seam
-reads that clock. Variants that fail to compile, fail at run time or compute wrong numbers are
-skipped with their reasons. The cuda backend's wiring (candidates, the MMAD_DISPATCH knob) runs
-here with CuPy stubbed; the override and the reports go through a real daemon on the cpu backend.
+Variants that fail to compile, fail at run time or compute wrong numbers are skipped with their
+reasons. The cuda backend's wiring (candidates, quick variants, the twin spec it times, the
+MMAD_DISPATCH knob) runs here with CuPy stubbed; the override and the reports go through a real
+daemon on the cpu backend (the swap in the daemon: tests/test_background_dispatch.py).
 """
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import types
 from contextlib import nullcontext
 
 import numpy as np
 import pytest
+from fake_variants import ROWS, FakeBackend
 
 from mmad.backends import dispatch as D
 from mmad.backends.cache import KernelCache
 from mmad.backends.cpu import CpuModel
-from mmad.errors import CompileError, SpecError
+from mmad.errors import SpecError
 from mmad.spec import MLPSpec
 
 SPEC_DOC = {"n_input_dims": 8, "n_output_dims": 4, "network": {"n_neurons": 16, "n_hidden_layers": 2},
             "precision": "fp16", "seed": 3}
 SPEC = MLPSpec.from_json(SPEC_DOC)
-ROWS = 2048  # small: numpy does the work
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-        self.timed = 0  # calls timed through the seam: 0 when nothing was measured
-
-    def timer(self, fn, sync, calls=None):
-        began = self.now
-        fn()
-        sync()
-        self.timed += 1
-        return self.now - began
-
-
-class FakeModel(CpuModel):
-    def __init__(self, spec, name, clock, forward_s, train_s, wrong=False, run_fails=False):
-        super().__init__(spec, "fp32")
-        self.variant = name
-        self.clock, self.forward_s, self.train_s = clock, forward_s, train_s
-        self.wrong, self.run_fails = wrong, run_fails
-
-    def forward(self, x, out_dtype=np.float32):
-        if self.run_fails:
-            raise RuntimeError("an illegal memory access was encountered")
-        self.clock.now += self.forward_s
-        out = super().forward(x, out_dtype)
-        return out * 1.5 if self.wrong else out
-
-    def train_step(self, x, y, steps=1):
-        self.clock.now += self.train_s * steps
-        return super().train_step(x, y, steps)
-
-
-class FakeBackend:
-    """Variants name -> (forward seconds, train seconds, behaviour); counts compiles per variant."""
-
-    def __init__(self, variants):
-        self.variants = variants
-        self.clock = Clock()
-        self.compiles: dict[str, int] = {}
-
-    def build(self, name, spec):
-        self.compiles[name] = self.compiles.get(name, 0) + 1
-        forward_s, train_s, how = self.variants[name]
-        if how == "compile fails":
-            raise CompileError(f"the {name} kernels", "ptxas error: too many resources requested\nmore", "src")
-        return FakeModel(spec, name, self.clock, forward_s, train_s, wrong=how == "wrong",
-                         run_fails=how == "run fails")
-
-    def compile(self, spec, cache, device="Fake GPU sm_90", **kw):
-        candidates = {name: (lambda name=name: self.build(name, spec)) for name in self.variants}
-        return D.dispatch(spec, candidates, backend="fake", device=device, cache=cache, rows=ROWS,
-                          timer=self.clock.timer, **kw)
 
 
 def fast_and_slow():
@@ -217,9 +165,170 @@ def test_an_intact_entry_that_is_not_a_decision_is_measured_again(tmp_path):
 def test_the_measurement_uses_the_real_timer_by_default(tmp_path):
     """No timer passed: the benchmarks' median timer on the host clock (real seconds, positive)."""
     fake = FakeBackend({"a": (0.0, 0.0, "ok"), "b": (0.0, 0.0, "ok")})
-    candidates = {name: (lambda name=name: fake.build(name, SPEC)) for name in fake.variants}
+    candidates = {name: (lambda s, name=name: fake.build(name, s)) for name in fake.variants}
     model = D.dispatch(SPEC, candidates, backend="fake", device="x", cache=KernelCache(tmp_path), rows=256)
     assert all(v["forward_s"] > 0 and v["train_s"] > 0 for v in model.dispatch.to_json()["variants"])
+
+
+# -- in the background ------------------------------------------------------------------------------
+VARIANT_SETS = {
+    "fast-and-slow": {"a": (1.0, 10.0, "ok"), "b": (0.5, 12.0, "ok"), "c": (2.0, 5.0, "ok")},
+    "a tie": {"first": (1.0, 1.0, "ok"), "second": (1.0, 1.0, "ok")},
+    "failures": {"broken": (0.1, 0.1, "compile fails"), "crashes": (0.1, 0.1, "run fails"),
+                 "wrong": (0.1, 0.1, "wrong"), "slow": (3.0, 30.0, "ok"), "slower": (4.0, 40.0, "ok")},
+    "the split pair wins": {"mma": (1.4, 1.3, "ok"), "mma-f16acc": (1.0, 1.3, "ok"), "cublaslt": (1.9, 1.0, "ok"),
+                            "mma-f16acc+cublaslt": (1.0, 1.0, "ok")},
+}
+
+
+def _quick_order(variants):
+    """Quick variants in the order to try: the slowest correct one last, so the test sees a swap."""
+    return [(name, "compiles at once") for name in reversed(variants)]
+
+
+@pytest.mark.parametrize("case", VARIANT_SETS)
+def test_the_background_measurement_ends_with_the_blocking_choice(tmp_path, case):
+    """The same variants measured before returning and in the background: the same choice, the
+    same figures and reasons; the background one served a quick variant meanwhile."""
+    blocking = FakeBackend(VARIANT_SETS[case]).compile(SPEC, KernelCache(tmp_path / "blocking"))
+    fake = FakeBackend(VARIANT_SETS[case])
+    served = fake.compile(SPEC, KernelCache(tmp_path / "background"), quick=_quick_order(VARIANT_SETS[case]))
+    assert isinstance(served.dispatch, D.Background)
+    quick = served.variant
+    model = D.settled(served, timeout=60)
+    assert model.variant == blocking.variant
+    keep = ("variant", "status", "forward_s", "train_s", "score", "reason")
+    assert ([{k: v.get(k) for k in keep} for v in model.dispatch.to_json()["variants"]]
+            == [{k: v.get(k) for k in keep} for v in blocking.dispatch.to_json()["variants"]])
+    assert model.dispatch.to_json()["served_while_measuring"] == quick and model.dispatch.measure_s > 0
+    # the measurement ran on the device's queue, its compiles on the compiler threads
+    assert any(t.startswith("mmad-compile") for t in fake.threads) and fake.clock.timed > 0
+
+
+def test_a_quick_variant_serves_at_once_and_answers_while_the_others_are_measured(tmp_path):
+    gate = threading.Event()  # holds the measurement at its first call
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "compiles at once")])
+    try:
+        doc = model.dispatch.to_json()
+        assert model.variant == "c" and doc["state"] == "measuring in background"
+        assert doc["reason"] == "serving c while the 2 other variants are measured: compiles at once"
+        assert doc["candidates"] == ["a", "b", "c"]
+        x = np.random.default_rng(1).standard_normal((64, SPEC.n_input_dims), dtype=np.float32)
+        y = np.random.default_rng(2).standard_normal((64, SPEC.n_output_dims), dtype=np.float32)
+        assert np.isfinite(model.forward(x)).all() and np.isfinite(model.train_step(x, y, 3)).all()
+        assert not model.dispatch.done() and fake.clock.timed == 0
+    finally:
+        gate.set()
+    settled = D.settled(model, timeout=60)
+    assert settled.variant == "b" and settled.dispatch.to_json()["state"] == "decided"
+
+
+def test_a_quick_variant_that_computes_wrong_numbers_is_passed_over(tmp_path):
+    fake = FakeBackend({"wrong": (0.1, 0.1, "wrong"), "broken": (0.1, 0.1, "compile fails"), "ok": (1.0, 1.0, "ok")})
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("wrong", "fast"), ("broken", "fast"), ("ok", "slow")])
+    assert model.variant == "ok"
+    reason = model.dispatch.reason
+    assert reason.startswith("serving ok while the 2 other variants are measured: slow (not wrong: wrong result: "
+                             "the forward differs from the float64 oracle by ")
+    assert "broken: failed to compile: the broken kernels: ptxas error: too many resources requested" in reason
+    assert D.settled(model, timeout=60).variant == "ok"
+
+
+def test_the_chosen_variant_gets_the_trained_parameters_and_optimizer_state(tmp_path):
+    gate = threading.Event()
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "compiles at once")])
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((128, SPEC.n_input_dims), dtype=np.float32)
+    y = rng.standard_normal((128, SPEC.n_output_dims), dtype=np.float32)
+    model.train_step(x, y, 7)  # trained while the others are measured
+    params, state = model.get_params(), model.get_optimizer_state()
+    gate.set()
+    chosen = D.settled(model, timeout=60)
+    assert chosen.variant == "b" and chosen is not model
+    assert all(np.array_equal(chosen.get_params()[k], v) for k, v in params.items())
+    got = chosen.get_optimizer_state()
+    assert int(got["step"][0]) == 7 and all(np.array_equal(got[k], v) for k, v in state.items())
+    # and it trains on from there as the quick variant would have
+    reference = CpuModel(SPEC, "fp32")
+    reference.set_params(params)
+    reference.set_optimizer_state(state)
+    assert np.array_equal(chosen.train_step(x, y, 2), reference.train_step(x, y, 2))
+
+
+def test_a_failed_background_measurement_leaves_the_quick_variant_serving_and_says_why(tmp_path):
+    fake = FakeBackend({"quick": (1.0, 1.0, "fails when measured"), "broken": (0.1, 0.1, "compile fails")})
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("quick", "compiles at once")])
+    with pytest.raises(D.DispatchFailed, match="the background measurement failed: no variant of the fake backend "
+                                               "runs this model correctly: quick: failed to run: RuntimeError: the "
+                                               "device was lost; broken: failed to compile: "):
+        D.settled(model, timeout=60)
+    doc = model.dispatch.to_json()
+    assert doc["state"] == "failed" and doc["variant"] == "quick" and doc["error"].endswith("; quick goes on serving")
+    x = np.random.default_rng(3).standard_normal((16, SPEC.n_input_dims), dtype=np.float32)
+    assert np.isfinite(model.forward(x)).all()
+    assert not list(tmp_path.glob("*/*.bin"))  # nothing was decided: nothing stored
+
+
+def test_a_cached_decision_serves_the_chosen_variant_at_once_without_measuring(tmp_path):
+    D.settled(fast_and_slow().compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")]), timeout=60)
+    again = fast_and_slow()  # a restart: a new backend on the same cache directory
+    model = again.compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")])
+    assert model.variant == "b" and model.dispatch.from_cache and model.dispatch.to_json()["state"] == "decided"
+    assert again.compiles == {"b": 1} and again.clock.timed == 0
+
+
+class HeldGate:
+    """A gate that says when the measurement has reached it."""
+
+    def __init__(self):
+        self.reached, self.open = threading.Event(), threading.Event()
+
+    def wait(self):
+        self.reached.set()
+        self.open.wait()
+
+
+def test_a_model_no_longer_wanted_is_not_measured_further(tmp_path):
+    gate = HeldGate()
+    fake = FakeBackend(VARIANT_SETS["fast-and-slow"], gate=gate)
+    model = fake.compile(SPEC, KernelCache(tmp_path), quick=[("c", "quick")])
+    assert gate.reached.wait(60)  # the measurement is in its first variant
+    model.dispatch.wanted = lambda: False  # replaced meanwhile: the measurement stops before its next variant
+    gate.open.set()
+    with pytest.raises(D.DispatchFailed, match="stopped: the model is no longer served"):
+        model.dispatch.wait(60)
+    assert fake.clock.timed == 2  # the variant it was in: forward and training
+    assert not list(tmp_path.glob("*/*.bin"))
+    # one no longer wanted before its turn is not measured at all
+    queued = FakeBackend(VARIANT_SETS["fast-and-slow"])
+    hold = HeldGate()
+    blocker = FakeBackend(VARIANT_SETS["a tie"], gate=hold).compile(SPEC, KernelCache(tmp_path / "b"), quick=[("second", "q")])
+    assert hold.reached.wait(60)  # the device's queue is busy with another model
+    later = queued.compile(SPEC, KernelCache(tmp_path / "c"), quick=[("c", "quick")])
+    later.dispatch.wanted = lambda: False
+    hold.open.set()
+    with pytest.raises(D.DispatchFailed, match="not measured: the model stopped being served before its turn"):
+        later.dispatch.wait(60)
+    assert queued.clock.timed == 0 and D.settled(blocker, timeout=60).variant == "first"
+
+
+def test_the_timer_spends_its_budget_in_three_to_ten_samples():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02)
+
+    D.median_timer(budget_s=0.001)(slow, lambda: None, None)
+    assert len(calls) == 1 + D.MIN_REPEATS  # a warm-up sample, then the fewest samples
+    calls.clear()
+    D.median_timer(budget_s=10.0)(lambda: calls.append(1), lambda: None, None)
+    assert len(calls) == 1 + 10  # a warm-up sample, then at most ``repeats``
+    calls.clear()
+    D.median_timer()(lambda: calls.append(1), lambda: None, 2)  # no budget: three warm-up samples, ten timed
+    assert len(calls) == (3 + 10) * 2
 
 
 # -- the cuda backend's wiring, CuPy stubbed -------------------------------------------------------
@@ -237,7 +346,7 @@ def stub_cuda(monkeypatch, tmp_path):
         Device=lambda index: nullcontext(), runtime=types.SimpleNamespace(getDeviceCount=lambda: 1)))
     monkeypatch.setattr(cuda, "cupy_module", lambda: cp)
     monkeypatch.setattr(cuda, "device_info", lambda cp: {"name": "NVIDIA H100 80GB HBM3", "cc": (9, 0)})
-    monkeypatch.setattr(cuda, "median_timer", lambda clock: fake.clock.timer)
+    monkeypatch.setattr(cuda, "median_timer", lambda clock, **kw: fake.clock.timer)
     monkeypatch.setattr(cuda.CudaBackend, "_build", staticmethod(
         lambda variant, spec, cp, info, cache, knobs: fake.build(variant, spec)))
     monkeypatch.setattr(cuda.CudaBackend, "_wgmma_fits", staticmethod(lambda spec, variant="wgmma+mma": True))
@@ -258,14 +367,18 @@ def stub_cuda(monkeypatch, tmp_path):
 
 
 def test_cuda_measures_mma_and_cublaslt_and_leaves_wgmma_out_unless_offered(stub_cuda):
-    model = stub_cuda.backend().compile(SPEC)
+    quick = stub_cuda.backend().compile(SPEC)
+    # served at once on cuBLASLt (library matmuls: the quickest to compile), measured meanwhile
+    assert quick.variant == "cublaslt" and isinstance(quick.dispatch, D.Background)
+    assert "the quickest to compile" in quick.dispatch.reason
+    model = D.settled(quick)
     assert model.variant == "mma"
     doc = model.dispatch.to_json()
     assert [v["variant"] for v in doc["variants"]] == ["mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt"]
     assert doc["device"] == "NVIDIA H100 80GB HBM3 sm_90" and doc["io"] == "fp16" and doc["rows"] == D.ROWS
     # where the probe offers it (an sm_90 GPU, nvcc): a candidate like the others, and its pair
     # with cublaslt's training too
-    offered = stub_cuda.backend(wgmma_offered=True).compile(SPEC)
+    offered = D.settled(stub_cuda.backend(wgmma_offered=True).compile(SPEC))
     assert offered.variant == "wgmma"
     assert [v["variant"] for v in offered.dispatch.to_json()["variants"]] == [
         "wgmma", "wgmma+mma", "mma", "mma-f16acc", "cublaslt", "mma-f16acc+cublaslt", "wgmma+cublaslt"]
@@ -276,7 +389,7 @@ def test_cuda_takes_the_pair_where_one_variant_trains_and_another_forwards_faste
     mma-f16acc+cublaslt variant (its forward and its training are theirs) scores best of all."""
     stub_cuda.fake.variants.update({"mma": (1.4, 1.3, "ok"), "mma-f16acc": (1.0, 1.3, "ok"),
                                     "cublaslt": (1.9, 1.0, "ok"), "mma-f16acc+cublaslt": (1.0, 1.0, "ok")})
-    model = stub_cuda.backend().compile(SPEC)
+    model = D.settled(stub_cuda.backend().compile(SPEC))
     assert model.variant == "mma-f16acc+cublaslt"
     scores = {v["variant"]: v["score"] for v in model.dispatch.to_json()["variants"]}
     assert scores["mma-f16acc+cublaslt"] == pytest.approx(2.0)
@@ -302,6 +415,7 @@ def test_cuda_measures_at_the_batch_the_model_runs(stub_cuda, monkeypatch):
     from mmad.backends import cuda
 
     monkeypatch.setattr(cuda, "MAX_DISPATCH_ROWS", 8192)  # the fake variants compute on the host
+    monkeypatch.setenv("MMAD_DISPATCH", "measure")  # measured before returning: no quick variant
     backend = stub_cuda.backend()
     assert backend.compile(SPEC).dispatch.rows == D.ROWS
     assert backend.compile(SPEC, batch_rows=4096).dispatch.rows == 4096
@@ -312,8 +426,50 @@ def test_cuda_measures_at_the_batch_the_model_runs(stub_cuda, monkeypatch):
 
 def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
     monkeypatch.setenv("MMAD_DISPATCH", "fastest")
-    with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of measure, fixed; got 'fastest'"):
+    with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of background, measure, fixed; got 'fastest'"):
         stub_cuda.backend().compile(SPEC)
+
+
+# a host-encoded model like the one whose measurement stalled: OneBlob on 32 inputs (512 encoded
+# columns), Tanh hidden layers, Sigmoid output; narrow here, the fake variants compute on the host
+ONEBLOB = MLPSpec.from_json({"n_input_dims": 32, "n_output_dims": 4, "encoding": {"otype": "OneBlob", "n_bins": 16},
+                             "network": {"n_neurons": 16, "n_hidden_layers": 2, "activation": "Tanh",
+                                         "output_activation": "Sigmoid"}, "precision": "fp16", "seed": 2})
+
+
+def test_cuda_times_a_host_encoded_model_on_its_encoded_twin(stub_cuda):
+    """Every cuda variant encodes the input on the host, the same code for each: the variants are
+    timed on the encoded columns (the twin spec), the model served on its own spec."""
+    from mmad.backends.cuda import host_encoded_twin
+
+    twin = host_encoded_twin(ONEBLOB)
+    assert (twin.n_input_dims, twin.encoding.passthrough, twin.n_encoded_dims) == (512, True, 512)
+    assert host_encoded_twin(SPEC) is SPEC
+    quick = stub_cuda.backend().compile(ONEBLOB, batch_rows=1024)
+    model = D.settled(quick, timeout=120)
+    assert model.spec == ONEBLOB and quick.spec == ONEBLOB
+    measured = [spec for _, thread, spec in stub_cuda.fake.built if not thread.startswith("MainThread")]
+    assert measured and all(spec == twin for spec in measured)
+    assert model.dispatch.rows == 1024
+
+
+@pytest.mark.parametrize("name", ["S", "W"])
+def test_the_encoded_twin_compiles_the_same_kernels(name):
+    """The twin's kernels are the model's (one compile serves both): the same mma, element-wise
+    and wgmma sources."""
+    from mmad.backends.cuda import host_encoded_twin
+    from mmad.backends.cuda.cublaslt import elementwise_source
+    from mmad.backends.cuda.mma import MmaPlan
+    from mmad.backends.cuda.wgmma import WgmmaPlan
+    from mmad.spec import bench_spec
+
+    spec = bench_spec(name, encoding={"otype": "Frequency", "n_frequencies": 2}, n_input_dims=8)
+    twin = host_encoded_twin(spec)
+    assert twin.n_input_dims == spec.n_encoded_dims == 32
+    assert MmaPlan(twin).source == MmaPlan(spec).source
+    assert MmaPlan(twin, forward_acc16=True).source == MmaPlan(spec, forward_acc16=True).source
+    assert elementwise_source(twin) == elementwise_source(spec)
+    assert WgmmaPlan(twin).source == WgmmaPlan(spec).source
 
 
 # -- the daemon: the per-model override and the reports ----------------------------------------------
@@ -429,7 +585,9 @@ def test_cuda_offers_ema_models_only_the_mma_variants_and_grid_models_take_mma_f
     mma-f16acc only; a grid model left to the backend takes mma-f16acc without measuring
     (tiny-cuda-nn's arithmetic; a fresh model's tables tell nothing of trained ones), mma when named."""
     ema = MLPSpec.from_json({**SPEC_DOC, "optimizer": {"otype": "EMA", "decay": 0.9, "nested": {"otype": "Adam"}}})
-    model = stub_cuda.backend(wgmma_offered=True).compile(ema)
+    quick = stub_cuda.backend(wgmma_offered=True).compile(ema)
+    assert quick.variant == "mma"  # cuBLASLt keeps no average: the first mma variant serves meanwhile
+    model = D.settled(quick)
     assert [v["variant"] for v in model.dispatch.to_json()["variants"]] == ["mma", "mma-f16acc"]
     timed = stub_cuda.fake.clock.timed
     grid = MLPSpec.from_json({**SPEC_DOC, "n_input_dims": 2, "encoding": {"otype": "HashGrid", "n_levels": 2}})

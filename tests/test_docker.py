@@ -63,6 +63,17 @@ def test_dockerfile_copies_every_package_and_serves_from_the_volume():
     assert "/v2/health/ready" in text
 
 
+def test_the_cache_warming_option_writes_the_volume_s_cache_as_the_daemon_s_user():
+    """WARM_CACHE runs ``mmad cache warm`` (off by default) after mmad is installed, as the user
+    the daemon runs as, into MMAD_CACHE_DIR under /data before the volume is declared (so a new
+    volume starts with the cache)."""
+    text = DOCKERFILE.read_text()
+    warm = text.index('RUN if [ -n "$WARM_CACHE" ]; then mmad cache warm $WARM_CACHE')
+    assert re.search(r'^ARG WARM_CACHE=""$', text, flags=re.M)
+    assert text.index("RUN pip install --no-cache-dir --no-deps") < text.index("USER mmad") < warm
+    assert text.index("MMAD_CACHE_DIR=/data/kernel-cache") < warm < text.index('VOLUME ["/data"]')
+
+
 def test_dependencies_install_before_the_source_is_copied_at_the_constrained_versions():
     lines = DOCKERFILE.read_text().splitlines()
     copy_source = next(i for i, line in enumerate(lines) if line.startswith("COPY mmad "))

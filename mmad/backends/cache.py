@@ -6,6 +6,10 @@ architecture, compiler version, options, the source text and the layout version.
 by the payload. A reader that finds a truncated, corrupt or mismatching entry deletes it and
 rebuilds; writers go through a temp file, fsync and rename, so a crash never leaves a partial
 entry under the real name. The directory is ``MMAD_CACHE_DIR`` or ``~/.cache/mmad/kernels``.
+
+Within a process, concurrent ``get_or_build`` calls for one entry build it once: the others wait
+for that build (kernels of several variants share modules, and the dispatcher compiles the
+variants side by side on :func:`compile_pool`'s threads).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +27,34 @@ from typing import Any, Callable
 from mmad.errors import CacheError
 
 LAYOUT_VERSION = 1  # bump when packing or kernel-interface conventions change
+# compilers that release the GIL (a subprocess: glslang, nvcc; NVRTC through CuPy) run this many
+# at once: the kernels of one model, or the variants the dispatcher measures, compile side by side
+COMPILE_THREADS = max(2, min(8, os.cpu_count() or 2))
+COMPILE_THREAD_NAME = "mmad-compile"
+
+_building: dict[tuple[str, str], threading.Event] = {}  # (directory, key) -> set when that build ends
+_building_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The process's compiler threads (``COMPILE_THREADS``), made on first use."""
+    global _pool
+    with _building_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix=COMPILE_THREAD_NAME)
+        return _pool
+
+
+def build_all(builds: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Every ``builds[name]()`` run on :func:`compile_pool`'s threads; their results by name (the
+    first exception, if any, raised once all have ended). Called on one of those threads (a
+    build that builds several things), they run there in turn: a pool waiting on itself could
+    hold every thread."""
+    if len(builds) < 2 or threading.current_thread().name.startswith(COMPILE_THREAD_NAME):
+        return {name: build() for name, build in builds.items()}
+    futures = {name: compile_pool().submit(build) for name, build in builds.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def default_cache_dir() -> Path:
@@ -77,7 +110,8 @@ class KernelCache:
             meta = None
         if (not meta or meta.get("key") != key or meta.get("length") != len(payload)
                 or meta.get("sha256") != hashlib.sha256(payload).hexdigest()):
-            self.stats.rebuilt_corrupt += 1
+            with self._lock:
+                self.stats.rebuilt_corrupt += 1
             path.unlink(missing_ok=True)
             return None
         return payload
@@ -104,16 +138,39 @@ class KernelCache:
         return path
 
     def get_or_build(self, build: Callable[[], bytes], **key_parts: Any) -> bytes:
-        """The cached payload for these key parts, building (and storing) it on a miss."""
+        """The cached payload for these key parts, building (and storing) it on a miss. While
+        another thread of this process builds the same entry, this one waits and reads it (or,
+        should that build fail, builds it itself)."""
         key, parts = self.key(**key_parts)
-        with self._lock:
-            payload = self.load(key)
+        slot = (str(self.directory), key)
+        while True:
+            payload = self._load_counted(key)
             if payload is not None:
-                self.stats.hits += 1
                 return payload
-            self.stats.misses += 1
-        payload = build()
-        self.store(key, payload, parts)
+            with _building_lock:
+                running = _building.get(slot)
+                if running is None:
+                    _building[slot] = threading.Event()
+                    break
+            running.wait()
+        try:
+            payload = self._load_counted(key)  # stored between the look above and the claim
+            if payload is not None:
+                return payload
+            with self._lock:
+                self.stats.misses += 1
+            payload = build()
+            self.store(key, payload, parts)
+            return payload
+        finally:
+            with _building_lock:
+                _building.pop(slot).set()
+
+    def _load_counted(self, key: str) -> bytes | None:
+        payload = self.load(key)
+        if payload is not None:
+            with self._lock:
+                self.stats.hits += 1
         return payload
 
     def clear(self) -> int:

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
+from mmad.server import background_dispatch
 from mmad.server.batcher import Batcher, BatchLimits
 from mmad.server.datasets import DatasetCache
 from mmad.server.metrics import Metrics
@@ -414,7 +415,9 @@ class Registry:
     def _compile(self, spec: MLPSpec, device: int = 0, variant: str | None = None,
                  batch_rows: int | None = None) -> CompiledModel:
         """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's
-        choice, measured on ``batch_rows`` rows (the model's max_batch_rows) where it measures."""
+        choice, measured on ``batch_rows`` rows (the model's max_batch_rows) where it measures: a
+        decision not yet cached is measured in the background while a quick variant serves
+        (``_activate`` follows it, :mod:`mmad.server.background_dispatch`)."""
         forced = parse_forced(self.settings.backend or "")
         return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device,
                                     batch_rows=batch_rows)
@@ -494,6 +497,7 @@ class Registry:
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
         self.changed(entry)
+        background_dispatch.watch(self, entry)  # a quick variant serving meanwhile: the measured one swapped in
 
     def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int,
                      version: str | None = None) -> None:

@@ -25,8 +25,12 @@ unmeasured: tiny-cuda-nn's own arithmetic for a grid and its fully fused MLP (an
 the H100), where measuring a fresh model (tables near 1e-4, subnormal in fp16 products) would
 tell nothing of trained ones.
 
-``compile(spec)`` without a variant measures the usable ones on the model's shapes and keeps the
-fastest (:mod:`mmad.backends.dispatch`; ``MMAD_DISPATCH=fixed``: wgmma where offered, else mma).
+``compile(spec)`` without a variant returns at once a model on the quickest variant to compile
+(``QUICK_VARIANTS``: cublaslt, whose kernels are library matmuls and a few element-wise kernels,
+else mma, ...) and measures the usable ones on the model's shapes in the background, on the
+device's queue (:mod:`mmad.backends.dispatch`); the daemon swaps the fastest in. A decision in
+the kernel cache is used at once. ``MMAD_DISPATCH=measure`` measures before returning,
+``fixed`` takes wgmma where offered, else mma, without measuring.
 
 :mod:`.toolchain` holds the compilers, cubin loading and the host<->device side every variant
 shares; :mod:`.knobs` the environment settings. Kernels are specialised per model, compiled
@@ -52,8 +56,8 @@ from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import MMA_MAX_WIDTH, CudaMmaModel
 from mmad.backends.cuda.toolchain import cupy_module, device_info, find_nvcc, nvrtc_version, version_text
 from mmad.backends.cuda.wgmma import WGMMA_OFF, CudaWgmmaModel, WgmmaPlan, nvcc_runs_wgmma
+from mmad.backends.dispatch import BUDGET_S, dispatch, median_timer
 from mmad.backends.dispatch import ROWS as DISPATCH_ROWS
-from mmad.backends.dispatch import dispatch, median_timer
 from mmad.errors import BackendUnavailable, SpecError
 from mmad.install import cuda_unavailable_reason, read_driver
 from mmad.spec import MLPSpec
@@ -64,6 +68,17 @@ PINNED_PORTABLE = 1  # cudaHostAllocPortable
 # the largest batch the variants are measured on (W's inputs and targets of 2^20 rows are 2 GiB of
 # host memory); a model that runs larger batches is measured on this many rows
 MAX_DISPATCH_ROWS = 1 << 20
+# what a model serves on while its variants are measured: the first of these it can use and that
+# compiles and runs correctly (the later ones are fallbacks), and why it is ready quickly (H200,
+# cold cache: cuBLASLt's element-wise kernels 0.14 s for W, where the mma module took 3.3 s for M
+# and 18.8 s for W)
+QUICK_VARIANTS = (
+    ("cublaslt", "the quickest to compile (library matmuls and a few small element-wise kernels)"),
+    ("mma", "one NVRTC module of fused kernels"),
+    ("mma-f16acc", "one NVRTC module of fused kernels"),
+    ("wgmma+mma", "nvcc-built forwards, the mma variant's training"),
+    ("wgmma", "nvcc-built kernels"),
+)
 
 
 class CudaBackend(Backend):
@@ -196,8 +211,11 @@ class CudaBackend(Backend):
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0, batch_rows: int | None = None) -> CompiledModel:
         """``spec`` compiled as ``variant``; without one, the fastest usable variant for this model
-        on this device, measured once and kept in the kernel cache (``MMAD_DISPATCH=measure``, the
-        default), or the fixed rule (``fixed``): wgmma where offered and the model fits, else mma.
+        on this device, measured once and kept in the kernel cache: where no decision is cached,
+        the first usable of ``QUICK_VARIANTS`` at once while the others are measured in the
+        background (``MMAD_DISPATCH=background``, the default; the caller swaps the choice in, see
+        :func:`mmad.backends.dispatch.settled`) or before returning (``measure``); or the fixed
+        rule (``fixed``): wgmma where offered and the model fits, else mma.
         A model with tiny-cuda-nn's EMA optimizer or a grid encoding runs on mma or mma-f16acc (the
         variants that keep the average; the grid kernels work around their MLP kernels,
         :mod:`.grids`); a grid model left to the backend takes mma-f16acc (see the module's description).
@@ -233,11 +251,20 @@ class CudaBackend(Backend):
                 return self._build(variant, spec, cp, info, cache, knobs)
             cc = info["cc"]
             settings = {k: v for k, v in asdict(knobs).items() if k != "dispatch"}
+
+            def build(name: str, for_spec: MLPSpec) -> CompiledModel:
+                with cp.cuda.Device(device):  # the dispatcher compiles on threads of its own
+                    return self._build(name, for_spec, cp, info, cache, knobs)
+
             # a new driver, CUDA runtime or CuPy may change which variant is fastest: measured again
-            return dispatch(spec, {v: partial(self._build, v, spec, cp, info, cache, knobs) for v in usable},
-                            backend="cuda", device=f"{info['name']} sm_{cc[0]}{cc[1]}", cache=cache, io="fp16",
-                            timer=median_timer("cupy"), key_extra={**settings, "stack": rows["mma"].api_version},
-                            rows=DISPATCH_ROWS if batch_rows is None else min(batch_rows, MAX_DISPATCH_ROWS))
+            return dispatch(spec, {v: partial(build, v) for v in usable}, backend="cuda",
+                            device=f"{info['name']} sm_{cc[0]}{cc[1]}", cache=cache, io="fp16",
+                            timer=median_timer("cupy", budget_s=BUDGET_S),
+                            key_extra={**settings, "stack": rows["mma"].api_version},
+                            rows=DISPATCH_ROWS if batch_rows is None else min(batch_rows, MAX_DISPATCH_ROWS),
+                            timed_spec=host_encoded_twin(spec),
+                            quick=[q for q in QUICK_VARIANTS if q[0] in usable] if knobs.dispatch == "background" else (),
+                            device_queue=f"cuda:{device}", device_context=lambda: cp.cuda.Device(device))
 
     @staticmethod
     def _build(variant: str, spec: MLPSpec, cp: Any, info: dict[str, Any], cache: KernelCache,
@@ -250,5 +277,16 @@ class CudaBackend(Backend):
         if variant in SPLIT_VARIANTS:
             return CublasLtTrainedModel(spec, cp, info, cache, knobs, variant)
         return CublasLtModel(spec, cp, info, cache)
+
+
+def host_encoded_twin(spec: MLPSpec) -> MLPSpec:
+    """The spec a model's variants are timed on: every cuda variant of a model without a grid
+    encodes its input on the host (``CudaModel._device_input``, the same code for each) and runs
+    the same kernels on the encoded columns as on raw ones, so the twin takes the encoded columns
+    as its input and what is timed is what differs between the variants."""
+    if spec.encoding.passthrough:
+        return spec
+    return spec.replace(n_input_dims=spec.n_encoded_dims, encoding={"otype": "Identity"})
+
 
 __all__ = ["CudaBackend", "VARIANTS"]

@@ -2,7 +2,7 @@
 
 | variable | values | default | what |
 |---|---|---|---|
-| ``MMAD_DISPATCH`` | measure, fixed | measure | compile(variant=None): fastest measured; fixed: wgmma or mma |
+| ``MMAD_DISPATCH`` | background, measure, fixed | background | compile(variant=None): a quick variant at once, the fastest measured in the background and swapped in; measure: the fastest measured before returning; fixed: wgmma or mma |
 | ``MMAD_CUDA_WGMMA`` | 0, 1 | 1 | offer the wgmma variants (0: the probe reports them off) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
 | ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from mmad.errors import SpecError
 
 DISPATCH_ENV = "MMAD_DISPATCH"
-DISPATCH_MODES = ("measure", "fixed")
+DISPATCH_MODES = ("background", "measure", "fixed")
 WGMMA_ENV = "MMAD_CUDA_WGMMA"
 FUSED_WGRAD_ENV = "MMAD_CUDA_FUSED_WGRAD"
 CUDA_GRAPHS_ENV = "MMAD_CUDA_GRAPHS"
@@ -54,7 +54,7 @@ def env_word(name: str, allowed: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class CudaKnobs:
-    dispatch: str = "measure"
+    dispatch: str = "background"
     wgmma: bool = True
     fused_wgrad: bool = True
     cuda_graphs: bool = True

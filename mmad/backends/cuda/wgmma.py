@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -427,7 +426,6 @@ class CudaWgmmaModel(CudaMmaModel):
             self.wt = WgmmaPlan(spec, smem_limit=info["smem_optin"], training=True)
             if not self.wt.trains:
                 raise SpecError("network.n_neurons", self.wt.why_not)
-            knobs = replace(knobs, fused_wgrad=False)  # the mma workspace keeps every layer's h and delta
         self._wg_stale = True
         variant = "wgmma" if wgmma_training else "wgmma+mma"
         self.variant = variant  # first: the constructor's refusals name it
@@ -449,6 +447,15 @@ class CudaWgmmaModel(CudaMmaModel):
                 self.wt_bimage = cp.zeros(self.wt.b_total, dtype=cp.float32)
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating the wgmma weight images failed: {exc}") from exc
+
+    def _build(self, cache: KernelCache | None) -> LoadedModule:
+        """The mma variant's module, the same source as ``mma``'s and ``wgmma+mma``'s (compiled
+        once for the three); the wgmma training writes every layer's h and delta to the mma
+        workspace for its weight gradients, so it leaves the fused training kernels unused."""
+        module = super()._build(cache)
+        if self.wgmma_training:
+            self.fused_wgrad = False
+        return module
 
     def _nvcc_module(self, cache: KernelCache | None, source: str, names: tuple[str, ...], what: str) -> LoadedModule:
         """``source`` built by nvcc for sm_90a (or from the kernel cache) and loaded."""

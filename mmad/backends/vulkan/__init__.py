@@ -40,7 +40,7 @@ import numpy as np
 
 from mmad.backends import numerics as nm
 from mmad.backends.numerics import batches_per_epoch, epoch_half_bits
-from mmad.backends.cache import KernelCache
+from mmad.backends.cache import KernelCache, build_all
 from mmad.backends.encodings import GridPart, grid_input_layout
 from mmad.backends.contract import (
     Backend, CompiledModel, Dataset, DeviceInfo, EpochPosition, MMAShape, ProbeRow, check_device_index, check_epoch_run,
@@ -1611,8 +1611,11 @@ class VulkanBackend(Backend):
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
         if variant == "coopmat":
             consts[13] = int(self._conversion_rounds_to_nearest_even(device, cache))
-        spirvs = {name: build_spirv(src, f"vulkan {variant} {name} kernel", cache, device.info.name)
-                  for name, src in sources.items()}
+        # glslang (a subprocess) and the driver's pipeline compiler (cffi calls, without the GIL)
+        # work on the kernels of a model side by side
+        spirvs = build_all({name: (lambda name=name, src=src: build_spirv(src, f"vulkan {variant} {name} kernel", cache,
+                                                                          device.info.name))
+                            for name, src in sources.items()})
         interface = pipeline_interface(variant, geometry.grid is not None)
 
         def pipeline(name: str, extra: dict[int, int] | None = None) -> vr.Pipeline:
@@ -1628,13 +1631,18 @@ class VulkanBackend(Backend):
             subgroup = device.info.subgroup_size if name in SUBGROUP_SIZED.get(variant, ()) else None
             key = (index, hashlib.sha256(spirvs[name]).hexdigest(), tuple(sorted(used.items())), subgroup)
             with self._lock:
-                if key not in self._pipelines:
-                    n_bind, push = interface[name]
-                    self._pipelines[key] = vr.Pipeline(device, spirvs[name], n_bind, push, used,
-                                                       name=f"{variant}/{name}", subgroup_size=subgroup)
+                if key in self._pipelines:
+                    return self._pipelines[key]
+            n_bind, push = interface[name]
+            made = vr.Pipeline(device, spirvs[name], n_bind, push, used, name=f"{variant}/{name}", subgroup_size=subgroup)
+            with self._lock:
+                if key in self._pipelines:  # made by another compile meanwhile
+                    made.destroy()
+                else:
+                    self._pipelines[key] = made
                 return self._pipelines[key]
 
-        pipelines = {name: pipeline(name) for name in sources}
+        pipelines = build_all({name: (lambda name=name: pipeline(name)) for name in sources})
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape, make_pipeline=pipeline)
         model.device_index = index
         self._models.add(model)
