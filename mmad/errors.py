@@ -25,10 +25,12 @@
     ├── DeviceMemoryFull           what was asked for does not fit in the device's free memory
     │                              (checked before allocating); nothing was allocated
     ├── Unauthorized               no API key was sent to a daemon that requires one
-    └── Forbidden                  the API key sent is wrong
+    ├── Forbidden                  the API key sent is wrong
+    ├── CrossSiteRequest           a page of another site sent a request that would change something
+    └── UnsupportedMediaType       the body's Content-Type is not one the route reads
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409, 413, 503, 507 for a store that cannot be written or a device without the memory asked
+409, 413, 415, 503, 507 for a store that cannot be written or a device without the memory asked
 for; compile, launch and cache failures 500); anything not in this tree that escapes a handler
 is a bug and becomes a 500.
 """
@@ -162,3 +164,12 @@ class Unauthorized(MMADError):
 
 class Forbidden(MMADError):
     """The API key sent is wrong (HTTP 403)."""
+
+
+class CrossSiteRequest(MMADError):
+    """A page of an origin that is neither the daemon's own nor allowed sent a request other than
+    GET or HEAD (HTTP 403; mmad/server/origin.py)."""
+
+
+class UnsupportedMediaType(MMADError):
+    """The request's Content-Type is not one its route reads (HTTP 415)."""

@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "'Authorization: Bearer KEY' (MMAD_API_KEY_FILE)")
     p.add_argument("--api-key", help="the key itself; visible to every user of the host in the process list, "
                                      "prefer --api-key-file or MMAD_API_KEY (MMAD_API_KEY)")
+    p.add_argument("--allow-origin", action="append",
+                   help="an origin (scheme://host[:port], or *) whose web pages may send requests that change "
+                        "something, besides the daemon's own pages; repeatable or comma-separated "
+                        "(MMAD_ALLOW_ORIGIN, default none)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (MMAD_MAX_BODY_BYTES, default 64 MiB)")
     p.add_argument("--max-dataset-bytes", type=int,
                    help="one dataset's size as stored, all its chunks (MMAD_MAX_DATASET_BYTES, default 16 GiB)")
@@ -148,6 +152,8 @@ def connection_cap(wanted: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_origin is not None:
+        args.allow_origin = ",".join(args.allow_origin)
     try:
         settings = Settings(**{k: v for k, v in vars(args).items() if v is not None})
     except ValidationError as exc:

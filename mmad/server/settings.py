@@ -32,6 +32,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     # a file holding the key: unlike --api-key, not readable by other users in /proc/PID/cmdline
     api_key_file: Path | None = None
+    # origins besides the daemon's own whose pages may send requests that change something
+    # (mmad/server/origin.py): comma-separated scheme://host[:port], or * for every origin
+    allow_origin: str = Field("", description="origins whose web pages may call the API, besides the "
+                                              "daemon's own: comma-separated scheme://host[:port], or *")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # one dataset's total size as stored (its chunks, each one request body of at most max_body_bytes)
     max_dataset_bytes: int = Field(16 * 1024 ** 3, ge=1024, description="one dataset's size in the store; "
@@ -78,6 +82,14 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value
+
+    @field_validator("allow_origin")
+    @classmethod
+    def _origins_are_origins(cls, value: str) -> str:
+        from mmad.server.origin import parse_allowed_origins
+
+        parse_allowed_origins(value)  # a malformed entry stops the start, naming it
+        return value
 
     @field_validator("model_repository")
     @classmethod
