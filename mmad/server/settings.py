@@ -51,6 +51,17 @@ class Settings(BaseSettings):
                                                          "closed after this (uvicorn's keep-alive timeout)")
     head_timeout_s: float = Field(10.0, gt=0, description="a request line and headers must arrive within this")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line + headers; more is answered 431")
+    health_slots: int = Field(16, ge=0, description="connections past max_connections kept for health probes "
+                                                    "(one GET /v2/health/live or /ready each)")
+    # a request body: docs/reliability.md, "Cross-site requests, slow clients and large headers"
+    body_timeout_s: float = Field(10.0, gt=0, description="each window of this long must bring min_body_rate "
+                                                          "bytes a second of a request body; else 408 and close")
+    min_body_rate: int = Field(16 * 1024, ge=0, description="bytes a second a request body must arrive at "
+                                                            "(0: any rate, but a window without a byte is cut)")
+    max_pending_body_bytes: int = Field(512 * 1024 * 1024, ge=1024,
+                                        description="bytes of request bodies still arriving, all connections "
+                                                    "together (at least one body of max_body_bytes); a body "
+                                                    "past it is answered 503")
     # dynamic batching defaults; a model's config overrides them
     max_batch_rows: int = Field(65536, ge=1)
     max_queue_delay_us: int = Field(500, ge=0)
