@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("gzip-bomb", help="gzip bodies inflating past the body cap")
     s.add_argument("--rounds", type=int, default=50)
     s.add_argument("--inflated-bytes", type=int, default=128 * MIB)
-    s.add_argument("--concurrency", type=int, default=4)
+    s.add_argument("--concurrency", type=int, default=8)
     args = p.parse_args(argv)
     target = Target(args)
     try:

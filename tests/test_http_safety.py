@@ -13,7 +13,12 @@ Every loop is bounded in count; nothing asserts a time tighter than several seco
 
 from __future__ import annotations
 
+import gzip
+import socket
+import struct
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,10 +27,13 @@ import orjson
 import pytest
 from conftest import DaemonProcess
 from fastapi.testclient import TestClient
-from safetensors.numpy import save as st_save
+from safetensors.numpy import load as st_load, save as st_save
 
+from mmad.backends.contract import check_params, init_params
+from mmad.errors import InvalidInput
 from mmad.server import Settings, create_app
 from mmad.server.origin import JSON, OCTETS, body_types, normalise_origin, parse_allowed_origins
+from mmad.spec import MLPSpec
 from test_security import route_table
 from test_server_api import SMALL_SPEC, binary_infer, create
 
@@ -217,3 +225,251 @@ def test_a_keyless_daemon_refuses_the_forged_post_over_http(tmp_path, workers):
             assert status == 415 and "-H 'Content-Type: application/json'" in text, text
     finally:
         proc.stop()
+
+
+# -- slow clients ---------------------------------------------------------------------------
+CAP, SLOTS, WINDOW_S, MIN_RATE, BODY_CAP, PENDING = 24, 2, 3.0, 1024, 2 * 1024 * 1024, 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def slow_guard(tmp_path_factory):
+    """A daemon with a small connection cap and body budget, body windows of 3 s, and idle and
+    head timeouts long enough that only the body rules close the connections below."""
+    proc = DaemonProcess(tmp_path_factory.mktemp("slow") / "store", "--max-connections", str(CAP),
+                         "--health-slots", str(SLOTS), "--idle-timeout", "120", "--head-timeout", "120",
+                         "--body-timeout", str(WINDOW_S), "--min-body-rate", str(MIN_RATE),
+                         "--max-body-bytes", str(BODY_CAP), "--max-pending-body-bytes", str(PENDING)).start()
+    with httpx.Client(base_url=proc.url, timeout=30.0) as client:
+        create(client, "five", SMALL_SPEC)
+    yield proc
+    proc.stop()
+
+
+def connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def body_head(length: int | None, request_line: str = "POST /v2/models/five/infer",
+              content_type: str = OCTETS) -> bytes:
+    size = "Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n"
+    return f"{request_line} HTTP/1.1\r\nHost: t\r\nContent-Type: {content_type}\r\n{size}\r\n".encode()
+
+
+def answer(sock: socket.socket, within_s: float) -> tuple[bool, bytes]:
+    """(whether the daemon closed ``sock`` within ``within_s``, what it sent)."""
+    sock.settimeout(0.1)
+    got, deadline = b"", time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True, got
+        if not chunk:
+            return True, got
+        got += chunk
+    return False, got
+
+
+def request(port: int, raw: bytes) -> bytes:
+    with connect(port) as s:
+        s.sendall(raw)
+        closed, data = answer(s, 20)
+    return data
+
+
+def health(port: int) -> bytes:
+    return request(port, b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+
+
+def test_dripping_bodies_are_cut_and_health_answers_while_they_fill_the_cap(slow_guard):
+    port = slow_guard.port
+    socks = [connect(port) for _ in range(CAP + SLOTS)]
+    try:
+        for s in socks:
+            s.sendall(body_head(100_000))
+        # the cap is full of bodies at ~2 bytes/s: a probe gets a health slot and its answer
+        assert health(port).startswith(b"HTTP/1.1 200")
+        answers, t0 = {}, time.monotonic()
+        while len(answers) < len(socks) and time.monotonic() - t0 < 8 * WINDOW_S + 20:
+            for i, s in enumerate(socks):
+                if i in answers:
+                    continue
+                try:
+                    s.send(b"\0")
+                    s.settimeout(0.001)
+                    data = s.recv(65536)
+                    answers[i] = data
+                except TimeoutError:
+                    pass
+                except OSError:
+                    answers[i] = b""
+            time.sleep(0.5)
+        assert len(answers) == len(socks), f"{len(socks) - len(answers)} dripping bodies still open"
+        statuses = [d[:12] for d in answers.values()]
+        # the two past the cap took the health slots with a POST: 503 at once; the others 408
+        assert statuses.count(b"HTTP/1.1 408") >= CAP, statuses
+        assert all(d.startswith((b"HTTP/1.1 408", b"HTTP/1.1 503")) for d in answers.values()), statuses
+        assert b"--min-body-rate" in next(d for d in answers.values() if d.startswith(b"HTTP/1.1 408"))
+    finally:
+        for s in socks:
+            s.close()
+    assert health(port).startswith(b"HTTP/1.1 200")
+    x = np.random.default_rng(2).standard_normal((2, 5)).astype(np.float32)
+    with httpx.Client(base_url=slow_guard.url, timeout=30.0) as http:
+        assert binary_infer(http, "five", x).status_code == 200
+
+
+def test_a_stalled_body_is_cut_however_fast_it_began(slow_guard):
+    # an infer body read in place (the protocol's own buffer) and a JSON body read by the app
+    for head, sent in ((body_head(BODY_CAP), b"\0" * (BODY_CAP - 1)),
+                       (body_head(4096, "PUT /v2/models/six", JSON), b"{" * 4000)):
+        with connect(slow_guard.port) as s:
+            s.sendall(head + sent)
+            closed, data = answer(s, 3 * WINDOW_S + 15)
+        assert closed and data.startswith(b"HTTP/1.1 408"), data[:200]
+
+
+def test_a_body_above_the_minimum_rate_is_served(slow_guard):
+    doc = orjson.dumps({"spec": SMALL_SPEC, "config": {"max_queue_requests": 7}})
+    body = doc + b" " * (int(MIN_RATE * WINDOW_S * 3) - len(doc))  # ~3 windows' worth, sent at 4x the rate
+    with connect(slow_guard.port) as s:
+        s.sendall(f"PUT /v2/models/steady HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode())
+        step = MIN_RATE // 4
+        for i in range(0, len(body), step):
+            s.sendall(body[i:i + step])
+            time.sleep(0.0625)
+        closed, data = answer(s, 20)
+    assert data.startswith(b"HTTP/1.1 201"), data[:300]
+
+
+def test_bodies_still_arriving_share_a_bounded_budget(slow_guard):
+    port = slow_guard.port
+    held = [connect(port) for _ in range(PENDING // BODY_CAP)]
+    try:
+        for s in held:  # the budget is full of bodies that lack their last byte
+            s.sendall(body_head(BODY_CAP) + b"\0" * (BODY_CAP - 1))
+        data = request(port, body_head(BODY_CAP))
+        assert data.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in data.lower(), data[:300]
+        assert b"--max-pending-body-bytes" in data
+        with connect(port) as s:  # a chunked body takes the budget as it comes
+            s.sendall(body_head(None) + b"10000\r\n" + b"\0" * 0x10000 + b"\r\n")
+            closed, data = answer(s, 20)
+        assert closed and data.startswith(b"HTTP/1.1 503"), data[:300]
+        for s in held:  # then the stalled ones are cut, and their reservations given back
+            closed, data = answer(s, 3 * WINDOW_S + 15)
+            assert closed and data.startswith(b"HTTP/1.1 408"), data[:200]
+    finally:
+        for s in held:
+            s.close()
+    x = np.random.default_rng(3).standard_normal((BODY_CAP // 40, 5)).astype(np.float32)  # ~1 MiB body
+    with httpx.Client(base_url=slow_guard.url, timeout=30.0) as http:
+        assert binary_infer(http, "five", x).status_code == 200
+
+
+def test_health_slots_answer_probes_only_and_make_way(slow_guard):
+    port = slow_guard.port
+    held = [connect(port) for _ in range(CAP)]
+    try:
+        for s in held:  # the cap full of connections with a head begun (the head timeout is long)
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+        assert health(port).startswith(b"HTTP/1.1 200")
+        data = request(port, b"GET /v2/models/five HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 503") and b"/v2/health/live" in data, data[:300]
+        waiting = [connect(port) for _ in range(SLOTS + 1)]  # slot connections that never ask
+        held.extend(waiting)
+        closed, data = answer(waiting[0], 10)
+        assert closed and data.startswith(b"HTTP/1.1 503") and b"too many connections" in data, data[:200]
+        assert health(port).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+
+
+# -- large headers, out-of-range weights, gzip bombs ----------------------------------------
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def safetensors_of_empty_tensors(entries: int) -> bytes:
+    header = orjson.dumps({f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(entries)})
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A daemon as started by default (a 64 MiB body cap); models ``half`` (fp16) and ``five`` (fp32)."""
+    proc = DaemonProcess(tmp_path_factory.mktemp("plain") / "store").start()
+    with httpx.Client(base_url=proc.url, timeout=60.0) as client:
+        create(client, "five", SMALL_SPEC)
+        create(client, "half", {**SMALL_SPEC, "precision": "fp16"})
+    yield proc
+    proc.stop()
+
+
+def test_a_weight_upload_with_a_huge_header_is_refused_before_parsing(plain):
+    bomb = safetensors_of_empty_tensors(200_000)  # 11 MiB of header
+    with httpx.Client(base_url=plain.url, timeout=60.0) as http:
+        before = rss_mib(plain.proc.pid)
+        r = http.put("/v2/models/five/weights", content=bomb, headers={"Content-Type": OCTETS})
+        assert r.status_code == 400 and "safetensors header of" in r.json()["error"], r.text[:300]
+        assert rss_mib(plain.proc.pid) - before < 64  # parsed, it kept +138 MiB (+450 MiB measured elsewhere)
+        # a header within the bound whose tensors are not the model's: a short message naming a few
+        r = http.put("/v2/models/five/weights", content=safetensors_of_empty_tensors(200),
+                     headers={"Content-Type": OCTETS})
+        assert r.status_code == 400 and "and 195 more" in r.json()["error"] and len(r.content) < 1000, r.text[:300]
+        assert http.get("/v2/models/five/ready").status_code == 200
+
+
+def test_weights_beyond_the_models_precision_are_400_naming_them(plain):
+    with httpx.Client(base_url=plain.url, timeout=60.0) as http:
+        for model, value, status in (("half", 3e38, 400), ("half", 70000.0, 400), ("half", 65504.0, 200),
+                                     ("five", 3e38, 200)):
+            weights = {k: v.copy() for k, v in st_load(http.get(f"/v2/models/{model}/weights").content).items()}
+            weights["W1"][0, 0] = value
+            r = http.put(f"/v2/models/{model}/weights", content=st_save(weights), headers={"Content-Type": OCTETS})
+            assert r.status_code == status, (model, value, r.text)
+            if status == 400:
+                error = r.json()["error"]
+                assert "W1" in error and "fp16" in error and "65504" in error, error
+        x = np.random.default_rng(4).standard_normal((3, 5)).astype(np.float32) * 1e-3
+        out = http.post("/v2/models/half/infer", json={"inputs": [{"name": "INPUT", "datatype": "FP32",
+                                                                   "shape": [3, 5], "data": x.ravel().tolist()}]})
+        assert out.status_code == 200 and all(v is not None for v in out.json()["outputs"][0]["data"]), out.text
+
+
+def test_bf16_and_fp32_ranges():
+    spec = MLPSpec.from_json({**SMALL_SPEC, "precision": "bf16"})
+    params = init_params(spec)
+    params["b0"] = params["b0"].copy()
+    params["b0"][0] = 3.4e38  # finite in fp32, beyond bfloat16's 3.39e38
+    with pytest.raises(InvalidInput, match="b0 holds 3.4e.38, beyond the largest bf16"):
+        check_params(spec, params)
+    check_params(MLPSpec.from_json(SMALL_SPEC), params)  # fp32 holds it
+
+
+def test_gzip_bombs_leave_no_memory_behind(plain):
+    bomb = gzip.compress(b"\0" * (128 << 20), compresslevel=9)  # 127 KiB, inflating to twice the cap
+    with httpx.Client(base_url=plain.url, timeout=60.0) as http:
+        small = gzip.compress(JSON_INFER)
+        for _ in range(4):  # warm-up: what a first gzip request fills (zlib, the compute threads)
+            r = http.post("/v2/models/five/infer", content=small, headers={"Content-Encoding": "gzip"})
+            assert r.status_code == 200, r.text
+        before = rss_mib(plain.proc.pid)
+
+        def send(_) -> int:
+            with httpx.Client(base_url=plain.url, timeout=60.0) as client:
+                return client.post("/v2/models/five/infer", content=bomb, headers={"Content-Encoding": "gzip"}).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            assert set(pool.map(send, range(24))) == {413}
+        time.sleep(0.5)
+        # the 1 MiB pieces of the inflated bodies, freed, stayed in the allocator's heaps: +261 MiB
+        # after 50 bombs 8 at a time before (scripts/attack.py gzip-bomb --concurrency 8), +4 now
+        assert rss_mib(plain.proc.pid) - before < 32
