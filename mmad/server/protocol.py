@@ -29,9 +29,9 @@ It also bounds what a connection may cost (:class:`ConnectionLimits`, docs/relia
   ``body_timeout_s`` window (at least one byte: a stalled body is cut however fast it began),
   or it is answered 408 and closed; windows in which the daemon itself is not reading (the
   app has not taken what arrived, or has not yet asked for a ``100-continue`` body) do not count;
-- the bodies still arriving hold at most ``max_pending_body_bytes`` together (per process: a
-  body's Content-Length from its headers, a chunked body as it arrives): a body that would pass
-  it is answered 503 with ``Retry-After`` before it is read;
+- the bodies still arriving hold at most ``max_pending_body_bytes`` together (per process,
+  counted as their bytes arrive, so that only bytes sent hold any of it): the body whose bytes
+  would pass it is answered 503 with ``Retry-After`` and closed;
 - reads outside a direct body go into one scratch buffer per thread, not one per connection.
 """
 
@@ -198,7 +198,8 @@ class DirectBodyProtocol(asyncio.BufferedProtocol):
                     http.start_head_timer()
             return
         http.filled += nbytes
-        http.body_window += nbytes
+        if http.body_open and not http.hold(nbytes):
+            return
         if http.filled == len(http.direct):
             # the parser saw only the start of this body: a fresh one reads the next request
             http.parser = httptools.HttpRequestParser(http)
@@ -238,7 +239,6 @@ class _HttpToolsDirect(HttpToolsProtocol):
         self.health_only = False  # in a health slot: one health probe, then closed
         # the request body arriving: its reservation, the bytes of the current window, its timer
         self.body_open = False
-        self.body_chunked = False
         self.body_held = 0
         self.body_window = 0
         self.body_timer: asyncio.TimerHandle | None = None
@@ -299,7 +299,7 @@ class _HttpToolsDirect(HttpToolsProtocol):
         self.in_head = False
         self._stop_head_timer()
         headers = dict(self.headers)
-        refusal = self._turned_away(headers)
+        refusal = self._turned_away()
         if refusal is not None:  # answered by a refusal in place of the app, then closed
             self._log_refusal(503, refusal)
             app, self.app = self.app, refusal_app(503, refusal)
@@ -320,31 +320,35 @@ class _HttpToolsDirect(HttpToolsProtocol):
         self.direct, self.filled = tensor_buffer(size, header_length), 0
         self.cycle.receive = _DirectReceive(self.cycle)  # run_asgi looks it up when the task starts
 
-    def _turned_away(self, headers: dict[bytes, bytes]) -> str | None:
+    def _turned_away(self) -> str | None:
         """Why this request is answered 503 without reaching the app: a request other than a
-        health probe in a health slot, or a body past the pending-bodies budget."""
-        if self.health_only:
-            path = httptools.parse_url(self.url).path.decode("latin-1")
-            if self.parser.get_method() not in (b"GET", b"HEAD") or path not in HEALTH_PATHS:
-                return (f"too many connections: this one is past the limit of {self.limits.max_connections} "
-                        "and may only ask GET /v2/health/live or /v2/health/ready")
+        health probe in a health slot."""
+        if not self.health_only:
             return None
-        length = headers.get(b"content-length", b"")
-        declared = int(length) if length.isdigit() else 0
-        if 0 < declared <= self.max_body_bytes and not self.budget.take(declared):
-            # (a body over the cap is the app's 413, and is never read)
-            return (f"too many request bodies are arriving at once: {self.budget.held} bytes are held, this "
-                    f"one's {declared} would pass the limit of {self.budget.limit} (--max-pending-body-bytes)")
-        self.body_held = declared if declared <= self.max_body_bytes else 0
+        path = httptools.parse_url(self.url).path.decode("latin-1")
+        if self.parser.get_method() not in (b"GET", b"HEAD") or path not in HEALTH_PATHS:
+            return (f"too many connections: this one is past the limit of {self.limits.max_connections} "
+                    "and may only ask GET /v2/health/live or /v2/health/ready")
         return None
 
     # -- the request body: its rate and the memory held ----------------------------------
     def _start_body(self, headers: dict[bytes, bytes]) -> None:
-        self.body_chunked = b"transfer-encoding" in headers
-        if not (self.body_held or self.body_chunked or headers.get(b"content-length", b"0") not in (b"", b"0")):
+        if b"transfer-encoding" not in headers and headers.get(b"content-length", b"0") in (b"", b"0"):
             return  # no body
         self.body_open, self.body_window = True, 0
         self.body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_window_over)
+
+    def hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` more of the body against the budget of bodies still arriving and
+        against this window's rate; past the budget, 503 and close (False)."""
+        self.body_window += nbytes
+        if self.budget.take(nbytes):
+            self.body_held += nbytes
+            return True
+        self.cut_body(503, "Service Unavailable",
+                      f"too many request bodies are arriving at once: {self.budget.held} bytes of them are held, the "
+                      f"limit is {self.budget.limit} (--max-pending-body-bytes)", "retry-after: 1\r\n")
+        return False
 
     def _body_window_over(self) -> None:
         self.body_timer = None
@@ -390,15 +394,8 @@ class _HttpToolsDirect(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         if self.transport.is_closing():
             return  # cut, or answered and closing: the rest of this read is nobody's
-        if self.body_open:
-            self.body_window += len(body)
-            if self.body_chunked:
-                if not self.budget.take(len(body)):
-                    self.cut_body(503, "Service Unavailable",
-                                  f"too many request bodies are arriving at once: {self.budget.held} bytes are held, "
-                                  f"the limit is {self.budget.limit} (--max-pending-body-bytes)", "retry-after: 1\r\n")
-                    return
-                self.body_held += len(body)
+        if self.body_open and not self.hold(len(body)):
+            return
         if self.direct is None:
             super().on_body(body)
             return
