@@ -19,8 +19,10 @@ settings unless ``--daemon-args`` adds some, a fresh store) and stops it after, 
   byte, then nothing; the daemon's RSS and what each connection got;
 - ``header-bomb``: a weight upload whose safetensors header lists ``--entries`` (200,000) tensors,
   with health probes during it and the RSS before and after;
-- ``gzip-bomb``: ``--rounds`` (50) infer bodies of zeros gzipped, inflating past the body cap; RSS
-  before and after.
+- ``gzip-bomb``: ``--rounds`` (50) infer bodies of zeros gzipped, inflating past the body cap,
+  ``--concurrency`` (8) at a time; RSS before and after;
+- ``versions-rss`` (a measurement, not an attack): the RSS growth of phases of infers only and of
+  new versions only (weight uploads), to see what a soak's growth follows.
 
 Exit status 1 when an attack got what it wanted (a write, a lock-out, memory kept).
 Usage: ``python scripts/attack.py cross-site`` (``--help`` on each subcommand).
@@ -332,6 +334,41 @@ def gzip_bomb(target: Target, args) -> bool:
     return ok
 
 
+def versions_rss(target: Target, args) -> bool:
+    """Where the soak's RSS goes: phases of infers only and of new versions only, alternating."""
+    http, rng = target.http, np.random.default_rng(0)
+    weights = http.get("/v2/models/victim/weights").content
+
+    def infers() -> None:
+        for _ in range(args.infers):
+            x = rng.standard_normal((int(rng.integers(1, 64)), 5)).astype(np.float32)
+            r = http.post("/v2/models/victim/infer", json={"inputs": [{"name": "INPUT", "datatype": "FP32", "shape":
+                                                                       list(x.shape), "data": x.ravel().tolist()}]})
+            assert r.status_code == 200, r.text
+
+    def versions() -> None:
+        for i in range(args.versions):
+            r = http.put("/v2/models/victim/weights", content=weights, headers={"Content-Type": "application/octet-stream"})
+            assert r.status_code == 200, r.text
+            if i % 4 == 0:
+                http.get("/metrics")
+
+    infers()
+    versions()  # warm-up
+    growth = []
+    for name, phase in (("infers", infers), ("versions", versions)) * 2:
+        before = rss_mib(target.pid)
+        phase()
+        growth.append(f"{name} {rss_mib(target.pid) - before:+.2f}")
+    print(f"versions-rss: RSS growth in MiB over {args.infers} infers / {args.versions} new versions per phase "
+          f"({target_args(args) or 'default settings'}): {', '.join(growth)}")
+    return True
+
+
+def target_args(args) -> str:
+    return args.daemon_args.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="attack this daemon instead of starting one")
@@ -353,11 +390,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--rounds", type=int, default=50)
     s.add_argument("--inflated-bytes", type=int, default=128 * MIB)
     s.add_argument("--concurrency", type=int, default=8)
+    s = sub.add_parser("versions-rss", help="RSS growth of infers alone and of new versions alone")
+    s.add_argument("--infers", type=int, default=3000)
+    s.add_argument("--versions", type=int, default=500)
     args = p.parse_args(argv)
     target = Target(args)
     try:
         ok = {"cross-site": cross_site, "slow-body": slow_body, "held-bodies": held_bodies,
-              "header-bomb": header_bomb, "gzip-bomb": gzip_bomb}[args.attack](target, args)
+              "header-bomb": header_bomb, "gzip-bomb": gzip_bomb, "versions-rss": versions_rss}[args.attack](target, args)
     finally:
         target.close()
     return 0 if ok else 1
