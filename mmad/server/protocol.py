@@ -72,7 +72,7 @@ class ConnectionLimits:
 
 
 class BodyBudget:
-    """The bytes reserved by the request bodies still arriving, on one event loop."""
+    """The bytes of request bodies still arriving that the connections of one server hold."""
 
     def __init__(self, limit: int):
         self.limit = limit
