@@ -27,11 +27,13 @@
     ├── RegionFull                 a shared-memory region's filesystem has no room for an output
     ├── StoreDamaged               what the store holds for a model or version is damaged
     ├── Unauthorized               no API key was sent to a daemon that requires one
-    └── Forbidden                  the API key sent is wrong, or the daemon's settings refuse the
-                                   action to this client
+    ├── Forbidden                  the API key sent is wrong, or the daemon's settings refuse the
+    │                              action to this client
+    ├── CrossSiteRequest           a page of another site sent a request that would change something
+    └── UnsupportedMediaType       the body's Content-Type is not one the route reads
 
 The HTTP layer (``mmad/server/errors.py``) maps these onto status codes (400, 401, 403, 404,
-409 (also a damaged stored model or version), 413, 503, 507 for a store that cannot be written,
+409 (also a damaged stored model or version), 413, 415, 503, 507 for a store that cannot be written,
 a device without the memory asked for or a shared-memory region without room; compile, launch and cache failures 500); anything not in this tree that escapes a handler
 is a bug and becomes a 500.
 """
@@ -177,3 +179,12 @@ class Unauthorized(MMADError):
 class Forbidden(MMADError):
     """The API key sent is wrong, or the daemon's settings refuse the action to this client
     (e.g. shared-memory registration from another host) (HTTP 403)."""
+
+
+class CrossSiteRequest(MMADError):
+    """A page of an origin that is neither the daemon's own nor allowed sent a request other than
+    GET or HEAD (HTTP 403; mmad/server/origin.py)."""
+
+
+class UnsupportedMediaType(MMADError):
+    """The request's Content-Type is not one its route reads (HTTP 415)."""

@@ -1,7 +1,8 @@
 """The dashboard (``/ui``) and the OpenAPI page (``/docs``) in headless Chromium (Debian's
 ``chromium`` and ``chromium-driver``, installed by scripts/setup.sh --dev) against a real daemon on
 the cpu backend: during a training job the loss curve moves and the step count grows; the
-Swagger page renders from the package's own files.
+Swagger page renders from the package's own files; a page's POST reaches the daemon from its own
+origin and is refused from another one (docs/service.md, "Security").
 
 ``MMAD_DASHBOARD_SCREENSHOT=PATH`` saves the page's screenshot during the job there
 (docs/dashboard.png was made so).
@@ -109,3 +110,27 @@ def test_swagger_page_renders_from_local_files(daemon, browser):
     loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(url.startswith(daemon.url) for url in loaded), loaded
     assert httpx.get(f"{daemon.url}/redoc").status_code == 404  # no local copy of ReDoc: not served
+
+
+FETCH = """const [url, options, done] = arguments;
+fetch(url, options).then(r => done(r.type === "opaque" ? "opaque" : r.status), e => done("error: " + e));"""
+
+
+def test_a_page_writes_from_the_daemons_origin_and_not_from_another(daemon, browser):
+    """Chromium's own requests, Origin and all: the dashboard's origin (127.0.0.1:port) may take a
+    checkpoint; a page of another origin (localhost:port, another host name) sends the form-like
+    POST that needs no preflight, and nothing is written."""
+    with httpx.Client(base_url=daemon.url, timeout=30.0) as http:
+        count = lambda: len(http.get("/v2/models/demo/versions").json()["versions"])  # noqa: E731
+        before = count()
+        browser.get(f"{daemon.url}/ui")
+        status = browser.execute_async_script(FETCH, "/v2/models/demo/versions", {"method": "POST"})
+        assert status == 200 and count() == before + 1, status
+        browser.get(f"http://localhost:{daemon.port}/ui")
+        for body_type in ("text/plain", "application/x-www-form-urlencoded"):
+            status = browser.execute_async_script(FETCH, f"{daemon.url}/v2/models/demo/versions", {
+                "method": "POST", "mode": "no-cors", "headers": {"Content-Type": body_type}, "body": "{}"})
+            assert status == "opaque", status  # sent; the answer is the browser's to hide
+        status = browser.execute_async_script(FETCH, f"{daemon.url}/v2/models/demo/versions", {"method": "POST"})
+        assert status.startswith("error"), status  # no CORS header: the page reads nothing either
+        assert count() == before + 1

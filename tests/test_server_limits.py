@@ -32,12 +32,14 @@ UNKNOWN_NAMES = int(os.environ.get("MMAD_TEST_UNKNOWN_NAMES", "1000"))
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    """Short timeouts, small caps, the key from a file; a model ``five`` (SMALL_SPEC)."""
+    """Short timeouts, small caps, no health slots (test_http_safety.py has them), the key from a
+    file; a model ``five`` (SMALL_SPEC)."""
     root = tmp_path_factory.mktemp("limited")
     key_file = root / "api_key"
     key_file.write_text(KEY + "\n")
     proc = DaemonProcess(root / "store", "--idle-timeout", str(IDLE_S), "--head-timeout", str(HEAD_S),
                          "--max-header-bytes", str(HEADER_CAP), "--max-connections", str(MAX_CONN),
+                         "--health-slots", "0",  # a connection past the cap is refused at once (test below)
                          "--max-response-bytes", str(RESPONSE_CAP), "--api-key-file", str(key_file)).start()
     with httpx.Client(base_url=proc.url, timeout=30.0, headers=AUTH) as client:
         create(client, "five", SMALL_SPEC)

@@ -509,12 +509,21 @@ def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:
 
 
 def check_params(spec: MLPSpec, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Validate a full parameter set against the spec; returns fp32 C-contiguous copies."""
+    """Validate a full parameter set against the spec; returns fp32 C-contiguous copies.
+
+    Every value must be finite in the spec's precision too: a weight of 3e38 in an fp16 model is
+    Inf once the kernels round it, and every output it reaches is Inf or NaN."""
     expected = param_shapes(spec)
     missing = sorted(set(expected) - set(params))
-    extra = sorted(set(params) - set(expected))
+    extra = sorted(set(params) - set(expected), key=str)
     if missing or extra:
-        raise InvalidInput(f"parameters do not match the model: missing {missing}, unexpected {extra}")
+        def listed(names: list) -> str:  # a file of 200,000 names gets a message of five
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            return f"[{', '.join(repr(str(n)[:40]) for n in names[:5])}{more}]"
+        raise InvalidInput(f"parameters do not match the model: missing {listed(missing)}, unexpected {listed(extra)}")
+    # the largest finite number of each precision (bfloat16: fp32's exponent, 8 bits of mantissa)
+    largest = {"fp16": float(np.finfo(np.float16).max), "bf16": float.fromhex("0x1.fep127")}.get(
+        spec.precision, float(np.finfo(np.float32).max))
     out = {}
     for name, shape in expected.items():
         value = np.asarray(params[name])
@@ -523,6 +532,10 @@ def check_params(spec: MLPSpec, params: dict[str, np.ndarray]) -> dict[str, np.n
         value = np.array(value, dtype=np.float32, order="C")
         if not np.isfinite(value).all():
             raise InvalidInput(f"parameter {name} holds NaN or Inf")
+        peak = float(np.abs(value).max(initial=0.0))
+        if peak > largest:
+            raise InvalidInput(f"parameter {name} holds {peak:.6g}, beyond the largest {spec.precision} number "
+                               f"({largest:.6g}): this {spec.precision} model would compute Inf from it")
         out[name] = value
     return out
 

@@ -28,6 +28,7 @@ from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.server.repository import load_repository
 from mmad.server.routers import ALL as ROUTERS, ui
 from mmad.server.inference import InferFastPath
+from mmad.server.origin import guarded
 from mmad.server.settings import Settings
 from mmad.server.store import Store
 from mmad.spec import MLPSpec
@@ -121,13 +122,15 @@ async def start_grpc(rt: Runtime):
 
 class MMADApp(FastAPI):
     """FastAPI with the infer hot path in front of its middleware stack: each request meets the
-    body cap, then :class:`~mmad.server.inference.InferFastPath`, and only what that passes on
-    reaches FastAPI (whose middleware layers cost ~10% of a large shared-memory request's event-loop
-    time on the H100 host, docs/gpu-notes-cuda.md)."""
+    cross-site and body-type rules (:mod:`mmad.server.origin`), the body cap, then
+    :class:`~mmad.server.inference.InferFastPath`, and only what that passes on reaches FastAPI
+    (whose middleware layers cost ~10% of a large shared-memory request's event-loop time on the
+    H100 host, docs/gpu-notes-cuda.md)."""
 
-    def __init__(self, runtime: Runtime, max_body_bytes: int, **kwargs):
+    def __init__(self, runtime: Runtime, settings: Settings, **kwargs):
         super().__init__(**kwargs)
-        self._front = BodyLimitMiddleware(InferFastPath(super().__call__, runtime), max_bytes=max_body_bytes)
+        self._front = guarded(BodyLimitMiddleware(InferFastPath(super().__call__, runtime),
+                                                  max_bytes=settings.max_body_bytes), settings.allow_origin)
 
     async def __call__(self, scope, receive, send) -> None:
         await self._front(scope, receive, send)
@@ -154,7 +157,7 @@ def create_app(settings: Settings | None = None, workers=None) -> FastAPI:
                 await grpc_server.stop(settings.graceful_timeout_s)
             await stop_runtime(rt)
 
-    app = MMADApp(rt, settings.max_body_bytes, title="mmad", version=mmad.__version__, lifespan=lifespan,
+    app = MMADApp(rt, settings, title="mmad", version=mmad.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
     app.state.runtime = rt
     install_error_handlers(app)

@@ -4,6 +4,7 @@ files (dataset chunks), JSON in and out."""
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -153,6 +154,20 @@ async def stream_to_file(request: Request, path: Path, max_bytes: int, run: Call
 def _flush_and_sync(f) -> None:
     f.flush()
     os.fsync(f.fileno())
+
+
+def check_safetensors_header(data: bytes, what: str, max_header_bytes: int) -> None:
+    """Refuse a safetensors file whose header (8-byte little-endian length, then JSON) is longer
+    than ``max_header_bytes``, before anything parses it: parsing holds the GIL (the event loop
+    with it) and builds an object per entry, so a 200,000-entry header stalled every request for
+    seconds and left the process hundreds of MiB larger."""
+    if len(data) < 8:
+        raise InvalidInput(f"{what} is not a safetensors file: it has {len(data)} bytes; the header length "
+                           "alone needs 8")
+    (length,) = struct.unpack_from("<Q", data)
+    if length > max_header_bytes:
+        raise InvalidInput(f"{what} has a safetensors header of {length} bytes; this model's parameters need at "
+                           f"most {max_header_bytes}")
 
 
 def json_body(data: bytes, what: str = "the request body") -> Any:

@@ -13,17 +13,17 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmad.errors import (
-    BackendUnavailable, CacheError, CompileError, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput, LaunchError,
-    MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, RegionFull, SpecError, StoreUnwritable,
-    Unauthorized,
+    BackendUnavailable, CacheError, CompileError, ConflictError, CrossSiteRequest, DeviceMemoryFull, Forbidden,
+    InvalidInput, LaunchError, MMADError, ModelNotFound, NotReady, Overloaded, PayloadTooLarge, RegionFull, SpecError,
+    StoreUnwritable, Unauthorized, UnsupportedMediaType,
 )
 
 log = logging.getLogger("mmad.server")
 
 # first match wins (subclasses before their bases)
 STATUS_TABLE: list[tuple[type, int]] = [
-    (Unauthorized, 401), (Forbidden, 403), (ModelNotFound, 404), (ConflictError, 409),
-    (PayloadTooLarge, 413), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
+    (Unauthorized, 401), (Forbidden, 403), (CrossSiteRequest, 403), (ModelNotFound, 404), (ConflictError, 409),
+    (PayloadTooLarge, 413), (UnsupportedMediaType, 415), (SpecError, 400), (InvalidInput, 400), (Overloaded, 503),
     (NotReady, 503), (BackendUnavailable, 503), (StoreUnwritable, 507), (DeviceMemoryFull, 507), (RegionFull, 507),
     (CompileError, 500), (LaunchError, 500), (CacheError, 500),
 ]
@@ -38,9 +38,11 @@ def status_for(exc: MMADError) -> int:
 
 ERROR_BODY_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
 ERROR_STATUSES = {
-    400: "bad input (the message names the field)", 401: "no API key sent", 403: "wrong API key",
+    400: "bad input (the message names the field)", 401: "no API key sent",
+    403: "wrong API key, or a request from a page of another site (docs/service.md, Security)",
     404: "unknown model, version, dataset or job", 409: "conflicts with the current state",
-    413: "body too large", 503: "not ready, unloading or overloaded (see Retry-After)",
+    413: "body too large", 415: "the body's Content-Type is not one the route reads",
+    503: "not ready, unloading or overloaded (see Retry-After)",
     507: "the model store is full or read-only, the device lacks the memory asked for, or a shared-memory "
          "region's filesystem has no room for an output; nothing was saved and nothing served changed",
 }

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "'Authorization: Bearer KEY' (MMAD_API_KEY_FILE)")
     p.add_argument("--api-key", help="the key itself; visible to every user of the host in the process list, "
                                      "prefer --api-key-file or MMAD_API_KEY (MMAD_API_KEY)")
+    p.add_argument("--allow-origin", action="append",
+                   help="an origin (scheme://host[:port], or *) whose web pages may send requests that change "
+                        "something, besides the daemon's own pages; repeatable or comma-separated "
+                        "(MMAD_ALLOW_ORIGIN, default none)")
     p.add_argument("--max-body-bytes", type=int, help="request body cap (MMAD_MAX_BODY_BYTES, default 64 MiB)")
     p.add_argument("--max-dataset-bytes", type=int,
                    help="one dataset's size as stored, all its chunks (MMAD_MAX_DATASET_BYTES, default 16 GiB)")
@@ -50,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for a request line and headers to arrive (MMAD_HEAD_TIMEOUT_S, default 10)")
     p.add_argument("--max-header-bytes", type=int,
                    help="request line + headers cap, 431 beyond (MMAD_MAX_HEADER_BYTES, default 64 KiB)")
+    p.add_argument("--health-slots", type=int,
+                   help="connections past --max-connections kept for health probes (MMAD_HEALTH_SLOTS, default 16)")
+    p.add_argument("--body-timeout", dest="body_timeout_s", type=float,
+                   help="window in which a request body must bring --min-body-rate bytes a second, else 408 "
+                        "(MMAD_BODY_TIMEOUT_S, default 10)")
+    p.add_argument("--min-body-rate", type=int,
+                   help="bytes a second a request body must arrive at (MMAD_MIN_BODY_RATE, default 16384)")
+    p.add_argument("--max-pending-body-bytes", type=int,
+                   help="request bodies still arriving, all connections together; past it 503 "
+                        "(MMAD_MAX_PENDING_BODY_BYTES, default 512 MiB)")
     p.add_argument("--max-batch-rows", type=int, help="dynamic batching: rows per launch (MMAD_MAX_BATCH_ROWS)")
     p.add_argument("--max-queue-delay-us", type=int, help="dynamic batching: longest wait (MMAD_MAX_QUEUE_DELAY_US)")
     p.add_argument("--max-queue-requests", type=int, help="queued requests per model before 503 (MMAD_MAX_QUEUE_REQUESTS)")
@@ -134,22 +148,25 @@ def http_protocol(settings: Settings):
     from mmad.server.protocol import ConnectionLimits, protocol_class
 
     return protocol_class(settings.max_body_bytes, ConnectionLimits(
-        max_connections=connection_cap(settings.max_connections), head_timeout_s=settings.head_timeout_s,
-        max_header_bytes=settings.max_header_bytes))
+        max_connections=connection_cap(settings.max_connections, settings.health_slots),
+        head_timeout_s=settings.head_timeout_s, max_header_bytes=settings.max_header_bytes,
+        health_slots=settings.health_slots, body_timeout_s=settings.body_timeout_s,
+        min_body_rate=settings.min_body_rate, max_pending_body_bytes=settings.max_pending_body_bytes))
 
 
 FD_RESERVE = 256  # descriptors kept for the store, devices, logs and the listening socket
 
 
-def connection_cap(wanted: int) -> int:
+def connection_cap(wanted: int, health_slots: int = 0) -> int:
     """``wanted`` connections, or fewer if the descriptor limit (raised to its hard limit) cannot
-    hold them: past it accept() fails and even health probes go unanswered."""
+    hold them and the ``health_slots`` beside them: past it accept() fails and even health probes
+    go unanswered."""
     try:
         import resource
     except ImportError:
         return wanted
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + FD_RESERVE
+    need = wanted + health_slots + FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -158,7 +175,7 @@ def connection_cap(wanted: int) -> int:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < need:
-        cap = max(1, soft - FD_RESERVE)
+        cap = max(1, soft - FD_RESERVE - health_slots)
         log.warning("max_connections %d lowered to %d: the open-file limit is %d", wanted, cap, soft)
         return cap
     return wanted
@@ -195,6 +212,8 @@ def startup_error(settings: Settings, exc: OSError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.allow_origin is not None:
+        args.allow_origin = ",".join(args.allow_origin)
     try:
         settings = Settings(**{k: v for k, v in vars(args).items() if v is not None})
     except ValidationError as exc:

@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     # a file holding the key: unlike --api-key, not readable by other users in /proc/PID/cmdline
     api_key_file: Path | None = None
+    # origins besides the daemon's own whose pages may send requests that change something
+    # (mmad/server/origin.py): comma-separated scheme://host[:port], or * for every origin
+    allow_origin: str = Field("", description="origins whose web pages may call the API, besides the "
+                                              "daemon's own: comma-separated scheme://host[:port], or *")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # one dataset's total size as stored (its chunks, each one request body of at most max_body_bytes)
     max_dataset_bytes: int = Field(16 * 1024 ** 3, ge=1024, description="one dataset's size in the store; "
@@ -50,6 +54,17 @@ class Settings(BaseSettings):
                                                          "closed after this (uvicorn's keep-alive timeout)")
     head_timeout_s: float = Field(10.0, gt=0, description="a request line and headers must arrive within this")
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="request line + headers; more is answered 431")
+    health_slots: int = Field(16, ge=0, description="connections past max_connections kept for health probes "
+                                                    "(one GET /v2/health/live or /ready each)")
+    # a request body: docs/reliability.md, "Cross-site requests, slow clients and large headers"
+    body_timeout_s: float = Field(10.0, gt=0, description="each window of this long must bring min_body_rate "
+                                                          "bytes a second of a request body; else 408 and close")
+    min_body_rate: int = Field(16 * 1024, ge=0, description="bytes a second a request body must arrive at "
+                                                            "(0: any rate, but a window without a byte is cut)")
+    max_pending_body_bytes: int = Field(512 * 1024 * 1024, ge=1024,
+                                        description="bytes of request bodies still arriving, all connections "
+                                                    "together (at least one body of max_body_bytes); a body "
+                                                    "past it is answered 503")
     # dynamic batching defaults; a model's config overrides them
     max_batch_rows: int = Field(65536, ge=1)
     max_queue_delay_us: int = Field(500, ge=0)
@@ -94,6 +109,14 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value):
         return None if value == "" else value
+
+    @field_validator("allow_origin")
+    @classmethod
+    def _origins_are_origins(cls, value: str) -> str:
+        from mmad.server.origin import parse_allowed_origins
+
+        parse_allowed_origins(value)  # a malformed entry stops the start, naming it
+        return value
 
     @field_validator("model_repository")
     @classmethod

@@ -29,6 +29,7 @@ from mmad.server.deps import Runtime
 from mmad.server.errors import error_response, internal_error_response, mmad_error_response, status_for
 from mmad.server.inference import InferFastPath, infer_request
 from mmad.server.metrics import Metrics
+from mmad.server.origin import guarded
 from mmad.server.registry import ModelConfig, ModelEntry, Registry
 from mmad.server.settings import Settings
 from mmad.server.store import tensors_from_bytes
@@ -478,7 +479,7 @@ def run_worker(settings: Settings, link: WorkerLink, channel: socket.socket) -> 
     import uvicorn
 
     worker = WorkerApp(settings, link)
-    app = BodyLimitMiddleware(worker, max_bytes=settings.max_body_bytes)
+    app = guarded(BodyLimitMiddleware(worker, max_bytes=settings.max_body_bytes), settings.allow_origin)
     dealt = DealtConnections(channel, link)
 
     class WorkerServer(uvicorn.Server):

@@ -7,7 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from mmad.errors import InvalidInput, SpecError
-from mmad.server.bodies import json_body, json_response
+from mmad.backends.contract import param_shapes
+from mmad.server.bodies import check_safetensors_header, json_body, json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.inference import infer_request
@@ -165,9 +166,21 @@ async def get_weights(model: str, version: str | None = None, rt: Runtime = Depe
     return Response(data, media_type="application/octet-stream", headers={"Mmad-Step": str(step)})
 
 
+# a weight file's safetensors header: an entry per parameter (~70 bytes: name, dtype, shape,
+# offsets) with room to spare, and the metadata a writer adds ({"format": "pt"} and the like)
+HEADER_BYTES_PER_PARAMETER, HEADER_METADATA_BYTES = 256, 64 * 1024
+
+
+def uploaded_weights(spec: MLPSpec, data: bytes) -> dict[str, Any]:
+    """The tensors of a weight upload, its header bounded by what ``spec``'s parameters need."""
+    check_safetensors_header(data, "the body", HEADER_METADATA_BYTES + HEADER_BYTES_PER_PARAMETER * len(
+        param_shapes(spec)))
+    return tensors_from_bytes(data, "the body")
+
+
 @router.put("/v2/models/{model}/weights", dependencies=[Depends(require_key)], openapi_extra=BINARY_REQUEST_DOC)
 async def set_weights(model: str, request: Request, rt: Runtime = Depends(runtime)):
     entry = rt.registry.get_ready(model)
-    params = tensors_from_bytes(await request.body(), "the body")
+    params = await rt.registry.run(uploaded_weights, entry.spec, await request.body())
     version = await rt.registry.run(rt.registry.set_weights_blocking, entry, params)
     return json_response(version)
