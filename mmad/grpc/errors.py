@@ -10,7 +10,7 @@ from grpc import StatusCode
 
 from mmad.errors import (
     BackendUnavailable, ConflictError, DeviceMemoryFull, Forbidden, InvalidInput, MMADError, ModelNotFound, NotReady,
-    Overloaded, PayloadTooLarge, SpecError, StoreUnwritable, Unauthorized,
+    Overloaded, PayloadTooLarge, RegionFull, SpecError, StoreDamaged, StoreUnwritable, Unauthorized,
 )
 
 log = logging.getLogger("mmad.grpc")
@@ -24,6 +24,7 @@ CODE_TABLE: list[tuple[type, StatusCode]] = [
     (InvalidInput, StatusCode.INVALID_ARGUMENT), (Overloaded, StatusCode.UNAVAILABLE),
     (NotReady, StatusCode.UNAVAILABLE), (BackendUnavailable, StatusCode.UNAVAILABLE),
     (StoreUnwritable, StatusCode.RESOURCE_EXHAUSTED), (DeviceMemoryFull, StatusCode.RESOURCE_EXHAUSTED),
+    (RegionFull, StatusCode.RESOURCE_EXHAUSTED), (StoreDamaged, StatusCode.FAILED_PRECONDITION),
 ]
 
 
