@@ -383,9 +383,14 @@ class CudaMmaModel(MmaPlan, CudaModel):
         from the fp32 result). fp16 device inputs with fp16 outputs run ``mlp_forward_half``,
         which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes). ``into``: a
         C-contiguous device array of the kernel's output dtype the kernel writes (``forward_into``)."""
-        cp = self.cp
         half_out = self._half_out(out_dtype)
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
+        out = self._forward_encoded(dx, half_out, self._inference_weights(), into)
+        return self.download(out) if from_host else out
+
+    def _forward_encoded(self, dx: Any, half_out: bool, weights: tuple[Any, Any], into: Any = None) -> Any:
+        """The forward kernel on the encoded input ``dx`` (a device array as _device_input makes it)."""
+        cp = self.cp
         rows = dx.shape[0]
         half_io = half_out and dx.dtype == cp.float16
         out = into if into is not None else cp.empty((rows, self.spec.n_output_dims),
@@ -395,11 +400,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
             tiles = rows_pad // (16 * (self.mt_half if half_io else self.mt_fwd))
             grid = max(1, min(self.grid_half if half_io else self.grid_fwd, math.ceil(tiles / self.warps)))
             self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
-                         (dx, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
+                         (dx, np.int64(rows), np.int64(rows_pad), out, *weights),
                          self.smem_fwd if self.w_smem_fwd else 0)
         if half_out and not half_io:
             out = out.astype(cp.float16)
-        return self.download(out) if from_host else out
+        return out
 
     def forward_into(self, x: Any, out: Any) -> None:
         """See ``CompiledModel.forward_into``: the kernel writes ``out`` itself when it is a
@@ -834,7 +839,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self._check_backward_model(False)
         with stream_scope(self.cp, stream):
             dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
-            out = self.forward(dx, out_dtype=out_dtype)
+            out = self._forward_encoded(dx, self._half_out(out_dtype), (self.wimage, self.b_all))
         return (self.download(out) if from_host else out), self._forward_context(dx.shape[0], (dx, from_host))
 
     def backward(self, ctx: Any, dL_dy: Any, want_input_grad: bool = False,

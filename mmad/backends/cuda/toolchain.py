@@ -155,7 +155,8 @@ def device_info(cp) -> dict[str, Any]:
 # the methods that touch a model's device memory: each runs with the model's device current
 # (CuPy keeps the current device per thread, and the daemon's threads serve models on every GPU)
 DEVICE_METHODS = (
-    "forward", "forward_group", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "get_params", "set_params",
+    "forward", "forward_group", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "forward_train",
+    "backward", "get_params", "set_params",
     "get_optimizer_state", "set_optimizer_state", "put_dataset", "free_device_bytes", "take_rows", "upload",
     "download", "synchronize", "device_bytes", "close",
 )
