@@ -320,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`mmad bench --multi-gpu [options]` times replicas and data-parallel training "
                                    "over two devices (docs/multi-gpu.md). `mmad bench --hashgrid [options]` times "
                                    "tiny-cuda-nn's hash-grid image config against PyTorch and tiny-cuda-nn's "
-                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options.")
+                                   "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options. "
+                                   "`mmad bench --torch [options]` times mmad.torch's forward + backward from an "
+                                   "outside gradient against mmad.export.to_torch (docs/torch.md).")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
                         "vulkan[:coopmat|simt], wgpu; repeatable or "
@@ -405,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # `mmad bench FLAG [options]`: a benchmark with options of its own, parsed by its module's main
 BENCH_COMMANDS = {"--service": "mmad.bench.load", "--jobs": "mmad.bench.jobs", "--multi-gpu": "mmad.bench.multi_gpu",
-                  "--hashgrid": "mmad.bench.hashgrid"}
+                  "--hashgrid": "mmad.bench.hashgrid", "--torch": "mmad.bench.torch_bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

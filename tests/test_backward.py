@@ -12,7 +12,7 @@ from mmad.backends.contract import param_shapes
 from mmad.backends.cpu import CpuBackend
 from mmad.errors import InvalidInput
 from mmad.spec import ACTIVATIONS, MLPSpec
-from tests.oracle import case_rng, rel_err
+from oracle import case_rng, rel_err
 
 EPS = 1e-6
 GRID = {"n_levels": 3, "n_features_per_level": 2, "log2_hashmap_size": 8, "base_resolution": 3, "per_level_scale": 2.0}

@@ -14,8 +14,8 @@ import mmad.torch as mt  # noqa: E402
 from mmad import export  # noqa: E402
 from mmad.backends.cpu import CpuBackend  # noqa: E402
 from mmad.spec import MLPSpec  # noqa: E402
-from tests.oracle import case_rng, rel_err  # noqa: E402
-from tests.test_export import FP32_TOL, tcnn_buffer, tcnn_forward  # noqa: E402
+from oracle import case_rng, rel_err  # noqa: E402
+from test_export import FP32_TOL, tcnn_buffer, tcnn_forward  # noqa: E402
 
 GRID = {"otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2, "log2_hashmap_size": 9, "base_resolution": 4,
         "per_level_scale": 1.5}
@@ -345,3 +345,22 @@ def test_two_forwards_then_one_backward():
     m(a).sum().backward()
     (m(b) ** 2).sum().backward()  # accumulated by torch
     assert rel_err(both.numpy(), m.params.grad.numpy()) < 1e-6
+
+
+def test_bench_torch_runs_on_the_cpu(tmp_path):
+    """`mmad bench --torch` on CPU tensors: both models checked against the float64 oracle, timed,
+    against mmad.export.to_torch in the same run; the JSON says what was measured."""
+    import json
+
+    from mmad.cli import main as cli
+
+    out = tmp_path / "torch.json"
+    assert cli(["bench", "--torch", "--device", "cpu", "--rows", "256", "--repeats", "1", "--log2-hashmap-size",
+                "12", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["model"] for r in doc["results"]] == ["image", "ngp"]
+    for r in doc["results"]:
+        assert r["status"] == "measured" and r["rel_err_vs_float64"] <= r["tolerance"]
+        assert r["params_msps"] > 0 and r["input_msps"] > 0 and r["torch_params_msps"] > 0
+        assert r["x_torch_params"] == r["params_msps"] / r["torch_params_msps"]
+    assert cli(["bench", "--torch", "--models", "nerf"]) == 2
