@@ -364,3 +364,22 @@ def test_bench_torch_runs_on_the_cpu(tmp_path):
         assert r["params_msps"] > 0 and r["input_msps"] > 0 and r["torch_params_msps"] > 0
         assert r["x_torch_params"] == r["params_msps"] / r["torch_params_msps"]
     assert cli(["bench", "--torch", "--models", "nerf"]) == 2
+
+
+def test_demo_image_through_mmad_torch(tmp_path, capsys):
+    """`mmad demo --image --torch`: the picture fitted through mmad.torch and torch's Adam reaches
+    the PSNR the backend demo's test asks of it (tests/test_demo_image.py), and writes both PNGs."""
+    import re
+
+    from mmad.cli import main as cli
+    from test_demo_image import PSNR_BAR_DB
+
+    assert cli(["demo", "--image", "--torch", "--size", "32", "--steps", "60", "--batch", "1024",
+                "--log2-hashmap-size", "10", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mmad.torch on cpu" in out
+    assert float(re.search(r"final PSNR ([0-9.]+) dB", out).group(1)) > PSNR_BAR_DB, out
+    for name in ("demo-image-reconstruction.png", "demo-image-curve.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli(["demo", "--torch"]) == 2
+    assert "add --image" in capsys.readouterr().err
