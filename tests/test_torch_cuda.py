@@ -281,7 +281,7 @@ def test_torch_tcnn_checkpoint_on_cuda(torch_cuda):
 def test_torch_adam_on_cuda_follows_the_oracles_loss_curve(torch_cuda):
     torch = torch_cuda
     rng = case_rng("torch-cuda-train")
-    x = torch.from_numpy(unit_rows(rng, 4096, 6))
+    x = torch.from_numpy(unit_rows(rng, 2048, 6))
     target = torch.stack([torch.sin(6 * x[:, 0]) * x[:, 3], x[:, 1] * x[:, 2], torch.cos(4 * x[:, 4] + x[:, 5])], 1)
 
     def train(m, device, dtype):

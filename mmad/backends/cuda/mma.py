@@ -57,7 +57,7 @@ SMEM_PER_SM = 228 * 1024  # sm_80 / sm_90 shared memory per SM, of which each re
 NVRTC_OPTIONS = ("-std=c++17",)
 
 MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
-               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
+               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step", "mlp_load_tcnn")
 FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
 GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # where the group forward applies
 PAIRS_KERNELS = ("mlp_forward_pairs", "mlp_forward_pairs_half")  # where the input is encoded on the device

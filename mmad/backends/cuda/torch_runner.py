@@ -15,16 +15,21 @@ gradient comes back in the same flat layout.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
+
+import numpy as np
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.cuda.grids import CudaGridModel
-from mmad.backends.cuda.toolchain import cupy_module, device_errors, device_info
+from mmad.backends.cuda.toolchain import cupy_module, device_info
 from mmad.errors import BackendUnavailable, InvalidInput, LaunchError
 from mmad.export import tcnn_bias_columns, tcnn_n_params
 from mmad.spec import MLPSpec
 
 import torch
+
+LOAD_THREADS = 256
 
 
 class CudaTorchModel(CudaGridModel):
@@ -41,21 +46,15 @@ class CudaTorchModel(CudaGridModel):
 
     def load_tcnn(self, flat: Any) -> None:
         """Enqueue taking the parameters from ``flat`` (tcnn's flat buffer, fp16, on this device;
-        kept referenced: the grid kernels read its tables until the next load). The parameters'
+        kept referenced: the grid kernels read its tables until the next load): one launch of
+        ``mlp_load_tcnn`` (the masters, the images, b0 from the padding columns). The parameters'
         version is left as it is: the caller loads the parameters a forward ran on before its
         backward (mmad.torch saves them with the forward, as tinycudann does)."""
-        cp, n_w = self.cp, self._n_weights
-        try:
-            cp.copyto(self.w_all, flat[:n_w], casting="same_kind")
-            if self._bias_columns:  # the padding columns multiply 1: their sum is b0 (the padding reads 0 here)
-                width = self.layers[0][3]
-                cp.sum(self.w_all[:width * self.k_in].reshape(width, self.k_in)[:, self.spec.n_encoded_dims:],
-                       axis=1, out=self.b_all[:width])
-        except device_errors(cp) as exc:
-            raise LaunchError(f"loading the parameters on the device failed: {exc}") from exc
-        for i in range(self.n_layers):
-            self._optimize_layer(i, 2, 0, None, None)
-        self._external_tables = flat[n_w:].view(cp.uint16)
+        n_w = self._n_weights
+        weights = flat[:n_w].view(self.cp.uint16)
+        self._launch("mlp_load_tcnn", (math.ceil(n_w / LOAD_THREADS),), (LOAD_THREADS,),
+                     (weights, self.w_all, self.b_all, self.wimage, np.int32(self._bias_columns)))
+        self._external_tables = flat[n_w:].view(self.cp.uint16)
 
     def _training_tables(self) -> Any:
         return self.table_image if self._external_tables is None else self._external_tables
