@@ -167,8 +167,8 @@ def test_device_encoded_backward_matches_the_oracle(cuda, encoding):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["mma", "wgmma", "wgmma+mma"])
-@pytest.mark.parametrize("activation", ["ReLU", "Tanh", "SiLU"])
+@pytest.mark.parametrize("variant,activation", [("mma", "ReLU"), ("mma", "Tanh"), ("mma", "SiLU"), ("wgmma", "ReLU"),
+                                                ("wgmma", "Tanh"), ("wgmma+mma", "ReLU")])
 def test_mma_and_wgmma_backward_matches_the_oracle(cuda, variant, activation):
     """The parameters' gradients from an outside dL/dy on the plain variants (a Frequency encoding
     made on the device for them); d loss / d input is refused there, naming the models that have it."""
