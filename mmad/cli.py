@@ -72,6 +72,9 @@ def _demo(args: argparse.Namespace) -> int:
     """Train a small MLP on a 2-D field with the best available backend and report it."""
     if args.image:
         return _demo_image(args)
+    if args.torch:
+        print("mmad demo: --torch trains the --image demo through mmad.torch; add --image", file=sys.stderr)
+        return 2
     import numpy as np
 
     from mmad.backends import select
@@ -146,8 +149,8 @@ IMAGE_CONFIG = {
 
 def _demo_image(args: argparse.Namespace) -> int:
     """Fit a generated picture with the hash-grid image config on ``--backend`` (cpu by default:
-    it runs everywhere; cuda, vulkan or wgpu on a GPU); write the reconstruction and the loss/PSNR
-    curve as PNGs."""
+    it runs everywhere; cuda, vulkan or wgpu on a GPU), or with ``--torch`` through mmad.torch
+    and torch's Adam; write the reconstruction and the loss/PSNR curve as PNGs."""
     import numpy as np
     from tqdm import tqdm
 
@@ -159,34 +162,27 @@ def _demo_image(args: argparse.Namespace) -> int:
     except ImportError:
         print("mmad demo --image draws its PNGs with matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
-    from mmad.backends import select
     from mmad.errors import MMADError
-    from mmad.spec import MLPSpec
 
     doc = {**IMAGE_CONFIG, "encoding": {**IMAGE_CONFIG["encoding"], "log2_hashmap_size": args.log2_hashmap_size}}
-    try:
-        backend, row = select(args.backend)
-        if row.backend == "cuda":  # its mma variant computes in fp16 (tcnn's own precision for this config)
-            doc["precision"] = "fp16"
-        spec = MLPSpec.from_json(doc)
-        # a named variant is compiled as named; else the backend picks the one for a grid model
-        model = backend.compile(spec, variant=row.variant if ":" in (args.backend or "") else None)
-    except MMADError as exc:
-        print(f"mmad demo --image --backend {args.backend}: {exc}", file=sys.stderr)
-        return 2
     image = demo_image(args.size)
     pixels = image.reshape(-1, 3)
     centres = (np.arange(args.size, dtype=np.float32) + 0.5) / args.size
     u, v = np.meshgrid(centres, centres, indexing="xy")
     coords = np.stack([u.ravel(), v.ravel()], 1)
+    try:
+        fitter = _TorchImageFit(doc, args) if args.torch else _BackendImageFit(doc, args)
+    except MMADError as exc:
+        print(f"mmad demo --image --{'torch' if args.torch else 'backend ' + str(args.backend)}: {exc}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(0)
     batch = min(args.batch, len(coords))
+    rows_in_table = fitter.spec.grid_shapes["grid0"][0]
     print(f"fitting a {args.size}x{args.size} picture: HashGrid 16 levels x 2 features, 2^{args.log2_hashmap_size} "
-          f"table ({spec.grid_shapes['grid0'][0]:,} rows), 64x2 ReLU MLP, {row.backend}:{model.variant} on "
-          f"{row.device}, batch {batch}")
+          f"table ({rows_in_table:,} rows), 64x2 ReLU MLP, {fitter.what}, batch {batch}")
 
     def psnr() -> float:
-        out = np.clip(model.forward(coords), 0, 1)
+        out = np.clip(fitter.predict(coords), 0, 1)
         return float(10 * np.log10(1 / np.mean((out - pixels) ** 2)))
 
     steps, losses, curve = [], [], []
@@ -194,14 +190,14 @@ def _demo_image(args: argparse.Namespace) -> int:
     with tqdm(range(1, args.steps + 1), desc="training", unit="step") as bar:
         for step in bar:
             rows = rng.integers(0, len(coords), batch)
-            losses.append(float(model.train_step(coords[rows], pixels[rows])[0]))
+            losses.append(fitter.step(coords[rows], pixels[rows]))
             if step % every == 0 or step == args.steps:
                 steps.append(step)
                 curve.append(psnr())
                 bar.set_postfix(loss=f"{losses[-1]:.5f}", psnr=f"{curve[-1]:.2f} dB")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    recon = np.clip(model.forward(coords), 0, 1).reshape(image.shape)
+    recon = np.clip(fitter.predict(coords), 0, 1).reshape(image.shape)
     fig, axes = plt.subplots(1, 2, figsize=(8, 4.3))
     for ax, picture, title in zip(axes, (image, recon), ("reference", f"mmad, {curve[-1]:.2f} dB PSNR")):
         ax.imshow(picture, interpolation="nearest")
@@ -220,9 +216,76 @@ def _demo_image(args: argparse.Namespace) -> int:
     fig.savefig(out_dir / "demo-image-curve.png", dpi=100)
     print(f"wrote {out_dir / 'demo-image-reconstruction.png'} and {out_dir / 'demo-image-curve.png'}")
     print(f"final PSNR {curve[-1]:.2f} dB after {args.steps} steps")
-    model.close()
-    backend.close()
+    fitter.close()
     return 0
+
+
+class _BackendImageFit:
+    """The image fit on an mmad backend: its own training step (loss and Adam on the device)."""
+
+    def __init__(self, doc: dict, args: argparse.Namespace):
+        from mmad.backends import select
+        from mmad.spec import MLPSpec
+
+        self.backend, row = select(args.backend)
+        if row.backend == "cuda":  # its mma variant computes in fp16 (tcnn's own precision for this config)
+            doc = {**doc, "precision": "fp16"}
+        self.spec = MLPSpec.from_json(doc)
+        # a named variant is compiled as named; else the backend picks the one for a grid model
+        self.model = self.backend.compile(self.spec, variant=row.variant if ":" in (args.backend or "") else None)
+        self.what = f"{row.backend}:{self.model.variant} on {row.device}"
+
+    def step(self, x, y) -> float:
+        return float(self.model.train_step(x, y)[0])
+
+    def predict(self, x):
+        return self.model.forward(x)
+
+    def close(self) -> None:
+        self.model.close()
+        self.backend.close()
+
+
+class _TorchImageFit:
+    """The image fit through mmad.torch: a NetworkWithInputEncoding (fp16; CUDA tensors where torch
+    has a GPU, else CPU tensors on mmad's cpu backend), the L2 loss computed in torch, torch's Adam
+    with the config's rates on the fp32 params."""
+
+    def __init__(self, doc: dict, args: argparse.Namespace):
+        try:
+            import torch
+        except ImportError as exc:
+            from mmad.errors import MMADError
+
+            raise MMADError(f"needs PyTorch ({exc}): pip install mmad[torch]") from exc
+        import mmad.torch as mt
+        from mmad.spec import MLPSpec
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.module = mt.NetworkWithInputEncoding(2, 3, doc["encoding"], doc["network"], seed=doc["seed"]).to(self.device)
+        self.spec = self.module.spec
+        opt = doc["optimizer"]
+        self.optimizer = torch.optim.Adam(self.module.parameters(), lr=opt["learning_rate"],
+                                          betas=(opt["beta1"], opt["beta2"]), eps=opt["epsilon"])
+        self.what = f"mmad.torch on {self.device} (torch {torch.__version__}, Adam in torch)"
+        MLPSpec.from_json(doc)  # the config as the backends read it: the same errors
+
+    def step(self, x, y) -> float:
+        torch = self.torch
+        self.optimizer.zero_grad()
+        pred = self.module(torch.from_numpy(x).to(self.device)).float()
+        loss = ((pred - torch.from_numpy(y).to(self.device)) ** 2).mean()
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    def predict(self, x):
+        with self.torch.no_grad():
+            return self.module(self.torch.from_numpy(x).to(self.device)).float().cpu().numpy()
+
+    def close(self) -> None:
+        pass
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -360,7 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "figures (docs/benchmarks.md); `mmad bench --hashgrid --help` lists its options. "
                                    "`mmad bench --ready [options]` times a model's PUT to READY and to its first "
                                    "answer, cold and warm cache (docs/benchmarks.md); `mmad bench --ready --help` "
-                                   "lists its options.")
+                                   "lists its options. "
+                                   "`mmad bench --torch [options]` times mmad.torch's forward + backward from an "
+                                   "outside gradient against mmad.export.to_torch (docs/torch.md).")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
                         "vulkan[:coopmat|simt], wgpu; repeatable or "
@@ -412,6 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "demo-image-reconstruction.png and demo-image-curve.png")
     p.add_argument("--size", type=int, default=128, help="--image: the picture's side in pixels")
     p.add_argument("--log2-hashmap-size", type=int, default=15, help="--image: the hash table's size (log2)")
+    p.add_argument("--torch", action="store_true", help="--image: train through mmad.torch (a PyTorch module, "
+                                                        "torch's Adam, the loss in torch; docs/torch.md)")
     p.add_argument("--out", default=".", help="--image: the folder for the PNGs")
     p.add_argument("--backend", default="cpu",
                    help="--image: the backend[:variant] that trains it (default cpu; grids run on cpu, cuda, wgpu "
@@ -469,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # `mmad bench FLAG [options]`: a benchmark with options of its own, parsed by its module's main
 BENCH_COMMANDS = {"--service": "mmad.bench.load", "--jobs": "mmad.bench.jobs", "--multi-gpu": "mmad.bench.multi_gpu",
-                  "--hashgrid": "mmad.bench.hashgrid", "--ready": "mmad.bench.ready"}
+                  "--hashgrid": "mmad.bench.hashgrid", "--ready": "mmad.bench.ready", "--torch": "mmad.bench.torch_bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@
 * :func:`to_onnx` — the same function as an ONNX graph, built with the ``onnx`` package alone
   (no PyTorch needed), opset 18, a dynamic batch dimension.
 * :func:`from_tcnn` — tiny-cuda-nn's flat parameter buffer (fp16 or fp32) of a
-  ``NetworkWithInputEncoding`` with this spec's config, as mmad's ``W{i}``/``b{i}``.
+  ``NetworkWithInputEncoding`` with this spec's config, as mmad's ``W{i}``/``b{i}``;
+  :func:`to_tcnn` the other way; :func:`tcnn_initial_params` the buffer tcnn starts from for a seed.
 * :func:`from_state_dict` — the ``state_dict`` of a plain ``nn.Sequential`` of ``Linear``
   layers (and activations), or of a module :func:`to_torch` made, as mmad's parameters.
 * :func:`inference_params` — the weights a model infers with (the EMA average under an EMA
@@ -18,6 +19,7 @@ torch and onnx are optional (``pip install mmad[export]``); they are imported wh
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -32,12 +34,12 @@ ONNX_OPSET = 18  # 18: BitwiseAnd and BitwiseXor, which a hash grid's index need
 TCNN_ALIGNMENT = 16  # FullyFusedMLP's and CutlassMLP's REQUIRED_ALIGNMENT(): input and output widths pad to it
 
 
-def require_optional(module: str):
+def require_optional(module: str, extra: str = "export"):
     try:
         return __import__(module)
     except ImportError as exc:
-        raise ImportError(f"{module} is not installed: `pip install mmad[export]` installs torch, onnx and "
-                          f"onnxruntime ({exc})") from exc
+        what = "torch, onnx and onnxruntime" if extra == "export" else module
+        raise ImportError(f"{module} is not installed: `pip install mmad[{extra}]` installs {what} ({exc})") from exc
 
 
 def inference_params(spec: MLPSpec, params: Mapping[str, Any],
@@ -69,6 +71,43 @@ def tcnn_n_params(spec: MLPSpec) -> int:
     return sum(r * c for r, c in tcnn_layer_shapes(spec)) + sum(r * f for r, f in spec.grid_shapes.values())
 
 
+@dataclass(frozen=True)
+class TcnnSegment:
+    """One parameter in tiny-cuda-nn's flat buffer: mmad's ``name`` (``W{i}`` or ``grid{k}``) is
+    the ``used`` rows × columns at the top left of the row-major ``shape`` stored from value
+    ``offset`` on (a weight matrix padded to 16 columns and output rows; a table exactly)."""
+
+    name: str
+    offset: int
+    shape: tuple[int, int]
+    used: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+def tcnn_layout(spec: MLPSpec) -> list[TcnnSegment]:
+    """Every parameter's place in tiny-cuda-nn's buffer for ``spec`` (``from_tcnn`` / ``to_tcnn``
+    and mmad.torch's flat ``params`` share it), in buffer order."""
+    check_exportable(spec)
+    _tcnn_padding_is_ones(spec)  # refuses a Composite tcnn would pad between parts
+    out, at = [], 0
+    for i, (shape, (fan_in, fan_out)) in enumerate(zip(tcnn_layer_shapes(spec), spec.layer_dims)):
+        out.append(TcnnSegment(f"W{i}", at, shape, (fan_out, fan_in)))
+        at += shape[0] * shape[1]
+    for name, shape in spec.grid_shapes.items():
+        out.append(TcnnSegment(name, at, shape, shape))
+        at += shape[0] * shape[1]
+    return out
+
+
+def tcnn_bias_columns(spec: MLPSpec) -> bool:
+    """Whether the first layer's padding columns act as its bias ``b0`` (the encoding pads with
+    columns of 1: every encoding but a grid, which pads with 0); the other layers have none."""
+    return _tcnn_padding_is_ones(spec) and tcnn_layer_shapes(spec)[0][1] > spec.n_encoded_dims
+
+
 def _tcnn_padding_is_ones(spec: MLPSpec) -> bool:
     """Whether the columns tcnn pads the encoded input with hold 1 (they are the last part's:
     a grid pads with 0, every other encoding with 1). A Composite whose parts tcnn would pad
@@ -85,6 +124,40 @@ def _tcnn_padding_is_ones(spec: MLPSpec) -> bool:
     return not parts[-1][0].is_grid
 
 
+def params_from_tcnn_flat(spec: MLPSpec, flat: Any, zeros) -> dict[str, Any]:
+    """mmad's parameters as views and sums of a flat tcnn buffer ``flat`` (a 1-D NumPy array or
+    torch tensor, any float dtype: the results keep it); ``zeros(n)``: a zero vector of that kind.
+    The first layer's bias is the sum of its padding columns' weights where they multiply 1."""
+    bias_columns = tcnn_bias_columns(spec)
+    params: dict[str, Any] = {}
+    for seg in tcnn_layout(spec):
+        full = flat[seg.offset:seg.offset + seg.size].reshape(seg.shape)
+        rows, cols = seg.used
+        params[seg.name] = full[:rows, :cols]
+        if seg.name.startswith("W"):
+            bias = f"b{seg.name[1:]}"
+            params[bias] = full[:rows, cols:].sum(1) if seg.name == "W0" and bias_columns else zeros(rows)
+    return params
+
+
+def tcnn_flat_from_params(spec: MLPSpec, params: Mapping[str, Any], flat: Any, spread_bias: bool) -> Any:
+    """Write mmad's ``params`` (W{i}, b0 where tcnn has it, grid{k}) into the zeroed flat tcnn
+    buffer ``flat`` (NumPy or torch alike) and return it. ``b0`` goes into the first padding
+    column, or with ``spread_bias`` into every one: a gradient, d loss / d each padding weight
+    being d loss / d b0."""
+    bias_columns = tcnn_bias_columns(spec)
+    for seg in tcnn_layout(spec):
+        full = flat[seg.offset:seg.offset + seg.size].reshape(seg.shape)
+        rows, cols = seg.used
+        full[:rows, :cols] = params[seg.name]
+        if seg.name == "W0" and bias_columns:
+            if spread_bias:
+                full[:rows, cols:] = params["b0"][:, None]
+            else:
+                full[:rows, cols] = params["b0"]
+    return flat
+
+
 def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.ndarray]:
     """mmad's parameters from tiny-cuda-nn's flat parameter buffer for ``spec``'s config.
 
@@ -98,7 +171,6 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
     ``buffer``: an array (fp16/fp32, any shape) or raw bytes of ``dtype`` (``"fp16"`` or ``"fp32"``).
     """
     check_exportable(spec)
-    padding_is_ones = _tcnn_padding_is_ones(spec)
     if isinstance(buffer, (bytes, bytearray, memoryview)):
         if dtype not in ("fp16", "fp32"):
             raise InvalidInput(f"raw tcnn parameters need their dtype, fp16 or fp32; got {dtype!r}")
@@ -109,25 +181,127 @@ def from_tcnn(spec: MLPSpec, buffer: Any, dtype: Any = None) -> dict[str, np.nda
     flat = np.asarray(buffer).reshape(-1)
     if flat.dtype not in (np.float16, np.float32, np.float64):
         raise InvalidInput(f"tcnn parameters must be floating point; got {flat.dtype}")
-    shapes = tcnn_layer_shapes(spec)
+    check_tcnn_size(spec, flat.size)
+    # the padding columns' sum in float64, rounded once to fp32 by check_params
+    return check_params(spec, params_from_tcnn_flat(spec, flat.astype(np.float64), np.zeros))
+
+
+def check_tcnn_size(spec: MLPSpec, size: int) -> None:
+    """A flat tcnn buffer of ``size`` values is this config's; else a clear error with its layout."""
     expected = tcnn_n_params(spec)
-    if flat.size != expected:
-        layout = " + ".join([f"{r}x{c}" for r, c in shapes] + [f"{r}x{f}" for r, f in spec.grid_shapes.values()])
+    if size != expected:
+        layout = " + ".join([f"{r}x{c}" for r, c in tcnn_layer_shapes(spec)]
+                            + [f"{r}x{f}" for r, f in spec.grid_shapes.values()])
         raise InvalidInput(f"tiny-cuda-nn's buffer for this config holds {expected} parameters ({layout}, "
-                           f"widths padded to {TCNN_ALIGNMENT}); got {flat.size}")
-    params: dict[str, np.ndarray] = {}
-    at = 0
-    for i, ((rows, cols), (fan_in, fan_out)) in enumerate(zip(shapes, spec.layer_dims)):
-        w = flat[at:at + rows * cols].astype(np.float64).reshape(rows, cols)
-        at += rows * cols
-        params[f"W{i}"] = w[:fan_out, :fan_in]
-        # only the first layer sees the padding columns of 1: their weights act as its bias
-        # (summed in float64, rounded once to fp32 by check_params)
-        params[f"b{i}"] = w[:fan_out, fan_in:].sum(axis=1) if i == 0 and padding_is_ones else np.zeros(fan_out)
-    for name, (rows, features) in spec.grid_shapes.items():
-        params[name] = flat[at:at + rows * features].reshape(rows, features)
-        at += rows * features
-    return check_params(spec, params)
+                           f"widths padded to {TCNN_ALIGNMENT}); got {size}")
+
+
+def to_tcnn(spec: MLPSpec, params: Mapping[str, Any], dtype: Any = np.float32) -> np.ndarray:
+    """tiny-cuda-nn's flat parameter buffer (``dtype``: float32 or float16) holding mmad's
+    ``params``: :func:`from_tcnn`'s inverse. tcnn's network has no biases but the first layer's
+    padding columns of 1, so ``b0`` goes into the first padding column; a bias it cannot hold (b0
+    of an input without such columns, a later layer's) is refused."""
+    params = check_params(spec, dict(params))
+    holds_b0 = tcnn_bias_columns(spec)
+    lost = [f"b{i}" for i in range(len(spec.layer_dims)) if (i or not holds_b0) and params[f"b{i}"].any()]
+    if lost:
+        why = ("its first layer's padding columns, which tiny-cuda-nn multiplies by 1, can hold b0"
+               if holds_b0 else "this encoding leaves it no padding columns of 1 to hold b0")
+        raise InvalidInput(f"tiny-cuda-nn's network has no biases: {', '.join(lost)} must be zero ({why})")
+    flat = np.zeros(tcnn_n_params(spec), np.float64)
+    return tcnn_flat_from_params(spec, params, flat, spread_bias=False).astype(dtype)
+
+
+# -- tiny-cuda-nn's initial parameters ------------------------------------------------------------
+PCG32_MULT = 0x5851F42D4C957F2D
+_U64 = np.uint64
+
+
+class Pcg32:
+    """tiny-cuda-nn's pcg32 (dependencies/pcg32: PCG-XSH-RR, stream 1 by default), drawing many
+    values at once: draw k of a run is the generator ``k`` steps on."""
+
+    def __init__(self, seed: int, stream: int = 1):
+        self.inc = ((stream << 1) | 1) & 0xFFFFFFFFFFFFFFFF
+        self.state = 0
+        self._step()
+        self.state = (self.state + seed) & 0xFFFFFFFFFFFFFFFF
+        self._step()
+
+    def _step(self) -> None:
+        self.state = (self.state * PCG32_MULT + self.inc) & 0xFFFFFFFFFFFFFFFF
+
+    def _states(self, n: int) -> np.ndarray:
+        """The states before each of the next ``n`` draws (uint64; wrapping products are pcg's)."""
+        states = np.empty(max(n, 1), np.uint64)
+        states[0] = self.state
+        mult, plus, have = PCG32_MULT, self.inc, 1  # the affine map of ``have`` steps
+        with np.errstate(over="ignore"):
+            while have < n:
+                take = min(have, n - have)
+                states[have:have + take] = states[:take] * _U64(mult) + _U64(plus)
+                plus = (plus * mult + plus) & 0xFFFFFFFFFFFFFFFF
+                mult = (mult * mult) & 0xFFFFFFFFFFFFFFFF
+                have += take
+        return states[:n]
+
+    def advance(self, n: int) -> None:
+        mult, plus, acc_mult, acc_plus = PCG32_MULT, self.inc, 1, 0
+        while n > 0:
+            if n & 1:
+                acc_mult = (acc_mult * mult) & 0xFFFFFFFFFFFFFFFF
+                acc_plus = (acc_plus * mult + plus) & 0xFFFFFFFFFFFFFFFF
+            plus = ((mult + 1) * plus) & 0xFFFFFFFFFFFFFFFF
+            mult = (mult * mult) & 0xFFFFFFFFFFFFFFFF
+            n >>= 1
+        self.state = (acc_mult * self.state + acc_plus) & 0xFFFFFFFFFFFFFFFF
+
+    def floats(self, n: int, advance: bool = True) -> np.ndarray:
+        """The next ``n`` next_float() values, [0, 1) float32 (the generator moved past them)."""
+        old = self._states(n)
+        xorshifted = (((old >> _U64(18)) ^ old) >> _U64(27)) & _U64(0xFFFFFFFF)
+        rot = old >> _U64(59)
+        bits = ((xorshifted >> rot) | (xorshifted << ((_U64(32) - rot) & _U64(31)))) & _U64(0xFFFFFFFF)
+        if advance:
+            self.advance(n)
+        return ((bits >> _U64(9)) | _U64(0x3F800000)).astype(np.uint32).view(np.float32) - np.float32(1)
+
+
+GENERATE_PER_THREAD, LINEAR_THREADS = 4, 128  # tcnn's generate_random: N_TO_GENERATE, N_THREADS_LINEAR
+
+
+def _tcnn_uniform_kernel(rng: Pcg32, n: int, low: float, high: float) -> np.ndarray:
+    """tcnn's generate_random_uniform (a GPU kernel): thread i of T takes draws 4i … 4i + 3 for
+    elements i, i + T, i + 2T, i + 3T; then the generator advances past n draws."""
+    needed = math.ceil(n / GENERATE_PER_THREAD)
+    threads = math.ceil(needed / LINEAR_THREADS) * LINEAR_THREADS  # the launch's blockDim.x · gridDim.x
+    draws = rng.floats(threads * GENERATE_PER_THREAD, advance=False)
+    rng.advance(n)
+    idx = np.arange(n)
+    values = draws[(idx % threads) * GENERATE_PER_THREAD + idx // threads]
+    low32, high32 = np.float32(low), np.float32(high)
+    # val · (upper − lower) + lower, which nvcc contracts to one fma: the product is exact in float64
+    return (values.astype(np.float64) * np.float64(high32 - low32) + np.float64(low32)).astype(np.float32)
+
+
+def tcnn_initial_params(spec: MLPSpec, seed: int, network: bool = True) -> np.ndarray:
+    """The flat fp32 buffer tiny-cuda-nn's ``initial_params(seed)`` gives a NetworkWithInputEncoding
+    of ``spec``'s config (tinycudann's modules start from it): a pcg32 seeded with ``seed`` draws
+    every weight matrix in turn on the host (Xavier uniform over the padded shape; SIREN's with a
+    Sine activation), then every grid table in turn in tcnn's GPU kernel order (uniform ±1e-4).
+    ``network=False``: an ``Encoding`` alone, its tables only."""
+    rng = Pcg32(seed)
+    chunks = []
+    for i, (rows, cols) in enumerate(tcnn_layer_shapes(spec) if network else ()):
+        if spec.activation == "Sine":  # initialize_siren_uniform_first / initialize_siren_uniform
+            scale = np.float32(30.0) / np.float32(cols) if i == 0 else np.sqrt(np.float32(6.0) / np.float32(cols))
+        else:  # initialize_xavier_uniform: fan_in + fan_out of the stored matrix
+            scale = np.sqrt(np.float32(6.0) / np.float32(rows + cols))
+        scale = np.float32(scale)
+        chunks.append(rng.floats(rows * cols) * np.float32(2.0) * scale - scale)
+    for rows, features in spec.grid_shapes.values():
+        chunks.append(_tcnn_uniform_kernel(rng, rows * features, -1e-4, 1e-4))
+    return np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, np.float32)
 
 
 # -- PyTorch state dicts -------------------------------------------------------------------------
@@ -528,5 +702,6 @@ def _onnx_encode(g: _OnnxGraph, enc: EncodingSpec, x: str, dims: int, tables) ->
     return parts[0] if len(parts) == 1 else g.op("Concat", *parts, axis=1)
 
 
-__all__ = ["to_torch", "to_onnx", "from_tcnn", "from_state_dict", "inference_params", "tcnn_layer_shapes",
+__all__ = ["to_torch", "to_onnx", "from_tcnn", "to_tcnn", "tcnn_initial_params", "tcnn_layout", "from_state_dict",
+           "inference_params", "tcnn_layer_shapes",
            "tcnn_n_params", "ONNX_OPSET"]

@@ -87,7 +87,7 @@ def test_hash_grid_4d_one_feature(backend):
 @pytest.mark.gpu
 def test_instant_ngp_composite(backend):
     """A HashGrid of the 3-D position beside SphericalHarmonics of the direction (encoded on the
-    host, copied into the encoded input by grid_copy_columns)."""
+    device too: enc_forward_0 writes its 16 columns from the raw input)."""
     spec = grid_spec(INSTANT_NGP, 6, n_out=4)
     rng = np.random.default_rng()
     params = random_params(spec, rng)
@@ -96,7 +96,7 @@ def test_instant_ngp_composite(backend):
     x[:, 3:] = (direction / np.linalg.norm(direction, axis=1, keepdims=True) + 1) / 2
     y = targets(rng, x, 4)
     with backend.compile(spec) as m:
-        assert m.grid_plan.host_parts == ((12, 16, 6),)
+        assert [(p.encoding.otype, p.column, p.width) for p in m.grid_plan.free] == [("SphericalHarmonics", 12, 16)]
         m.set_params(params)
         check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
@@ -104,7 +104,7 @@ def test_instant_ngp_composite(backend):
 
 @pytest.mark.gpu
 def test_two_grids_with_sgd_and_wide_mlp(backend):
-    """Two grid parts (two tables) around a host-encoded part, SGD with momentum and l2_reg (tcnn's
+    """Two grid parts (two tables) around a parameter-free part, SGD with momentum and l2_reg (tcnn's
     SGD steps a table like the layers), a 128-wide MLP (the backward's deltas are 128 wide)."""
     spec = MLPSpec.from_json({"n_input_dims": 5, "n_output_dims": 3, "encoding": TWO_GRIDS, "seed": 5,
                               "network": {"n_neurons": 128, "n_hidden_layers": 2, "activation": "ReLU"},
@@ -187,7 +187,7 @@ def test_grid_model_with_ema_and_device_inputs(backend):
 
 @pytest.mark.gpu
 def test_train_epochs_on_a_grid_model(backend):
-    """A dataset held on the device (raw inputs and the host-encoded parts, fp16 targets) trains
+    """A dataset held on the device (raw inputs, fp16 targets) trains
     through the epoch order: each step encodes its drawn rows; the same batches through
     train_step on a twin give the same losses and parameters (within the atomics' rounding)."""
     spec = grid_spec(INSTANT_NGP, 6, n_out=4)
@@ -258,7 +258,7 @@ def test_other_cuda_variants_refuse_grid_models(backend):
 
 
 def test_grid_source_builds_with_nvcc_without_spills(tmp_path):
-    """The generated grid kernels of the instant-NGP composite (3-D hash, host columns), the
+    """The generated grid kernels of the instant-NGP composite (3-D hash, device-encoded SH), the
     hash-grid image config (16-byte row stores, coarse levels summed in shared memory), a 4-D
     one-feature grid and the two-grid SGD model with EMA, built by nvcc for sm_90: no local memory."""
     nvcc = shutil.which("nvcc")

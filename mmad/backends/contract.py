@@ -26,6 +26,14 @@ activation are applied to the fp32 accumulator and the result rounded to the com
 the next layer; the last layer's output stays fp32. Backward multiplies the loss gradient by
 ``spec.loss_scale``, rounds each layer's gradient to the compute type, accumulates weight
 gradients in fp32 and divides by the loss scale before the optimizer step on fp32 masters.
+
+Backward from an outside gradient (what a PyTorch module needs, :mod:`mmad.torch`):
+``forward_train(x)`` returns the outputs and a :class:`ForwardContext`, ``backward(ctx, dL_dy,
+want_input_grad)`` the gradients of the parameters (named as ``get_params``) and, when asked,
+d loss / d input, with the numerics of training: ``dL_dy`` is multiplied by the loss scale, each
+layer's delta rounded to the compute type, d loss / d encoded input (delta_0 · W_0) rounded to
+the compute type as tiny-cuda-nn's network hands it to its encoding, then every gradient divided
+by the loss scale. Device arrays in, device arrays out, enqueued on ``stream`` without waiting.
 """
 
 from __future__ import annotations
@@ -149,6 +157,18 @@ class EpochPosition:
         self.cursor = (done % per_epoch) * batch
 
 
+@dataclass
+class ForwardContext:
+    """What ``forward_train`` keeps for ``backward``: the rows, the parameters' version it ran
+    on (``backward`` refuses a context whose parameters have changed since) and the backend's
+    own state (its saved activations, or what its backward kernels recompute them from)."""
+
+    model_id: int
+    version: tuple[int, int]
+    rows: int
+    state: Any = None
+
+
 class CompiledModel(abc.ABC):
     """A model compiled for one backend variant; owns device buffers until ``close()``.
 
@@ -175,6 +195,7 @@ class CompiledModel(abc.ABC):
                                          "wrapper or use the cpu, vulkan, wgpu or cuda mma backend")
         self.spec = spec
         self.step_count = 0
+        self.params_version = 0  # bumped by every set_params: ForwardContext.version with step_count
 
     # -- compute --------------------------------------------------------------------------
     @abc.abstractmethod
@@ -213,6 +234,41 @@ class CompiledModel(abc.ABC):
     @abc.abstractmethod
     def loss_and_grads(self, x: Any, y: Any) -> tuple[float, dict[str, np.ndarray]]:
         """Loss and unscaled fp32 gradients of every parameter, without an optimizer step."""
+
+    # -- backward from an outside gradient ------------------------------------------------------
+    def forward_train(self, x: Any, out_dtype: Any = np.float32, stream: Any = None) -> tuple[Any, ForwardContext]:
+        """``forward(x)`` on the training parameters (never an EMA average) and what ``backward``
+        needs of it. ``stream``: the backend's stream handle to enqueue on (cuda: a
+        ``cudaStream_t`` as an int, e.g. torch's current stream; None: the current one); nothing
+        waits for the device."""
+        raise InvalidInput(f"the {self.backend} backend's {self.variant} variant has no backward from an outside "
+                           "gradient; use the cpu backend or the cuda mma variant")
+
+    def backward(self, ctx: ForwardContext, dL_dy: Any, want_input_grad: bool = False,
+                 stream: Any = None) -> tuple[Any, dict[str, Any]]:
+        """(d loss / d input or None, d loss / d every parameter) for ``dL_dy`` (rows ×
+        n_output_dims, float16/32, on the side of ``forward_train``'s input) at ``ctx``'s forward.
+        The gradients are unscaled fp32 arrays named and shaped as ``get_params`` (the cpu
+        backend's float64 numerics: float64), d loss / d input rows × n_input_dims fp32; device
+        arrays where the forward's input was one, enqueued on ``stream`` without waiting."""
+        raise InvalidInput(f"the {self.backend} backend's {self.variant} variant has no backward from an outside "
+                           "gradient; use the cpu backend or the cuda mma variant")
+
+    def _forward_context(self, rows: int, state: Any) -> ForwardContext:
+        return ForwardContext(id(self), (self.step_count, self.params_version), rows, state)
+
+    def check_forward_context(self, ctx: Any, dL_dy: Any) -> None:
+        """``ctx`` is this model's ``forward_train`` on the parameters it holds now, ``dL_dy`` its
+        rows × n_output_dims; a clear error otherwise."""
+        if not isinstance(ctx, ForwardContext) or ctx.model_id != id(self):
+            raise InvalidInput("backward needs the context forward_train of this model returned")
+        if ctx.version != (self.step_count, self.params_version):
+            raise InvalidInput("the model's parameters changed after forward_train: run forward_train again "
+                               "before backward")
+        shape = tuple(np.shape(dL_dy))
+        if shape != (ctx.rows, self.spec.n_output_dims):
+            raise InvalidInput(f"dL_dy (the output's gradient) must have shape [{ctx.rows}, {self.spec.n_output_dims}] "
+                               f"as forward_train's output; got {list(shape)}")
 
     def apply_gradients(self, grads: dict[str, np.ndarray]) -> None:
         """One optimizer step with the given (unscaled, fp32, named like ``get_params``)

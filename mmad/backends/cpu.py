@@ -28,7 +28,7 @@ import numpy as np
 from mmad.backends import numerics as nm
 from mmad.backends.contract import (
     Backend, CompiledModel, DeviceInfo, ProbeRow, check_device_index, check_finite_rows, check_host_output, check_params,
-    init_params, optimizer_slots, output_dtype,
+    check_rows_shape, init_params, optimizer_slots, output_dtype,
 )
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
@@ -192,7 +192,12 @@ class CpuModel(CompiledModel):
         return {k: v.astype(np.float32) for k, v in self._params.items()}
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
-        self._params = {k: v.astype(self.dtype) for k, v in check_params(self.spec, params).items()}
+        checked = check_params(self.spec, params)
+        if self.dtype == np.float64:  # the oracle keeps float64 values as given (finite differences step below fp32)
+            checked = {k: np.asarray(params[k]) if np.asarray(params[k]).dtype == np.float64 else v
+                       for k, v in checked.items()}
+        self.params_version += 1
+        self._params = {k: np.array(v, dtype=self.dtype) for k, v in checked.items()}
         if self._ema_slot is not None:  # inference serves the weights just set (an EMA checkpoint follows when restoring)
             self._slots[self._ema_slot] = {n: v.copy() for n, v in self._params.items()}
         self._refresh_compute_weights()
@@ -333,22 +338,79 @@ class CpuModel(CompiledModel):
             values, dpred = nm.loss_terms(spec.loss, pred, y[start:stop].astype(self.dtype),
                                           delta=spec.huber_delta)
             loss_sum += float(values.sum(dtype=np.float64))
-            delta = dpred * scale * nm.activation_grad(spec.output_activation, zs[-1])
-            delta = nm.round_to(self.compute, delta)
-            for i in reversed(range(self.n_layers)):
-                grads[f"W{i}"] += delta.T @ hs[i]
-                grads[f"b{i}"] += delta.sum(axis=0)
-                if i:
-                    delta = (delta @ self._wt[i].T) * nm.activation_grad(spec.activation, zs[i - 1])
-                    delta = nm.round_to(self.compute, delta)
-            if lookups:  # on through the first layer into the grid tables
-                d_encoded = nm.round_to(self.compute, delta @ self._wt[0].T)
-                tables = nm.grid_gradients(spec.encoding, spec.n_input_dims, lookups, d_encoded, self._grids)
-                for name, g in zip(self._grid_names, tables):
-                    grads[name] += g
+            self._backprop_chunk(dpred * scale, hs, zs, lookups, grads)
         for g in grads.values():
             g /= spec.loss_scale
         return loss_sum / y.size, grads
+
+    def _backprop_chunk(self, dpred: np.ndarray, hs: list[np.ndarray], zs: list[np.ndarray], lookups: list,
+                        grads: dict[str, np.ndarray], want_encoded: bool = False) -> np.ndarray | None:
+        """Add one chunk's loss-scaled gradients into ``grads`` from the loss-scaled d loss / d
+        output ``dpred``; returns d loss / d encoded input (rounded to the compute type, loss-scaled)
+        when the grids need it or ``want_encoded``."""
+        spec = self.spec
+        delta = nm.round_to(self.compute, dpred * nm.activation_grad(spec.output_activation, zs[-1]))
+        for i in reversed(range(self.n_layers)):
+            grads[f"W{i}"] += delta.T @ hs[i]
+            grads[f"b{i}"] += delta.sum(axis=0)
+            if i:
+                delta = (delta @ self._wt[i].T) * nm.activation_grad(spec.activation, zs[i - 1])
+                delta = nm.round_to(self.compute, delta)
+        if not (lookups or want_encoded):
+            return None
+        # on through the first layer into the grid tables (and the encoding's inputs)
+        d_encoded = nm.round_to(self.compute, delta @ self._wt[0].T)
+        if lookups:
+            tables = nm.grid_gradients(spec.encoding, spec.n_input_dims, lookups, d_encoded, self._grids)
+            for name, g in zip(self._grid_names, tables):
+                grads[name] += g
+        return d_encoded
+
+    def forward_train(self, x: Any, out_dtype: Any = np.float32, stream: Any = None) -> tuple[np.ndarray, Any]:
+        """See ``CompiledModel.forward_train``: every chunk's layer inputs, pre-activations and
+        grid lookups kept for ``backward``."""
+        exact = self.dtype == np.float64 and np.dtype(out_dtype) == np.float64  # the oracle's own precision
+        dtype = np.dtype(np.float64) if exact else output_dtype(out_dtype)
+        x = self._train_input(x)
+        out = np.empty((x.shape[0], self.spec.n_output_dims), dtype=self.dtype)
+        chunks = []
+        for start in range(0, x.shape[0], TRAIN_CHUNK_ROWS):
+            xc = x[start:start + TRAIN_CHUNK_ROWS]
+            pred, hs, zs, lookups = self._forward_chunk(xc, keep=True)
+            out[start:start + TRAIN_CHUNK_ROWS] = pred
+            chunks.append((xc, hs, zs, lookups))
+        return out.astype(dtype, copy=False), self._forward_context(x.shape[0], chunks)
+
+    def _train_input(self, x: Any) -> np.ndarray:
+        """``check_input``, except that the float64 numerics keep float64 inputs as they are (a
+        finite-difference or torch.autograd.gradcheck step is below float32's resolution)."""
+        x = np.asarray(x)
+        if self.dtype == np.float64 and x.dtype == np.float64:
+            return np.ascontiguousarray(check_rows_shape(x, self.spec.n_input_dims, "input"))
+        return self.check_input(x)
+
+    def backward(self, ctx: Any, dL_dy: Any, want_input_grad: bool = False,
+                 stream: Any = None) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """See ``CompiledModel.backward``: chunk by chunk from the activations ``forward_train`` kept."""
+        self.check_forward_context(ctx, dL_dy)
+        dL_dy = np.asarray(check_rows_shape(np.asarray(dL_dy), self.spec.n_output_dims, "dL_dy"), dtype=self.dtype)
+        spec = self.spec
+        grads = {k: np.zeros_like(v) for k, v in self._params.items()}
+        dL_dx = np.zeros((ctx.rows, spec.n_input_dims), self.dtype) if want_input_grad else None
+        scale = self.dtype(spec.loss_scale)
+        start = 0
+        for xc, hs, zs, lookups in ctx.state:
+            stop = start + xc.shape[0]
+            d_encoded = self._backprop_chunk(dL_dy[start:stop] * scale, hs, zs, lookups, grads, want_input_grad)
+            if want_input_grad:
+                dL_dx[start:stop] = nm.encode_input_gradient(spec.encoding, np.asarray(xc, self.dtype), d_encoded,
+                                                             lookups, self._grids) / scale
+            start = stop
+        for g in grads.values():
+            g /= scale
+        if self.dtype == np.float32 and dL_dx is not None:
+            dL_dx = dL_dx.astype(np.float32)
+        return dL_dx, grads
 
     def loss_and_grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
         x = self.check_input(x)

@@ -34,10 +34,17 @@ GRID_OTYPES = ("HashGrid", "DenseGrid", "TiledGrid")  # the encodings with train
 @dataclass
 class GridLookup:
     """Where one grid part's rows read the table: ``rows`` (rows × levels × corners, into the
-    whole table) and the interpolation ``weights`` (same shape, the working dtype)."""
+    whole table) and the interpolation ``weights`` (same shape, the working dtype); for the input
+    gradient, each level's ``fractions`` (rows × levels × dims, after smoothstep where it
+    applies), d fraction / d position (``slopes``, same shape) and ``scales`` (tcnn's scale per
+    level: d position / d input)."""
 
     rows: np.ndarray
     weights: np.ndarray
+    fractions: np.ndarray | None = None
+    slopes: np.ndarray | None = None
+    scales: tuple[float, ...] = ()
+    interpolation: str = "Linear"
 
 
 def _positions(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
@@ -77,11 +84,15 @@ def grid_lookup(part: EncodingSpec, x: np.ndarray) -> GridLookup:
     modes = grid_index_modes(part, dims)
     index = np.empty((rows, len(levels), corners), np.int64)
     weights = np.empty((rows, len(levels), corners), x.dtype)
+    fractions = np.empty((rows, len(levels), dims), x.dtype)
+    slopes = np.ones((rows, len(levels), dims), x.dtype)
     one = x.dtype.type(1)
     for level, info in enumerate(levels):
         cell, frac = _positions(x, info.scale)
-        if part.interpolation == "Smoothstep":
+        if part.interpolation == "Smoothstep":  # tcnn's smoothstep and smoothstep_derivative
+            slopes[:, level] = x.dtype.type(6) * frac * (one - frac)
             frac = frac * frac * (x.dtype.type(3) - x.dtype.type(2) * frac)
+        fractions[:, level] = frac
         mode = modes[level]
         hashed, fits = mode == "hash", mode == "dense"
         for corner in range(corners):
@@ -104,7 +115,7 @@ def grid_lookup(part: EncodingSpec, x: np.ndarray) -> GridLookup:
                 weights[:, level, corner] = w
             else:
                 weights[:, level, corner] = one
-    return GridLookup(index, weights)
+    return GridLookup(index, weights, fractions, slopes, tuple(info.scale for info in levels), part.interpolation)
 
 
 def grid_forward(lookup: GridLookup, table: np.ndarray) -> np.ndarray:
@@ -126,6 +137,38 @@ def grid_backward(lookup: GridLookup, d_out: np.ndarray, entries: int) -> np.nda
     for f in range(features):
         grad[:, f] = np.bincount(flat, weights=(lookup.weights * d[..., f]).reshape(-1), minlength=entries)
     return grad
+
+
+def grid_input_gradient(lookup: GridLookup, d_out: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """d loss / d input (rows × dims) of one grid part from d loss / d its output (rows ×
+    levels·features), as tcnn's kernel_grid computes dy_dx and kernel_grid_backward_input sums it:
+    per level and dim, scale · Σ over the corner pairs along the dim of the other dims' weights ·
+    (right value − left value) · d fraction / d position. Nearest interpolation has none (0)."""
+    rows, levels, corners = lookup.rows.shape
+    dims = lookup.fractions.shape[2]
+    out = np.zeros((rows, dims), d_out.dtype)
+    if lookup.interpolation == "Nearest":
+        return out
+    features = d_out.shape[1] // levels
+    values = table[lookup.rows]  # rows × levels × corners × features
+    d = d_out.reshape(rows, levels, features)
+    frac = lookup.fractions
+    one = frac.dtype.type(1)
+    for dim in range(dims):
+        slope = np.zeros((rows, levels, features), d_out.dtype)
+        for corner in range(corners):
+            if not (corner >> dim) & 1:
+                continue
+            weight = np.ones((rows, levels), frac.dtype)
+            for other in range(dims):
+                if other != dim:
+                    weight = weight * (frac[:, :, other] if (corner >> other) & 1 else one - frac[:, :, other])
+            left = corner & ~(1 << dim)
+            slope += weight[:, :, None] * (values[:, :, corner] - values[:, :, left])
+        scale = np.asarray(lookup.scales, d_out.dtype)[None, :, None]
+        per_level = scale * slope * lookup.slopes[:, :, dim, None]
+        out[:, dim] = (per_level * d).sum(axis=(1, 2))
+    return out
 
 
 @dataclass(frozen=True)
@@ -271,5 +314,73 @@ def triangle_wave(n_frequencies: int, x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
-__all__ = ["GRID_OTYPES", "GridLookup", "GridPart", "HASH_PRIMES", "grid_backward",
-           "grid_forward", "grid_index_modes", "grid_input_layout", "grid_lookup", "spherical_harmonics", "triangle_wave"]
+def triangle_wave_input_gradient(n_frequencies: int, x: np.ndarray, d_out: np.ndarray) -> np.ndarray:
+    """d loss / d input of ``triangle_wave`` (tcnn's triangle_wave_encoding dy_dx): ±2^(k+1) per
+    frequency, negative where floor(2v) is even (the falling half of the wave)."""
+    k = np.arange(n_frequencies)
+    v = np.ldexp(x[:, :, None], (k - 1).astype(np.int32)) + (k * 0.25).astype(x.dtype)
+    sign = np.where(np.fmod(np.floor(v * x.dtype.type(2)), 2) == 0, x.dtype.type(-1), x.dtype.type(1))
+    dy_dx = np.ldexp(sign, (k + 1).astype(np.int32))
+    return (d_out.reshape(x.shape[0], x.shape[1], n_frequencies) * dy_dx).sum(axis=2)
+
+
+class _Dual:
+    """A value and its derivative along one input direction, with the arithmetic the spherical
+    harmonics' formula uses: the formula evaluated on these gives its exact derivative (tcnn's
+    sh_enc_grad is the same polynomials differentiated)."""
+
+    def __init__(self, value, slope):
+        self.value, self.slope = value, slope
+
+    def __add__(self, o):
+        return _Dual(self.value + o.value, self.slope + o.slope) if isinstance(o, _Dual) else _Dual(self.value + o, self.slope)
+
+    __radd__ = __add__
+
+    def __sub__(self, o):
+        return _Dual(self.value - o.value, self.slope - o.slope) if isinstance(o, _Dual) else _Dual(self.value - o, self.slope)
+
+    def __rsub__(self, o):
+        return _Dual(o - self.value, -self.slope)
+
+    def __mul__(self, o):
+        if isinstance(o, _Dual):
+            return _Dual(self.value * o.value, self.slope * o.value + self.value * o.slope)
+        return _Dual(self.value * o, self.slope * o)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return _Dual(-self.value, -self.slope)
+
+    def __getitem__(self, key):
+        return _Dual(self.value[key], self.slope[key])
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    @staticmethod
+    def full_like(v: "_Dual", value: float) -> "_Dual":
+        return _Dual(np.full_like(v.value, value), np.zeros_like(v.slope))
+
+    @staticmethod
+    def stack(values: list["_Dual"], axis: int) -> "_Dual":
+        return _Dual(np.stack([v.value for v in values], axis), np.stack([v.slope for v in values], axis))
+
+
+def spherical_harmonics_input_gradient(degree: int, x: np.ndarray, d_out: np.ndarray) -> np.ndarray:
+    """d loss / d input of ``spherical_harmonics`` (tcnn's kernel_sh_backward): the gradient of
+    the polynomials in the direction 2x − 1, times 2 for that map."""
+    out = np.empty((x.shape[0], 3), d_out.dtype)
+    for dim in range(3):
+        seed = np.zeros_like(x)
+        seed[:, dim] = 1
+        jac = spherical_harmonics(degree, _Dual(x, seed), _Dual).slope  # rows × degree², d/dx_dim (2x − 1 inside)
+        out[:, dim] = (jac * d_out).sum(axis=1)
+    return out
+
+
+__all__ = ["GRID_OTYPES", "GridLookup", "GridPart", "HASH_PRIMES", "grid_backward", "grid_forward",
+           "grid_index_modes", "grid_input_gradient", "grid_input_layout", "grid_lookup", "spherical_harmonics",
+           "spherical_harmonics_input_gradient", "triangle_wave", "triangle_wave_input_gradient"]

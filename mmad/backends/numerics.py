@@ -2,8 +2,8 @@
 
 Activations (value and derivative from the pre-activation), losses (per-element value and
 gradient, tiny-cuda-nn's definitions: relative losses hold their normaliser constant),
-encodings (forward; the grid encodings' tables also backward, see :mod:`.encodings`), and the
-optimizer updates. The cpu backend runs these directly; GPU backends use the encodings on the
+encodings (forward; backward into the grid encodings' tables and into the inputs, see
+:mod:`.encodings`), and the optimizer updates. The cpu backend runs these directly; GPU backends use the encodings on the
 host and the tests use all of them as the definition of right.
 """
 
@@ -13,7 +13,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from mmad.backends.encodings import GridLookup, grid_backward, grid_forward, grid_lookup, spherical_harmonics, triangle_wave
+from mmad.backends.encodings import (
+    GridLookup, grid_backward, grid_forward, grid_input_gradient, grid_lookup, spherical_harmonics,
+    spherical_harmonics_input_gradient, triangle_wave, triangle_wave_input_gradient,
+)
 from mmad.spec import EmaSpec, EncodingSpec, OptimizerSpec
 
 LEAKY_SLOPE = 0.01
@@ -197,6 +200,68 @@ def grid_gradients(encoding: EncodingSpec, n_input_dims: int, lookups: list[Grid
             out.append(grid_backward(lookups[k], d_encoded[:, column:column + width], grids[k].shape[0]))
         column += width
     return out
+
+
+def encode_input_gradient(encoding: EncodingSpec, x: np.ndarray, d_encoded: np.ndarray, lookups: list[GridLookup],
+                          grids: Sequence[np.ndarray]) -> np.ndarray:
+    """d loss / d input (rows × dims, d_encoded's dtype) from d loss / d encoded output, as each of
+    tiny-cuda-nn's encodings computes its ``dL_dinput`` (every encoding does; a Nearest grid's is
+    0): ``lookups`` and ``grids`` as ``encode_with_lookups`` returned and read them. A Composite's
+    parts add into the input dims they read."""
+    out = np.zeros(x.shape, d_encoded.dtype)
+    column, k = 0, 0
+    for part, begin, dims in encoding.parts(x.shape[1]):
+        width = part.n_output_dims(dims)
+        d, xs = d_encoded[:, column:column + width], x[:, begin:begin + dims]
+        if part.is_grid:
+            grad = grid_input_gradient(lookups[k], d, grids[k])
+            k += 1
+        else:
+            grad = _part_input_gradient(part, xs, d)
+        out[:, begin:begin + dims] += grad
+        column += width
+    return out
+
+
+def _part_input_gradient(encoding: EncodingSpec, x: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """``encode_input_gradient`` of one parameter-free encoding (tcnn's ``*_backward`` kernels)."""
+    t = d.dtype.type
+    x = x.astype(d.dtype, copy=False)
+    if encoding.otype == "Identity":
+        return d * t(encoding.scale)
+    if encoding.otype == "Frequency":  # d sin(2^i·π·x) = 2^i·π·cos(·), d cos(2^i·π·x) = −2^i·π·sin(·)
+        freqs = ((2.0 ** np.arange(encoding.n_frequencies)) * np.pi).astype(d.dtype)
+        arg = x[:, :, None] * freqs
+        dy_dx = np.stack([freqs * np.cos(arg), -freqs * np.sin(arg)], axis=-1)
+        return (d.reshape(dy_dx.shape) * dy_dx).sum(axis=(2, 3))
+    if encoding.otype == "OneBlob":
+        return _one_blob_input_gradient(x, encoding.n_bins, d)
+    if encoding.otype == "SphericalHarmonics":
+        return spherical_harmonics_input_gradient(encoding.degree, x, d)
+    if encoding.otype == "TriangleWave":
+        return triangle_wave_input_gradient(encoding.n_frequencies, x, d)
+    raise ValueError(f"no parameter-free encoding {encoding.otype!r}")
+
+
+def _one_blob_input_gradient(x: np.ndarray, n: int, d: np.ndarray) -> np.ndarray:
+    """tcnn's kernel_one_blob_backward: bin k's d/dx is K(b_k − x) − K(b_{k+1} − x), K the quartic
+    kernel's density (15/16·(1 − u²)², u = v·n, times n) summed over the three wrapped copies,
+    b_k = k/n, up to the last bin's right boundary 1."""
+    t = x.dtype.type
+    bounds = np.arange(n + 1, dtype=x.dtype) / t(n)
+    u = bounds[None, None, :] - x[:, :, None]
+    one = t(1)
+    density = _quartic_density(u, n) + _quartic_density(u - one, n) + _quartic_density(u + one, n)
+    deriv = density[..., :-1] - density[..., 1:]
+    return (d.reshape(deriv.shape) * deriv).sum(axis=2)
+
+
+def _quartic_density(v: np.ndarray, inv_radius: int) -> np.ndarray:
+    """tcnn's quartic_cdf_deriv: 15/16·max(1 − u², 0)² · inv_radius, u = v·inv_radius."""
+    t = v.dtype.type
+    u = v * t(inv_radius)
+    w = np.maximum(t(1) - u * u, t(0))
+    return t(15 / 16) * w * w * t(inv_radius)
 
 
 def _encode_part(encoding: EncodingSpec, x: np.ndarray) -> np.ndarray:

@@ -1,12 +1,14 @@
-"""Grid-encoded models (HashGrid, DenseGrid, TiledGrid) on the ``mma`` and ``mma-f16acc`` variants.
+"""Models whose encoded input is made on the device: grid-encoded ones (HashGrid, DenseGrid,
+TiledGrid) on the ``mma`` and ``mma-f16acc`` variants, and mmad.torch's (any encoding: the
+input gradient comes from the same path).
 
-``mmad/shaders/cuda/grid.cu``. The MLP runs on the mma kernels (:mod:`.mma`) with the encoded
-input as theirs; around them, per training step (all on the device, one captured CUDA graph):
+``mmad/shaders/cuda/grid.cu`` and ``encodings.cu``. The MLP runs on the mma kernels (:mod:`.mma`)
+with the encoded input as theirs; around them, per training step (all on the device, one captured
+CUDA graph):
 
 1. ``grid_encode_<k>`` interpolates each grid part's fp16 table into the encoded input (a thread
    per row and level; pair-major fp16, the layout the mma kernels read with ``ENCODED_INPUT``) and
-   ``grid_copy_columns`` adds the columns the host encoded (the parameter-free parts,
-   :func:`mmad.backends.numerics.grid_kernel_input`);
+   ``enc_forward_<k>`` encodes the parameter-free parts from the raw input (:mod:`.encodings`);
 2. the mma training kernel (fused where the plan allows), which also writes d loss / d encoded
    input (delta_0 @ W_0, fp16);
 3. ``grid_backward_<k>`` adds weight x that gradient into the tables' fp32 gradient (tcnn's
@@ -16,7 +18,14 @@ input as theirs; around them, per training step (all on the device, one captured
    image the forward reads, the EMA average where the optimizer keeps one.
 
 The tables are the parameters ``grid{k}`` (fp32 masters), read and written like the MLP's.
-Datasets on the device hold the kernel input (fp32), so each step encodes its batch afresh.
+Datasets on the device hold the raw input (fp32), so each step encodes its batch afresh.
+
+Backward from an outside gradient (``forward_train`` / ``backward``): the forward on the training
+weights keeps its encoded input; the backward runs the training kernels compiled with the
+gradient as their "loss" (``LOSS_GIVEN``: the loss-scaled d loss / d output in, the deltas, the
+weight gradients and d loss / d encoded input out, as in a step), then the tables' gradient and,
+when asked, ``grid_input_grad_<k>`` and ``enc_backward_<k>`` turn d loss / d encoded input into
+d loss / d input (tcnn's ``dL_dinput``).
 """
 
 from __future__ import annotations
@@ -28,16 +37,17 @@ import numpy as np
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.contract import (
-    CompiledModel, Dataset, EpochPosition, check_epoch_run, check_params, check_rows, check_rows_shape,
+    CompiledModel, Dataset, EpochPosition, ForwardContext, check_epoch_run, check_params, check_rows, check_rows_shape,
     optimizer_slots,
 )
+from mmad.backends.cuda.encodings import encodings_source, free_kernels, free_parts, launch_backward, launch_forward
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.mma import (
-    FINISH_THREADS, NVRTC_OPTIONS, CudaMmaModel, f32_literal, optimizer_defines,
+    FINISH_THREADS, NVRTC_OPTIONS, CudaMmaModel, f32_literal, optimizer_defines, stream_scope,
 )
 from mmad.backends.cuda.toolchain import LoadedModule, cached_cubin, device_errors, nvrtc_compile, nvrtc_version
 from mmad.backends.encodings import GridPart, grid_input_layout
-from mmad.backends.numerics import epoch_half_bits, grid_kernel_input, grid_steps_from_state, step_base_rate
+from mmad.backends.numerics import epoch_half_bits, grid_steps_from_state, step_base_rate
 from mmad.errors import InvalidInput, LaunchError
 from mmad.shaders import read_source
 from mmad.spec import MLPSpec, kernel_code_defines
@@ -48,7 +58,7 @@ BACKWARD_SMEM_VALUES = 11776  # fp32 sums of the coarse levels a grid_backward b
 ELEMENTWISE_THREADS = 256
 MODE_CODES = {"dense": 0, "hash": 1, "zero": 2}
 INTERP_CODES = {"Linear": 0, "Nearest": 1, "Smoothstep": 2}
-BASE_KERNELS = ("grid_copy_columns", "grid_gather_targets", "grid_optimize")
+BASE_KERNELS = ("grid_gather_targets", "grid_optimize")
 
 
 def fastmod_factor(divisor: int) -> int:
@@ -57,16 +67,26 @@ def fastmod_factor(divisor: int) -> int:
 
 
 class GridPlan:
-    """The grid parts of a spec and the generated source of their kernels (needs no GPU)."""
+    """The grid and parameter-free parts of a spec's encoding and the generated source of their
+    kernels (needs no GPU). The kernels read the raw input (``input_cols`` = n_input_dims)."""
 
     def __init__(self, spec: MLPSpec):
-        self.parts, self.host_parts, self.input_cols = grid_input_layout(spec)
+        self.parts = grid_input_layout(spec)[0]
+        self.free = free_parts(spec)
+        self.input_cols = spec.n_input_dims
         self.values = sum(p.entries * p.features for p in self.parts)
         self.source = self._source(spec)
 
+    @staticmethod
+    def input_gradient(p: GridPart) -> bool:
+        """Whether a grid part has d output / d input (tcnn's: none for Nearest)."""
+        return p.interpolation != "Nearest"
+
     @property
     def kernels(self) -> tuple[str, ...]:
-        return BASE_KERNELS + tuple(f"grid_{kind}_{p.index}" for p in self.parts for kind in ("encode", "backward"))
+        grids = tuple(f"grid_{kind}_{p.index}" for p in self.parts for kind in ("encode", "backward"))
+        inputs = tuple(f"grid_input_grad_{p.index}" for p in self.parts if self.input_gradient(p))
+        return BASE_KERNELS + grids + inputs + free_kernels(self.free)
 
     @staticmethod
     def shared_levels(p: GridPart) -> tuple[int, int]:
@@ -82,7 +102,8 @@ class GridPlan:
         defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f", "GRID_THREADS": GRID_THREADS}
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
         parts = "".join(self._part_source(p) for p in self.parts)
-        return head + read_source("cuda/mlp_common.cuh") + read_source("cuda/grid.cu") + parts
+        return (head + read_source("cuda/mlp_common.cuh") + encodings_source(self.free) + read_source("cuda/grid.cu")
+                + parts)
 
     def _part_source(self, p: GridPart) -> str:
         levels = ",\n    ".join(
@@ -112,7 +133,14 @@ extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backwar
     grid_backward_part<{t}, {len(p.levels)}, {smem_levels}, {smem_values}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_cols, x,
                                                           row_map, rows, x_cols, grad, inv_scale);
 }}
-"""
+""" + (f"""
+extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_input_grad_{k}(
+    const void* __restrict__ din, int din_half, int din_cols, const float* __restrict__ x, i64 rows, int x_cols,
+    const u16* __restrict__ table, float inv_scale, float* __restrict__ dx) {{
+    grid_input_grad_part<{t}, {len(p.levels)}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_half, din_cols, x, rows,
+                                               x_cols, table, inv_scale, dx);
+}}
+""" if self.input_gradient(p) else "")
 
 
 class CudaGridModel(CudaMmaModel):
@@ -154,14 +182,12 @@ class CudaGridModel(CudaMmaModel):
 
     # -- the kernel input and the encoded input ---------------------------------------------------------
     def _kernel_input(self, x: Any, name: str = "input") -> tuple[Any, bool]:
-        """(x as the grid kernels read it on the device: fp32 rows of the raw input and the
-        host-encoded columns, whether x came from the host)."""
+        """(x as the encoding kernels read it on the device: fp32 rows of the raw input, whether
+        x came from the host)."""
         cp = self.cp
         if not isinstance(x, cp.ndarray):
-            return self.upload(grid_kernel_input(self.spec.encoding, check_rows(x, self.spec.n_input_dims, name))), True
+            return self.upload(check_rows(x, self.spec.n_input_dims, name)), True
         x = check_rows_shape(x, self.spec.n_input_dims, name)
-        if self.grid_plan.host_parts:
-            return self.upload(grid_kernel_input(self.spec.encoding, self.download(x))), False
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         return (x.copy() if x.data.ptr % 16 else x), False
 
@@ -179,40 +205,47 @@ class CudaGridModel(CudaMmaModel):
         if rows == 0:
             return
         plan, table = self.grid_plan, self.table_image if table is None else table
-        cols = np.int32(kin.shape[1])
         rmap = 0 if row_map is None else row_map
         for p in plan.parts:
             self._grid_launch(f"grid_encode_{p.index}", (math.ceil(rows / GRID_THREADS), len(p.levels)),
                               (GRID_THREADS,), (kin, rmap, np.int64(rows), out, table[p.offset:]))
-        for column, width, kin_column in plan.host_parts:
-            self._grid_launch("grid_copy_columns", (math.ceil(rows * width / ELEMENTWISE_THREADS),),
-                              (ELEMENTWISE_THREADS,), (kin, rmap, np.int64(rows), cols, np.int32(kin_column), out,
-                                                       np.int32(column), np.int32(width)))
+        launch_forward(self._grid_launch, plan.free, kin, row_map, rows, plan.input_cols, out, "pairs", 0)
 
     def forward(self, x: Any, out_dtype: Any = np.float32, into: Any = None) -> Any:
         """See ``CompiledModel.forward``: the encoded input made on the device from the inference
         tables (the EMA average's where the optimizer keeps one), then ``mlp_forward_pairs``
         (fp32 out) or ``mlp_forward_pairs_half`` (fp16 out). ``into``: a C-contiguous device array
         of the output dtype the kernel writes (``forward_into``)."""
-        cp = self.cp
-        half = self._half_out(out_dtype)
         kin, from_host = self._kernel_input(x)
-        rows = kin.shape[0]
+        encoded = self._new_encoded(kin.shape[0])
+        self._encode(kin, kin.shape[0], encoded, table=self._inference_tables())
+        out = self._forward_pairs(encoded, kin.shape[0], self._half_out(out_dtype), self._inference_weights(), into)
+        return self.download(out) if from_host else out
+
+    def _inference_tables(self) -> Any:
+        """The fp16 tables the forward reads: the EMA average's where the optimizer keeps one."""
+        return self.table_image if self.table_eimage is None else self.table_eimage
+
+    def _training_tables(self) -> Any:
+        """The fp16 tables training reads (and the backward's input gradient)."""
+        return self.table_image
+
+    def _forward_pairs(self, encoded: Any, rows: int, half: bool, weights: tuple[Any, Any], into: Any = None) -> Any:
+        """The MLP's forward of the encoded input (``into`` or a new fp32 / fp16 array)."""
+        cp = self.cp
         try:
             out = into if into is not None else cp.empty((rows, self.spec.n_output_dims),
                                                          dtype=cp.float16 if half else cp.float32)
         except device_errors(cp) as exc:
             raise LaunchError(f"allocating the output of {rows} rows failed: {exc}") from exc
         if rows:
-            encoded = self._new_encoded(rows)
-            self._encode(kin, rows, encoded, table=self.table_image if self.table_eimage is None else self.table_eimage)
             rows_pad = self._rows_padded(rows)
             mt, blocks = (self.mt_half, self.grid_half) if half else (self.mt_fwd, self.grid_fwd)
             grid = max(1, min(blocks, math.ceil(rows_pad // (16 * mt) / self.warps)))
             self._launch("mlp_forward_pairs_half" if half else "mlp_forward_pairs", (grid,), (self.warps * 32,),
-                         (encoded, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
+                         (encoded, np.int64(rows), np.int64(rows_pad), out, *weights),
                          self.smem_fwd if self.w_smem_fwd else 0)
-        return self.download(out) if from_host else out
+        return out
 
     def forward_into(self, x: Any, out: Any) -> None:
         """See ``CompiledModel.forward_into``: the kernel writes ``out`` itself when it is a
@@ -253,15 +286,18 @@ class CudaGridModel(CudaMmaModel):
         except device_errors(self.cp) as exc:
             raise LaunchError(f"copying a training run's tables to the device failed: {exc}") from exc
 
-    def _grid_gradients(self, ws: dict[str, Any], kin: Any, rows: int, row_map: Any = None) -> None:
-        """Enqueue d loss / d tables (added into ``table_grad``) from d loss / d encoded input, which
-        the training kernel left in ``ws`` (the mma plan's ``encoded_input``)."""
+    def _grid_gradients(self, din: Any, din_cols: int, kin: Any, rows: int, row_map: Any = None,
+                        into: Any = None) -> None:
+        """Enqueue d loss / d tables (added into ``into``, default ``table_grad``) from the
+        loss-scaled d loss / d encoded input ``din`` (fp16 rows of ``din_cols``: the training
+        kernel leaves it in its workspace, the mma plan's ``encoded_input``)."""
         inv_scale = np.float32(1.0 / self.spec.loss_scale)
         blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
+        grad = self.table_grad if into is None else into
         for p in self.grid_plan.parts:
             self._grid_launch(f"grid_backward_{p.index}", (blocks,), (BACKWARD_THREADS,),
-                              (ws["din"], np.int32(self.k_in), kin, 0 if row_map is None else row_map,
-                               np.int64(rows), np.int32(kin.shape[1]), self.table_grad[p.offset:], inv_scale))
+                              (din, np.int32(din_cols), kin, 0 if row_map is None else row_map,
+                               np.int64(rows), np.int32(kin.shape[1]), grad[p.offset:], inv_scale))
 
     def _optimize_tables(self, mode: int) -> None:
         """mode 0: the optimizer step at the run's rate (ctl's step); 2: the images from the
@@ -269,6 +305,8 @@ class CudaGridModel(CudaMmaModel):
         d, slots = self.dummy, self.table_slots
         second = 1 if self.spec.optimizer.otype == "Adam" else 0
         n = self.grid_plan.values
+        if n == 0:  # mmad.torch's models without a grid: no tables
+            return
         ema = ((slots[-1], self.table_eimage, self._run.get("ema", d) if mode == 0 else d)
                if self.table_eimage is not None else (d, d, d))
         self._grid_launch("grid_optimize", (math.ceil(n / ELEMENTWISE_THREADS),), (ELEMENTWISE_THREADS,),
@@ -282,7 +320,7 @@ class CudaGridModel(CudaMmaModel):
         encoded = self._run["encoded"]
         self._encode(kin, rows, encoded, row_map)
         ws, loss_slots = self._forward_backward(encoded, dy, rows)
-        self._grid_gradients(ws, kin, rows, row_map)
+        self._grid_gradients(ws["din"], self.k_in, kin, rows, row_map)
         for i in reversed(range(self.n_layers)):
             n_chunks, pw, pb = self._layer_grads(ws, i)
             self._optimize_layer(i, 0, n_chunks, pw, pb)
@@ -360,21 +398,88 @@ class CudaGridModel(CudaMmaModel):
         self._encode(kin, rows, encoded)
         loss, grads = self._device_loss_and_grads(encoded, dy, rows)
         # the deltas and the first layer's weights are still this batch's: nothing was updated
-        self._grid_gradients(self._workspace[self._rows_padded(rows)], kin, rows)
+        self._grid_gradients(self._workspace[self._rows_padded(rows)]["din"], self.k_in, kin, rows)
         values = self.download(self.table_grad)
         self.table_grad.fill(0)
         for p in self.grid_plan.parts:
             grads[f"grid{p.index}"] = values[p.offset:p.offset + p.entries * p.features].reshape(p.entries, p.features)
         return loss, grads
 
-    # -- datasets: the kernel input, encoded by each step ------------------------------------------------
+    # -- backward from an outside gradient --------------------------------------------------------------
+    def forward_train(self, x: Any, out_dtype: Any = np.float32, stream: Any = None) -> tuple[Any, ForwardContext]:
+        """See ``CompiledModel.forward_train``: the encoded input (training tables) kept for
+        ``backward``, the forward on the training weights."""
+        self._check_backward_model(False)
+        with stream_scope(self.cp, stream):
+            kin, from_host = self._kernel_input(x)
+            rows = kin.shape[0]
+            encoded = self._new_encoded(rows)
+            self._encode(kin, rows, encoded, table=self._training_tables())
+            out = self._forward_pairs(encoded, rows, self._half_out(out_dtype), (self.wimage, self.b_all))
+        return (self.download(out) if from_host else out), self._forward_context(rows, (kin, encoded, from_host))
+
+    def backward(self, ctx: ForwardContext, dL_dy: Any, want_input_grad: bool = False,
+                 stream: Any = None) -> tuple[Any, dict[str, Any]]:
+        """See ``CompiledModel.backward``: the LOSS_GIVEN training kernels from the kept encoded
+        input, the layers' gradients, the tables' (tcnn's scatter into a fresh buffer) and, with
+        ``want_input_grad``, every part's d loss / d input from d loss / d encoded input."""
+        dx, grad_all, grad_b, from_host = self._backward_buffers(ctx, dL_dy, want_input_grad, stream)
+        n_w = self.w_all.size
+        grads = {**self._named_layer_grads(grad_all[:n_w], grad_b), **self._named_tables(grad_all[n_w:])}
+        if from_host:
+            return (None if dx is None else self.download(dx)), {k: self.download(v) for k, v in grads.items()}
+        return dx, grads
+
+    def _backward_buffers(self, ctx: ForwardContext, dL_dy: Any, want_input_grad: bool,
+                          stream: Any) -> tuple[Any, Any, Any, bool]:
+        """(d loss / d input or None, the weights' gradients then the tables' in one flat buffer
+        (the masters' padded layout, then the tables'), the biases' gradients, whether the
+        forward's input came from the host)."""
+        self._check_backward_model(want_input_grad)
+        self.check_forward_context(ctx, dL_dy)
+        kin, encoded, from_host = ctx.state
+        rows, cp = ctx.rows, self.cp
+        n_w = self.w_all.size
+        with stream_scope(cp, stream):
+            dy = self._gradient_rows(dL_dy, rows)
+            try:
+                grad_all = cp.zeros(n_w + self.grid_plan.values, dtype=cp.float32)
+                grad_b = cp.zeros(self.b_all.size, dtype=cp.float32)
+                dx = cp.zeros((rows, self.spec.n_input_dims), dtype=cp.float32) if want_input_grad else None
+            except device_errors(cp) as exc:
+                raise LaunchError(f"allocating the gradient buffers failed: {exc}") from exc
+            if rows:  # (no rows: nothing to launch, every gradient 0)
+                ws, _ = self._forward_backward(encoded, dy, rows, given=True)
+                self._gradients_into(ws, grad_all[:n_w], grad_b)
+                self._grid_gradients(ws["din"], self.k_in, kin, rows, into=grad_all[n_w:])
+                if want_input_grad:
+                    self._input_gradient(ws["din"], self.k_in, kin, rows, dx)
+        return dx, grad_all, grad_b, from_host
+
+    def _named_tables(self, flat: Any) -> dict[str, Any]:
+        """``grid{k}`` views of a flat buffer laid out as the tables (every part back to back)."""
+        return {f"grid{p.index}": flat[p.offset:p.offset + p.entries * p.features].reshape(p.entries, p.features)
+                for p in self.grid_plan.parts}
+
+    def _input_gradient(self, din: Any, din_cols: int, kin: Any, rows: int, dx: Any) -> None:
+        """Enqueue d loss / d input of every part, added into ``dx``, from the loss-scaled d loss /
+        d encoded input ``din`` (row-major, fp16: the training kernels'; ``din_cols`` a row)."""
+        inv_scale = np.float32(1.0 / self.spec.loss_scale)
+        plan, table = self.grid_plan, self._training_tables()
+        for p in plan.parts:
+            if plan.input_gradient(p):
+                self._grid_launch(f"grid_input_grad_{p.index}", (math.ceil(rows / GRID_THREADS),), (GRID_THREADS,),
+                                  (din, np.int32(din.dtype.itemsize == 2), np.int32(din_cols), kin, np.int64(rows),
+                                   np.int32(plan.input_cols), table[p.offset:], inv_scale, dx))
+        launch_backward(self._grid_launch, plan.free, kin, rows, plan.input_cols, din, din_cols, inv_scale, dx)
+
+    # -- datasets: the raw input, encoded by each step -----------------------------------------------------
     def _dataset_input_layout(self, x_dtype: Any) -> tuple[int, np.dtype]:
-        """The kernel input: the raw input (fp32: grid positions need its precision) and the
-        host-encoded columns."""
+        """The raw input, fp32 (grid positions need its precision)."""
         return self.grid_plan.input_cols, np.dtype(np.float32)
 
     def _dataset_inputs(self, cx: np.ndarray, xd: np.dtype) -> np.ndarray:
-        return grid_kernel_input(self.spec.encoding, cx)
+        return np.ascontiguousarray(cx, dtype=np.float32)
 
     # -- parameters and optimizer state ------------------------------------------------------------------
     def _tables_of(self, flat: Any) -> dict[str, np.ndarray]:
@@ -396,7 +501,7 @@ class CudaGridModel(CudaMmaModel):
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         params = check_params(self.spec, params)
-        super().set_params(params)
+        super().set_params(params)  # bumps params_version
         self._upload_tables(self.tables, params)
         self._optimize_tables(2)
 

@@ -22,6 +22,7 @@ Kernels are specialised per model (widths, depth, activations, loss, optimizer c
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -56,7 +57,7 @@ SMEM_PER_SM = 228 * 1024  # sm_80 / sm_90 shared memory per SM, of which each re
 NVRTC_OPTIONS = ("-std=c++17",)
 
 MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
-               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step")
+               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step", "mlp_load_tcnn")
 FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
 GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # where the group forward applies
 PAIRS_KERNELS = ("mlp_forward_pairs", "mlp_forward_pairs_half")  # where the input is encoded on the device
@@ -81,6 +82,17 @@ def optimizer_defines(spec: MLPSpec) -> dict[str, Any]:
     return {"OPT_ADAM": int(opt.otype == "Adam"), "BETA1": f32_literal(opt.beta1), "BETA2": f32_literal(opt.beta2), "EPS": f32_literal(opt.epsilon),
             "L2REG": f32_literal(opt.l2_reg), "MOMENTUM": f32_literal(opt.momentum),
             "EMA": int(opt.ema is not None), "EMA_FULL": int(opt.ema is not None and opt.ema.full_precision)}
+
+
+@contextlib.contextmanager
+def stream_scope(cp, stream: Any):
+    """CuPy's current stream for a block: ``stream`` (a ``cudaStream_t`` as an int, e.g. torch's
+    current stream) where given, else whatever is current."""
+    if stream is None:
+        yield
+        return
+    with cp.cuda.ExternalStream(int(stream)):
+        yield
 
 
 def describe(spec: MLPSpec) -> str:
@@ -178,13 +190,15 @@ class MmaPlan:
         two_blocks = acc <= FUSED_TWO_BLOCKS_MAX_ACC and 2 * (smem + 1024) <= SMEM_PER_SM
         return wanted and fits, smem, 2 if two_blocks else 1
 
-    def _source(self) -> str:
+    def _source(self, loss: str | None = None) -> str:
+        """The kernels' source; ``loss``: the LOSS macro instead of the spec's (``LOSS_GIVEN``: the
+        training kernels take d loss / d output as their target, for ``backward``)."""
         s = self.spec
         defines = {
             "NIN": s.n_encoded_dims, "KIN": self.k_in, "WIDTH": self.width, "NHID": self.n_hidden,
             "NOUT": s.n_output_dims, "NOUT_PAD": self.n_out_pad,
             "ACT": ACTIVATION_CODES[s.activation], "OUT_ACT": ACTIVATION_CODES[s.output_activation],
-            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
+            "LOSS": loss or LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
             "MT_FWD": self.mt_fwd, "MT_HALF": self.mt_half, "MT_TRAIN": 1, "WARPS": self.warps,
             "W_SMEM_FWD": int(self.w_smem_fwd), "W_SMEM_TRAIN": int(self.w_smem_train),
             "STORE_DACT": int(self.store_dact), "FUSED_WGRAD": int(self.fused_wgrad),
@@ -216,6 +230,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
     # -- build ------------------------------------------------------------------------------
     def _build(self, cache: KernelCache | None) -> LoadedModule:
         what = f"mma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+        self._cache = cache  # the backward's kernels are built on first use, from the same cache
 
         def build() -> bytes:
             return nvrtc_compile(self.source, self.arch_digits, NVRTC_OPTIONS, what)
@@ -247,6 +262,29 @@ class CudaMmaModel(MmaPlan, CudaModel):
         self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
         self.grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
                            if self.fused_wgrad else 0)
+        return module
+
+    def _given_module(self) -> LoadedModule:
+        """The training kernels compiled with d loss / d output as their target (``LOSS_GIVEN``),
+        built on the first ``backward`` and kept."""
+        module = getattr(self, "_given", None)
+        if module is not None:
+            return module
+        source = self._source("LOSS_GIVEN")
+        what = f"the backward kernels of model {self.spec.content_hash()} ({describe(self.spec)})"
+        cubin = cached_cubin(self._cache, lambda: nvrtc_compile(source, self.arch_digits, NVRTC_OPTIONS, what),
+                             backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
+                             options=NVRTC_OPTIONS, source=source)
+        names = ("mlp_train_fwd_bwd",) + (("mlp_train_fused",) if self.fused_wgrad else ())
+        try:
+            module = LoadedModule(self.cp, cubin, names)
+            if self.w_smem_train and self.smem_train > 48 * 1024:
+                module.kernel("mlp_train_fwd_bwd").max_dynamic_shared_size_bytes = self.smem_train
+            if self.fused_wgrad and self.smem_fused > 48 * 1024:
+                module.kernel("mlp_train_fused").max_dynamic_shared_size_bytes = self.smem_fused
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"loading {what} failed: {exc}") from exc
+        self._given = module
         return module
 
     def _resident_blocks(self, kernel, smem: int, warps: int | None = None) -> int:
@@ -345,9 +383,14 @@ class CudaMmaModel(MmaPlan, CudaModel):
         from the fp32 result). fp16 device inputs with fp16 outputs run ``mlp_forward_half``,
         which reads and writes fp16 (the I/O of an fp16 pipeline, half the bytes). ``into``: a
         C-contiguous device array of the kernel's output dtype the kernel writes (``forward_into``)."""
-        cp = self.cp
         half_out = self._half_out(out_dtype)
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True, keep_half=half_out)
+        out = self._forward_encoded(dx, half_out, self._inference_weights(), into)
+        return self.download(out) if from_host else out
+
+    def _forward_encoded(self, dx: Any, half_out: bool, weights: tuple[Any, Any], into: Any = None) -> Any:
+        """The forward kernel on the encoded input ``dx`` (a device array as _device_input makes it)."""
+        cp = self.cp
         rows = dx.shape[0]
         half_io = half_out and dx.dtype == cp.float16
         out = into if into is not None else cp.empty((rows, self.spec.n_output_dims),
@@ -357,11 +400,11 @@ class CudaMmaModel(MmaPlan, CudaModel):
             tiles = rows_pad // (16 * (self.mt_half if half_io else self.mt_fwd))
             grid = max(1, min(self.grid_half if half_io else self.grid_fwd, math.ceil(tiles / self.warps)))
             self._launch("mlp_forward_half" if half_io else "mlp_forward", (grid,), (self.warps * 32,),
-                         (dx, np.int64(rows), np.int64(rows_pad), out, *self._inference_weights()),
+                         (dx, np.int64(rows), np.int64(rows_pad), out, *weights),
                          self.smem_fwd if self.w_smem_fwd else 0)
         if half_out and not half_io:
             out = out.astype(cp.float16)
-        return self.download(out) if from_host else out
+        return out
 
     def forward_into(self, x: Any, out: Any) -> None:
         """See ``CompiledModel.forward_into``: the kernel writes ``out`` itself when it is a
@@ -438,27 +481,33 @@ class CudaMmaModel(MmaPlan, CudaModel):
         return max(1, min(self.grid_fused, rows_pad // FUSED_ROWS))
 
     def _forward_backward(self, dx, dy, rows: int, row_map: Any = None,
-                          mean_over: int | None = None) -> tuple[dict[str, Any], Any]:
+                          mean_over: int | None = None, given: bool = False) -> tuple[dict[str, Any], Any]:
         """Forward + loss + backward in one kernel; the weight gradients inside it (fused plan) or
         in each layer's chunked kernel afterwards (``_layer_grads``). Returns the workspace and
         the kernel's per-warp loss sums. With ``row_map``, batch row r is row ``row_map[r]`` of
         ``dx`` and ``dy`` (a dataset read in place). The gradient is that of the mean loss over
         ``mean_over`` rows (default: these ``rows``; a data-parallel replica's part of a larger
-        batch gives the whole batch's)."""
+        batch gives the whole batch's). ``given``: ``dy`` is d loss / d output itself (the
+        ``LOSS_GIVEN`` kernels, scaled by the loss scale alone)."""
         rows_pad = self._rows_padded(rows)
         ws = self._workspace_for(rows_pad)
-        grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
+        if given:
+            launch = lambda *a: self._launch_from(self._given_module(), *a)  # noqa: E731
+            grad_scale = np.float32(self.spec.loss_scale)
+        else:
+            launch = self._launch
+            grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
         if self.fused_wgrad:
             grid = self.fused_blocks(rows_pad)
             loss_slots = ws["loss"][: grid * FUSED_WARPS]
-            self._launch("mlp_train_fused" if row_map is None else "mlp_train_fused_rows", (grid,), (FUSED_WARPS * 32,),
+            launch("mlp_train_fused" if row_map is None else "mlp_train_fused_rows", (grid,), (FUSED_WARPS * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
                           ws["partial"], loss_slots) + (() if row_map is None else (row_map,)) + (ws["din"],),
                          self.smem_fused)
         else:
             grid = max(1, min(self.grid_train, math.ceil(rows_pad // 16 / self.warps)))
             loss_slots = ws["loss"][: grid * self.warps]
-            self._launch("mlp_train_fwd_bwd" if row_map is None else "mlp_train_fwd_bwd_rows", (grid,),
+            launch("mlp_train_fwd_bwd" if row_map is None else "mlp_train_fwd_bwd_rows", (grid,),
                          (self.warps * 32,),
                          (dx, np.int64(rows), np.int64(rows_pad), self.wimage, self.b_all, dy, grad_scale,
                           ws["h"], ws["d"], ws["dact"], loss_slots) + (() if row_map is None else (row_map,))
@@ -736,19 +785,83 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     def _device_loss_and_grads(self, dx: Any, dy: Any, rows: int) -> tuple[float, dict[str, np.ndarray]]:
         """``loss_and_grads`` of a batch already on the device as the training kernels read it."""
-        cp = self.cp
         ws, loss_slots = self._forward_backward(dx, dy, rows)
-        grads: dict[str, np.ndarray] = {}
-        for i in reversed(range(self.n_layers)):
-            fan_in, fan_out, k, n = self.layers[i]
-            n_chunks, pw, pb = self._layer_grads(ws, i)
-            gw = cp.zeros(n * k, dtype=cp.float32)
-            gb = cp.zeros(n, dtype=cp.float32)
-            self._optimize_layer(i, 1, n_chunks, pw, pb, gw, gb)
-            grads[f"W{i}"] = self.download(gw).reshape(n, k)[:fan_out, :fan_in].copy()
-            grads[f"b{i}"] = self.download(gb)[:fan_out].copy()
+        grad_w, grad_b = self._gradients_into(ws)
+        grads = {k: self.download(v) for k, v in self._named_layer_grads(grad_w, grad_b).items()}
         value = float(self.download(loss_slots.sum())) / (rows * self.spec.n_output_dims)
-        return value, {k: grads[k] for k in sorted(grads, key=lambda s: (int(s[1:]), s[0]))}
+        return value, grads
+
+    def _gradients_into(self, ws: dict[str, Any], grad_w: Any = None, grad_b: Any = None) -> tuple[Any, Any]:
+        """The batch in ``ws``'s weight and bias gradients (unscaled fp32), reduced into flat
+        buffers laid out as the masters ``w_all`` / ``b_all`` (padded; the padding 0: zeroed
+        buffers given, else fresh ones). The padded weights are tiny-cuda-nn's matrices exactly
+        (:func:`mmad.export.tcnn_layout`)."""
+        cp = self.cp
+        try:
+            grad_w = cp.zeros(self.w_all.size, dtype=cp.float32) if grad_w is None else grad_w
+            grad_b = cp.zeros(self.b_all.size, dtype=cp.float32) if grad_b is None else grad_b
+        except device_errors(cp) as exc:
+            raise LaunchError(f"allocating the gradient buffers failed: {exc}") from exc
+        for i in reversed(range(self.n_layers)):  # each layer's partial sums are reduced before the next's
+            _, _, k, n = self.layers[i]
+            n_chunks, pw, pb = self._layer_grads(ws, i)
+            self._optimize_layer(i, 1, n_chunks, pw, pb, grad_w[self.w_off[i]:self.w_off[i] + n * k],
+                                 grad_b[self.b_off[i]:self.b_off[i] + n])
+        return grad_w, grad_b
+
+    def _named_layer_grads(self, grad_w: Any, grad_b: Any) -> dict[str, Any]:
+        """``W{i}`` / ``b{i}`` views (unpadded) of ``_gradients_into``'s buffers, layer by layer."""
+        out = {}
+        for i, (fan_in, fan_out, k, n) in enumerate(self.layers):
+            out[f"W{i}"] = grad_w[self.w_off[i]:self.w_off[i] + n * k].reshape(n, k)[:fan_out, :fan_in]
+            out[f"b{i}"] = grad_b[self.b_off[i]:self.b_off[i] + fan_out]
+        return out
+
+    # -- backward from an outside gradient ----------------------------------------------------------
+    def _check_backward_model(self, want_input_grad: bool) -> None:
+        if self.eimage is not None:
+            raise InvalidInput("backward from an outside gradient runs on the training weights: it is not built for "
+                               "a model whose optimizer keeps an EMA average on the cuda backend (the cpu backend has it)")
+        if want_input_grad and not self.encoded_input:
+            raise InvalidInput("d loss / d input comes from the cuda models that encode their input on the device "
+                               "(grid-encoded models and mmad.torch's modules); this model was compiled without it")
+
+    def _gradient_rows(self, dL_dy: Any, rows: int) -> Any:
+        """``dL_dy`` as the LOSS_GIVEN kernels read it: device fp32, C-contiguous, rows × n_output_dims."""
+        dy, _ = self._device_input(dL_dy, self.spec.n_output_dims, "dL_dy", encode=False)
+        if dy.shape[0] != rows:
+            raise InvalidInput(f"dL_dy (the output's gradient) has {dy.shape[0]} rows; the forward had {rows}")
+        return dy
+
+    def forward_train(self, x: Any, out_dtype: Any = np.float32, stream: Any = None) -> tuple[Any, Any]:
+        """See ``CompiledModel.forward_train``: the forward (the training weights: no EMA here),
+        its input kept for ``backward``, whose training kernels recompute the activations."""
+        self._check_backward_model(False)
+        with stream_scope(self.cp, stream):
+            dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True)
+            out = self._forward_encoded(dx, self._half_out(out_dtype), (self.wimage, self.b_all))
+        return (self.download(out) if from_host else out), self._forward_context(dx.shape[0], (dx, from_host))
+
+    def backward(self, ctx: Any, dL_dy: Any, want_input_grad: bool = False,
+                 stream: Any = None) -> tuple[Any, dict[str, Any]]:
+        """See ``CompiledModel.backward``: the training kernels with ``dL_dy`` as their target
+        (LOSS_GIVEN), the weight gradients reduced as a step reduces them, no optimizer step.
+        The parameters' gradients only: d loss / d input needs the device-encoded models."""
+        self._check_backward_model(want_input_grad)
+        self.check_forward_context(ctx, dL_dy)
+        dx, from_host = ctx.state
+        cp = self.cp
+        with stream_scope(cp, stream):
+            dy = self._gradient_rows(dL_dy, ctx.rows)
+            if ctx.rows:
+                grads = self._named_layer_grads(*self._gradients_into(self._forward_backward(dx, dy, ctx.rows,
+                                                                                             given=True)[0]))
+            else:  # no rows: nothing to launch, every gradient 0
+                grads = self._named_layer_grads(cp.zeros(self.w_all.size, dtype=cp.float32),
+                                                cp.zeros(self.b_all.size, dtype=cp.float32))
+        if from_host:
+            return None, {k: self.download(v) for k, v in grads.items()}
+        return None, grads
 
     # -- parameters -------------------------------------------------------------------------------
     def _padded(self, flat: Any, offsets: list[int], i: int, is_w: bool) -> np.ndarray:
@@ -790,6 +903,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         params = check_params(self.spec, params)
+        self.params_version += 1
         try:
             for i in range(self.n_layers):
                 self._upload_padded(self.w_all, self.w_off, i, params[f"W{i}"], True)

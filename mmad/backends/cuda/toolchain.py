@@ -155,7 +155,8 @@ def device_info(cp) -> dict[str, Any]:
 # the methods that touch a model's device memory: each runs with the model's device current
 # (CuPy keeps the current device per thread, and the daemon's threads serve models on every GPU)
 DEVICE_METHODS = (
-    "forward", "forward_group", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "get_params", "set_params",
+    "forward", "forward_group", "forward_to_host", "train_step", "train_epochs", "loss_and_grads", "forward_train",
+    "backward", "get_params", "set_params",
     "get_optimizer_state", "set_optimizer_state", "put_dataset", "free_device_bytes", "take_rows", "upload",
     "download", "synchronize", "device_bytes", "close",
 )
@@ -227,9 +228,9 @@ class CudaModel(CompiledModel):
         encoded = encode and not self.spec.encoding.passthrough
         if not isinstance(x, cp.ndarray):
             host = check_rows(x, cols, name, keep_half=keep_half and not encoded)
-            if encoded:
-                host = self.encode(host)
-            elif host.dtype == np.float16:  # half the bytes over PCIe, no cast on either side
+            if encoded:  # the raw rows go up (fewer bytes than encoded ones) and are encoded there
+                return self._encode_on_device(self.upload(host)), True
+            if host.dtype == np.float16:  # half the bytes over PCIe, no cast on either side
                 try:
                     return self.cp.asarray(host), True
                 except device_errors(self.cp) as exc:
@@ -242,8 +243,18 @@ class CudaModel(CompiledModel):
             return (x.copy() if x.data.ptr % 16 else x), False
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         if encoded:
-            x = self.upload(self.encode(self.download(x)))
+            x = self._encode_on_device(x)
         return x, False
+
+    def _encode_on_device(self, x: Any) -> Any:
+        """The spec's encoding (no grids: those models encode their own) of device fp32 rows, as
+        fp32 rows, by the device encoding kernels (:mod:`.encodings`, built on first use)."""
+        encoder = getattr(self, "_device_encoder", None)
+        if encoder is None:
+            from mmad.backends.cuda.encodings import DeviceEncoder
+
+            encoder = self._device_encoder = DeviceEncoder(self.spec, self.cp, self.arch_digits)
+        return encoder.encode_rows(x)
 
     def forward_group(self, pairs: list[tuple[Any, Any]], nonfinite: Any = None) -> None:
         """See ``CompiledModel.forward_group``: a forward and, with ``nonfinite``, a finiteness

@@ -367,13 +367,15 @@ class WgmmaPlan:
                          f"unsigned long long b) {{ wgmma_tt_n{kp}(d, a, b, 1); }}\n")
         return text
 
-    def _source(self) -> str:
+    def _source(self, loss: str | None = None) -> str:
+        """The kernels' source; ``loss``: the LOSS macro instead of the spec's (``LOSS_GIVEN``:
+        the training kernel takes d loss / d output as its target, for ``backward``)."""
         s = self.spec
         defines = {
             "NIN": self.nin, "KIN_P": self.kin_p, "SWZ_IN": self.swz_in, "WP": self.wp, "SWZ_W": self.swz_w,
             "NHID": self.n_hidden, "NOUT": s.n_output_dims, "NOUT_P": self.nout_p,
             "ACT": ACTIVATION_CODES[s.activation], "OUT_ACT": ACTIVATION_CODES[s.output_activation],
-            "LOSS": LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
+            "LOSS": loss or LOSS_CODES[s.loss], "HUBER_DELTA": f32_literal(s.huber_delta),
             "W_RESIDENT": int(self.w_resident), "INPUT_STAGED": int(self.input_staged), "WGS": self.warpgroups,
             "W_BYTES0": self.layers[0][2] * self.layers[0][3] * 2,
             "W_OFF1": self.layers[1][5] if self.n_hidden > 1 else 0,
@@ -478,9 +480,11 @@ class CudaWgmmaModel(CudaMmaModel):
                                                     self.wg.smem_half_bytes, what)
         return module
 
-    def _build_training(self, cache: KernelCache | None) -> LoadedModule:
+    def _build_training(self, cache: KernelCache | None, loss: str | None = None) -> LoadedModule:
+        """The wgmma training module (``loss``: ``LOSS_GIVEN`` for ``backward``'s)."""
         what = f"wgmma training kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
-        module = self._nvcc_module(cache, self.wt.source, WGMMA_TRAIN_KERNELS, what)
+        source = self.wt.source if loss is None else self.wt._source(loss)
+        module = self._nvcc_module(cache, source, WGMMA_TRAIN_KERNELS, what)
         for i, name in enumerate(("wgmma_wgrad_in", "wgmma_wgrad_hid")):
             smem = self.wt.wgrad_smem_bytes(i)
             try:
@@ -524,10 +528,16 @@ class CudaWgmmaModel(CudaMmaModel):
         """fp16 device inputs with fp16 outputs run ``wgmma_forward_half`` (fp16 read and
         written) where the plan has it; otherwise fp32 in and out in the kernel, ``out_dtype``
         float16 casting the result. ``into``: see ``CudaMmaModel.forward``."""
-        cp = self.cp
         half_out = self._half_out(out_dtype)
         dx, from_host = self._device_input(x, self.spec.n_input_dims, "input", encode=True,
                                            keep_half=half_out and self.wg.half_io)
+        out = self._forward_encoded(dx, half_out, (), into)
+        return self.download(out) if from_host and out is not into else out
+
+    def _forward_encoded(self, dx: Any, half_out: bool, weights: tuple[Any, Any], into: Any = None) -> Any:
+        """The wgmma forward of the encoded input ``dx``; its images are gathered from the fp32
+        masters (the training weights: no EMA here), so ``weights`` is not read."""
+        cp = self.cp
         rows = dx.shape[0]
         half_io = half_out and dx.dtype == cp.float16
         kernel_out = into if into is not None and (into.dtype == cp.float16) == half_io else None
@@ -551,7 +561,7 @@ class CudaWgmmaModel(CudaMmaModel):
         if into is not None and out is not into:
             into[...] = out
             return into
-        return self.download(out) if from_host else out
+        return out
 
     # -- training on wgmma (the wgmma variant) ----------------------------------------------------
     def _loss_slot_count(self) -> int:
@@ -570,13 +580,18 @@ class CudaWgmmaModel(CudaMmaModel):
         return math.ceil(rows_pad / chunk_rows), chunk_rows
 
     def _forward_backward(self, dx, dy, rows: int, row_map: Any = None,
-                          mean_over: int | None = None) -> tuple[dict[str, Any], Any]:
+                          mean_over: int | None = None, given: bool = False) -> tuple[dict[str, Any], Any]:
         if not self.wgmma_training:
-            return super()._forward_backward(dx, dy, rows, row_map, mean_over)
+            return super()._forward_backward(dx, dy, rows, row_map, mean_over, given)
         rows_pad = self._rows_padded(rows)
         ws = self._workspace_for(rows_pad)
-        grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
-        module = self._wt_module
+        if given:  # d loss / d output as the target: the LOSS_GIVEN module, built on the first backward
+            if getattr(self, "_wt_given", None) is None:
+                self._wt_given = self._build_training(self._cache, "LOSS_GIVEN")
+            module, grad_scale = self._wt_given, np.float32(self.spec.loss_scale)
+        else:
+            module = self._wt_module
+            grad_scale = np.float32(self.spec.loss_scale / ((mean_over or rows) * self.spec.n_output_dims))
         n, n_b = self.wt_wimage.size, self.wt_bimage.size
         self._launch_from(module, "wgmma_pack", (math.ceil(max(n, n_b) / 256),), (256,),
                           (self.w_all, self.wt_wmap, self.wt_wimage, np.int32(n), self.b_all, self.wt_bmap,

@@ -10,9 +10,9 @@
 // tcnn's coherent prime hash or 0 (the level's mode), modulo the level's rows; the weights are
 // the dims' factors multiplied in dim order. Interpolation sums in fp32 over fp16 table values.
 //
-// The kernel input holds a row's raw input dims followed by the columns the host encoded (the
-// parameter-free parts: encodings.grid_input_layout); ``row_map`` (or null) says which input row
-// each batch row reads (a dataset read through the epoch's order).
+// The kernel input is the raw input rows (the parameter-free parts are encoded on the device too:
+// encodings.cu); ``row_map`` (or null) says which input row each batch row reads (a dataset read
+// through the epoch's order). Needs encodings.cu before it (enc_din).
 
 #define GRID_MODE_DENSE 0
 #define GRID_MODE_HASH 1
@@ -42,6 +42,7 @@ template <int DIMS, int INTERP>
 struct GridCell {
     u32 cell[DIMS];
     float frac[DIMS];
+    float slope[DIMS];  // d frac / d position: 1, or smoothstep's 6f(1 − f) (tcnn's pos_derivative)
 
     __device__ __forceinline__ GridCell(const float (&xrow)[DIMS], const GridLevelDesc& L) {
 #pragma unroll
@@ -50,9 +51,19 @@ struct GridCell {
             const float c = floorf(pos);
             cell[d] = (u32)(int)c;
             float f = pos - c;
+            slope[d] = INTERP == INTERP_SMOOTHSTEP ? 6.f * f * (1.f - f) : 1.f;
             if (INTERP == INTERP_SMOOTHSTEP) f = f * f * (3.f - 2.f * f);
             frac[d] = f;
         }
+    }
+
+    // the weight of `corner` without dim `skip`'s factor
+    __device__ __forceinline__ float weight_without(int corner, int skip) const {
+        float w = 1.f;
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d)
+            if (d != skip) w *= ((corner >> d) & 1) ? frac[d] : 1.f - frac[d];
+        return w;
     }
 
     __device__ __forceinline__ u32 row(const GridLevelDesc& L, int corner) const {
@@ -152,11 +163,6 @@ __device__ __forceinline__ void add_corners(float* acc, const u16* __restrict__ 
             add_table_row<F>(acc, table, g.row(L, corner), INTERP == INTERP_NEAREST ? 1.f : g.weight(corner));
     }
 }
-
-// The encoded input in pair-major fp16 (what mlp_mma.cu's ENCODED_INPUT kernels read): element
-// (r, c) of a batch of `rows` rows at half (c / 2 · rows + r) · 2 + c % 2, so the pair of columns
-// 2p, 2p + 1 of consecutive rows are consecutive words.
-__device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64)(c >> 1) * rows + r) * 2 + (c & 1); }
 
 // Row r's features at one level, out as one word per pair (coalesced over consecutive rows).
 template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
@@ -271,15 +277,51 @@ __device__ __forceinline__ void grid_backward_part(
     }
 }
 
-// The host-encoded columns of the kernel input copied into the encoded input (pair-major fp16).
-extern "C" __global__ void grid_copy_columns(const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,
-                                             int x_cols, int x_col, u16* __restrict__ out, int out_col, int width) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * width) return;
-    const i64 r = i % rows;  // consecutive threads: consecutive rows of one column
-    const int c = (int)(i / rows);
-    const i64 src = row_map ? (i64)row_map[r] : r;
-    out[pair_major(rows, r, out_col + c)] = to_half_bits(x[src * x_cols + x_col + c]);
+// d loss / d input of one grid part (tcnn's kernel_grid dy_dx and kernel_grid_backward_input): a
+// thread per row, every level; per dim, scale · slope · Σ over the corner pairs along it of the
+// other dims' weights · (right row − left row) · d loss / d feature, added into dx (rows × x_cols).
+// ``din``: d loss / d encoded output, row-major fp16 or fp32 (din_half), din_cols a row, times
+// inv_scale. Nearest interpolation has no input gradient (the host launches nothing).
+template <int DIMS, int F, int INTERP, int LEVELS>
+__device__ __forceinline__ void grid_input_grad_part(
+    const GridLevelDesc* __restrict__ levels, int begin, int column, const void* __restrict__ din, int din_half,
+    int din_cols, const float* __restrict__ x, i64 rows, int x_cols, const u16* __restrict__ table, float inv_scale,
+    float* __restrict__ dx) {
+    const i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    float xr[DIMS], acc[DIMS];
+#pragma unroll
+    for (int d = 0; d < DIMS; ++d) {
+        xr[d] = __ldg(x + r * x_cols + begin + d);
+        acc[d] = 0.f;
+    }
+#pragma unroll 1
+    for (int level = 0; level < LEVELS; ++level) {
+        const GridLevelDesc L = levels[level];
+        const GridCell<DIMS, INTERP> g(xr, L);
+        float dl[F];
+#pragma unroll
+        for (int f = 0; f < F; ++f) dl[f] = enc_din(din, din_half, din_cols, r, column + level * F + f);
+        float proj[1 << DIMS];  // each corner's row · d loss / d features
+#pragma unroll
+        for (int corner = 0; corner < (1 << DIMS); ++corner) {
+            const u16* p = table + (size_t)g.row(L, corner) * F;
+            float s = 0.f;
+#pragma unroll
+            for (int f = 0; f < F; ++f) s = fmaf(half_bits_to_float(__ldg(p + f)), dl[f], s);
+            proj[corner] = s;
+        }
+#pragma unroll
+        for (int d = 0; d < DIMS; ++d) {
+            float s = 0.f;
+#pragma unroll
+            for (int corner = 0; corner < (1 << DIMS); ++corner)
+                if ((corner >> d) & 1) s = fmaf(g.weight_without(corner, d), proj[corner] - proj[corner ^ (1 << d)], s);
+            acc[d] = fmaf(L.scale * g.slope[d], s, acc[d]);
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < DIMS; ++d) dx[r * x_cols + begin + d] += acc[d] * inv_scale;
 }
 
 // A batch's targets gathered through the epoch order's row numbers, as fp32 (the training

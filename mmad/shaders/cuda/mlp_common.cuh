@@ -89,10 +89,22 @@ __device__ __forceinline__ float hidden_grad_from_stored(float stored) {
 #endif
 }
 
+// The encoded input in pair-major fp16 (what mlp_mma.cu's ENCODED_INPUT kernels read): element
+// (r, c) of a batch of `rows` rows at half (c / 2 · rows + r) · 2 + c % 2, so the pair of columns
+// 2p, 2p + 1 of consecutive rows are consecutive words.
+__device__ __forceinline__ i64 pair_major(i64 rows, i64 r, int c) { return ((i64)(c >> 1) * rows + r) * 2 + (c & 1); }
+
 __device__ __forceinline__ float signf_(float d) { return d > 0.f ? 1.f : (d < 0.f ? -1.f : 0.f); }
+
+// LOSS_GIVEN (the backward from an outside gradient, CompiledModel.backward): the training
+// kernels' "target" is d loss / d output itself, and the loss they sum is 0
+#define LOSS_GIVEN 255
 
 // per-element loss value and d value / d pred (numerics.loss_terms); lum: the row's luminance
 __device__ __forceinline__ float loss_term(float p, float y, float lum, float* grad) {
+#if LOSS == LOSS_GIVEN
+    *grad = y; return 0.f;
+#else
     float d = p - y;
 #if LOSS == LOSS_L2
     *grad = 2.f * d; return d * d;
@@ -111,6 +123,7 @@ __device__ __forceinline__ float loss_term(float p, float y, float lum, float* g
 #else  // Huber
     if (fabsf(d) <= HUBER_DELTA) { *grad = d; return 0.5f * d * d; }
     *grad = HUBER_DELTA * signf_(d); return HUBER_DELTA * (fabsf(d) - 0.5f * HUBER_DELTA);
+#endif
 #endif
 }
 

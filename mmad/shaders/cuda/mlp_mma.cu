@@ -1100,6 +1100,38 @@ extern "C" __global__ void mlp_optimize(
 #endif
 }
 
+// tinycudann's flat parameters (fp16, mmad.torch's modules) into the fp32 masters and the fp16
+// images, one launch: a thread per weight of the padded layers, whose layout is tcnn's (layer by
+// layer, row-major N x K). With bias_columns, the thread of a row's first padding column of
+// layer 0 sums the row's padding weights into b0 (they multiply tcnn's padding columns of 1; the
+// padding the kernels read is 0). The other biases stay as they are (0: tcnn has none).
+extern "C" __global__ void mlp_load_tcnn(const u16* __restrict__ flat, float* __restrict__ w, float* __restrict__ b,
+                                         u16* __restrict__ wimage, int bias_columns) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= WF_TOTAL) return;
+    int l = 0, off = 0;
+    while (l < NL - 1 && i >= off + layer_n(l) * layer_k(l)) {
+        off += layer_n(l) * layer_k(l);
+        ++l;
+    }
+    const int K = layer_k(l), j = i - off, o = j / K, c = j % K;
+    const int fan_out = l == NL - 1 ? NOUT : WIDTH, fan_in = l == 0 ? NIN : WIDTH;
+    const u16 hb = flat[i];
+    w[i] = half_bits_to_float(hb);
+    if (o >= fan_out) return;
+    if (c < fan_in) {
+        wimage[wf_off(l) + b_image_index(K, c, o)] = hb;
+        if (l > 0) wimage[wb_off(l) + b_image_index(layer_n(l), o, c)] = hb;
+#if ENCODED_INPUT
+        else wimage[WB0_OFF + b_image_index(WIDTH, o, c)] = hb;
+#endif
+    } else if (l == 0 && c == fan_in && bias_columns) {
+        float sum = 0.f;
+        for (int p = fan_in; p < K; ++p) sum += half_bits_to_float(flat[off + o * K + p]);
+        b[o] = sum;
+    }
+}
+
 // ---- training from a held dataset: the epoch's order, the batch gather, the step's bookkeeping --
 
 __device__ __forceinline__ u32 mix32(u32 x) {
