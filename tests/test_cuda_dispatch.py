@@ -2,8 +2,8 @@
 for S/M/L/W a cold compile serves at once on a quick variant while the usable variants are
 measured in the background; the one chosen matches the float64 oracle, and a second compile
 takes the decision from the cache without measuring. The variants that share an NVRTC module
-compile it once; a host-encoded model (the OneBlob config whose measurement used to stall)
-is measured on its encoded twin within bounds."""
+compile it once; an encoded model (the OneBlob config whose measurement used to stall)
+is measured, its encoding on the device, within bounds."""
 
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def test_variants_sharing_a_module_compile_it_once(backend, tmp_path, monkeypatc
     assert len(mma_modules) == len({"mma", "mma-f16acc"} & set(usable))  # mma's serves wgmma and wgmma+mma too
 
 
-def test_a_host_encoded_model_is_measured_on_its_encoded_twin(backend, tmp_path, monkeypatch):
+def test_the_oneblob_model_is_measured_with_its_encoding_on_the_device(backend, tmp_path, monkeypatch):
     """The OneBlob config (32 inputs, 512 encoded columns, 256-wide Tanh) at 2^20 rows: the
-    measurement times the kernels on the encoded columns, not the host encoding, and ends."""
+    measurement times the model as served, its encoding on the device, and ends."""
     monkeypatch.delenv("MMAD_DISPATCH", raising=False)
     spec = MLPSpec.from_json(ONEBLOB)
     quick = backend.compile(spec, cache=KernelCache(tmp_path), batch_rows=1 << 20)

@@ -2,7 +2,7 @@
 (tests/fake_variants.py), measured before returning and in the background.
 
 Variants that fail to compile, fail at run time or compute wrong numbers are skipped with their
-reasons. The cuda backend's wiring (candidates, quick variants, the twin spec it times, the
+reasons. The cuda backend's wiring (candidates, quick variants, the
 MMAD_DISPATCH knob) runs here with CuPy stubbed; the override and the reports go through a real
 daemon on the cpu backend (the swap in the daemon: tests/test_background_dispatch.py).
 """
@@ -428,48 +428,6 @@ def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
     monkeypatch.setenv("MMAD_DISPATCH", "fastest")
     with pytest.raises(SpecError, match="MMAD_DISPATCH: must be one of background, measure, fixed; got 'fastest'"):
         stub_cuda.backend().compile(SPEC)
-
-
-# a host-encoded model like the one whose measurement stalled: OneBlob on 32 inputs (512 encoded
-# columns), Tanh hidden layers, Sigmoid output; narrow here, the fake variants compute on the host
-ONEBLOB = MLPSpec.from_json({"n_input_dims": 32, "n_output_dims": 4, "encoding": {"otype": "OneBlob", "n_bins": 16},
-                             "network": {"n_neurons": 16, "n_hidden_layers": 2, "activation": "Tanh",
-                                         "output_activation": "Sigmoid"}, "precision": "fp16", "seed": 2})
-
-
-def test_cuda_times_a_host_encoded_model_on_its_encoded_twin(stub_cuda):
-    """Every cuda variant encodes the input on the host, the same code for each: the variants are
-    timed on the encoded columns (the twin spec), the model served on its own spec."""
-    from mmad.backends.cuda import host_encoded_twin
-
-    twin = host_encoded_twin(ONEBLOB)
-    assert (twin.n_input_dims, twin.encoding.passthrough, twin.n_encoded_dims) == (512, True, 512)
-    assert host_encoded_twin(SPEC) is SPEC
-    quick = stub_cuda.backend().compile(ONEBLOB, batch_rows=1024)
-    model = D.settled(quick, timeout=120)
-    assert model.spec == ONEBLOB and quick.spec == ONEBLOB
-    measured = [spec for _, thread, spec in stub_cuda.fake.built if not thread.startswith("MainThread")]
-    assert measured and all(spec == twin for spec in measured)
-    assert model.dispatch.rows == 1024
-
-
-@pytest.mark.parametrize("name", ["S", "W"])
-def test_the_encoded_twin_compiles_the_same_kernels(name):
-    """The twin's kernels are the model's (one compile serves both): the same mma, element-wise
-    and wgmma sources."""
-    from mmad.backends.cuda import host_encoded_twin
-    from mmad.backends.cuda.cublaslt import elementwise_source
-    from mmad.backends.cuda.mma import MmaPlan
-    from mmad.backends.cuda.wgmma import WgmmaPlan
-    from mmad.spec import bench_spec
-
-    spec = bench_spec(name, encoding={"otype": "Frequency", "n_frequencies": 2}, n_input_dims=8)
-    twin = host_encoded_twin(spec)
-    assert twin.n_input_dims == spec.n_encoded_dims == 32
-    assert MmaPlan(twin).source == MmaPlan(spec).source
-    assert MmaPlan(twin, forward_acc16=True).source == MmaPlan(spec, forward_acc16=True).source
-    assert elementwise_source(twin) == elementwise_source(spec)
-    assert WgmmaPlan(twin).source == WgmmaPlan(spec).source
 
 
 # -- the daemon: the per-model override and the reports ----------------------------------------------

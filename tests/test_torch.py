@@ -313,7 +313,10 @@ def test_adam_training_follows_the_oracles_loss_curve():
     ours = train(module(dtype=torch.float32, seed=11), torch.float32)
     ref = train(module(dtype=torch.float32, seed=11).double(), torch.float64)
     assert ref[-1] < 0.2 * ref[0], ref[[0, -1]]
-    assert np.abs(ours - ref).max() / ref[0] < 1e-4, np.abs(ours - ref).max()
+    # fp32 against float64 over 200 steps: rounding compounds, so the curve is held to 1e-3 of the
+    # starting loss and the end to the project's 5% of the oracle's loss (docs/design.md)
+    assert np.abs(ours - ref).max() / ref[0] < 1e-3, np.abs(ours - ref).max()
+    assert abs(ours[-1] - ref[-1]) <= 0.05 * ref[-1], (ours[-1], ref[-1])
     half = train(module(seed=11), torch.float32)  # fp16: rounding at the kernels' points, loss scale 128
     assert np.abs(half - ref).max() / ref[0] < 2e-2, np.abs(half - ref).max()
 

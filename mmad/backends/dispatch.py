@@ -37,11 +37,10 @@ seeded per model, the same for every candidate):
    samples (``MIN_REPEATS`` to ``repeats``) as fit in ``budget_s`` (``BUDGET_S``), so a wide model
    at 2^20 rows, whose training sample takes ~0.3 s, is timed on 3 samples and a small one on 10.
 
-The candidates are timed on ``timed_spec`` where the backend passes one: the same kernels on the
-input they really read. (On cuda every variant applies the input encoding on the host, the same
-code for each; its twin spec takes the encoded columns as its input, so what is timed is what
-differs between the variants. Timing the host encoding of 2^20 rows of a OneBlob model, 512
-columns a row, on every forward is what kept the dispatcher measuring for minutes.)
+The candidates are timed on the model's own spec, its input encoding included: a backend encodes
+on the device (cuda), so what is timed is what is served. (An encoding applied by NumPy on the
+host on every timed call of a 2^20-row OneBlob model, 512 columns a row, kept the dispatcher
+measuring for minutes.)
 
 The score of a measured variant is ``forward / best forward + train / best train`` (2.0: the
 fastest at both): each phase counts by how far the variant is from the fastest at that phase,
@@ -325,7 +324,7 @@ def decision_key(backend: str, device: str, spec: MLPSpec, candidates: list[str]
 
 def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str, cache: KernelCache,
              io: str = "fp16", rows: int = ROWS, timer: Timer | None = None, key_extra: Any = None,
-             timed_spec: MLPSpec | None = None, quick: Sequence[tuple[str, str]] = (),
+             quick: Sequence[tuple[str, str]] = (),
              device_queue: str = "", device_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
              ) -> CompiledModel:
     """The fastest correct candidate compiled for ``spec``, with its decision as ``.dispatch``, or
@@ -335,8 +334,7 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
     ``device``: the device's name and architecture (part of the key); ``io``: "fp16" (device
     inputs and outputs in fp16) or "fp32"; ``timer``: how a call is timed (default: the host
     clock, :func:`median_timer` with ``BUDGET_S``); ``key_extra``: the backend's settings that
-    change speed; ``timed_spec``: the spec the candidates are timed on (default ``spec``);
-    ``quick``: (variant, why it is quick) in the order to try; ``device_context``: what a
+    change speed; ``quick``: (variant, why it is quick) in the order to try; ``device_context``: what a
     measurement in the background runs inside (cuda: the model's device made current on the
     queue's thread). One candidate is compiled without measuring. Raises
     :class:`DispatchFailed` naming every candidate's reason when none is usable.
@@ -348,14 +346,13 @@ def dispatch(spec: MLPSpec, candidates: Candidates, *, backend: str, device: str
         return candidates[names[0]](spec)
     parts = decision_key(backend, device, spec, names, rows, io, key_extra)
     key, stored_parts = KernelCache.key(**parts)
-    timed_spec = timed_spec or spec
 
     def measured(stop: Callable[[], bool] | None = None, compile_first: bool = False) -> Decision:
         """The decision measured now and stored, or the one a concurrent measurement stored."""
         made: list[Decision] = []
 
         def build() -> bytes:
-            made.append(measure(timed_spec, candidates, backend=backend, device=device, io=io, rows=rows,
+            made.append(measure(spec, candidates, backend=backend, device=device, io=io, rows=rows,
                                 timer=timer or median_timer(budget_s=BUDGET_S), stop=stop,
                                 compile_first=compile_first))
             return made[-1].stored()

@@ -262,7 +262,6 @@ class CudaBackend(Backend):
                             timer=median_timer("cupy", budget_s=BUDGET_S),
                             key_extra={**settings, "stack": rows["mma"].api_version},
                             rows=DISPATCH_ROWS if batch_rows is None else min(batch_rows, MAX_DISPATCH_ROWS),
-                            timed_spec=host_encoded_twin(spec),
                             quick=[q for q in QUICK_VARIANTS if q[0] in usable] if knobs.dispatch == "background" else (),
                             device_queue=f"cuda:{device}", device_context=lambda: cp.cuda.Device(device))
 
@@ -277,16 +276,6 @@ class CudaBackend(Backend):
         if variant in SPLIT_VARIANTS:
             return CublasLtTrainedModel(spec, cp, info, cache, knobs, variant)
         return CublasLtModel(spec, cp, info, cache)
-
-
-def host_encoded_twin(spec: MLPSpec) -> MLPSpec:
-    """The spec a model's variants are timed on: every cuda variant of a model without a grid
-    encodes its input on the host (``CudaModel._device_input``, the same code for each) and runs
-    the same kernels on the encoded columns as on raw ones, so the twin takes the encoded columns
-    as its input and what is timed is what differs between the variants."""
-    if spec.encoding.passthrough:
-        return spec
-    return spec.replace(n_input_dims=spec.n_encoded_dims, encoding={"otype": "Identity"})
 
 
 __all__ = ["CudaBackend", "VARIANTS"]
