@@ -200,7 +200,7 @@ def test_train_epochs_on_a_grid_model(backend):
         for m in (device, host):
             m.set_params(params)
         data = device.put_dataset([(x[:400], y[:400]), (x[400:], y[400:])], rows, np.float32, np.float16)
-        assert data.x.shape == (rows, 22) and data.nbytes >= device.dataset_bytes(rows, np.float32, np.float16)
+        assert data.x.shape == (rows, 6) and data.nbytes >= device.dataset_bytes(rows, np.float32, np.float16)
         position = EpochPosition(int(rng.integers(0, 2**32)))
         expected = EpochPosition(position.seed)
         got = device.train_epochs(data, batch, 5, position)
