@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mmad.backends.vulkan import nvstructs as nv
 from mmad.errors import BackendUnavailable, CompileError, LaunchError
 
 try:
@@ -41,6 +42,9 @@ COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: 
                   7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
 SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 COOPMAT_EXT = "VK_KHR_cooperative_matrix"
+# NVIDIA's workgroup-scope matrices, flexible dimensions, conversions and tensor addressing (the
+# coopmat2 variant); its structures are declared in nvstructs (the bindings predate them)
+COOPMAT2_EXT = nv.EXTENSION
 ATOMIC_FLOAT_EXT = "VK_EXT_shader_atomic_float"  # atomicAdd on fp32 in storage buffers (grid gradients)
 # a pipeline's subgroup size pinned (core in Vulkan 1.3): the cooperative-matrix kernels count their
 # subgroups (gl_SubgroupID) by the probed size, which a driver free to pick another (Intel's 8/16/32,
@@ -175,6 +179,12 @@ class DeviceInfo:
     # (min, max) subgroup sizes a compute pipeline may require (SUBGROUP_SIZE_EXT), None without it
     subgroup_size_range: tuple[int, int] | None = None
     full_subgroups: bool = False  # computeFullSubgroups: every subgroup of a workgroup complete
+    # VK_NV_cooperative_matrix2 where offered: its features (nvstructs.FEATURES: bool), properties
+    # (nvstructs.PROPERTIES: int) and flexible-dimension shapes (m/n/k granularity, types, scope,
+    # workgroup invocations)
+    coopmat2_features: dict[str, bool] = field(default_factory=dict)
+    coopmat2_properties: dict[str, int] = field(default_factory=dict)
+    coopmat2_shapes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def software(self) -> bool:
@@ -197,6 +207,11 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     has_size_control = SUBGROUP_SIZE_EXT in extensions or props.apiVersion >= (1 << 22 | 3 << 12)
     if has_size_control:
         subgroup.pNext = size_control
+    coopmat2 = COOPMAT2_EXT in extensions
+    cm2_props = nv.new("VkPhysicalDeviceCooperativeMatrix2PropertiesNV") if coopmat2 else None
+    cm2_features = nv.new("VkPhysicalDeviceCooperativeMatrix2FeaturesNV") if coopmat2 else None
+    if coopmat2:  # at the chain's end: its pNext stays NULL
+        (size_control if has_size_control else subgroup).pNext = cm2_props
     props2 = ffi.new("VkPhysicalDeviceProperties2*")
     props2.sType = ST["properties2"]
     props2.pNext = subgroup
@@ -216,9 +231,14 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     if has_size_control:
         size_features.pNext = f12.pNext
         f12.pNext = size_features
+    if coopmat2:
+        cm2_features.pNext = f11
+        chain_head = cm2_features
+    else:
+        chain_head = f11
     feats = ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = ST["features2"]
-    feats.pNext = f11
+    feats.pNext = chain_head
     lib.vkGetPhysicalDeviceFeatures2(pd, feats)
     limits = props.limits
     info = DeviceInfo(
@@ -239,7 +259,25 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         info.full_subgroups = bool(size_features.computeFullSubgroups)
     if COOPMAT_EXT in extensions:
         info.coopmat_shapes = _coopmat_shapes(instance, pd)
+    if coopmat2:
+        info.coopmat2_features = {name: bool(getattr(cm2_features, name)) for name in nv.FEATURES}
+        info.coopmat2_properties = {name: int(getattr(cm2_props, name)) for name in nv.PROPERTIES}
+        info.coopmat2_shapes = _flexible_shapes(instance, pd)
     return info
+
+
+def _flexible_shapes(instance: Any, pd: Any) -> list[dict[str, Any]]:
+    """VK_NV_cooperative_matrix2's flexible-dimension shapes, named as _coopmat_shapes names its."""
+    try:
+        raw = nv.flexible_dimensions(lib.vkGetInstanceProcAddr, instance, pd, ffi)
+    except RuntimeError as exc:
+        raise LaunchError(str(exc)) from exc
+    return [{"m": p["MGranularity"], "n": p["NGranularity"], "k": p["KGranularity"],
+             "a": COMPONENT_TYPE.get(p["AType"], str(p["AType"])), "b": COMPONENT_TYPE.get(p["BType"], str(p["BType"])),
+             "c": COMPONENT_TYPE.get(p["CType"], str(p["CType"])),
+             "result": COMPONENT_TYPE.get(p["ResultType"], str(p["ResultType"])),
+             "saturating": bool(p["saturatingAccumulation"]), "scope": SCOPE.get(p["scope"], str(p["scope"])),
+             "workgroup_invocations": p["workgroupInvocations"]} for p in raw]
 
 
 def probe_devices() -> list[DeviceInfo]:
@@ -257,7 +295,10 @@ def probe_devices() -> list[DeviceInfo]:
 class Device:
     """An open logical device with one compute queue; close() releases everything."""
 
-    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False, pipeline_stats: bool = False):
+    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False, pipeline_stats: bool = False,
+                 enable_coopmat2: bool = False):
+        """``enable_coopmat2``: with VK_NV_cooperative_matrix2 and every one of its features the
+        device offers (it builds on VK_KHR_cooperative_matrix, which ``enable_coopmat`` enables)."""
         require_vulkan()
         self.info = info
         # compiler statistics of every pipeline (registers, spills...), where the driver has them
@@ -266,12 +307,12 @@ class Device:
         self.closed = False
         try:
             self.physical = _physical_devices(self.instance)[info.index]
-            self._open(enable_coopmat)
+            self._open(enable_coopmat, enable_coopmat2 and COOPMAT2_EXT in info.extensions)
         except BaseException:
             lib.vkDestroyInstance(self.instance, ffi.NULL)
             raise
 
-    def _open(self, enable_coopmat: bool) -> None:
+    def _open(self, enable_coopmat: bool, enable_coopmat2: bool) -> None:
         count = ffi.new("uint32_t*")
         lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, ffi.NULL)
         families = ffi.new("VkQueueFamilyProperties[]", count[0])
@@ -318,6 +359,13 @@ class Device:
                 features.append(struct)
                 if ext in self.info.extensions:  # core in Vulkan 1.3: the feature alone
                     ext_names.append(ffi.new("char[]", ext.encode()))
+        if enable_coopmat2:  # its structure comes from nvstructs' FFI: a raw pointer in the chain
+            offered = {name: 1 for name, on in self.info.coopmat2_features.items() if on}
+            struct = nv.new("VkPhysicalDeviceCooperativeMatrix2FeaturesNV", **offered)
+            struct.pNext = f12.pNext
+            f12.pNext = struct
+            features.append(struct)
+            ext_names.append(ffi.new("char[]", COOPMAT2_EXT.encode()))
         ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
         feats = ffi.new("VkPhysicalDeviceFeatures2*")
         feats.sType = ST["features2"]
