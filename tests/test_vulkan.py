@@ -111,18 +111,21 @@ def check_grads(spec, model, x, y):
 # -- probe ---------------------------------------------------------------------------------
 def test_probe_rows_describe_the_device(backend):
     rows = backend.probe()
-    assert [r.variant for r in rows] == ["coopmat", "simt"]
+    assert [r.variant for r in rows] == ["coopmat2", "coopmat", "simt"]
     for r in rows:
         assert r.backend == "vulkan" and r.device and r.api_version
         assert r.details["max_shared_bytes"] >= 16384 and r.details["subgroup_size"] >= 1
         assert r.available or r.reason
-    simt = rows[1]
+    coop2, coop, simt = rows
     assert simt.software == (simt.details["device_type"] == "cpu")
-    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, and why unused
-    coop = rows[0]
+    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, used or why not
     for ext in vulkan.NV_COOPERATIVE_EXTENSIONS:
         note = coop.details[ext]
-        assert note.startswith(("not offered by", "offered, not used: ")), note
+        assert note.startswith(("not offered by", "offered, not used: ", "offered, used by vulkan:coopmat2")), note
+    assert coop.details["VK_NV_cooperative_matrix2"] == (
+        "offered, used by vulkan:coopmat2" if coop2.available else
+        f"not offered by {coop.device}" if "does not offer VK_NV_cooperative_matrix2" in coop2.reason
+        else f"offered, not used: {coop2.reason}")
     assert coop.details["subgroup_size_control"].startswith(("required ", "the driver's"))
 
 
@@ -133,11 +136,12 @@ def test_glsl_extension_check():
     assert not glsl.knows_extension("GL_MMAD_no_such_extension")
 
 
-def test_probe_honours_coopmat_switch(monkeypatch):
-    monkeypatch.setenv("MMAD_VULKAN_COOPMAT", "0")
+@pytest.mark.parametrize("variant,setting", [("coopmat", "MMAD_VULKAN_COOPMAT"), ("coopmat2", "MMAD_VULKAN_COOPMAT2")])
+def test_probe_honours_coopmat_switch(monkeypatch, variant, setting):
+    monkeypatch.setenv(setting, "0")
     b = vulkan.VulkanBackend()
-    coop = b.probe()[0]
-    assert not coop.available and "MMAD_VULKAN_COOPMAT=0" in coop.reason
+    row = {r.variant: r for r in b.probe()}[variant]
+    assert not row.available and row.reason == f"disabled by {setting}=0"
     b.close()
 
 

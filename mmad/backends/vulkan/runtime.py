@@ -305,9 +305,10 @@ class Device:
         self.pipeline_stats = pipeline_stats and STATS_EXT in info.extensions
         self.instance = _create_instance()
         self.closed = False
+        self.coopmat2 = enable_coopmat2 and COOPMAT2_EXT in info.extensions  # enabled on this device
         try:
             self.physical = _physical_devices(self.instance)[info.index]
-            self._open(enable_coopmat, enable_coopmat2 and COOPMAT2_EXT in info.extensions)
+            self._open(enable_coopmat, self.coopmat2)
         except BaseException:
             lib.vkDestroyInstance(self.instance, ffi.NULL)
             raise
