@@ -191,6 +191,8 @@ def test_probe_passes_where_extension_features_shapes_and_compiler_exist(tools):
         "VK_NV_cooperative_matrix2: f16*f16+f32 workgroup scope, 256 invocations, dimensions in steps of 16x16x16 up to 256")
     assert row.details["compiler"].startswith("libslang-glslang") and "slangpy" in row.details["compiler"]
     assert [str(s) for s in row.mma_shapes] == ["16x16x16 f16*f16+f32->f32"] * 2
+    assert row.details["flexible_shapes"] == [f"16x16x16 f16*f16+f32->f32 workgroup {n} invocations" for n in (128, 256)]
+    assert row.details["coopmat2_properties"]["cooperativeMatrixFlexibleDimensionsMaxDimension"] == 256
 
 
 @pytest.mark.parametrize("change,reason", [
@@ -297,3 +299,22 @@ def test_a_driver_refusing_coopmat2_leaves_the_device_to_the_other_variants(monk
     assert calls == [True, False] and not opened.coopmat2
     with pytest.raises(BackendUnavailable, match="VK_ERROR_FEATURE_NOT_PRESENT"):
         lavapipe_backend._coopmat2_geometry(bench_spec("S"), opened, 0)
+
+
+def test_slang_glslang_library_setting(monkeypatch, tools, tmp_path):
+    """MMAD_SLANG_GLSLANG names the library instead of slangpy's (a Slang SDK's, or the file alone)."""
+    found = glsl.slang_glslang_library()
+    try:
+        copy = tmp_path / found.name
+        copy.write_bytes(found.read_bytes())
+        monkeypatch.setenv(glsl.SLANG_GLSLANG_ENV, str(copy))
+        glsl.slang_glslang_library.cache_clear()
+        assert glsl.slang_glslang_library() == copy
+        monkeypatch.setenv(glsl.SLANG_GLSLANG_ENV, str(tmp_path / "missing.so"))
+        glsl.slang_glslang_library.cache_clear()
+        with pytest.raises(BackendUnavailable, match="MMAD_SLANG_GLSLANG=.*missing.so: no such file"):
+            glsl.slang_glslang_library()
+    finally:
+        monkeypatch.delenv(glsl.SLANG_GLSLANG_ENV)
+        glsl.slang_glslang_library.cache_clear()
+    assert glsl.slang_glslang_library() == found

@@ -1738,6 +1738,9 @@ class VulkanBackend(Backend):
         if dev.coopmat2_features:
             row_details["coopmat2_features"] = [f for f, on in dev.coopmat2_features.items() if on]
             row_details["coopmat2_properties"] = dict(props)
+            row_details["flexible_shapes"] = [f"{s} {e['scope']} {e['workgroup_invocations']} invocations"
+                                              + (" saturating" if e.get("saturating") else "")
+                                              for s, e in zip(shapes, dev.coopmat2_shapes)]
         if usable and not reason:
             best = usable[0]
             row_details["cooperative_matrix"] = (

