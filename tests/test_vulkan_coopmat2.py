@@ -235,6 +235,18 @@ def test_nv_notes_say_which_variant_uses_the_extension(tools):
     notes = vulkan.VulkanBackend._nv_extension_notes(info, coopmat2_row(info))
     assert notes == {"VK_NV_cooperative_matrix2": "offered, used by vulkan:coopmat2",
                      "VK_NV_cooperative_vector": "offered, not used: no vulkan variant has kernels for it"}
+    # the cooperative-vector survey, for a variant that does not exist yet
+    vec = dataclasses.replace(info, coopvec_features={"cooperativeVector": True, "cooperativeVectorTraining": True},
+                              coopvec_properties={"maxCooperativeVectorComponents": 128},
+                              coopvec_combinations=[dict(inputType="f16", inputInterpretation="f16",
+                                                         matrixInterpretation="f16", biasInterpretation="f16",
+                                                         resultType="f16", transpose=True),
+                                                    dict(inputType="f32", inputInterpretation="e4m3",
+                                                         matrixInterpretation="e4m3", biasInterpretation="f16",
+                                                         resultType="f32", transpose=False)])
+    assert vulkan.VulkanBackend._nv_extension_notes(vec, coopmat2_row(vec))["cooperative_vector"] == (
+        "features cooperativeVector, cooperativeVectorTraining; maxCooperativeVectorComponents 128; fp16 matrices: "
+        "f16 input as f16, bias f16, f16 result, transposed")
     off = fake_device(coopmat2_shapes=[])
     assert vulkan.VulkanBackend._nv_extension_notes(off, coopmat2_row(off))["VK_NV_cooperative_matrix2"].startswith(
         "offered, not used: no fp16*fp16+fp32 workgroup-scope")

@@ -1,4 +1,5 @@
-"""The cffi declarations of VK_NV_cooperative_matrix2's structures against the Vulkan headers.
+"""The cffi declarations of VK_NV_cooperative_matrix2's (and VK_NV_cooperative_vector's) structures
+against the Vulkan headers.
 
 The ``vulkan`` package's bindings predate these structures, so ``mmad/backends/vulkan/nvstructs.py``
 declares them; a wrong field order or type would make the driver read garbage into a feature or
@@ -37,10 +38,22 @@ HEADER_LAYOUT = {
         ("sType", 0), ("pNext", 8), ("MGranularity", 16), ("NGranularity", 20), ("KGranularity", 24),
         ("AType", 28), ("BType", 32), ("CType", 36), ("ResultType", 40), ("saturatingAccumulation", 44),
         ("scope", 48), ("workgroupInvocations", 52)]),
+    "VkPhysicalDeviceCooperativeVectorFeaturesNV": (24, [
+        ("sType", 0), ("pNext", 8), ("cooperativeVector", 16), ("cooperativeVectorTraining", 20)]),
+    "VkPhysicalDeviceCooperativeVectorPropertiesNV": (32, [
+        ("sType", 0), ("pNext", 8), ("cooperativeVectorSupportedStages", 16),
+        ("cooperativeVectorTrainingFloat16Accumulation", 20), ("cooperativeVectorTrainingFloat32Accumulation", 24),
+        ("maxCooperativeVectorComponents", 28)]),
+    "VkCooperativeVectorPropertiesNV": (40, [
+        ("sType", 0), ("pNext", 8), ("inputType", 16), ("inputInterpretation", 20), ("matrixInterpretation", 24),
+        ("biasInterpretation", 28), ("resultType", 32), ("transpose", 36)]),
 }
 HEADER_STYPES = {"VkPhysicalDeviceCooperativeMatrix2FeaturesNV": 1000593000,
                  "VkCooperativeMatrixFlexibleDimensionsPropertiesNV": 1000593001,
-                 "VkPhysicalDeviceCooperativeMatrix2PropertiesNV": 1000593002}
+                 "VkPhysicalDeviceCooperativeMatrix2PropertiesNV": 1000593002,
+                 "VkPhysicalDeviceCooperativeVectorFeaturesNV": 1000491000,
+                 "VkPhysicalDeviceCooperativeVectorPropertiesNV": 1000491001,
+                 "VkCooperativeVectorPropertiesNV": 1000491002}
 
 
 def _layout(ctype: str) -> tuple[int, list[tuple[str, int]]]:
@@ -59,6 +72,10 @@ def test_feature_and_property_names_are_the_structures_fields():
     properties = [n for n, _ in HEADER_LAYOUT["VkPhysicalDeviceCooperativeMatrix2PropertiesNV"][1][2:]]
     assert list(nv.FEATURES) == features and list(nv.PROPERTIES) == properties
     assert list(nv.FLEXIBLE_FIELDS) == [n for n, _ in HEADER_LAYOUT["VkCooperativeMatrixFlexibleDimensionsPropertiesNV"][1][2:]]
+    fields = {name: [n for n, _ in HEADER_LAYOUT[name][1][2:]] for name in HEADER_LAYOUT}
+    assert list(nv.VECTOR_FEATURES) == fields["VkPhysicalDeviceCooperativeVectorFeaturesNV"]
+    assert list(nv.VECTOR_PROPERTIES) == fields["VkPhysicalDeviceCooperativeVectorPropertiesNV"]
+    assert list(nv.VECTOR_FIELDS) == fields["VkCooperativeVectorPropertiesNV"]
 
 
 def test_new_sets_the_structure_type_and_fields():

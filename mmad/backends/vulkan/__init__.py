@@ -1768,6 +1768,14 @@ class VulkanBackend(Backend):
                 except Exception as exc:  # noqa: BLE001 - a probe never raises
                     missing = f"no GLSL compiler for {glsl_ext}: {exc}"
                 notes[ext] = f"offered, not used: {missing or 'no vulkan variant has kernels for it'}"
+        if dev.coopvec_features:  # what a cooperative-vector variant would have to work with
+            fp16 = [c for c in dev.coopvec_combinations if c["matrixInterpretation"] == "f16"]
+            notes["cooperative_vector"] = (
+                f"features {', '.join(f for f, on in dev.coopvec_features.items() if on) or 'none'}; "
+                + ", ".join(f"{k} {v}" for k, v in dev.coopvec_properties.items()) + "; fp16 matrices: "
+                + ("; ".join(f"{c['inputType']} input as {c['inputInterpretation']}, bias {c['biasInterpretation']}, "
+                             f"{c['resultType']} result{', transposed' if c['transpose'] else ''}" for c in fp16)
+                   or "none"))
         return notes
 
     def _placeable(self) -> list[vr.DeviceInfo]:

@@ -39,7 +39,8 @@ API_VERSION_1_2 = (1 << 22) | (2 << 12)
 DEVICE_TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete > integrated > virtual > cpu > other
 DEVICE_TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: "s64",
-                  7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
+                  7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16",
+                  1000491000: "s8packed", 1000491001: "u8packed", 1000491002: "e4m3", 1000491003: "e5m2"}
 SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 COOPMAT_EXT = "VK_KHR_cooperative_matrix"
 # NVIDIA's workgroup-scope matrices, flexible dimensions, conversions and tensor addressing (the
@@ -185,6 +186,11 @@ class DeviceInfo:
     coopmat2_features: dict[str, bool] = field(default_factory=dict)
     coopmat2_properties: dict[str, int] = field(default_factory=dict)
     coopmat2_shapes: list[dict[str, Any]] = field(default_factory=list)
+    # VK_NV_cooperative_vector where offered (surveyed for the probe; no variant uses it): features,
+    # properties and the type combinations (input, its interpretation, matrix, bias, result, transpose)
+    coopvec_features: dict[str, bool] = field(default_factory=dict)
+    coopvec_properties: dict[str, int] = field(default_factory=dict)
+    coopvec_combinations: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def software(self) -> bool:
@@ -210,8 +216,14 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     coopmat2 = COOPMAT2_EXT in extensions
     cm2_props = nv.new("VkPhysicalDeviceCooperativeMatrix2PropertiesNV") if coopmat2 else None
     cm2_features = nv.new("VkPhysicalDeviceCooperativeMatrix2FeaturesNV") if coopmat2 else None
-    if coopmat2:  # at the chain's end: its pNext stays NULL
-        (size_control if has_size_control else subgroup).pNext = cm2_props
+    coopvec = nv.VECTOR_EXTENSION in extensions
+    cv_props = nv.new("VkPhysicalDeviceCooperativeVectorPropertiesNV") if coopvec else None
+    cv_features = nv.new("VkPhysicalDeviceCooperativeVectorFeaturesNV") if coopvec else None
+    tail = size_control if has_size_control else subgroup
+    for extra in (cm2_props, cv_props):  # appended at the chain's end
+        if extra is not None:
+            tail.pNext = extra
+            tail = extra
     props2 = ffi.new("VkPhysicalDeviceProperties2*")
     props2.sType = ST["properties2"]
     props2.pNext = subgroup
@@ -231,11 +243,11 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     if has_size_control:
         size_features.pNext = f12.pNext
         f12.pNext = size_features
-    if coopmat2:
-        cm2_features.pNext = f11
-        chain_head = cm2_features
-    else:
-        chain_head = f11
+    chain_head = f11
+    for extra in (cm2_features, cv_features):  # prepended: each points at the chain so far
+        if extra is not None:
+            extra.pNext = chain_head
+            chain_head = extra
     feats = ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = ST["features2"]
     feats.pNext = chain_head
@@ -263,6 +275,15 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         info.coopmat2_features = {name: bool(getattr(cm2_features, name)) for name in nv.FEATURES}
         info.coopmat2_properties = {name: int(getattr(cm2_props, name)) for name in nv.PROPERTIES}
         info.coopmat2_shapes = _flexible_shapes(instance, pd)
+    if coopvec:
+        info.coopvec_features = {name: bool(getattr(cv_features, name)) for name in nv.VECTOR_FEATURES}
+        info.coopvec_properties = {name: int(getattr(cv_props, name)) for name in nv.VECTOR_PROPERTIES}
+        try:
+            raw = nv.vector_combinations(lib.vkGetInstanceProcAddr, instance, pd, ffi)
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from exc
+        info.coopvec_combinations = [{**{k: COMPONENT_TYPE.get(v, str(v)) for k, v in c.items() if k != "transpose"},
+                                      "transpose": bool(c["transpose"])} for c in raw]
     return info
 
 
