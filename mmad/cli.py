@@ -428,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "outside gradient against mmad.export.to_torch (docs/torch.md).")
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
                    help="cpu, cuda[:VARIANT] (mma, mma-f16acc, cublaslt, wgmma, ...: `mmad probe`), "
-                        "vulkan[:coopmat|simt], wgpu; repeatable or "
+                        "vulkan[:coopmat2|coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
     p.add_argument("--models", default="S,M,L,W", help="comma-separated subset of S,M,L,W")
     p.add_argument("--rows", type=int, help="batch rows (default 2^20 on a GPU, 2^16 on the CPU)")

@@ -248,6 +248,7 @@ def _wgpu_backend():
 
 DEVICE_BACKENDS = [pytest.param(_vulkan_backend, marks=pytest.mark.vulkan, id="vulkan"),
                    pytest.param(lambda: _vulkan_backend("coopmat"), marks=pytest.mark.vulkan, id="vulkan-coopmat"),
+                   pytest.param(lambda: _vulkan_backend("coopmat2"), marks=pytest.mark.vulkan, id="vulkan-coopmat2"),
                    pytest.param(_wgpu_backend, marks=pytest.mark.wgpu, id="wgpu")]
 
 
@@ -291,8 +292,8 @@ def _device_compile(device) -> Callable[[MLPSpec], CompiledModel]:
 @pytest.mark.parametrize("ema_doc", [EMA_SGD, EMA_ADAM], ids=["sgd", "adam"])
 def test_device_ema_follows_float64_oracle(device, ema_doc):
     # fp32: nothing rounds, so the device follows the float64 oracle to fp32 accuracy
-    if device[1] == "coopmat":
-        pytest.skip("precision fp32 runs no MMA; the coopmat variant is fp16 only")
+    if device[1] in ("coopmat", "coopmat2"):
+        pytest.skip(f"precision fp32 runs no MMA; the {device[1]} variant is fp16 only")
     spec = bench_spec("S", precision="fp32", optimizer=ema_doc)
     x, y = task(spec, 256, seed=7)
     x_new = task(spec, 100, seed=17)[0]

@@ -1,7 +1,7 @@
 """vulkan backend against the float64 cpu oracle, on whatever Vulkan device is present.
 
 CI runs these on Mesa lavapipe (simt only: lavapipe has no cooperative matrices); on a GPU
-host the same tests run every available variant (``MMAD_TEST_VULKAN_VARIANTS=simt,coopmat``
+host the same tests run every available variant (``MMAD_TEST_VULKAN_VARIANTS=simt,coopmat,coopmat2``
 narrows the set). Every test runs with ``gc.collect()`` around it so that a cffi lifetime bug
 (a nested struct freed before the driver reads it) shows up as a failure here, not in serving.
 
@@ -45,7 +45,7 @@ def backend():
 
 
 def _variants() -> list[str]:
-    wanted = os.environ.get("MMAD_TEST_VULKAN_VARIANTS", "simt,coopmat").split(",")
+    wanted = os.environ.get("MMAD_TEST_VULKAN_VARIANTS", "simt,coopmat,coopmat2").split(",")
     return [v.strip() for v in wanted if v.strip()]
 
 
@@ -111,18 +111,21 @@ def check_grads(spec, model, x, y):
 # -- probe ---------------------------------------------------------------------------------
 def test_probe_rows_describe_the_device(backend):
     rows = backend.probe()
-    assert [r.variant for r in rows] == ["coopmat", "simt"]
+    assert [r.variant for r in rows] == ["coopmat2", "coopmat", "simt"]
     for r in rows:
         assert r.backend == "vulkan" and r.device and r.api_version
         assert r.details["max_shared_bytes"] >= 16384 and r.details["subgroup_size"] >= 1
         assert r.available or r.reason
-    simt = rows[1]
+    coop2, coop, simt = rows
     assert simt.software == (simt.details["device_type"] == "cpu")
-    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, and why unused
-    coop = rows[0]
+    # NVIDIA's workgroup-scope matrices and cooperative vectors: offered or not, used or why not
     for ext in vulkan.NV_COOPERATIVE_EXTENSIONS:
         note = coop.details[ext]
-        assert note.startswith(("not offered by", "offered, not used: ")), note
+        assert note.startswith(("not offered by", "offered, not used: ", "offered, used by vulkan:coopmat2")), note
+    assert coop.details["VK_NV_cooperative_matrix2"] == (
+        "offered, used by vulkan:coopmat2" if coop2.available else
+        f"not offered by {coop.device}" if "does not offer VK_NV_cooperative_matrix2" in coop2.reason
+        else f"offered, not used: {coop2.reason}")
     assert coop.details["subgroup_size_control"].startswith(("required ", "the driver's"))
 
 
@@ -133,11 +136,12 @@ def test_glsl_extension_check():
     assert not glsl.knows_extension("GL_MMAD_no_such_extension")
 
 
-def test_probe_honours_coopmat_switch(monkeypatch):
-    monkeypatch.setenv("MMAD_VULKAN_COOPMAT", "0")
+@pytest.mark.parametrize("variant,setting", [("coopmat", "MMAD_VULKAN_COOPMAT"), ("coopmat2", "MMAD_VULKAN_COOPMAT2")])
+def test_probe_honours_coopmat_switch(monkeypatch, variant, setting):
+    monkeypatch.setenv(setting, "0")
     b = vulkan.VulkanBackend()
-    coop = b.probe()[0]
-    assert not coop.available and "MMAD_VULKAN_COOPMAT=0" in coop.reason
+    row = {r.variant: r for r in b.probe()}[variant]
+    assert not row.available and row.reason == f"disabled by {setting}=0"
     b.close()
 
 
@@ -226,8 +230,8 @@ def test_specialized_activation_and_loss_pipelines(backend, variant, cache, monk
 
 
 def test_fp32_precision_is_tight(backend, variant, cache):
-    if variant == "coopmat":
-        pytest.skip("precision fp32 runs no MMA; the coopmat variant is fp16 only")
+    if variant in vulkan.COOPERATIVE:
+        pytest.skip(f"precision fp32 runs no MMA; the {variant} variant is fp16 only")
     spec = bench_spec("M", precision="fp32")
     model = model_for(backend, variant, cache, spec)
     x, _ = data(spec, 777)
@@ -279,7 +283,7 @@ def test_stored_deltas_are_fp16_values(backend, variant, cache):
     x, y = data(spec, 1000)
     model.loss_and_grads(x, y)
     rows_pad = 1024  # ROW_ALIGN multiple: one chunk; the layers' deltas are blocks of rows_pad rows
-    dtype = np.float16 if variant == "coopmat" else np.float32
+    dtype = np.float16 if variant in vulkan.COOPERATIVE else np.float32
     assert model.geo.training_row_bytes()["d"] == model.geo.z_cols * np.dtype(dtype).itemsize
     raw = model._batch["d"].read(rows_pad * model.geo.z_cols * np.dtype(dtype).itemsize)
     d = np.frombuffer(raw, dtype).astype(np.float32)
@@ -483,7 +487,8 @@ def test_gpu_timestamps_time_every_dispatch(backend, variant, cache):
         train = model.gpu_times("train")
         kernels = [k.split("/")[1] for k, _ in train]
         n_layers = spec.n_hidden_layers + 1
-        first = "forward_train" if variant == "coopmat" else "forward"  # coopmat: a training pipeline
+        # the cooperative variants: a training pipeline of their own
+        first = "forward_train" if variant in vulkan.COOPERATIVE else "forward"
         assert kernels == [first, "backward"] + ["wgrad"] * n_layers + ["finalize", "optimizer"]
         assert all(t >= 0 for _, t in train) and sum(t for _, t in train) > 0
         model.set_gpu_timestamps(False)

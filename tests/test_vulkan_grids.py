@@ -323,7 +323,15 @@ def test_grid_models_share_the_grid_kernels_between_variants():
             continue
         grid_part = lambda src: src[src.index("#define GRID_PARTS"):]  # noqa: E731
         assert grid_part(simt[name]) == grid_part(coop[name]), name
-    for sources in (simt, coop):
+    # coopmat2's too (its plan for a made-up device of 256-invocation workgroup-scope 16x16x16 shapes)
+    shape = dict(m=16, n=16, k=16, a="f16", b="f16", c="f32", result="f32", scope="workgroup", workgroup_invocations=256)
+    plan = vulkan.coopmat2_plan(spec, [shape], {}, 49152, 1024, grid=True)
+    coop2 = vulkan.kernel_sources(spec, vulkan.Geometry.build(spec, 49152, coopmat2=plan), "coopmat2", "sorted")
+    assert plan.delta_stride == plan.in_pad + 8  # the backward's shared tile also holds d loss / d encoded input
+    for name in grid_kernels:
+        if not name.startswith("grid_sort"):
+            assert coop2[name][coop2[name].index("#define GRID_PARTS"):] == grid_part(simt[name]), name
+    for sources in (simt, coop, coop2):
         assert "#define GRID_PARTS 1" in sources["backward"] and "#define GRID_PARTS 1" in sources["optimizer"]
     assert vulkan.pipeline_interface("coopmat", True)["backward"] == (7, 44)
     assert vulkan.pipeline_interface("simt", True)["backward"] == (6, 44)
@@ -334,7 +342,9 @@ def test_fp32_models_take_the_simt_variant(backend):
     simt when the backend chooses, and asking for coopmat is refused by name."""
     fp32 = grid_spec(HASH_2D, 2, precision="fp32")
     assert vulkan.variant_choices(fp32) == ("simt",)
-    assert vulkan.variant_choices(grid_spec(HASH_2D, 2)) == ("coopmat", "simt")
-    with pytest.raises(SpecError, match="precision fp32 model runs on vulkan:simt") as info:
-        backend.compile(fp32, "coopmat")
-    assert info.value.field == "precision"
+    assert vulkan.variant_choices(grid_spec(HASH_2D, 2)) == ("coopmat2", "coopmat", "simt")
+    for variant in ("coopmat", "coopmat2"):
+        with pytest.raises(SpecError, match=f"vulkan:{variant} multiplies fp16 operands; a precision fp32 model runs "
+                                            "on vulkan:simt") as info:
+            backend.compile(fp32, variant)
+        assert info.value.field == "precision"

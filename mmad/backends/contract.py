@@ -3,7 +3,7 @@
 A backend module exposes one class derived from :class:`Backend`:
 
 * ``probe()`` → one :class:`ProbeRow` per variant (``cuda``: wgmma / mma / cublaslt,
-  ``vulkan``: coopmat / simt, ``wgpu`` and ``cpu``: one each). It never raises and never
+  ``vulkan``: coopmat2 / coopmat / simt, ``wgpu`` and ``cpu``: one each). It never raises and never
   crashes the process: an unusable stack is a row with ``available=False`` and a ``reason``.
 * ``compile(spec, variant=None, cache=None, device=0)`` → a :class:`CompiledModel` specialised
   for the spec's widths, activations and precision, on device ``device`` (an index into
@@ -61,6 +61,7 @@ PRIORITY = {
     ("cuda", "cublaslt"): 80,
     ("cuda", "wgmma+cublaslt"): 79,
     ("cuda", "mma-f16acc+cublaslt"): 78,
+    ("vulkan", "coopmat2"): 72,
     ("vulkan", "coopmat"): 70,
     ("vulkan", "simt"): 50,
     ("wgpu", "default"): 40,

@@ -105,7 +105,7 @@ class Options:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mmad bench --hashgrid", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", action="append", metavar="NAME[:VARIANT]",
-                   help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat|simt], wgpu; repeatable or "
+                   help="cpu, cuda[:mma|cublaslt|wgmma], vulkan[:coopmat2|coopmat|simt], wgpu; repeatable or "
                         "comma-separated (default: MMAD_BACKEND, else the best available)")
     p.add_argument("--rows", type=int, help="batch rows (default 2^18 on a GPU, 2^12 on the CPU)")
     p.add_argument("--log2-hashmap-sizes", default="15,19",

@@ -463,7 +463,9 @@ def _measure_vulkan(model, mode, x_in, dev_in, x, y, out_dtype, rng, opts) -> di
     reps = CALLS_PER_SAMPLE["vulkan"]
     result: dict[str, Any] = {"clock": "host", "calls_per_sample": reps,
                               "geometry": {"rows_per_tile": model.geo.rows_per_tile, "threads": model.geo.threads,
-                                           "shape": model.geo.coopmat}}
+                                           "shape": model.geo.coopmat,
+                                           **({"weight_gradient_tile": model.geo.coopmat2.wgrad}
+                                              if model.geo.coopmat2 else {})}}
     if opts.profile:
         stats = model.pipeline_statistics()
         if any(stats.values()):

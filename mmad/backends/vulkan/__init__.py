@@ -1,11 +1,14 @@
 """vulkan backend: fused MLP training and inference through Vulkan compute (GLSL → SPIR-V).
 
-Two variants share the host code (:mod:`.runtime`), the buffers and the kernels for the
-loss, weight gradients and optimizer; they differ in the fused forward/backward kernels:
+Three variants share the host code (:mod:`.runtime`), the buffers and the kernels for the
+loss and optimizer; they differ in the fused forward/backward and weight-gradient kernels:
 
 * ``simt`` — any Vulkan 1.2 device: shared-memory tile products with 4×4 register tiles.
 * ``coopmat`` — ``VK_KHR_cooperative_matrix`` with an fp16×fp16→fp32 subgroup shape; the
   tile shape comes from the probed list (``shaders/glsl/coopmat_*.comp``).
+* ``coopmat2`` — ``VK_NV_cooperative_matrix2``: workgroup-scope matrices of a whole tile and layer,
+  flexible dimensions, conversions and tensor addressing (``shaders/glsl/coopmat2_*.comp``, compiled
+  by the glslang inside slangpy); ``coopmat2_plan`` sizes its tiles from the probed shapes.
 
 Numerics (the contract in ``mmad/backends/contract.py``): activations, deltas and the weight copies
 the kernels multiply are rounded to fp16 — simt in fp32 storage, with an exact integer
@@ -48,7 +51,7 @@ from mmad.backends.contract import (
     check_rows, check_rows_shape, init_params, optimizer_slots, output_dtype, param_shapes,
 )
 from mmad.backends.cpu import copy_rows
-from mmad.backends.vulkan.glsl import build_spirv
+from mmad.backends.vulkan.glsl import GLSLANG, SLANG_GLSLANG, build_spirv
 from mmad.backends.vulkan import runtime as vr
 from mmad.errors import BackendUnavailable, CompileError, InvalidInput, LaunchError, MMADError, SpecError
 from mmad.shaders import read_source
@@ -56,7 +59,10 @@ from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 log = logging.getLogger("mmad.vulkan")
 
-VARIANTS = ("coopmat", "simt")
+VARIANTS = ("coopmat2", "coopmat", "simt")  # best first
+# the variants whose kernels multiply with cooperative matrices: fp16 operands, fp16 weight copies,
+# training's fp16 activations and deltas (the same buffers for both)
+COOPERATIVE = ("coopmat2", "coopmat")
 # kernel -> (storage buffers, push-constant bytes); the coopmat forward and backward also bind
 # the fp16 hidden activations, and coopmat training runs its own forward pipeline
 PIPELINE_INTERFACE = {"forward": (5, 24), "backward": (5, 44), "wgrad": (4, 28), "optimizer": (13, 20),
@@ -106,6 +112,138 @@ NV_COOPERATIVE_EXTENSIONS = {"VK_NV_cooperative_matrix2": "GL_NV_cooperative_mat
 COOPMAT_FAMILIES = [(16, 16, 16), (16, 8, 16), (8, 16, 16), (8, 8, 16), (8, 8, 8)]
 
 
+# -- coopmat2 (VK_NV_cooperative_matrix2) ----------------------------------------------------
+COOPMAT2_ENV = "MMAD_VULKAN_COOPMAT2"  # 0: the coopmat2 variant off (its probe row says so)
+# "BMxTHREADS": the forward/backward tile (rows, workgroup invocations) instead of the planner's;
+# "TNxTKxBK": the weight-gradient tile and rows a step. For measurements (docs/vulkan.md).
+COOPMAT2_TILE_ENV = "MMAD_VULKAN_COOPMAT2_TILE"
+COOPMAT2_WGRAD_ENV = "MMAD_VULKAN_COOPMAT2_WGRAD_TILE"
+# the extension's features the kernels use: matrices of a whole workgroup, of our layers' sizes,
+# an accumulator turned into the next operand, and loads/stores through tensor layouts
+COOPMAT2_FEATURES = ("cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                     "cooperativeMatrixConversions", "cooperativeMatrixTensorAddressing")
+COOPMAT2_GLSL = "GL_NV_cooperative_matrix2"
+# the coopmat2 kernels (the rest of a model's kernels are every variant's, compiled by cmeel's glslang)
+COOPMAT2_KERNELS = ("forward", "forward_train", "backward", "wgrad")
+# fp32 accumulator values a thread holds for a tile's widest layer (a BM x width matrix over the
+# workgroup): with the A operand and the weights' fragments that stays clear of spilling
+COOPMAT2_ACC_BUDGET = 64
+COOPMAT2_ROWS = (128, 64, 32, 16)  # tile rows, most first (ROW_ALIGN is a multiple of each)
+COOPMAT2_WGRAD_SIDES = (128, 64, 32, 16)
+COOPMAT2_WGRAD_STEP = 64  # rows a weight-gradient step (the batch splits are multiples of 64 rows)
+
+
+def usable_coopmat2_shapes(shapes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The flexible-dimension shapes the coopmat2 kernels can use: fp16 x fp16 + fp32 -> fp32,
+    workgroup scope, not saturating; most invocations first (a tile's rows share each weight read)."""
+    usable = [s for s in shapes if (s["a"], s["b"], s["c"], s["result"], s["scope"]) ==
+              ("f16", "f16", "f32", "f32", "workgroup") and not s.get("saturating") and s["workgroup_invocations"] > 0]
+    return sorted(usable, key=lambda s: (-s["workgroup_invocations"], s["m"] * s["n"] * s["k"]))
+
+
+@dataclass(frozen=True)
+class Coopmat2Plan:
+    """Tiles of the coopmat2 kernels for one model on one device: ``rows`` (BM) rows per workgroup
+    of ``threads`` invocations in the forward and backward (every layer one BM x width matrix),
+    and the weight gradients' TN x TK tile of dW over BK batch rows a step; widths padded to the
+    shape's granularity (``in_pad``, ``out_pad``)."""
+
+    granularity: tuple[int, int, int]
+    threads: int
+    rows: int
+    wgrad: tuple[int, int, int]
+    in_pad: int
+    out_pad: int
+    delta_stride: int  # halves a row of the backward's shared fp16 tile (output deltas, grid input gradients)
+
+    @property
+    def shared_bytes(self) -> int:
+        """The backward's shared memory (the forward and weight gradients declare none)."""
+        return 2 * self.rows * self.delta_stride + 4 * self.threads
+
+    def header(self) -> list[str]:
+        """The kernels' #defines (CM_M/N/K: the granularity, which optimizer.comp's fp16 copies test for)."""
+        tn, tk, bk = self.wgrad
+        m, n, k = self.granularity
+        return [f"#define BM {self.rows}", f"#define DS {self.delta_stride}", f"#define TN {tn}",
+                f"#define TK {tk}", f"#define BK {bk}", f"#define BIAS_N {math.lcm(16, n)}",
+                f"#define CM_M {m}", f"#define CM_N {n}", f"#define CM_K {k}"]
+
+
+def _parse_tile(env: str, parts: int) -> tuple[int, ...] | None:
+    asked = os.environ.get(env, "").strip().lower()
+    if not asked:
+        return None
+    try:
+        values = tuple(int(v) for v in asked.split("x"))
+    except ValueError:
+        values = ()
+    if len(values) != parts or min(values) <= 0:
+        raise SpecError(env, f"must be {'x'.join(['N'] * parts)} with positive integers; got {asked!r}")
+    return values
+
+
+def coopmat2_plan(spec: MLPSpec, shapes: list[dict[str, Any]], properties: dict[str, int], max_shared: int,
+                  max_invocations: int, grid: bool = False) -> Coopmat2Plan:
+    """The coopmat2 tiles for ``spec`` (see Coopmat2Plan), from the device's flexible-dimension
+    ``shapes`` and VK_NV_cooperative_matrix2 ``properties``. Every matrix dimension is a multiple of
+    the shape's granularity and at most the extension's largest dimension; the workgroup is one
+    shape's invocation count (256 preferred); the tile keeps the most rows (up to ROW_ALIGN) whose
+    widest layer costs a thread at most COOPMAT2_ACC_BUDGET accumulator values and whose backward
+    tile fits shared memory beside what the driver reserves for workgroup-scope matrices.
+    SpecError (naming the field) where the model cannot run on coopmat2."""
+    usable = usable_coopmat2_shapes(shapes)
+    max_dim = properties.get("cooperativeMatrixFlexibleDimensionsMaxDimension", 0) or 1 << 16
+    max_group = min(max_invocations, properties.get("cooperativeMatrixWorkgroupScopeMaxWorkgroupSize", 0)
+                    or max_invocations)
+    reserved = properties.get("cooperativeMatrixWorkgroupScopeReservedSharedMemory", 0)
+    asked = _parse_tile(COOPMAT2_TILE_ENV, 2)
+    usable = [s for s in usable if s["workgroup_invocations"] <= max_group
+              and (asked is None or s["workgroup_invocations"] == asked[1])]
+    if not usable:
+        raise SpecError(COOPMAT2_TILE_ENV if asked else "variant",
+                        "no fp16*fp16+fp32 workgroup-scope shape of VK_NV_cooperative_matrix2 "
+                        + (f"has {asked[1]} invocations" if asked else f"fits {max_group} invocations"))
+    shape = usable[0]
+    gm, gn, gk = shape["m"], shape["n"], shape["k"]
+    threads = shape["workgroup_invocations"]
+    step = math.lcm(16, gn, gk)  # every width is an M/N/K somewhere: forward, backward, weight gradients
+    in_pad, out_pad = _round_up(spec.n_encoded_dims, step), _round_up(spec.n_output_dims, step)
+    if spec.n_neurons % step:
+        raise SpecError("network.n_neurons", f"vulkan:coopmat2 on this device needs a multiple of {step}; "
+                                             f"got {spec.n_neurons}")
+    for field_name, width in (("encoding", in_pad), ("network.n_neurons", spec.n_neurons), ("n_output_dims", out_pad)):
+        if width > max_dim:
+            raise SpecError(field_name, f"a layer {width} wide exceeds the {max_dim} of this device's "
+                                        "cooperative matrices (VK_NV_cooperative_matrix2) for vulkan:coopmat2")
+    widest = max(in_pad, spec.n_neurons, out_pad)
+    delta_stride = max(out_pad, in_pad if grid else 0) + 8
+    rows_options = [asked[0]] if asked else list(COOPMAT2_ROWS)
+    rows = next((r for r in rows_options if r % gm == 0 and r <= max_dim and ROW_ALIGN % r == 0
+                 and (asked or r * widest <= COOPMAT2_ACC_BUDGET * threads)
+                 and 2 * r * delta_stride + 4 * threads + reserved <= max_shared), None)
+    if rows is None:
+        raise (SpecError(COOPMAT2_TILE_ENV, f"{asked[0]} rows: not a multiple of {gm} dividing {ROW_ALIGN}, or "
+                                            "its backward tile exceeds shared memory") if asked else
+               SpecError("n_output_dims" if out_pad == widest else "encoding",
+                         f"no coopmat2 tile of {gm} or more rows fits a layer {widest} wide in {max_shared} bytes "
+                         f"of shared memory ({reserved} reserved for workgroup-scope matrices)"))
+    wgrad = _parse_tile(COOPMAT2_WGRAD_ENV, 3)
+    if wgrad is None:
+        side = next((t for t in COOPMAT2_WGRAD_SIDES if t <= widest and t * t <= COOPMAT2_ACC_BUDGET * threads
+                     and t % gm == 0 and t % gn == 0), None)
+        step_rows = next((b for b in (COOPMAT2_WGRAD_STEP, 32, 16) if b % gk == 0), None)
+        if side is None or step_rows is None:
+            raise SpecError("variant", f"no weight-gradient tile of this device's {gm}x{gn}x{gk} granularity fits "
+                                       "vulkan:coopmat2's kernels")
+        wgrad = (side, side, step_rows)
+    tn, tk, bk = wgrad
+    if tn % gm or tk % gn or bk % gk or COOPMAT2_WGRAD_STEP % bk or max(wgrad) > max_dim:
+        raise SpecError(COOPMAT2_WGRAD_ENV, f"{tn}x{tk}x{bk}: TN must be a multiple of {gm}, TK of {gn}, BK of {gk} "
+                                            f"dividing {COOPMAT2_WGRAD_STEP}, all at most {max_dim}")
+    return Coopmat2Plan((gm, gn, gk), threads, rows, wgrad, in_pad, out_pad, delta_stride)
+
+
 def coopmat_subgroups_cap() -> int:
     """The most subgroups a coopmat workgroup may have (COOPMAT_SUBGROUPS_ENV, default 16); 4
     gives the layout of four column subgroups for every width (benchmarks compare the two)."""
@@ -127,7 +265,7 @@ def pipeline_interface(variant: str, grid: bool) -> dict[str, tuple[int, int]]:
     """(storage buffers, push-constant bytes) of each kernel of a model: a grid model's backward
     also writes d loss / d encoded input, its optimizer steps the tables too, and it has the grid
     kernels."""
-    interface = dict(COOPMAT_INTERFACE if variant == "coopmat" else PIPELINE_INTERFACE)
+    interface = dict(COOPMAT_INTERFACE if variant in COOPERATIVE else PIPELINE_INTERFACE)
     if grid:
         n_bind, push = interface["backward"]
         interface.update(GRID_KERNELS, backward=(n_bind + 1, push), optimizer=(17, 20))
@@ -309,6 +447,7 @@ class Geometry:
     ncj: int = 0         # coopmat: column blocks per subgroup at the widest layer
     sg_cols: int = 0     # coopmat: subgroups side by side over the columns (SG_COLS; coopmat_tiling)
     grid: GridLayout | None = None  # grid models: the kernel input and the tables
+    coopmat2: Coopmat2Plan | None = None  # coopmat2: its tiles (coopmat is then the shape's granularity)
 
     def __post_init__(self) -> None:
         if self.grid is None:
@@ -327,12 +466,18 @@ class Geometry:
 
     @classmethod
     def build(cls, spec: MLPSpec, max_shared: int, coopmat: tuple[int, int, int] | None = None,
-              subgroup_size: int = 32, max_threads: int = 512, max_subgroups: int = 16) -> "Geometry":
-        in_pad = _round_up(spec.n_encoded_dims, 16)
-        out_pad = _round_up(spec.n_output_dims, 16)
+              subgroup_size: int = 32, max_threads: int = 512, max_subgroups: int = 16,
+              coopmat2: Coopmat2Plan | None = None) -> "Geometry":
+        """simt by default; ``coopmat``: the KHR kernels' subgroup shape; ``coopmat2``: that
+        variant's plan (coopmat2_plan)."""
+        in_pad = coopmat2.in_pad if coopmat2 else _round_up(spec.n_encoded_dims, 16)
+        out_pad = coopmat2.out_pad if coopmat2 else _round_up(spec.n_output_dims, 16)
         k = [in_pad] + [spec.n_neurons] * spec.n_hidden_layers
         n = [spec.n_neurons] * spec.n_hidden_layers + [out_pad]
         kmax = max(k + n)
+        if coopmat2 is not None:  # weights from the fp16 copy in global memory, no shared chunk
+            return cls(spec, coopmat2.threads, coopmat2.rows, kmax, 0, 0, in_pad, out_pad, k, n,
+                       coopmat2.granularity, coopmat2=coopmat2)
         too_wide = SpecError("n_output_dims" if out_pad == kmax else "encoding",
                              f"a layer {kmax} wide does not fit the vulkan kernels' shared memory "
                              f"({max_shared} bytes)")
@@ -364,6 +509,8 @@ class Geometry:
     @property
     def shared_bytes(self) -> int:
         """Shared memory of the largest kernel (the fused forward/backward)."""
+        if self.coopmat2:
+            return self.coopmat2.shared_bytes
         if self.coopmat:
             return 2 * self.rows_per_tile * self.act_stride + 4 * self.threads
         return 2 * self.rows_per_tile * self.kmax * 4 + 4 * self.threads + 4 * self.wchunk
@@ -371,6 +518,11 @@ class Geometry:
     @property
     def n_layers(self) -> int:
         return len(self.k)
+
+    @property
+    def wgrad_tile(self) -> tuple[int, int]:
+        """(rows, columns) of dW a weight-gradient workgroup computes."""
+        return self.coopmat2.wgrad[:2] if self.coopmat2 else (64, 64)
 
     @property
     def store_hidden_z(self) -> bool:
@@ -446,7 +598,11 @@ class Geometry:
                  f"#define KMAX {self.kmax}", f"#define N_LAYERS {self.n_layers}",
                  f"#define IN_PAD {self.in_pad}", f"#define OUT_PAD {self.out_pad}",
                  f"#define Z_COLS {self.z_cols}", f"#define BIAS_ROWS {BIAS_ROWS}"]
-        if self.coopmat:
+        if self.coopmat2:
+            lines += [*self.coopmat2.header(), f"#define NN {self.spec.n_neurons}",
+                      f"#define STORE_HIDDEN_Z {int(self.store_hidden_z)}",
+                      f"#define ZOUT_COL {off['Z_COL'][-1] if self.store_hidden_z else 0}"]
+        elif self.coopmat:
             m_cm, n_cm, k_cm = self.coopmat
             lines += [f"#define NACC {self.nacc}", f"#define SUBGROUPS {self.subgroups}",
                       f"#define SG_COLS {self.sg_cols}", f"#define NCJ {self.ncj}",
@@ -604,7 +760,7 @@ class VulkanModel(CompiledModel):
             self.n_params = geo.n_values  # the flat buffers' values: the MLP's, then the grid tables'
             self._wall = self._alloc(geo.weight_floats * 4)
             # the coopmat kernels read an fp16 copy of the (already fp16-rounded) weights
-            self._wall16 = self._alloc(geo.weight_floats * 2) if variant == "coopmat" else None
+            self._wall16 = self._alloc(geo.weight_floats * 2) if variant in COOPERATIVE else None
             self._bias = self._alloc(BIAS_ROWS * geo.bias_floats * 4)
             self._master = self._alloc(self.n_params * 4)
             self._slot_a = self._alloc(self.n_params * 4)
@@ -656,7 +812,7 @@ class VulkanModel(CompiledModel):
             self._etable = self._infer_table = self._alloc(self._grid_layout.table_values * 4)
         self._ema = self._alloc(self.n_params * 4)
         half = self.geo.weight_floats // 2
-        self._ewall = self._alloc(half * 2 if variant == "coopmat" else half * 4)  # fp16 for coopmat
+        self._ewall = self._alloc(half * 2 if variant in COOPERATIVE else half * 4)  # fp16 for the cooperative variants
         self._ebias = self._alloc(BIAS_ROWS * self.geo.bias_floats * 4)
         for buf in (self._ewall, self._ebias):
             buf.fill_zero()
@@ -845,7 +1001,7 @@ class VulkanModel(CompiledModel):
                 dispatches.append(self._encode_dispatch(x_buf, self._infer_table, rows_pad))
                 x_buf = self._batch["enc"]
             buffers = [x_buf, self._infer_weights, self._infer_bias, out_buf, z_buf]
-            if self.variant == "coopmat":
+            if self.variant in COOPERATIVE:
                 buffers.append(z_buf)  # the fp16 activations, not written either
             dispatches.append(vr.Dispatch(self._pipeline_for("forward", input_f16, output_f16), buffers, push, grid))
             program = vr.Program(self.device, dispatches, timestamps=self.gpu_timestamps)
@@ -941,7 +1097,7 @@ class VulkanModel(CompiledModel):
             loss_push = (u32(rows, grid[0], valid, n_out, hidden, output, LOSS_CODES[self.spec.loss])
                          + np.float32(self.spec.huber_delta).tobytes()
                          + u32(row_base, row_base // geo.rows_per_tile, n_rows))
-            if self.variant == "coopmat":  # + the fp16 hidden activations; wgrad reads those
+            if self.variant in COOPERATIVE:  # + the fp16 hidden activations; wgrad reads those
                 forward = self._pipeline_for("forward_train", input_f16)
                 fwd = [x_buf, self._mma_weights, self._bias, b["out"], b["z"], b["h"]]
                 bwd = [y_buf, self._mma_weights, b["z"], b["h"], b["d"], b["loss"]]
@@ -957,8 +1113,9 @@ class VulkanModel(CompiledModel):
                 vr.Dispatch(forward, fwd, u32(rows, grid[0], 1, hidden, output, row_base), grid),
                 vr.Dispatch(p["backward"], bwd, loss_push, grid),
             ]
+            tile_n, tile_k = geo.wgrad_tile
             for layer in range(geo.n_layers):
-                wgrid = (math.ceil(geo.n[layer] / 64), math.ceil(geo.k[layer] / 64), splits)
+                wgrid = (math.ceil(geo.n[layer] / tile_n), math.ceil(geo.k[layer] / tile_k), splits)
                 # the layers' gradients are independent (disjoint partial sums): no barriers
                 # between them, so their dispatches overlap
                 dispatches.append(vr.Dispatch(
@@ -974,8 +1131,8 @@ class VulkanModel(CompiledModel):
         opt_grid = (min(groups, 32768), math.ceil(groups / 32768), 1)  # grid tables: past 65535 groups
         unused = self._unused
         ema = [unused] * 4 if self._ema is None else [
-            self._ema, unused if self.variant == "coopmat" else self._ewall, self._ebias,
-            self._ewall if self.variant == "coopmat" else unused]
+            self._ema, unused if self.variant in COOPERATIVE else self._ewall, self._ebias,
+            self._ewall if self.variant in COOPERATIVE else unused]
         if geo.grid is not None:
             ema += [self._ggrad, self._gsteps, self._table, self._etable if self._etable is not None else unused]
         dispatches.append(vr.Dispatch(
@@ -1372,7 +1529,7 @@ class VulkanModel(CompiledModel):
                                 params: dict[str, np.ndarray] | None = None) -> None:
         # an EMA model's inference copy: the forward layout (the first half) in its storage type
         half = wall[:self.geo.weight_floats // 2]
-        self._ewall.write(half.astype(np.float16) if self.variant == "coopmat" else half)
+        self._ewall.write(half.astype(np.float16) if self.variant in COOPERATIVE else half)
         self._ebias.write(bias)
         if self._etable is not None and params is not None:
             self._etable.write(self._table_image(params))
@@ -1469,7 +1626,8 @@ class VulkanBackend(Backend):
         self._devices: dict[int, vr.Device] = {}  # open logical devices by index (``devices()``)
         self._pipelines: dict[tuple, vr.Pipeline] = {}  # by (device index, SPIR-V hash, constants)
         self._models: weakref.WeakSet[VulkanModel] = weakref.WeakSet()
-        self._announced: set[tuple] = set()  # (variant, shape) already logged
+        self._announced: set[tuple] = set()  # (variant, shape, coopmat2 plan) already logged
+        self._coopmat2_refused: dict[int, str] = {}  # device index -> the driver's answer to coopmat2
         self._convert_rne: dict[int, bool] = {}  # id(device) -> fp16_conversion_is_rne
         self._lock = threading.Lock()
 
@@ -1532,27 +1690,92 @@ class VulkanBackend(Backend):
         coop_details["subgroup_size_control"] = (
             f"required {dev.subgroup_size} ({vr.SUBGROUP_SIZE_EXT})" if dev.subgroup_size_range is not None
             else f"the driver's ({dev.name} cannot require one); the kernels count subgroups of {dev.subgroup_size}")
-        coop_details.update(self._nv_extension_notes(dev, compiler_error))
+        coop2 = self._coopmat2_row(dev, {**details, "fp16_storage": coop_details["fp16_storage"]}, common,
+                                   compiler_error)
+        coop_details.update(self._nv_extension_notes(dev, coop2))
         coop = ProbeRow("vulkan", "coopmat", not reason, reason=reason, mma_shapes=shapes,
                         details=coop_details, **common)
-        return [coop, simt]
+        return [coop2, coop, simt]
 
     @staticmethod
-    def _nv_extension_notes(dev: vr.DeviceInfo, compiler_error: str) -> dict[str, str]:
+    def _coopmat2_row(dev: vr.DeviceInfo, details: dict[str, Any], common: dict[str, Any],
+                      compiler_error: str) -> ProbeRow:
+        """vulkan:coopmat2: VK_NV_cooperative_matrix2 with the features the kernels use, an fp16*fp16+fp32
+        workgroup-scope flexible-dimension shape, what the coopmat kernels need of the device, the
+        glslang that knows GL_NV_cooperative_matrix2 (slangpy's) and cmeel's (the shared kernels)."""
+        from mmad.backends.vulkan.glsl import SLANG_GLSLANG, compiler_version, knows_extension
+
+        shapes = [MMAShape(s["m"], s["n"], s["k"], s["a"], s["b"], s["c"], s["result"], s["scope"])
+                  for s in dev.coopmat2_shapes]
+        usable = usable_coopmat2_shapes(dev.coopmat2_shapes)
+        missing = [f for f in COOPMAT2_FEATURES if not dev.coopmat2_features.get(f)]
+        row_details = dict(details)
+        try:
+            row_details["compiler"] = compiler_version(SLANG_GLSLANG)
+            compiler_reason = "" if knows_extension(COOPMAT2_GLSL, SLANG_GLSLANG) else (
+                f"the GLSL compiler here ({row_details['compiler']}) does not support {COOPMAT2_GLSL}")
+        except Exception as exc:  # noqa: BLE001 - a probe never raises
+            row_details["compiler"] = ""
+            compiler_reason = f"no GLSL compiler for {COOPMAT2_GLSL}: {exc}"
+        if os.environ.get(COOPMAT2_ENV, "1").strip() == "0":
+            reason = f"disabled by {COOPMAT2_ENV}=0"
+        elif vr.COOPMAT2_EXT not in dev.extensions:
+            reason = f"{dev.name} does not offer {vr.COOPMAT2_EXT}"
+        elif vr.COOPMAT_EXT not in dev.extensions:
+            reason = f"{dev.name} offers {vr.COOPMAT2_EXT} without {vr.COOPMAT_EXT}, which it builds on"
+        elif missing:
+            reason = f"{dev.name}'s {vr.COOPMAT2_EXT} lacks the feature(s) {', '.join(missing)}, which the kernels use"
+        elif not usable:
+            reason = ("no fp16*fp16+fp32 workgroup-scope flexible-dimension shape among "
+                      + (", ".join(f"{s} {e['workgroup_invocations']} invocations"
+                                   for s, e in zip(shapes, dev.coopmat2_shapes)) or "none listed"))
+        elif not (dev.shader_float16 and dev.vulkan_memory_model and dev.storage_16bit):
+            reason = (f"{dev.name} lacks shaderFloat16, storageBuffer16BitAccess or vulkanMemoryModel, "
+                      "which the coopmat2 kernels need")
+        else:
+            reason = compiler_error or compiler_reason
+        props = dev.coopmat2_properties
+        if dev.coopmat2_features:
+            row_details["coopmat2_features"] = [f for f, on in dev.coopmat2_features.items() if on]
+            row_details["coopmat2_properties"] = dict(props)
+            row_details["flexible_shapes"] = [f"{s} {e['scope']} {e['workgroup_invocations']} invocations"
+                                              + (" saturating" if e.get("saturating") else "")
+                                              for s, e in zip(shapes, dev.coopmat2_shapes)]
+        if usable and not reason:
+            best = usable[0]
+            row_details["cooperative_matrix"] = (
+                f"{vr.COOPMAT2_EXT}: f16*f16+f32 workgroup scope, {best['workgroup_invocations']} invocations, "
+                f"dimensions in steps of {best['m']}x{best['n']}x{best['k']} up to "
+                f"{props.get('cooperativeMatrixFlexibleDimensionsMaxDimension', 0)}; tiles per model (coopmat2_plan)")
+        return ProbeRow("vulkan", "coopmat2", not reason, reason=reason, mma_shapes=shapes, details=row_details, **common)
+
+    @staticmethod
+    def _nv_extension_notes(dev: vr.DeviceInfo, coop2: ProbeRow) -> dict[str, str]:
         """Per NVIDIA cooperative extension (workgroup-scope matrices, cooperative vectors): not
-        offered, or offered and why no variant uses it."""
-        from mmad.backends.vulkan.glsl import compiler_version, knows_extension
+        offered, used by a variant, or offered and why no variant uses it."""
+        from mmad.backends.vulkan.glsl import SLANG_GLSLANG, compiler_version, knows_extension
 
         notes = {}
         for ext, glsl_ext in NV_COOPERATIVE_EXTENSIONS.items():
             if ext not in dev.extensions:
                 notes[ext] = f"not offered by {dev.name}"
-            elif compiler_error:
-                notes[ext] = f"offered, not used: {compiler_error}"
-            elif not knows_extension(glsl_ext):
-                notes[ext] = f"offered, not used: the GLSL compiler here ({compiler_version()}) does not support {glsl_ext}"
+            elif ext == vr.COOPMAT2_EXT:
+                notes[ext] = "offered, used by vulkan:coopmat2" if coop2.available else f"offered, not used: {coop2.reason}"
             else:
-                notes[ext] = "offered, not used: no vulkan variant has kernels for it"
+                try:
+                    known = knows_extension(glsl_ext, SLANG_GLSLANG)
+                    missing = "" if known else f"the GLSL compiler here ({compiler_version(SLANG_GLSLANG)}) does not support {glsl_ext}"
+                except Exception as exc:  # noqa: BLE001 - a probe never raises
+                    missing = f"no GLSL compiler for {glsl_ext}: {exc}"
+                notes[ext] = f"offered, not used: {missing or 'no vulkan variant has kernels for it'}"
+        if dev.coopvec_features:  # what a cooperative-vector variant would have to work with
+            fp16 = [c for c in dev.coopvec_combinations if c["matrixInterpretation"] == "f16"]
+            notes["cooperative_vector"] = (
+                f"features {', '.join(f for f, on in dev.coopvec_features.items() if on) or 'none'}; "
+                + ", ".join(f"{k} {v}" for k, v in dev.coopvec_properties.items()) + "; fp16 matrices: "
+                + ("; ".join(f"{c['inputType']} input as {c['inputInterpretation']}, bias {c['biasInterpretation']}, "
+                             f"{c['resultType']} result{', transposed' if c['transpose'] else ''}" for c in fp16)
+                   or "none"))
         return notes
 
     def _placeable(self) -> list[vr.DeviceInfo]:
@@ -1565,6 +1788,10 @@ class VulkanBackend(Backend):
         return [DeviceInfo(i, d.name) for i, d in enumerate(self._placeable())]
 
     def _open_device(self, index: int) -> vr.Device:
+        """The logical device ``index`` (opened once), with VK_NV_cooperative_matrix2 enabled where the
+        device offers it with the features the coopmat2 kernels use. Should the driver refuse the
+        device with it, it is opened without (a warning; coopmat2 is then refused with the driver's
+        answer, ``_coopmat2_refused``), so that the other variants still run."""
         with self._lock:
             device = self._devices.get(index)
             if device is None or device.closed:
@@ -1573,14 +1800,39 @@ class VulkanBackend(Backend):
                     raise BackendUnavailable("vulkan", self._probe_error or "no Vulkan physical device found")
                 check_device_index(index, len(infos), "vulkan")
                 info = infos[index]
-                device = self._devices[index] = vr.Device(
-                    info, enable_coopmat=vr.COOPMAT_EXT in info.extensions,
-                    pipeline_stats=os.environ.get(PIPELINE_STATS_ENV, "") == "1")
+                stats = os.environ.get(PIPELINE_STATS_ENV, "") == "1"
+                coopmat = vr.COOPMAT_EXT in info.extensions
+                coopmat2 = (coopmat and vr.COOPMAT2_EXT in info.extensions
+                            and all(info.coopmat2_features.get(f) for f in COOPMAT2_FEATURES))
+                try:
+                    device = vr.Device(info, enable_coopmat=coopmat, pipeline_stats=stats, enable_coopmat2=coopmat2)
+                except LaunchError as exc:
+                    if not coopmat2:
+                        raise
+                    log.warning("vulkan backend: %s refused a device with %s (%s); opened without it",
+                                info.name, vr.COOPMAT2_EXT, exc)
+                    self._coopmat2_refused[index] = str(exc)
+                    device = vr.Device(info, enable_coopmat=coopmat, pipeline_stats=stats)
+                self._devices[index] = device
             return device
+
+    def _coopmat2_geometry(self, spec: MLPSpec, device: vr.Device, index: int) -> Geometry:
+        """The coopmat2 geometry of ``spec`` on an open device (BackendUnavailable where the device
+        was opened without the extension; SpecError where the model does not fit its shapes)."""
+        if not device.coopmat2:
+            raise BackendUnavailable("vulkan:coopmat2", self._coopmat2_refused.get(index) or
+                                     f"device {index} ({device.info.name}) was opened without {vr.COOPMAT2_EXT}")
+        info = device.info
+        plan = coopmat2_plan(spec, info.coopmat2_shapes, info.coopmat2_properties, info.max_shared_bytes,
+                             info.max_workgroup_invocations, grid=bool(spec.grid_shapes))
+        return Geometry.build(spec, info.max_shared_bytes, coopmat2=plan)
 
     def compile(self, spec: MLPSpec, variant: str | None = None, cache: Any = None,
                 device: int = 0, batch_rows: int | None = None) -> VulkanModel:
+        """A model on ``variant``, or on the best available for ``spec`` (variant_choices): coopmat2
+        where the model fits its shapes, else coopmat (the reason logged), else simt."""
         rows = {r.variant: r for r in self.probe()}
+        chosen_here = variant is None
         if variant is None:
             choices = variant_choices(spec)
             variant = next((v for v in choices if rows[v].available), None)
@@ -1589,7 +1841,7 @@ class VulkanBackend(Backend):
         if variant not in VARIANTS:
             raise SpecError("variant", f"the vulkan backend has variants {', '.join(VARIANTS)}; got {variant!r}")
         if variant not in variant_choices(spec):
-            raise SpecError("precision", "vulkan:coopmat multiplies fp16 operands; a precision fp32 model runs on "
+            raise SpecError("precision", f"vulkan:{variant} multiplies fp16 operands; a precision fp32 model runs on "
                                          "vulkan:simt (or leave the variant to the backend)")
         if not rows[variant].available:
             raise BackendUnavailable(f"vulkan:{variant}", rows[variant].reason)
@@ -1597,25 +1849,39 @@ class VulkanBackend(Backend):
             raise SpecError("precision", "the vulkan backend runs fp16 and fp32; bf16 is not supported")
         index = device
         device = self._open_device(index)
+        geometry = None
+        if variant == "coopmat2":
+            try:
+                geometry = self._coopmat2_geometry(spec, device, index)
+            except (SpecError, BackendUnavailable) as exc:
+                settings = (COOPMAT2_TILE_ENV, COOPMAT2_WGRAD_ENV)
+                fallback = next((v for v in variant_choices(spec)[1:] if rows[v].available), None)
+                if not chosen_here or getattr(exc, "field", None) in settings or fallback is None:
+                    raise
+                log.info("vulkan backend: a model runs on %s, not coopmat2: %s", fallback, exc)
+                variant = fallback
         if variant == "coopmat" and vr.COOPMAT_EXT not in device.info.extensions:
             raise BackendUnavailable("vulkan:coopmat", f"device {index} ({device.info.name}) does not offer "
                                      f"{vr.COOPMAT_EXT}")
         shape = usable_coopmat_shapes(device.info.coopmat_shapes)[0] if variant == "coopmat" else None
-        geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size,
-                                  min(512, device.info.max_workgroup_invocations), coopmat_subgroups_cap())
+        if geometry is None or variant != "coopmat2":
+            geometry = Geometry.build(spec, device.info.max_shared_bytes, shape, device.info.subgroup_size,
+                                      min(512, device.info.max_workgroup_invocations), coopmat_subgroups_cap())
+        shape = geometry.coopmat
         check_tables_fit(spec, geometry, device.info.max_storage_range)
         cache = cache if cache is not None else KernelCache()
         sources = kernel_sources(spec, geometry, variant,
                                  grid_gradient(device.info) if geometry.grid is not None else "sorted")
         forced = os.environ.get(SPECIALIZE_ENV, "").strip()
         consts = specialization(spec, forced == "1" if forced in ("0", "1") else not device.info.software)
-        if variant == "coopmat":
+        if variant in COOPERATIVE:
             consts[13] = int(self._conversion_rounds_to_nearest_even(device, cache))
         # glslang (a subprocess) and the driver's pipeline compiler (cffi calls, without the GIL)
         # work on the kernels of a model side by side
-        spirvs = build_all({name: (lambda name=name, src=src: build_spirv(src, f"vulkan {variant} {name} kernel", cache,
-                                                                          device.info.name))
-                            for name, src in sources.items()})
+        spirvs = build_all({name: (lambda name=name, src=src: build_spirv(
+            src, f"vulkan {variant} {name} kernel", cache, device.info.name,
+            SLANG_GLSLANG if variant == "coopmat2" and name in COOPMAT2_KERNELS else GLSLANG))
+            for name, src in sources.items()})
         interface = pipeline_interface(variant, geometry.grid is not None)
 
         def pipeline(name: str, extra: dict[int, int] | None = None) -> vr.Pipeline:
@@ -1646,12 +1912,18 @@ class VulkanBackend(Backend):
         model = VulkanModel(spec, device, variant, pipelines, geometry, shape, make_pipeline=pipeline)
         model.device_index = index
         self._models.add(model)
-        if (variant, shape) not in self._announced:
-            self._announced.add((variant, shape))
-            log.info("vulkan backend: variant %s%s on %s (%s)", variant,
-                     f", cooperative-matrix tile {'x'.join(map(str, shape))} f16*f16+f32" if shape else "",
-                     device.info.name, f"set {COOPMAT_ENV}=0 to disable coopmat" if shape else
-                     "no matrix hardware used")
+        plan = geometry.coopmat2
+        if (variant, shape, plan) not in self._announced:
+            self._announced.add((variant, shape, plan))
+            if plan is not None:
+                log.info("vulkan backend: variant coopmat2 on %s: workgroup-scope f16*f16+f32 matrices, tiles of %d "
+                         "rows over %d invocations, weight gradients %s (set %s=0 to disable coopmat2)",
+                         device.info.name, plan.rows, plan.threads, "x".join(map(str, plan.wgrad)), COOPMAT2_ENV)
+            else:
+                log.info("vulkan backend: variant %s%s on %s (%s)", variant,
+                         f", cooperative-matrix tile {'x'.join(map(str, shape))} f16*f16+f32" if shape else "",
+                         device.info.name, f"set {COOPMAT_ENV}=0 to disable coopmat" if shape else
+                         "no matrix hardware used")
         return model
 
     def _conversion_rounds_to_nearest_even(self, device: vr.Device, cache: Any) -> bool:
@@ -1753,6 +2025,11 @@ def kernel_sources(spec: MLPSpec, geometry: Geometry, variant: str, table_gradie
         files["backward"] = "glsl/coopmat_backward.comp"
         files["wgrad"] = "glsl/coopmat_wgrad.comp"
         files["forward_train"] = files["forward"]  # one SPIR-V, specialised (TRAINING_CONSTANT)
+    elif variant == "coopmat2":
+        if geometry.coopmat2 is None:
+            raise CompileError("vulkan coopmat2 kernels", "the geometry has no coopmat2 plan")
+        files.update(forward="glsl/coopmat2_forward.comp", backward="glsl/coopmat2_backward.comp",
+                     wgrad="glsl/coopmat2_wgrad.comp", forward_train="glsl/coopmat2_forward.comp")
     headers = {"optimizer": param_header}
     if geometry.grid is not None:
         grid_header = geometry.grid.header(geometry.n_params, geometry.in_pad)

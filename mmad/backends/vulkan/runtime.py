@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mmad.backends.vulkan import nvstructs as nv
 from mmad.errors import BackendUnavailable, CompileError, LaunchError
 
 try:
@@ -38,9 +39,13 @@ API_VERSION_1_2 = (1 << 22) | (2 << 12)
 DEVICE_TYPE_RANK = {2: 0, 1: 1, 3: 2, 4: 3, 0: 4}  # discrete > integrated > virtual > cpu > other
 DEVICE_TYPE_NAME = {0: "other", 1: "integrated", 2: "discrete", 3: "virtual", 4: "cpu"}
 COMPONENT_TYPE = {0: "f16", 1: "f32", 2: "f64", 3: "s8", 4: "s16", 5: "s32", 6: "s64",
-                  7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16"}
+                  7: "u8", 8: "u16", 9: "u32", 10: "u64", 1000141000: "bf16",
+                  1000491000: "s8packed", 1000491001: "u8packed", 1000491002: "e4m3", 1000491003: "e5m2"}
 SCOPE = {1: "device", 2: "workgroup", 3: "subgroup", 5: "queue_family"}
 COOPMAT_EXT = "VK_KHR_cooperative_matrix"
+# NVIDIA's workgroup-scope matrices, flexible dimensions, conversions and tensor addressing (the
+# coopmat2 variant); its structures are declared in nvstructs (the bindings predate them)
+COOPMAT2_EXT = nv.EXTENSION
 ATOMIC_FLOAT_EXT = "VK_EXT_shader_atomic_float"  # atomicAdd on fp32 in storage buffers (grid gradients)
 # a pipeline's subgroup size pinned (core in Vulkan 1.3): the cooperative-matrix kernels count their
 # subgroups (gl_SubgroupID) by the probed size, which a driver free to pick another (Intel's 8/16/32,
@@ -175,6 +180,17 @@ class DeviceInfo:
     # (min, max) subgroup sizes a compute pipeline may require (SUBGROUP_SIZE_EXT), None without it
     subgroup_size_range: tuple[int, int] | None = None
     full_subgroups: bool = False  # computeFullSubgroups: every subgroup of a workgroup complete
+    # VK_NV_cooperative_matrix2 where offered: its features (nvstructs.FEATURES: bool), properties
+    # (nvstructs.PROPERTIES: int) and flexible-dimension shapes (m/n/k granularity, types, scope,
+    # workgroup invocations)
+    coopmat2_features: dict[str, bool] = field(default_factory=dict)
+    coopmat2_properties: dict[str, int] = field(default_factory=dict)
+    coopmat2_shapes: list[dict[str, Any]] = field(default_factory=list)
+    # VK_NV_cooperative_vector where offered (surveyed for the probe; no variant uses it): features,
+    # properties and the type combinations (input, its interpretation, matrix, bias, result, transpose)
+    coopvec_features: dict[str, bool] = field(default_factory=dict)
+    coopvec_properties: dict[str, int] = field(default_factory=dict)
+    coopvec_combinations: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def software(self) -> bool:
@@ -197,6 +213,17 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     has_size_control = SUBGROUP_SIZE_EXT in extensions or props.apiVersion >= (1 << 22 | 3 << 12)
     if has_size_control:
         subgroup.pNext = size_control
+    coopmat2 = COOPMAT2_EXT in extensions
+    cm2_props = nv.new("VkPhysicalDeviceCooperativeMatrix2PropertiesNV") if coopmat2 else None
+    cm2_features = nv.new("VkPhysicalDeviceCooperativeMatrix2FeaturesNV") if coopmat2 else None
+    coopvec = nv.VECTOR_EXTENSION in extensions
+    cv_props = nv.new("VkPhysicalDeviceCooperativeVectorPropertiesNV") if coopvec else None
+    cv_features = nv.new("VkPhysicalDeviceCooperativeVectorFeaturesNV") if coopvec else None
+    tail = size_control if has_size_control else subgroup
+    for extra in (cm2_props, cv_props):  # appended at the chain's end
+        if extra is not None:
+            tail.pNext = extra
+            tail = extra
     props2 = ffi.new("VkPhysicalDeviceProperties2*")
     props2.sType = ST["properties2"]
     props2.pNext = subgroup
@@ -216,9 +243,14 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
     if has_size_control:
         size_features.pNext = f12.pNext
         f12.pNext = size_features
+    chain_head = f11
+    for extra in (cm2_features, cv_features):  # prepended: each points at the chain so far
+        if extra is not None:
+            extra.pNext = chain_head
+            chain_head = extra
     feats = ffi.new("VkPhysicalDeviceFeatures2*")
     feats.sType = ST["features2"]
-    feats.pNext = f11
+    feats.pNext = chain_head
     lib.vkGetPhysicalDeviceFeatures2(pd, feats)
     limits = props.limits
     info = DeviceInfo(
@@ -239,7 +271,34 @@ def _survey(instance: Any, index: int, pd: Any) -> DeviceInfo:
         info.full_subgroups = bool(size_features.computeFullSubgroups)
     if COOPMAT_EXT in extensions:
         info.coopmat_shapes = _coopmat_shapes(instance, pd)
+    if coopmat2:
+        info.coopmat2_features = {name: bool(getattr(cm2_features, name)) for name in nv.FEATURES}
+        info.coopmat2_properties = {name: int(getattr(cm2_props, name)) for name in nv.PROPERTIES}
+        info.coopmat2_shapes = _flexible_shapes(instance, pd)
+    if coopvec:
+        info.coopvec_features = {name: bool(getattr(cv_features, name)) for name in nv.VECTOR_FEATURES}
+        info.coopvec_properties = {name: int(getattr(cv_props, name)) for name in nv.VECTOR_PROPERTIES}
+        try:
+            raw = nv.vector_combinations(lib.vkGetInstanceProcAddr, instance, pd, ffi)
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from exc
+        info.coopvec_combinations = [{**{k: COMPONENT_TYPE.get(v, str(v)) for k, v in c.items() if k != "transpose"},
+                                      "transpose": bool(c["transpose"])} for c in raw]
     return info
+
+
+def _flexible_shapes(instance: Any, pd: Any) -> list[dict[str, Any]]:
+    """VK_NV_cooperative_matrix2's flexible-dimension shapes, named as _coopmat_shapes names its."""
+    try:
+        raw = nv.flexible_dimensions(lib.vkGetInstanceProcAddr, instance, pd, ffi)
+    except RuntimeError as exc:
+        raise LaunchError(str(exc)) from exc
+    return [{"m": p["MGranularity"], "n": p["NGranularity"], "k": p["KGranularity"],
+             "a": COMPONENT_TYPE.get(p["AType"], str(p["AType"])), "b": COMPONENT_TYPE.get(p["BType"], str(p["BType"])),
+             "c": COMPONENT_TYPE.get(p["CType"], str(p["CType"])),
+             "result": COMPONENT_TYPE.get(p["ResultType"], str(p["ResultType"])),
+             "saturating": bool(p["saturatingAccumulation"]), "scope": SCOPE.get(p["scope"], str(p["scope"])),
+             "workgroup_invocations": p["workgroupInvocations"]} for p in raw]
 
 
 def probe_devices() -> list[DeviceInfo]:
@@ -257,21 +316,25 @@ def probe_devices() -> list[DeviceInfo]:
 class Device:
     """An open logical device with one compute queue; close() releases everything."""
 
-    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False, pipeline_stats: bool = False):
+    def __init__(self, info: DeviceInfo, enable_coopmat: bool = False, pipeline_stats: bool = False,
+                 enable_coopmat2: bool = False):
+        """``enable_coopmat2``: with VK_NV_cooperative_matrix2 and every one of its features the
+        device offers (it builds on VK_KHR_cooperative_matrix, which ``enable_coopmat`` enables)."""
         require_vulkan()
         self.info = info
         # compiler statistics of every pipeline (registers, spills...), where the driver has them
         self.pipeline_stats = pipeline_stats and STATS_EXT in info.extensions
         self.instance = _create_instance()
         self.closed = False
+        self.coopmat2 = enable_coopmat2 and COOPMAT2_EXT in info.extensions  # enabled on this device
         try:
             self.physical = _physical_devices(self.instance)[info.index]
-            self._open(enable_coopmat)
+            self._open(enable_coopmat, self.coopmat2)
         except BaseException:
             lib.vkDestroyInstance(self.instance, ffi.NULL)
             raise
 
-    def _open(self, enable_coopmat: bool) -> None:
+    def _open(self, enable_coopmat: bool, enable_coopmat2: bool) -> None:
         count = ffi.new("uint32_t*")
         lib.vkGetPhysicalDeviceQueueFamilyProperties(self.physical, count, ffi.NULL)
         families = ffi.new("VkQueueFamilyProperties[]", count[0])
@@ -318,6 +381,13 @@ class Device:
                 features.append(struct)
                 if ext in self.info.extensions:  # core in Vulkan 1.3: the feature alone
                     ext_names.append(ffi.new("char[]", ext.encode()))
+        if enable_coopmat2:  # its structure comes from nvstructs' FFI: a raw pointer in the chain
+            offered = {name: 1 for name, on in self.info.coopmat2_features.items() if on}
+            struct = nv.new("VkPhysicalDeviceCooperativeMatrix2FeaturesNV", **offered)
+            struct.pNext = f12.pNext
+            f12.pNext = struct
+            features.append(struct)
+            ext_names.append(ffi.new("char[]", COOPMAT2_EXT.encode()))
         ext_array = ffi.new("char*[]", ext_names) if ext_names else ffi.NULL
         feats = ffi.new("VkPhysicalDeviceFeatures2*")
         feats.sType = ST["features2"]
