@@ -119,7 +119,7 @@ class Daemon:
         self.log = open(self.log_path, "ab")
         started = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "mmad.server.main", "--host", "127.0.0.1", "--port",
-                                      str(port), "--store", str(self.store), "--no-demo"],
+                                      str(port), "--store", str(self.store), "--no-demo", "--grpc-port", "0"],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = started + READY_TIMEOUT_S
         while time.perf_counter() < deadline:

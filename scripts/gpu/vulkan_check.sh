@@ -42,8 +42,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/client  # the packages are ./mmad and ./cl
 export LD_LIBRARY_PATH=/tmp/site/cmeel.prefix/lib:${LD_LIBRARY_PATH:-} PATH=/tmp/site/cmeel.prefix/bin:$PATH
 export MMAD_CACHE_DIR=/tmp/mmad-kernels MMAD_TEST_VULKAN_LARGE=${MMAD_TEST_VULKAN_LARGE:-0}
 # the coopmat2 kernels' compiler: the slangpy wheel (92 MB) exceeds what a call carries, so .whl holds its
-# glslang library alone (cp .venv/lib/python3*/site-packages/slangpy/libslang-glslang-*.so .whl/)
-slang=$(ls "$PWD"/.whl/libslang-glslang*.so 2>/dev/null | tail -n 1)
+# glslang library alone (cp .venv/lib/python3*/site-packages/slangpy/libslang-glslang-*.so .whlvk/)
+slang=$(ls "$PWD"/.whl/libslang-glslang*.so "$PWD"/.whlvk/libslang-glslang*.so 2>/dev/null | tail -n 1)
 [ -n "$slang" ] && export MMAD_SLANG_GLSLANG=${MMAD_SLANG_GLSLANG:-$slang}
 export MMAD_TEST_VULKAN_VARIANTS=${MMAD_TEST_VULKAN_VARIANTS:-coopmat2}
 
