@@ -255,6 +255,11 @@ def coopmat_subgroups_cap() -> int:
     return int(asked)
 
 
+# what a model compiled without a variant takes, best first: coopmat2 only when named (on the H200
+# it ran 0.7-1.1x coopmat on S/M/L and 0.3x on W, and needs widths in multiples of 32: docs/vulkan.md)
+AUTOMATIC = ("coopmat", "simt")
+
+
 def variant_choices(spec: MLPSpec) -> tuple[str, ...]:
     """The variants that compute ``spec`` as its precision says, best first: the cooperative
     matrices multiply fp16 operands, so a precision fp32 model runs on simt only."""
@@ -1832,9 +1837,8 @@ class VulkanBackend(Backend):
         """A model on ``variant``, or on the best available for ``spec`` (variant_choices): coopmat2
         where the model fits its shapes, else coopmat (the reason logged), else simt."""
         rows = {r.variant: r for r in self.probe()}
-        chosen_here = variant is None
         if variant is None:
-            choices = variant_choices(spec)
+            choices = [v for v in AUTOMATIC if v in variant_choices(spec)]
             variant = next((v for v in choices if rows[v].available), None)
             if variant is None:
                 raise BackendUnavailable("vulkan", "; ".join(f"{v}: {rows[v].reason}" for v in choices))
@@ -1851,15 +1855,7 @@ class VulkanBackend(Backend):
         device = self._open_device(index)
         geometry = None
         if variant == "coopmat2":
-            try:
-                geometry = self._coopmat2_geometry(spec, device, index)
-            except (SpecError, BackendUnavailable) as exc:
-                settings = (COOPMAT2_TILE_ENV, COOPMAT2_WGRAD_ENV)
-                fallback = next((v for v in variant_choices(spec)[1:] if rows[v].available), None)
-                if not chosen_here or getattr(exc, "field", None) in settings or fallback is None:
-                    raise
-                log.info("vulkan backend: a model runs on %s, not coopmat2: %s", fallback, exc)
-                variant = fallback
+            geometry = self._coopmat2_geometry(spec, device, index)
         if variant == "coopmat" and vr.COOPMAT_EXT not in device.info.extensions:
             raise BackendUnavailable("vulkan:coopmat", f"device {index} ({device.info.name}) does not offer "
                                      f"{vr.COOPMAT_EXT}")

@@ -103,7 +103,7 @@ def slang_glslang_library() -> Path:
     spec = importlib.util.find_spec("slangpy")  # locates the package without running it
     if spec is None or not spec.submodule_search_locations:
         raise BackendUnavailable("vulkan", "slangpy is not installed: it ships the glslang that compiles "
-                                           "GL_NV_cooperative_matrix2 (pip install slangpy)")
+                                           "GL_NV_cooperative_matrix2 (pip install 'mmad[coopmat2]')")
     folder = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(p for pattern in ("libslang-glslang*.so*", "libslang-glslang*.dylib", "slang-glslang*.dll")
                    for p in folder.glob(pattern))
