@@ -222,7 +222,7 @@ def test_torch_module_on_cuda_matches_it_on_cpu(torch_cuda, encoding):
     for device in ("cpu", "cuda"):
         m.params.grad = None
         m.to(device)
-        xd = x.to(device).requires_grad_()
+        xd = x.to(device).detach().requires_grad_()  # a leaf of its own on each device (x.to("cpu") is x)
         y = m(xd)
         assert y.dtype == torch.float16 and y.device.type == device
         (y.float() * g.to(device)).sum().backward()
@@ -318,7 +318,7 @@ def test_torch_encoding_on_cuda_matches_it_on_cpu(torch_cuda):
     for device in ("cpu", "cuda"):
         enc.params.grad = None
         enc.to(device)
-        xd = x.to(device).requires_grad_()
+        xd = x.to(device).detach().requires_grad_()  # a leaf of its own on each device (x.to("cpu") is x)
         y = enc(xd)
         (y.float() * g.to(device)).sum().backward()
         results.append((y.detach().float().cpu().numpy(), enc.params.grad.cpu().numpy(), xd.grad.cpu().numpy()))
