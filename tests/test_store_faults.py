@@ -1,4 +1,4 @@
-"""Store and training faults (issue 21, items 2, 6, 7, 8): a damaged model never stops start-up,
+"""Store and training faults: a damaged model never stops start-up,
 diverged training is never published, a refused store write changes nothing served, a full or
 read-only store is a 507 without paths. In-process (``TestClient`` runs the real lifespan)."""
 

@@ -1,4 +1,4 @@
-"""Replace / delete racing weight uploads and checkpoints (issue 21, item 1).
+"""Replace / delete racing weight uploads and checkpoints.
 
 Each round starts a runtime on the same store (the lifespan's own ``start_runtime``, cpu
 backend), fires 24 writers (``PUT .../weights`` and ``POST .../versions`` through the very

@@ -1,5 +1,5 @@
-"""``mmad bench --service --backend cuda:mma`` (or vulkan:coopmat, ...): the GPU serving report
-of issue 16, in one run, against the same run's in-process and hardware figures.
+"""``mmad bench --service --backend cuda:mma`` (or vulkan:coopmat, ...): the GPU serving report,
+in one run, against the same run's in-process and hardware figures.
 
 * transport ceiling: host->device and device->host bandwidth of page-locked copies (CuPy, 256 MiB);
 * in-process: ``forward_to_host`` of ``--gpu-rows`` FP16 rows (65,536 and 2^20) on a thread
@@ -257,7 +257,7 @@ def shm_clients(bench: Bench, daemon, kind: str, clients: int, opts: argparse.Na
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 16's "done when" rows: the figure, the bar, met or not (None: not measured)."""
+    """The serving targets' rows: the figure, the bar, met or not (None: not measured)."""
     rows = []
     for p in doc.get("in_process", {}).get("forward_to_host", []):
         if "of_pcie_bound" in p:  # the bar is judged on page-locked host memory, the daemon's; pageable shown
