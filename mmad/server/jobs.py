@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends.contract import Dataset
 from mmad.backends.parallel import shard_positions, split_batch
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
+from mmad.server.loss_history import LossHistory
 from mmad.server.registry import Registry
 
 log = logging.getLogger("mmad.server.jobs")
@@ -81,6 +82,7 @@ class Job:
         self.state = "queued"
         self.step = 0
         self.loss: float | None = None
+        self.history = LossHistory()
         self.samples_per_s = 0.0
         self.versions: list[str] = []
         self.error: str | None = None
@@ -227,6 +229,7 @@ class JobManager:
                 per_step_s = (now - chunk_started) / n
                 job.step += n
                 job.loss = float(losses[-1])
+                job.history.add(job.step, losses)
                 metrics.training_steps.labels(*labels).inc(n)
                 metrics.training_samples.labels(*labels).inc(n * batch)
                 job.samples_per_s = job.step * batch / max(now - started, 1e-9)
@@ -242,6 +245,8 @@ class JobManager:
             job.state = "done" if job.cancel_reason is None else "cancelled"
             job.error = job.cancel_reason
         except Diverged as exc:
+            if exc.losses is not None:  # the curve ends at the step that diverged (its weights were put back)
+                job.history.add(exc.step, exc.losses)
             try:
                 restored = await self.registry.run(self.registry.restore_last_finite_blocking, entry)
             except MMADError as restore_exc:
