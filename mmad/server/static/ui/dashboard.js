@@ -10,7 +10,7 @@ const $ = (id) => document.getElementById(id);
 const SERVING_WINDOW_S = 300; // the span of the request charts
 const jobs = new Map(); // job id -> {card, points: [[step, loss or null]], checkpoints: [step], source}
 let lastCounts = null; // {time, rows: {model: inference_count}} of the previous poll, for rows/s
-let lastMetrics = null; // the previous poll's summary of /metrics, for rates and interval quantiles
+let lastMetrics = null; // {time, families} of the previous poll's /metrics, for rates and interval quantiles
 const serving = {start: null, requests: new Map(), errors: new Map(), latency: new Map()}; // label -> [[time_s, value]]
 
 async function api(path, options) {
@@ -251,28 +251,36 @@ function parseMetrics(text) {
   return samples;
 }
 
-// What the charts need from one scrape, summed over models and backends: requests per endpoint,
-// failures per status, and the cumulative bucket counts (le -> count) of each latency histogram.
-const HISTOGRAMS = {mmad_queue_seconds_bucket: "queue", mmad_compute_seconds_bucket: "compute"};
+// One scrape's series of the families the charts read: name -> Map(series key -> {labels, value}).
+const CHARTED = ["mmad_requests_total", "mmad_request_failures_total", "mmad_queue_seconds_bucket",
+  "mmad_compute_seconds_bucket"];
 
-function summarise(samples) {
-  const add = (map, key, value) => map.set(key, (map.get(key) || 0) + value);
-  const summary = {requests: new Map(), failures: new Map(), queue: new Map(), compute: new Map()};
-  for (const {name, labels, value} of samples) {
-    if (name === "mmad_requests_total") add(summary.requests, labels.endpoint, value);
-    else if (name === "mmad_request_failures_total") add(summary.failures, labels.status, value);
-    else if (name in HISTOGRAMS) add(summary[HISTOGRAMS[name]], labels.le === "+Inf" ? Infinity : Number(labels.le), value);
-  }
-  return summary;
+function scrape(samples) {
+  const families = new Map(CHARTED.map((name) => [name, new Map()]));
+  for (const sample of samples) families.get(sample.name)?.set(JSON.stringify(sample.labels), sample);
+  return families;
 }
 
-const total = (map) => [...map.values()].reduce((a, b) => a + b, 0);
+// What a family's series counted between two scrapes, summed by `by(labels)`: a series that is new
+// counted all it has, and one whose count fell was reset (the daemon restarted), as Prometheus's
+// increase() takes them.
+function increase(now, before, name, by) {
+  const sums = new Map();
+  for (const [key, {labels, value}] of now.get(name)) {
+    const previous = before.get(name).get(key);
+    const delta = previous === undefined || value < previous.value ? value : value - previous.value;
+    sums.set(by(labels), (sums.get(by(labels)) || 0) + delta);
+  }
+  return sums;
+}
 
-// The q-quantile of the observations counted between two scrapes (cumulative buckets le -> count),
+const sum = (values) => [...values].reduce((a, b) => a + b, 0);
+
+// The q-quantile of a histogram's observations from its cumulative bucket counts (le -> count),
 // interpolated linearly within its bucket as Prometheus's histogram_quantile does; null when none.
-function quantile(q, now, before) {
-  const bounds = [...now.keys()].sort((a, b) => a - b);
-  const counts = bounds.map((le) => now.get(le) - (before.get(le) || 0));
+function quantile(q, buckets) {
+  const bounds = [...buckets.keys()].sort((a, b) => a - b);
+  const counts = bounds.map((le) => buckets.get(le));
   const n = counts[counts.length - 1];
   if (!(n > 0)) return null;
   const rank = q * n;
@@ -301,24 +309,27 @@ async function showServing() {
   const response = await fetch("metrics");
   if (!response.ok) throw new Error(`metrics: ${response.status}`);
   const now = performance.now() / 1000;
-  const summary = summarise(parseMetrics(await response.text()));
-  const errors = total(summary.failures);
-  const byStatus = [...summary.failures].filter(([, n]) => n > 0).sort().map(([status, n]) => `${status}: ${n}`);
-  $("errors-total").textContent = `${errors}${byStatus.length ? ` (${byStatus.join(", ")})` : ""}`;
-  $("requests-total").textContent = total(summary.requests);
+  const families = scrape(parseMetrics(await response.text()));
+  const failures = [...families.get("mmad_request_failures_total").values()];
+  const byStatus = new Map();
+  for (const {labels, value} of failures) byStatus.set(labels.status, (byStatus.get(labels.status) || 0) + value);
+  const statuses = [...byStatus].filter(([, n]) => n > 0).sort().map(([status, n]) => `${status}: ${n}`);
+  $("errors-total").textContent = `${sum(failures.map((f) => f.value))}${statuses.length ? ` (${statuses.join(", ")})` : ""}`;
+  $("requests-total").textContent = sum([...families.get("mmad_requests_total").values()].map((r) => r.value));
   const before = lastMetrics;
-  lastMetrics = {time: now, summary};
+  lastMetrics = {time: now, families};
   if (serving.start === null) serving.start = now;
-  // a rate needs two scrapes; a count that fell means the daemon restarted: start over from here
-  if (!before || [...before.summary.requests].some(([k, n]) => (summary.requests.get(k) || 0) < n)) return;
+  if (!before) return; // a rate needs two scrapes
   const dt = now - before.time;
-  for (const [endpoint, n] of summary.requests) {
-    append(serving.requests, endpoint, [now, (n - (before.summary.requests.get(endpoint) || 0)) / dt]);
+  const counted = (name, by) => increase(families, before.families, name, by);
+  for (const [endpoint, n] of counted("mmad_requests_total", (labels) => labels.endpoint)) {
+    append(serving.requests, endpoint, [now, n / dt]);
   }
-  append(serving.errors, "errors/s", [now, (errors - total(before.summary.failures)) / dt]);
+  append(serving.errors, "errors/s", [now, sum(counted("mmad_request_failures_total", () => "").values()) / dt]);
   for (const histogram of ["queue", "compute"]) {
+    const buckets = counted(`mmad_${histogram}_seconds_bucket`, (labels) => (labels.le === "+Inf" ? Infinity : Number(labels.le)));
     for (const q of [0.5, 0.99]) {
-      const seconds = quantile(q, summary[histogram], before.summary[histogram]);
+      const seconds = quantile(q, buckets);
       append(serving.latency, `${histogram} p${q * 100}`, [now, seconds === null ? null : seconds * 1000]);
     }
   }
