@@ -9,9 +9,10 @@ once at its end. Between chunks inference gets the model's lock, cancel is seen,
 is published. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
 writes a version; a version is announced (``checkpoint`` event, ``versions`` list) only once the
 store has acknowledged it. Progress goes to Server-Sent Events subscribers, throttled to a few
-reports per second; every chunk's losses go to the job's bounded history (``LossHistory``). A step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with
-the reason, and the live model goes back to the newest finite stored version: a diverged state
-is never checkpointed nor left serving.
+reports per second; every chunk's losses go to the job's bounded history (``LossHistory``). A
+step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with the reason, and the
+live model goes back to the newest finite stored version: a diverged state is never
+checkpointed nor left serving.
 """
 
 from __future__ import annotations

@@ -314,7 +314,8 @@ async function showServing() {
   const byStatus = new Map();
   for (const {labels, value} of failures) byStatus.set(labels.status, (byStatus.get(labels.status) || 0) + value);
   const statuses = [...byStatus].filter(([, n]) => n > 0).sort().map(([status, n]) => `${status}: ${n}`);
-  $("errors-total").textContent = `${sum(failures.map((f) => f.value))}${statuses.length ? ` (${statuses.join(", ")})` : ""}`;
+  const errors = sum(failures.map((f) => f.value));
+  $("errors-total").textContent = `${errors}${statuses.length ? ` (${statuses.join(", ")})` : ""}`;
   $("requests-total").textContent = sum([...families.get("mmad_requests_total").values()].map((r) => r.value));
   const before = lastMetrics;
   lastMetrics = {time: now, families};
@@ -327,7 +328,8 @@ async function showServing() {
   }
   append(serving.errors, "errors/s", [now, sum(counted("mmad_request_failures_total", () => "").values()) / dt]);
   for (const histogram of ["queue", "compute"]) {
-    const buckets = counted(`mmad_${histogram}_seconds_bucket`, (labels) => (labels.le === "+Inf" ? Infinity : Number(labels.le)));
+    const le = (labels) => (labels.le === "+Inf" ? Infinity : Number(labels.le));
+    const buckets = counted(`mmad_${histogram}_seconds_bucket`, le);
     for (const q of [0.5, 0.99]) {
       const seconds = quantile(q, buckets);
       append(serving.latency, `${histogram} p${q * 100}`, [now, seconds === null ? null : seconds * 1000]);
