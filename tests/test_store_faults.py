@@ -191,6 +191,11 @@ def test_diverging_job_fails_with_the_reason_and_leaves_the_last_finite_version_
             assert time.monotonic() < deadline, status
             time.sleep(0.05)
         assert status["state"] == "failed" and "diverged" in status["error"], status
+        # the curve ends at the step that diverged, its loss null (NaN or Inf, not JSON numbers)
+        points = c.get(f"/v2/models/m/jobs/{job}/losses").json()["points"]
+        diverged_at = int(status["error"].split("diverged at step ")[1].split()[0])
+        assert points[-1] == [diverged_at, None], points
+        assert all(p[1] is not None for p in points[:-1]) and diverged_at == status["step"] + 1
         versions = [v["version"] for v in c.get("/v2/models/m/versions").json()["versions"]]
         assert all(finite(version_weights(c, "m", v)) for v in versions)
         live = live_weights(c, "m")

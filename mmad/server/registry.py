@@ -310,10 +310,13 @@ class ModelEntry:
                     replica.model.set_params(before[0])
                     replica.model.set_optimizer_state(before[1])
                 at = int(bad[0]) + 1 if bad.size else steps
-                raise Diverged(
+                exc = Diverged(
                     f"training of model {self.name!r} diverged at step {done + at} of {total or steps} "
                     f"({'loss ' + str(float(losses[at - 1])) if bad.size else 'non-finite weights'}); lower the "
                     "learning rate or scale the targets")
+                if bad.size:
+                    exc.step, exc.losses = done + at, losses[:at].tolist()
+                raise exc
             return losses, self.live.step_count
 
 

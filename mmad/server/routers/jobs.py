@@ -36,6 +36,14 @@ async def job_status(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     return json_response(rt.jobs.get(model, job_id).status())
 
 
+@router.get("/v2/models/{model}/jobs/{job_id}/losses")
+async def job_losses(model: str, job_id: str, rt: Runtime = Depends(runtime)):
+    """The job's loss curve from its first step: ``[[step, loss], ...]``, at most about a thousand
+    points (evenly merged as the job runs); ``loss`` is null where it was NaN or Inf."""
+    job = rt.jobs.get(model, job_id)
+    return json_response({"job": job.id, "model_name": job.model, "step": job.step, "points": job.history.points()})
+
+
 @router.delete("/v2/models/{model}/jobs/{job_id}", dependencies=[Depends(require_key)])
 async def cancel_job(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     return json_response(rt.jobs.cancel(model, job_id).status())
