@@ -324,8 +324,8 @@ def _warm_cache(args: argparse.Namespace, cache) -> int:
     in the kernel cache."""
     from mmad.backends import parse_forced, select
     from mmad.backends.dispatch import settled
-    from mmad.server.registry import DEMO_NAME, DEMO_SPEC
-    from mmad.server.settings import Settings
+    from mmad.engine.registry import DEMO_NAME, DEMO_SPEC
+    from mmad.settings import Settings
     from mmad.spec import MLPSpec, bench_spec
 
     everything = not (args.bench_models or args.demo or args.config)

@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient
 from test_server_api import oracle, rel_err
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NotReady
 from mmad.server import Settings, create_app
-from mmad.server.cudashm import CudaRegion
-from mmad.server.region_forwards import GROUP_MAX, RegionForwardClient, RegionForwardRunner
+from mmad.backends.cuda.ipc import CudaRegion
+from mmad.engine.region_forwards import GROUP_MAX, RegionForwardClient, RegionForwardRunner
 
 API_KEY = "cudashm-test-key"
 ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
@@ -313,7 +313,7 @@ class FakeGroupSlot:
 
 def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
     """With --workers, a worker sends a request whose tensors all lie in shared-memory regions
-    of one kind to the primary (mmad/server/region_forwards.py): the forward there matches the
+    of one kind to the primary (mmad/engine/region_forwards.py): the forward there matches the
     oracle for CUDA and system regions, many at once run in groups, and every refusal comes
     back as the primary's own, in the user's terms."""
     app, _ = app_client

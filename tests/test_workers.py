@@ -28,7 +28,7 @@ from safetensors.numpy import load as st_load, save as st_save
 import test_server_api
 import test_server_shm
 from mmad.backends.cpu import CpuBackend
-from mmad.server.metrics import Metrics
+from mmad.engine.metrics import Metrics
 from mmad.server.workers import merge_stats
 from mmad.spec import MLPSpec
 from test_server_api import SMALL_SPEC, binary_infer, create, decode_binary

@@ -15,7 +15,7 @@ once: the chosen variant is compiled (its kernels are cached too) and carries th
   threads (:func:`mmad.backends.cache.compile_pool`; modules the variants share compile once),
   then each checked and timed in turn. The decision goes to the cache; whoever serves the model
   swaps the chosen variant in with the model's current parameters and optimizer state (the
-  daemon: :mod:`mmad.server.background_dispatch`; a library caller: :func:`settled`). A
+  daemon: :mod:`mmad.engine.background_dispatch`; a library caller: :func:`settled`). A
   measurement that fails leaves the quick variant serving, its ``dispatch`` saying why;
 * **before returning** (no ``quick``; the cuda backend's ``MMAD_DISPATCH=measure``): the same
   measurement on the caller's thread, the chosen variant compiled afresh (the measured copies

@@ -28,12 +28,12 @@ from mmad.engine.api import (
     VersionInfo, WeightsSnapshot,
 )
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, ModelNotReady, NonFiniteInput, NotReady, Unauthorized
-from mmad.server import hostmem
+from mmad.engine import hostmem
 from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, check_response_size
-from mmad.server.peers import Peer, shared_memory_owner
-from mmad.server.shm import ShmTensor
-from mmad.server.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
-from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
+from mmad.engine.peers import Peer, shared_memory_owner
+from mmad.engine.shm import ShmTensor
+from mmad.engine.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.engine.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.server.workers import merge_stats, worker_records, worker_stats
 from mmad.spec import MLPSpec
 

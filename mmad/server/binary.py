@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from mmad.errors import InvalidInput
-from mmad.server import hostmem
+from mmad.engine import hostmem
 
 WIRE_DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 JSON_DTYPES = ("FP32",)
@@ -38,7 +38,7 @@ def _response_body(json_bytes: bytes, data_bytes: int) -> np.ndarray:
 
     Uninitialised, not a ``bytearray``, which would first zero the whole body (8 MiB for a
     65,536-row FP16 response) on the event loop; page-locked where the backend copies from a
-    GPU (:mod:`mmad.server.hostmem`), so the forward's output lands in it straight off the device.
+    GPU (:mod:`mmad.engine.hostmem`), so the forward's output lands in it straight off the device.
     """
     body = hostmem.empty(len(json_bytes) + data_bytes)
     body[:len(json_bytes)] = np.frombuffer(json_bytes, dtype=np.uint8)
@@ -147,7 +147,7 @@ def _json_word(value: Any) -> str:
 def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> InferRequest:
     """Split and validate a request body; tensors come back as float32/float16 arrays.
 
-    ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` of the regions that inputs
+    ``shm``: the :class:`~mmad.engine.shm.SharedMemoryRegistry` of the regions that inputs
     naming a ``shared_memory_region`` lie in: device arrays in a CUDA region; for a system
     region, a buffer of the daemon's, filled by ``ShmTensor.load`` once the caller knows where
     the forward runs (``shm_inputs``).

@@ -11,9 +11,9 @@ from fastapi import Request
 
 from mmad.backends.contract import Backend, ProbeRow
 from mmad.errors import Forbidden, NotReady, Unauthorized
-from mmad.server.metrics import Metrics
-from mmad.server.settings import Settings
-from mmad.server.shm import SharedMemoryRegistry
+from mmad.engine.metrics import Metrics
+from mmad.settings import Settings
+from mmad.engine.shm import SharedMemoryRegistry
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Runtime:
     ready: bool = False
     shutting_down: bool = False
     workers: Any = None  # the serving workers (mmad.server.workers.WorkerPool) of a primary with --workers
-    # --workers on the cuda backend (mmad.server.region_forwards): the primary runs its workers'
+    # --workers on the cuda backend (mmad.engine.region_forwards): the primary runs its workers'
     # forwards between CUDA regions and between system regions (its RegionForwardRunner); a
     # worker sends them (its RegionForwardClient)
     region_service: Any = None

@@ -14,11 +14,11 @@ from mmad.server.binary import (
 )
 from mmad.server.deps import Runtime
 from mmad.server.errors import internal_error_response, mmad_error_response, status_for
-from mmad.server.metrics import UNKNOWN_MODEL
-from mmad.server.region_forwards import describe
-from mmad.server.registry import INPUT, OUTPUT
-from mmad.server.shm import COPY_INLINE_BYTES, ShmTensor, copy_bytes
-from mmad.server.store import check_model_name
+from mmad.engine.metrics import UNKNOWN_MODEL
+from mmad.engine.region_forwards import describe
+from mmad.engine.registry import INPUT, OUTPUT
+from mmad.engine.shm import COPY_INLINE_BYTES, ShmTensor, copy_bytes
+from mmad.engine.store import check_model_name
 from mmad.server.tensors import (
     INLINE_TENSOR_VALUES, accepted_encoding, compress, model_tensors, nonfinite_input, parse_tensors, tensor_response,
 )

@@ -1,6 +1,6 @@
 """``mmad serve``: run the daemon under uvicorn.
 
-Options default to the ``MMAD_*`` environment (see :class:`~mmad.server.settings.Settings`).
+Options default to the ``MMAD_*`` environment (see :class:`~mmad.settings.Settings`).
 On SIGINT/SIGTERM the daemon stops reporting ready, lets running training jobs write a final
 checkpoint, lets in-flight requests finish (up to ``--graceful-timeout`` seconds) and frees the
 devices.
@@ -18,7 +18,7 @@ import sys
 from pydantic import ValidationError
 
 from mmad.errors import MMADError
-from mmad.server.settings import Settings, default_store_dir
+from mmad.settings import Settings, default_store_dir
 
 log = logging.getLogger("mmad.server")
 
@@ -135,7 +135,7 @@ def limit_blas_threads(threads: int) -> None:
 
 
 def http_protocol(settings: Settings):
-    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.protocol`'s
+    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.http_protocol`'s
     protocol, which reads large infer bodies in place and bounds connections; h11 as uvicorn has it."""
     if settings.http == "h11":
         log.warning("--http h11: the connection cap, the request head timeout and the header size cap "
@@ -145,7 +145,7 @@ def http_protocol(settings: Settings):
         import httptools  # noqa: F401
     except ImportError:  # as uvicorn does: auto falls back to h11, an explicit httptools fails at start-up
         return settings.http
-    from mmad.server.protocol import ConnectionLimits, protocol_class
+    from mmad.server.http_protocol import ConnectionLimits, protocol_class
 
     return protocol_class(settings.max_body_bytes, ConnectionLimits(
         max_connections=connection_cap(settings.max_connections, settings.health_slots),
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # what start-up would fail on late, after probing the devices, with uvicorn's traceback: a
     # store another daemon holds, a taken port. Each ends here with one line.
-    from mmad.server.store import Store
+    from mmad.engine.store import Store
 
     pool, sockets, reserved = None, None, None
     try:

@@ -14,7 +14,7 @@ from mmad.errors import InvalidInput, MMADError, PayloadTooLarge
 from mmad.server.binary import InferRequest, parse_header_length, parse_infer_request
 from mmad.server.bodies import read_tensor_body
 from mmad.server.deps import Runtime
-from mmad.server.registry import INPUT, ModelEntry
+from mmad.engine.registry import INPUT, ModelEntry
 
 
 def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int],

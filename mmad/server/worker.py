@@ -28,12 +28,12 @@ from mmad.server.bodies import BodyLimitMiddleware, json_response
 from mmad.server.deps import Runtime
 from mmad.server.errors import error_response, internal_error_response, mmad_error_response, status_for
 from mmad.server.inference import InferFastPath, infer_request
-from mmad.server.metrics import Metrics
+from mmad.engine.metrics import Metrics
 from mmad.server.origin import guarded
-from mmad.server.registry import ModelConfig, ModelEntry, Registry
-from mmad.server.settings import Settings
-from mmad.server.store import tensors_from_bytes
-from mmad.server.peers import CLIENT_HEADER, peer_of
+from mmad.engine.registry import ModelConfig, ModelEntry, Registry
+from mmad.settings import Settings
+from mmad.engine.store import tensors_from_bytes
+from mmad.engine.peers import CLIENT_HEADER, peer_of
 from mmad.server.workers import INTERNAL_PREFIX, TOKEN_HEADER, SharedCounter, WorkerLink, check_token
 from mmad.spec import MLPSpec
 
@@ -340,7 +340,7 @@ class WorkerApp:
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
         if rt.shm.cuda_enabled:  # requests all in CUDA regions, or all in system regions, run in the
             # primary's context
-            from mmad.server.region_forwards import RegionForwardClient
+            from mmad.engine.region_forwards import RegionForwardClient
 
             rt.region_forwards = RegionForwardClient(self.link.region_forwards_socket)
         rt.metrics.track(lambda: rt.registry.models)

@@ -7,7 +7,7 @@ needs 0.34 (docs/gpu-notes-cuda.md): its event loop, not the GPU, bounds serving
 - the *primary* (this module's :class:`WorkerPool`) is the daemon as it is alone, serving the
   workers on a private socket: it owns the store, the registry, training, datasets and every
   admin call, and (on the cuda backend) runs every worker's forwards between shared-memory
-  regions (CUDA or system) in its one CUDA context per GPU (:mod:`mmad.server.region_forwards`);
+  regions (CUDA or system) in its one CUDA context per GPU (:mod:`mmad.engine.region_forwards`);
 - each *worker* (:mod:`mmad.server.worker`) holds a compiled copy of every ready model with the
   primary's live weights and answers infer requests for them itself; every other request
   (admin, training, metadata, a pinned version, a model it does not hold) it passes to the

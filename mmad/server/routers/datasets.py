@@ -16,12 +16,12 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 
 from mmad.server.bodies import json_response, stream_to_file
-from mmad.server.datasets import check_chunk
+from mmad.engine.datasets import check_chunk
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.openapi import BINARY_REQUEST_DOC
-from mmad.server.registry import ModelEntry
-from mmad.server.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size, store_write
+from mmad.engine.registry import ModelEntry
+from mmad.engine.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size, store_write
 
 router = APIRouter(tags=["datasets"], responses=ERROR_RESPONSES)
 

@@ -13,8 +13,8 @@ from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.inference import infer_request
 from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC, TENSOR_RESPONSES
-from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
-from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
+from mmad.engine.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
+from mmad.engine.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.server.workers import worker_queued, worker_records
 from mmad.spec import MLPSpec
 

@@ -17,10 +17,10 @@ from mmad.errors import Diverged, InvalidInput, MMADError
 from mmad.server.bodies import json_response
 from mmad.server.deps import Runtime, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
-from mmad.server.metrics import UNKNOWN_MODEL
+from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.server.openapi import TENSOR_REQUEST_DOC
-from mmad.server.registry import INPUT, TARGET
-from mmad.server.store import check_model_name
+from mmad.engine.registry import INPUT, TARGET
+from mmad.engine.store import check_model_name
 from mmad.server.tensors import model_tensors, parse_tensors
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)

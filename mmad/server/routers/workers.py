@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from mmad.errors import ModelNotReady
 from mmad.server.bodies import json_response
 from mmad.server.deps import Runtime, runtime
-from mmad.server.store import tensors_to_bytes
+from mmad.engine.store import tensors_to_bytes
 from mmad.server.workers import INTERNAL_PREFIX, check_token
 
 router = APIRouter(include_in_schema=False)

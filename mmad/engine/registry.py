@@ -31,16 +31,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
-from mmad.server import background_dispatch
-from mmad.server.batcher import Batcher, BatchLimits
-from mmad.server.datasets import DatasetCache
-from mmad.server.metrics import Metrics
-from mmad.server.placement import DeviceLoad, place
-from mmad.server.settings import Settings
-from mmad.server.store import Store, check_model_name, check_version
+from mmad.engine import background_dispatch
+from mmad.engine.batcher import Batcher, BatchLimits
+from mmad.engine.datasets import DatasetCache
+from mmad.engine.metrics import Metrics
+from mmad.engine.placement import DeviceLoad, place
+from mmad.settings import Settings
+from mmad.engine.store import Store, check_model_name, check_version
 from mmad.spec import MLPSpec
 
-log = logging.getLogger("mmad.server.registry")
+log = logging.getLogger("mmad.engine.registry")
 
 PINNED_CACHE_SIZE = 2
 INPUT, OUTPUT, TARGET = "INPUT", "OUTPUT", "TARGET"
@@ -417,7 +417,7 @@ class Registry:
         """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's
         choice, measured on ``batch_rows`` rows (the model's max_batch_rows) where it measures: a
         decision not yet cached is measured in the background while a quick variant serves
-        (``_activate`` follows it, :mod:`mmad.server.background_dispatch`)."""
+        (``_activate`` follows it, :mod:`mmad.engine.background_dispatch`)."""
         forced = parse_forced(self.settings.backend or "")
         return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device,
                                     batch_rows=batch_rows)

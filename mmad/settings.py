@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     forward_threads: int = Field(0, ge=0, description="threads that share the host-side chunks of one large "
                                                       "forward (cpu backend); 0: one per CPU")
     demo: bool = True
-    # Triton's --model-repository: one folder per model, loaded at start (mmad/server/repository.py)
+    # Triton's --model-repository: one folder per model, loaded at start (mmad/engine/repository.py)
     model_repository: Path | None = Field(None, description="folder of model folders created at start "
                                                             "where the store lacks them (docs/service.md)")
     log_level: str = "info"

@@ -12,7 +12,7 @@ checked inside it) under its lock, then one wait per device for the group, then 
 A request all in system regions goes the same way (the primary copies the rows up from its
 page-locked mapping of the regions and back by DMA, a model's replicas in turn; a region that
 could not be page-locked is read with ``pread`` into a buffer and written back with ``pwrite``
-once its group is done, :mod:`mmad.server.shm`): each worker's contexts on every GPU would be
+once its group is done, :mod:`mmad.engine.shm`): each worker's contexts on every GPU would be
 time-sliced with the others'.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
@@ -42,9 +42,9 @@ from mmad.errors import (
 )
 from mmad.server.binary import WIRE_DTYPES
 from mmad.server.errors import status_for
-from mmad.server.registry import INPUT
+from mmad.engine.registry import INPUT
 
-log = logging.getLogger("mmad.server.region_forwards")
+log = logging.getLogger("mmad.engine.region_forwards")
 
 HEADER = struct.Struct("<I")
 GROUP_MAX = 64  # forwards launched before one synchronize
@@ -57,7 +57,7 @@ WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 
 def describe(tensor, **more: Any) -> dict[str, Any]:
-    """What names a tensor in its region (a :class:`~mmad.server.shm.ShmTensor`)."""
+    """What names a tensor in its region (a :class:`~mmad.engine.shm.ShmTensor`)."""
     return {"region": tensor.region, "offset": tensor.offset, "byte_size": tensor.nbytes,
             "datatype": WIRE_NAMES[tensor.array.dtype], **more}
 

@@ -1,6 +1,6 @@
 """Training sets: uploaded chunks checked against the model, and the copies held by its backend.
 
-A dataset lives in the store as chunk files (:mod:`mmad.server.store`); an uploaded chunk is
+A dataset lives in the store as chunk files (:mod:`mmad.engine.store`); an uploaded chunk is
 checked here (:func:`check_chunk`: its header, the model's column counts, finite values, one
 memory-mapped block at a time) before the store moves it into place.
 
@@ -39,13 +39,13 @@ from mmad.backends.contract import CompiledModel, Dataset
 from mmad.backends.numerics import all_finite
 from mmad.backends.parallel import shard_bounds, shard_chunks
 from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady
-from mmad.server.store import ChunkHeader, chunk_arrays, read_chunk_header, size_words
+from mmad.engine.store import ChunkHeader, chunk_arrays, read_chunk_header, size_words
 from mmad.spec import MLPSpec
 
 if TYPE_CHECKING:  # the registry creates the cache: no import cycle at run time
-    from mmad.server.registry import ModelEntry, Registry
+    from mmad.engine.registry import ModelEntry, Registry
 
-log = logging.getLogger("mmad.server.datasets")
+log = logging.getLogger("mmad.engine.datasets")
 
 FINITE_BLOCK_VALUES = 1 << 22  # values checked at once (16 MiB of float32): the page cache does the rest
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-log = logging.getLogger("mmad.server.hostmem")
+log = logging.getLogger("mmad.engine.hostmem")
 
 MIN_POOLED_BYTES = 1 << 16  # below this a body costs no copy worth avoiding; plain memory
 
