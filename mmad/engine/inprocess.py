@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,13 +32,11 @@ from mmad.engine import hostmem
 from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, check_response_size
 from mmad.engine.peers import Peer, shared_memory_owner
 from mmad.engine.shm import ShmTensor
+from mmad.engine.runtime import Runtime
+from mmad.engine.statistics import model_statistics, worker_records
 from mmad.engine.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
-from mmad.engine.store import check_model_name, tensors_from_bytes, tensors_to_bytes
-from mmad.server.workers import merge_stats, worker_records, worker_stats
+from mmad.engine.store import check_model_name, tensors_from_bytes
 from mmad.spec import MLPSpec
-
-if TYPE_CHECKING:  # the runtime's type lives with the HTTP front end's dependencies
-    from mmad.server.deps import Runtime
 
 # the extensions of Triton's protocol the engine serves (a front end adds its own)
 EXTENSIONS = ("system_shared_memory", "model_repository", "statistics", "model_configuration")
@@ -70,10 +68,10 @@ def _version_info(doc: dict[str, Any]) -> VersionInfo:
 
 
 class InProcessEngine:
-    """The engine of this process, over the daemon's :class:`~mmad.server.deps.Runtime` (the
+    """The engine of this process, over the daemon's :class:`~mmad.engine.runtime.Runtime` (the
     registry, shared-memory regions and settings its start-up made)."""
 
-    def __init__(self, runtime: "Runtime"):
+    def __init__(self, runtime: Runtime):
         self.rt = runtime
 
     # -- the daemon -----------------------------------------------------------------------------
@@ -144,13 +142,8 @@ class InProcessEngine:
         if name is not None:
             self._entry(name, version)  # an unknown name is answered before the workers are asked
         records = await worker_records(self.rt)
-        out = []
-        for model in [name] if name is not None else sorted(registry.models):
-            entry = registry.get(model)
-            doc = entry.stats.to_json(model, version or registry.latest_version(model))
-            others = worker_stats(records, model, entry.incarnation)
-            out.append(_statistics(merge_stats(doc, others) if others else doc))
-        return out
+        return [_statistics(model_statistics(self.rt, records, model, version))
+                for model in ([name] if name is not None else sorted(registry.models))]
 
     async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         self._serving()
@@ -426,7 +419,7 @@ class InProcessEngine:
         self._serving()
         self._admin(caller)
         registry = self.rt.registry
-        return _version_info(await registry.run(registry.checkpoint_blocking, registry.get_ready(name)))
+        return _version_info(await registry.checkpoint(registry.get_ready(name)))
 
     async def get_weights(self, name: str, version: str | None = None) -> WeightsSnapshot:
         """A stored version's safetensors file, else the live weights now (a consistent snapshot:
@@ -434,11 +427,10 @@ class InProcessEngine:
         self._serving()
         registry = self.rt.registry
         if version is not None:
-            self._entry(name, version)
-            return WeightsSnapshot(await registry.run(registry.store.weights_bytes, name, version), version, None)
-        entry = registry.get_ready(name)
-        params, _state, step = await registry.run(registry.snapshot_blocking, entry)
-        return WeightsSnapshot(await registry.run(tensors_to_bytes, params), None, step)
+            self._serving()
+            return WeightsSnapshot(await registry.stored_weights(name, version), version, None)
+        data, step = await registry.live_weights(registry.get_ready(name))
+        return WeightsSnapshot(data, None, step)
 
     async def set_weights(self, name: str, safetensors: bytes, caller: Caller) -> VersionInfo:
         self._serving()
@@ -446,4 +438,4 @@ class InProcessEngine:
         registry = self.rt.registry
         entry = registry.get_ready(name)
         params = tensors_from_bytes(safetensors, "the weights")
-        return _version_info(await registry.run(registry.set_weights_blocking, entry, params))
+        return _version_info(await registry.set_weights(entry, params))

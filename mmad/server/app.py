@@ -20,7 +20,7 @@ import mmad
 from mmad.backends import probe_all, select
 from mmad.engine import hostmem
 from mmad.server.bodies import BodyLimitMiddleware
-from mmad.server.deps import Runtime
+from mmad.engine.runtime import Runtime
 from mmad.server.errors import install_error_handlers
 from mmad.engine.jobs import JobManager
 from mmad.engine.metrics import Metrics

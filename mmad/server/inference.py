@@ -12,7 +12,7 @@ from mmad.errors import InvalidInput, MMADError, ModelNotReady, NonFiniteInput, 
 from mmad.server.binary import (
     WIRE_DTYPES, binary_response_buffer, check_response_size, encode_infer_response, requested_outputs,
 )
-from mmad.server.deps import Runtime
+from mmad.engine.runtime import Runtime
 from mmad.server.errors import internal_error_response, mmad_error_response, status_for
 from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.engine.region_forwards import describe

@@ -13,7 +13,7 @@ from mmad.backends.numerics import all_finite
 from mmad.errors import InvalidInput, MMADError, PayloadTooLarge
 from mmad.server.binary import InferRequest, parse_header_length, parse_infer_request
 from mmad.server.bodies import read_tensor_body
-from mmad.server.deps import Runtime
+from mmad.engine.runtime import Runtime
 from mmad.engine.registry import INPUT, ModelEntry
 
 

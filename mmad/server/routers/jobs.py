@@ -7,7 +7,8 @@ from fastapi.responses import StreamingResponse
 
 from mmad.server.bodies import json_body, json_response
 
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.engine.jobs import JobRequest

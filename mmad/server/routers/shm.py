@@ -16,10 +16,11 @@ from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput
 from mmad.server.bodies import json_body, json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.engine.peers import peer_of, shared_memory_owner
-from mmad.server.workers import check_token
+from mmad.server.internal import check_token
 
 router = APIRouter(tags=["shared memory"], responses=ERROR_RESPONSES)
 

@@ -15,7 +15,8 @@ from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import Diverged, InvalidInput, MMADError
 from mmad.server.bodies import json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
 from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.server.openapi import TENSOR_REQUEST_DOC
