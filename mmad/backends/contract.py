@@ -46,7 +46,7 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 
 from mmad.backends.numerics import (
-    all_finite, batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate,
+    EpochPosition, all_finite, check_epoch_run, encode as encode_inputs, epoch_rows, step_learning_rate,
 )
 from mmad.errors import InvalidInput, NonFiniteInput, SpecError
 from mmad.spec import MLPSpec
@@ -139,23 +139,6 @@ class Dataset:
     rows: int
     nbytes: int
     on_device: bool
-
-
-@dataclass
-class EpochPosition:
-    """Where a run over a dataset stands: the order's seed, the epoch, and the position of the
-    next batch in that epoch's order (``numerics.epoch_rows``). A batch never straddles two
-    epochs: the rows left over at an epoch's end wait for a later epoch."""
-
-    seed: int
-    epoch: int = 0
-    cursor: int = 0
-
-    def advance(self, rows: int, batch: int, steps: int = 1) -> None:
-        per_epoch = batches_per_epoch(rows, batch)
-        done = self.cursor // batch + steps
-        self.epoch += done // per_epoch
-        self.cursor = (done % per_epoch) * batch
 
 
 @dataclass
@@ -546,13 +529,6 @@ def check_device_index(device: Any, count: int, backend: str) -> int:
         have = "device 0" if count == 1 else f"devices 0 to {count - 1}"
         raise InvalidInput(f"device {device!r} does not exist: the {backend} backend has {have}")
     return int(device)
-
-
-def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:
-    if steps < 1:
-        raise InvalidInput(f"steps must be at least 1; got {steps}")
-    if not 1 <= batch <= data.rows:
-        raise InvalidInput(f"batch_size {batch} must be from 1 to the dataset's {data.rows} rows")
 
 
 def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:
