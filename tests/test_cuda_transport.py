@@ -308,10 +308,11 @@ def test_region_group_slot_waits_for_the_default_stream_and_keeps_its_staging(pa
     group's outputs are its own inputs' forward."""
     import cupy as cp
 
-    from mmad.engine.region_forwards import CudaGroupSlot
+    from mmad.backends.cuda.region_group import CudaGroupSlot
+    from mmad.engine.region_forwards import GROUP_MAX
 
     model, oracle = pair
-    slot = CudaGroupSlot(cp, 0)
+    slot = CudaGroupSlot(cp, 0, GROUP_MAX)
     spin = cp.RawKernel(r'''
     extern "C" __global__ void spin_then_fill(float* a, int n, long long cycles) {
         long long start = clock64();

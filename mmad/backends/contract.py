@@ -48,7 +48,7 @@ import numpy as np
 from mmad.backends.numerics import (
     EpochPosition, all_finite, check_epoch_run, encode as encode_inputs, epoch_rows, step_learning_rate,
 )
-from mmad.errors import InvalidInput, NonFiniteInput, SpecError
+from mmad.errors import BackendUnavailable, InvalidInput, NonFiniteInput, SpecError
 from mmad.spec import MLPSpec
 
 # Auto-selection order, highest first; software devices (lavapipe, a CPU WebGPU adapter)
@@ -447,6 +447,15 @@ class Backend(abc.ABC):
         and response bodies (the host ends of device copies), or None where this backend copies
         nothing to a device (this default)."""
         return None
+
+    def region_group_slot(self, device: int, size: int) -> Any:
+        """A slot for one group of up to ``size`` forwards between shared-memory regions on
+        ``device`` (``mmad serve --workers``: the primary runs its workers' region forwards):
+        ``launching()`` (a context the group is launched in), ``start()``, ``upload(k, host)``,
+        ``output(k, shape, dtype)``, ``download(device_array, host)``, ``words`` (a finiteness
+        word per forward, for ``forward_group``), ``finish(count)``, ``wait()`` (the words on the
+        host) and ``device``. Backends that serve no regions from a device have none (this default)."""
+        raise BackendUnavailable(f"the {self.name} backend runs no forwards between shared-memory regions")
 
     def close(self) -> None:
         """Release the device and anything the probe opened."""

@@ -203,6 +203,11 @@ class CudaBackend(Backend):
 
         return alloc
 
+    def region_group_slot(self, device: int, size: int) -> Any:
+        from mmad.backends.cuda.region_group import CudaGroupSlot
+
+        return CudaGroupSlot(cupy_module(), device, size)
+
     def data_parallel(self, replicas: list[CompiledModel]) -> Any:
         from mmad.backends.cuda.parallel import NcclDataParallel
 
