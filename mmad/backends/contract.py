@@ -448,6 +448,12 @@ class Backend(abc.ABC):
         nothing to a device (this default)."""
         return None
 
+    def cuda_ipc_opener(self) -> Callable[[bytes, int, int], Any] | None:
+        """``open(raw_handle, device_id, byte_size)``: a CUDA IPC handle of another process's
+        allocation opened as a region the daemon reads and writes (Triton's CUDA shared memory),
+        or None where this backend opens none (this default)."""
+        return None
+
     def region_group_slot(self, device: int, size: int) -> Any:
         """A slot for one group of up to ``size`` forwards between shared-memory regions on
         ``device`` (``mmad serve --workers``: the primary runs its workers' region forwards):

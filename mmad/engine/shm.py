@@ -210,7 +210,7 @@ class SharedMemoryRegistry:
     ``pin``: the backend's ``pin_host_memory`` (page-locks a system region's mapping; None where
     the backend copies nothing to a device), used once :meth:`enable_dma` was called (the
     primary's region forwards). ``cuda_open``: turns (IPC handle bytes, device id, byte size)
-    into a CUDA region (:func:`mmad.backends.cuda.ipc.open_ipc_region` on the cuda backend; tests
+    into a CUDA region (the backend's ``cuda_ipc_opener``, :func:`mmad.backends.cuda.ipc.open_ipc_region`; tests
     pass a fake); None where CUDA shared memory is unavailable, then ``cuda_unavailable`` says why.
     """
 
@@ -227,13 +227,11 @@ class SharedMemoryRegistry:
 
     def use_backend(self, backend: Any, name: str) -> None:
         """Page-lock system regions through ``backend`` (its ``pin_host_memory`` hook) where
-        device copies use them; CUDA regions on the cuda backend only."""
+        device copies use them; CUDA regions where it opens them (``cuda_ipc_opener``: the cuda
+        backend only)."""
         self.pin = backend.pin_host_memory
-        if name == "cuda":
-            from mmad.backends.cuda.ipc import open_ipc_region
-
-            self.cuda_open = open_ipc_region
-        else:
+        self.cuda_open = backend.cuda_ipc_opener()
+        if self.cuda_open is None:
             self.cuda_unavailable = CUDA_NEEDS_BACKEND.format(backend=name)
 
     def enable_dma(self) -> None:

@@ -203,6 +203,11 @@ class CudaBackend(Backend):
 
         return alloc
 
+    def cuda_ipc_opener(self) -> Any:
+        from mmad.backends.cuda.ipc import open_ipc_region
+
+        return open_ipc_region
+
     def region_group_slot(self, device: int, size: int) -> Any:
         from mmad.backends.cuda.region_group import CudaGroupSlot
 
