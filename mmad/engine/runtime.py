@@ -32,6 +32,11 @@ class ServingWorkers(Protocol):
 
     async def records(self) -> list[WorkerRecords]: ...
 
+    @property
+    def region_forwards_socket(self) -> str: ...  # where the primary runs its workers' region forwards
+
+    def publish(self, generation: int) -> None: ...
+
     def mark_ready(self, index: int) -> None: ...
 
 

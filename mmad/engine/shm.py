@@ -52,7 +52,7 @@ import numpy as np
 from mmad.errors import ConflictError, Forbidden, InvalidInput, RegionFull
 from mmad.engine import hostmem
 
-log = logging.getLogger("mmad.server")
+log = logging.getLogger("mmad.engine.shm")
 
 SHM_DIR = "/dev/shm"
 # a POSIX shared-memory name: one leading slash, no other (no way out of /dev/shm)

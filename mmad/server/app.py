@@ -20,7 +20,7 @@ import mmad
 from mmad.backends import probe_all, select
 from mmad.engine import hostmem
 from mmad.server.bodies import BodyLimitMiddleware
-from mmad.engine.runtime import Runtime
+from mmad.engine.runtime import Runtime, ServingWorkers
 from mmad.server.errors import install_error_handlers
 from mmad.engine.jobs import JobManager
 from mmad.engine.metrics import Metrics
@@ -82,12 +82,12 @@ async def start_runtime(rt: Runtime) -> None:
     rt.jobs = JobManager(rt.registry)
     rt.metrics.track(lambda: rt.registry.models)
     if rt.workers is not None:  # what inference can see is published to the serving workers
-        rt.registry.publish = rt.workers.counter.store
+        rt.registry.publish = rt.workers.publish
         rt.shm.on_change = rt.registry.changed
         if rt.shm.cuda_enabled:
             from mmad.engine.region_forwards import RegionForwardRunner
 
-            rt.region_service = RegionForwardRunner(rt, rt.workers.link(0).region_forwards_socket)
+            rt.region_service = RegionForwardRunner(rt, rt.workers.region_forwards_socket)
     # a daemon given a model repository serves what it holds, as Triton does: no demo model
     if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
@@ -136,7 +136,7 @@ class MMADApp(FastAPI):
         await self._front(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, workers=None) -> FastAPI:
+def create_app(settings: Settings | None = None, workers: ServingWorkers | None = None) -> FastAPI:
     """The daemon's app; ``workers``: the serving workers (:class:`~mmad.server.workers.WorkerPool`)
     of a primary started with ``--workers``."""
     settings = settings or Settings()

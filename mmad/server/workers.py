@@ -191,6 +191,14 @@ class WorkerPool:
     def primary_socket(self) -> str:
         return self.link(0).primary_socket
 
+    @property
+    def region_forwards_socket(self) -> str:
+        return self.link(0).region_forwards_socket
+
+    def publish(self, generation: int) -> None:
+        """Tell the workers that what inference sees changed (they sync before their next infer)."""
+        self.counter.store(generation)
+
     def start(self, port: int) -> None:
         self.port = port
         for index in range(1, self.count + 1):
@@ -349,7 +357,7 @@ class WorkerPool:
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
     async def records(self) -> list[WorkerRecords]:
-        """Every live worker's statistics and metric samples (:func:`mmad.server.worker.records`);
+        """Every live worker's statistics and metric samples (:meth:`mmad.server.worker.WorkerApp.records`);
         a worker that does not answer in time is left out, logged."""
 
         async def one(index: int) -> WorkerRecords | None:
