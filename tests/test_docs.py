@@ -22,8 +22,8 @@ FORBIDDEN = ("../" + "shared", "DESIGN" + ".md", "BENCHMARKS" + ".md")
 # Markdown whose relative links must resolve: the README and every document under docs/.
 LINKED_DOCS = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 
-# Documents whose backticked `mmad/...` paths must exist.
-PATH_DOCS = ["README.md", "docs/design.md"]
+# Documents whose backticked `mmad/...` paths must exist: all of them.
+PATH_DOCS = LINKED_DOCS
 
 # Development-diary wording in user documents (README.md, docs/*.md), searched in prose and code
 # alike: the history belongs in git log, CHANGELOG.md and notes/. Each pattern with what it catches.

@@ -1,4 +1,4 @@
-"""A job's loss history (mmad/server/loss_history.py) stays bounded over any length of run and
+"""A job's loss history (mmad/engine/loss_history.py) stays bounded over any length of run and
 still describes the whole of it: the first point is the first chunk's, the last ends at the
 latest step, steps rise, and every point is exactly the mean of the per-step losses it stands
 for (checked against the raw losses in float64); a NaN or Inf loss stays visible after merges."""
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from mmad.server.loss_history import LossHistory
+from mmad.engine.loss_history import LossHistory
 
 
 def run(history: LossHistory, chunks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

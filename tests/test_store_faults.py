@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 from safetensors.numpy import load as st_load, save as st_save
 
-import mmad.server.store as store_module
+import mmad.engine.store as store_module
 from mmad.server.app import create_app
-from mmad.server.settings import Settings
+from mmad.settings import Settings
 
 SPEC = {"n_input_dims": 5, "n_output_dims": 4, "network": {"n_neurons": 32, "n_hidden_layers": 2},
         "precision": "fp32", "seed": 7}
@@ -127,7 +127,7 @@ def test_a_damaged_model_is_unavailable_with_its_reason_and_the_others_serve(tmp
         kept = {v: version_weights(c, "bad", v) for v in ("1", "2", "3")}
     mutate, serves, word = CORRUPTIONS[case]
     mutate(store / "models" / "bad")
-    caplog.set_level(logging.WARNING, logger="mmad.server.registry")
+    caplog.set_level(logging.WARNING, logger="mmad.engine.registry")
     with app_client(store) as c:  # the daemon starts
         assert c.get("/v2/health/ready").status_code == 200
         np.testing.assert_array_equal(outputs(infer(c, "good", x)), good_out)

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_metrics_triton import FakeNvml
 from test_server_api import binary_infer, create
 
-from mmad.server.metrics import GpuCollector
+from mmad.engine.metrics import GpuCollector
 
 REPO = Path(__file__).resolve().parent.parent
 RELABEL = REPO / "deploy" / "prometheus" / "nv-relabel.yml"

@@ -1,7 +1,7 @@
 """``mmad bench --hashgrid``: tiny-cuda-nn's hash-grid image config on each backend, against a
 PyTorch hash grid in the same run and tiny-cuda-nn's own figures on an H100.
 
-The model is ``IMAGE_CONFIG`` (mmad/cli.py: 2 inputs, HashGrid 16 levels × 2 features, base
+The model is ``IMAGE_CONFIG`` (mmad/demo.py: 2 inputs, HashGrid 16 levels × 2 features, base
 resolution 16, scale 1.5, 64 × 2 ReLU MLP, 3 outputs) with each ``--log2-hashmap-sizes`` table
 (default 2^15 and 2^19), in fp16 on cuda (its mma variant computes only in fp16) and fp32
 elsewhere unless ``--precision`` says otherwise. Every backend and the peer get the same
@@ -54,12 +54,12 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.dispatch import CHECK_ROWS
-from mmad.bench import timing
+from mmad.backends import timing
 from mmad.bench.kernels import (
     DEVICE_FP32_ONLY, CheckFailed, Options as KernelOptions, Target, _measure_cuda, _measure_host,
     _measure_vulkan, _NoBar, _release_device_memory, _split, oracle_check, resolve_target, write_report,
 )
-from mmad.cli import IMAGE_CONFIG, demo_field
+from mmad.demo import IMAGE_CONFIG, demo_field
 from mmad.errors import BackendUnavailable, MMADError, SpecError
 from mmad.spec import MLPSpec
 

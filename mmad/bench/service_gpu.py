@@ -18,7 +18,7 @@ in one run, against the same run's in-process and hardware figures.
 * small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
 
 Every measurement runs in a fresh load-generator process (:mod:`mmad.bench.load`), timings with
-:func:`mmad.bench.timing.median_seconds`. A phase that fails is recorded under ``errors`` and
+:func:`mmad.backends.timing.median_seconds`. A phase that fails is recorded under ``errors`` and
 the others still run. Results: ``--json PATH`` (default ``<out>/service-<backend>.json``).
 """
 
@@ -41,7 +41,7 @@ from mmad.bench.grpc_load import grpc_clients
 from mmad.bench.load import (
     FP16_TOLERANCE, MODEL, Bench, BenchError, batching_config, grpc_line, progress, scenario_http,
 )
-from mmad.bench.timing import median_seconds
+from mmad.backends.timing import median_seconds
 
 BANDWIDTH_BYTES = 256 << 20
 LARGE_ROWS = 65536

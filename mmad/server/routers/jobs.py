@@ -7,10 +7,11 @@ from fastapi.responses import StreamingResponse
 
 from mmad.server.bodies import json_body, json_response
 
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.server.jobs import JobRequest
+from mmad.engine.jobs import JobRequest
 
 router = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
 

@@ -31,10 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends.contract import Dataset
 from mmad.backends.parallel import shard_positions, split_batch
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
-from mmad.server.loss_history import LossHistory
-from mmad.server.registry import Registry
+from mmad.engine.loss_history import LossHistory
+from mmad.engine.registry import Registry
 
-log = logging.getLogger("mmad.server.jobs")
+log = logging.getLogger("mmad.engine.jobs")
 
 PROGRESS_INTERVAL_S = 0.2
 CHUNK_S = 0.1  # training between two looks from the host (losses, progress, cancel)

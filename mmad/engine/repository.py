@@ -31,11 +31,11 @@ import numpy as np
 
 from mmad.backends.contract import check_params
 from mmad.errors import MMADError
-from mmad.server.registry import ModelConfig, Registry
-from mmad.server.store import check_model_name, tensors_from_bytes
+from mmad.engine.registry import ModelConfig, Registry
+from mmad.engine.store import check_model_name, tensors_from_bytes
 from mmad.spec import MLPSpec
 
-log = logging.getLogger("mmad.server.repository")
+log = logging.getLogger("mmad.engine.repository")
 
 SPEC_FILE, CONFIG_FILE, WEIGHTS_FILE = "config.json", "mmad.json", "model.safetensors"
 
