@@ -21,17 +21,28 @@ def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def port_taken(where: str, exc: BaseException | None = None) -> str:
+    """The reason a start stops when its gRPC port cannot be had."""
+    detail = f" ({exc})" if exc is not None else ""
+    return (f"the gRPC port cannot be bound at {where}{detail}; is another server using it? "
+            "--grpc-port picks another port, 0 turns gRPC off")
+
+
 async def serve(engine: InferenceClient, host: str, port: int, api_key: str | None, max_request_bytes: int,
-                max_response_bytes: int, max_calls: int) -> "GrpcFrontEnd":
+                max_response_bytes: int, max_calls: int, shared: bool = False) -> "GrpcFrontEnd":
     """A started gRPC server on ``host:port``. Messages are capped as HTTP bodies are: a request
     larger than ``max_request_bytes`` is refused RESOURCE_EXHAUSTED by gRPC itself, before it is
     read whole; so is a call past ``max_calls`` in progress at once (as HTTP caps connections:
-    each call may hold a request's bytes). The port is this daemon's alone (no SO_REUSEPORT: a
-    second daemon on the same port fails to start rather than sharing its clients)."""
+    each call may hold a request's bytes).
+
+    ``shared`` False: the port is this server's alone (no SO_REUSEPORT: a second daemon on the
+    same port fails to start rather than sharing its clients). True (each serving worker of
+    ``mmad serve --workers``): bound with SO_REUSEPORT beside the other workers, into the port
+    the primary holds for them (:func:`mmad.server.workers.reserve_shared_port`)."""
     server = grpc.aio.server(maximum_concurrent_rpcs=max_calls, options=[
         ("grpc.max_receive_message_length", max_request_bytes),
         ("grpc.max_send_message_length", max_response_bytes + RESPONSE_OVERHEAD_BYTES),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if shared else 0),
     ])
     service = InferenceService(engine, api_key, port)
     server.add_generic_rpc_handlers((method_handlers(service),))
@@ -39,11 +50,9 @@ async def serve(engine: InferenceClient, host: str, port: int, api_key: str | No
     try:
         bound = server.add_insecure_port(where)
     except RuntimeError as exc:  # grpcio raises where older releases returned 0
-        raise MMADError(f"the gRPC port cannot be bound at {where} ({exc}); is another server using it? "
-                        "--grpc-port picks another port, 0 turns gRPC off") from exc
+        raise MMADError(port_taken(where, exc)) from exc
     if bound == 0:
-        raise MMADError(f"the gRPC port cannot be bound at {where}; is another server using it? "
-                        "--grpc-port picks another port, 0 turns gRPC off")
+        raise MMADError(port_taken(where))
     service.port = bound
     await server.start()
     log.info("serving gRPC (KServe v2 / Triton) on %s", address(host, bound))

@@ -109,9 +109,10 @@ async def stop_runtime(rt: Runtime) -> None:
 
 
 async def start_grpc(rt: Runtime):
-    """The gRPC front end over this process's engine (None with ``grpc_port`` 0)."""
+    """The gRPC front end over this process's engine (None with ``grpc_port`` 0, and in a primary
+    with serving workers: each of them serves the port, :mod:`mmad.server.worker`)."""
     settings = rt.settings
-    if not settings.grpc_port:
+    if not settings.grpc_port or rt.workers is not None:
         return None
     from mmad.engine.inprocess import InProcessEngine
     from mmad.grpc.server import serve

@@ -156,16 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     # store another daemon holds, a taken port. Each ends here with one line.
     from mmad.engine.store import Store
 
-    pool, sockets, reserved = None, None, None
+    pool, sockets, reserved, grpc_reserved = None, None, None, None
     try:
         Store(settings.store_dir, keep_versions=settings.keep_versions).close()
         if settings.workers:
-            from mmad.server.workers import bind_shared_port
+            from mmad.server.workers import reserve_grpc_port, reserve_shared_port
 
             # the port, bound and never listened on: it stays this daemon's (a port of 0 is resolved
             # once) while the pool's dealer listens beside it only when a worker is ready to take
-            # connections; the primary serves the workers on its own socket
-            reserved = bind_shared_port(settings.host, settings.port)
+            # connections; the primary serves the workers on its own socket. The gRPC port likewise,
+            # each worker's gRPC server listening beside it
+            reserved = reserve_shared_port(settings.host, settings.port)
+            grpc_reserved = reserve_grpc_port(settings.host, settings.grpc_port)
         else:
             sockets = bind_listening_sockets(settings.host, settings.port)
     except MMADError as exc:
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pool.stop(settings.graceful_timeout_s + 10)
         reserved.close()
+        if grpc_reserved is not None:
+            grpc_reserved.close()
     return 0 if server.started else 1
 
 

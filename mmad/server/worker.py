@@ -3,7 +3,10 @@
 It answers ``POST /v2/models/{m}/infer`` for the models it holds, through the same handler as
 the primary (:func:`~mmad.server.inference.infer_request`: the same batching, checks, errors and
 shared-memory paths), and passes every other request to the primary over its Unix socket,
-bodies and responses streamed. Before an infer request it compares the primary's generation
+bodies and responses streamed. It serves the gRPC port too (with the other workers, each
+connection to one of them), over its own engine client
+(:class:`~mmad.engine.worker_client.WorkerEngine`): infer for the models it holds here, every
+other call passed to the primary's engine. Before an infer request it compares the primary's generation
 counter with the one it last synced and, when it moved, re-reads the primary's state: models
 created, replaced or gone, new live weights, new versions, shared-memory regions.
 """
@@ -22,7 +25,9 @@ from typing import Any, Callable
 import httpx
 from fastapi import Request
 
-from mmad.errors import MMADError
+from mmad.errors import MMADError, NotReady, PayloadTooLarge
+from mmad.engine.inprocess import InProcessEngine
+from mmad.engine.worker_client import WorkerEngine
 from mmad.server.app import release_runtime, use_backend
 from mmad.server.bodies import BodyLimitMiddleware, json_response
 from mmad.engine.runtime import Runtime
@@ -163,6 +168,21 @@ class PrimaryLink:
                 if waited >= PRIMARY_WAIT_LOG_S and waited - 0.2 < PRIMARY_WAIT_LOG_S:
                     log.info("worker %d waits for the primary to finish its start-up", self.link.index)
 
+    async def engine_call(self, method: str, message: bytes) -> bytes:
+        """A call of the engine's interface, answered by the primary's engine
+        (:func:`mmad.engine.worker_client.answer_call`)."""
+        try:
+            response = await self.client.post(f"{INTERNAL_PREFIX}/engine/{method}", content=message,
+                                              headers={TOKEN_HEADER: self.link.token})
+        except httpx.HTTPError as exc:
+            raise NotReady("the daemon's primary process is not answering; try again") from exc
+        if response.status_code == 413:  # a call past the primary's body cap (a pinned infer near it)
+            raise PayloadTooLarge(response.json().get("error", "the request is larger than the daemon takes"))
+        if response.status_code != 200:  # the primary failed on it: its bug, answered as one here
+            raise RuntimeError(f"the primary process answered {method} with {response.status_code}: "
+                               f"{response.text[:300]}")
+        return response.content
+
     async def said_ready(self) -> None:
         response = await self.client.post(f"{INTERNAL_PREFIX}/ready/{self.link.index}",
                                           headers={TOKEN_HEADER: self.link.token})
@@ -198,6 +218,7 @@ class WorkerApp:
         self.link = link
         self.primary = PrimaryLink(link, settings.idle_timeout_s)
         self._follower: asyncio.Future | None = None
+        self.grpc = None  # this worker's gRPC server, when the daemon serves gRPC
         self.rt = Runtime(settings=settings, metrics=Metrics(process=link.index, gpu=False),
                           executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                           forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
@@ -344,6 +365,13 @@ class WorkerApp:
         rt.ready = True
         await self.primary.sync(rt, state)
         self._follower = asyncio.ensure_future(self.follow_primary())
+        if settings.grpc_port:
+            from mmad.grpc.server import serve
+
+            engine = WorkerEngine(InProcessEngine(rt), self.holds, self.primary.engine_call)
+            self.grpc = await serve(engine, settings.host, settings.grpc_port, settings.api_key_value,
+                                    settings.max_body_bytes, settings.max_response_bytes, settings.max_connections,
+                                    shared=True)
         log.info("serving worker %d ready: %d model(s) on %s:%s", self.link.index, len(rt.registry.models),
                  row.backend, row.variant)
 
@@ -363,7 +391,14 @@ class WorkerApp:
                 except Exception:  # noqa: BLE001 - logged; the next infer request syncs (and reports) again
                     log.exception("worker %d: following the primary failed", self.link.index)
 
+    async def stop_grpc(self) -> None:
+        """No more gRPC calls; those in flight finish (up to the graceful timeout)."""
+        server, self.grpc = self.grpc, None
+        if server is not None:
+            await server.stop(self.settings.graceful_timeout_s)
+
     async def stop(self) -> None:
+        await self.stop_grpc()
         rt = self.rt
         rt.ready = False
         if self._follower is not None:
@@ -489,7 +524,8 @@ def run_worker(settings: Settings, link: WorkerLink, channel: socket.socket) -> 
 
         async def shutdown(self, sockets=None) -> None:
             dealt.stop()
-            await super().shutdown(sockets=sockets)
+            # gRPC's calls drain beside HTTP's requests, not after them
+            await asyncio.gather(worker.stop_grpc(), super().shutdown(sockets=sockets))
 
     config = uvicorn.Config(app, loop=settings.loop, http=http_protocol(settings), lifespan="on",
                             timeout_keep_alive=settings.idle_timeout_s,

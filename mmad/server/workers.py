@@ -57,6 +57,7 @@ import httpx
 import numpy as np
 
 from mmad.engine.messages import WorkerRecords
+from mmad.errors import MMADError
 from mmad.server.internal import INTERNAL_PREFIX, TOKEN_HEADER
 from mmad.settings import Settings
 
@@ -132,8 +133,8 @@ class WorkerLink:
 
 
 def bind_shared_port(host: str, port: int) -> socket.socket:
-    """A TCP socket bound with ``SO_REUSEPORT``, not listening: the primary holds the port with
-    one for the daemon's life, and its dealer binds another beside it while it listens."""
+    """A TCP socket bound with ``SO_REUSEPORT``, not listening: the primary's dealer binds one
+    beside the port's reservation (:func:`reserve_shared_port`) while it listens."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -145,6 +146,38 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(False)
     return sock
+
+
+def reserve_shared_port(host: str, port: int) -> socket.socket:
+    """The port held for the daemon's life, bound and never listened on, so that the processes
+    serving it bind beside it with ``SO_REUSEPORT`` (:func:`bind_shared_port`, and the workers'
+    gRPC servers). Bound before ``SO_REUSEPORT`` is set: a server already on the port, even one
+    whose socket allows sharing (as gRPC's do by default), makes this fail rather than share its
+    clients; set after, it lets this daemon's own sockets join."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+def reserve_grpc_port(host: str, port: int) -> socket.socket | None:
+    """The gRPC port's reservation (None for port 0: no gRPC); a port another server holds is
+    the start's :class:`~mmad.errors.MMADError` with the reason."""
+    if not port:
+        return None
+    from mmad.grpc.server import address, port_taken
+
+    try:
+        return reserve_shared_port(host, port)
+    except OSError as exc:
+        raise MMADError(port_taken(address(host, port), exc)) from exc
 
 
 def bind_unix(path: str) -> socket.socket:

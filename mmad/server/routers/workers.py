@@ -8,9 +8,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from starlette.exceptions import HTTPException
 
 from mmad.server.bodies import json_response
+from mmad.engine.inprocess import InProcessEngine
 from mmad.engine.runtime import Runtime
 from mmad.server.deps import runtime
-from mmad.engine.messages import PrimaryState
+from mmad.engine.messages import ENGINE_METHODS, PrimaryState
+from mmad.engine.worker_client import answer_call
 from mmad.server.internal import INTERNAL_PREFIX, check_token
 
 router = APIRouter(include_in_schema=False)
@@ -43,3 +45,13 @@ async def worker_ready(index: int, rt: Runtime = Depends(runtime)):
     """A worker listens on the port: the daemon is ready once every worker said so."""
     rt.workers.mark_ready(index)
     return json_response({})
+
+
+@router.post(INTERNAL_PREFIX + "/engine/{method}", dependencies=[Depends(worker_token)])
+async def engine_call(method: str, request: Request, rt: Runtime = Depends(runtime)):
+    """A call of the engine's interface a worker's front end (gRPC) passed on, with the caller it
+    names (:class:`~mmad.engine.worker_client.WorkerEngine`), answered by this process's engine."""
+    if method not in ENGINE_METHODS:
+        raise HTTPException(404)
+    answer = await answer_call(InProcessEngine(rt), method, await request.body())
+    return Response(answer, media_type="application/octet-stream")
