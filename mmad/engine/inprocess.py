@@ -33,6 +33,7 @@ from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, chec
 from mmad.server.peers import Peer, shared_memory_owner
 from mmad.server.shm import ShmTensor
 from mmad.server.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.server.repository_poll import refuse_changes
 from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
 from mmad.server.workers import merge_stats, worker_records, worker_stats
 from mmad.spec import MLPSpec
@@ -170,11 +171,13 @@ class InProcessEngine:
     async def load_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.load(name)
 
     async def unload_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.unload(name)
 
     # -- inference ------------------------------------------------------------------------------
@@ -410,12 +413,14 @@ class InProcessEngine:
         seed's weights."""
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         check_model_name(name)
         return await self.rt.registry.create(name, MLPSpec.from_json(spec), ServingConfig.parse(config))
 
     async def delete_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.delete(name)
 
     async def versions(self, name: str) -> list[VersionInfo]:
@@ -425,6 +430,7 @@ class InProcessEngine:
     async def checkpoint(self, name: str, caller: Caller) -> VersionInfo:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
         return _version_info(await registry.run(registry.checkpoint_blocking, registry.get_ready(name)))
 
@@ -443,6 +449,7 @@ class InProcessEngine:
     async def set_weights(self, name: str, safetensors: bytes, caller: Caller) -> VersionInfo:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
         entry = registry.get_ready(name)
         params = tensors_from_bytes(safetensors, "the weights")
