@@ -40,15 +40,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from mmad.backends.contract import check_params
-from mmad.errors import MMADError
+from mmad.errors import InvalidInput, MMADError
 from mmad.server.registry import ModelConfig, Registry
-from mmad.server.store import VERSION_RE, check_model_name, tensors_from_bytes
+from mmad.server.store import (
+    VERSION_RE, _fsync_dir as fsync_dir, atomic_write, check_model_name, tensors_from_bytes, tensors_to_bytes,
+)
 from mmad.spec import MLPSpec
 
 log = logging.getLogger("mmad.server.repository")
@@ -211,9 +216,13 @@ def read_weights(folder: Path, spec: MLPSpec, version: int | None = None) -> dic
     if not path.exists():
         return None
     try:
-        return check_params(spec, tensors_from_bytes(path.read_bytes(), what))
+        tensors = tensors_from_bytes(path.read_bytes(), what)
     except OSError as exc:
         raise FolderError(f"{what} cannot be read: {exc.strerror}") from exc
+    except MMADError as exc:  # it names the file
+        raise FolderError(str(exc)) from exc
+    try:
+        return check_params(spec, tensors)
     except MMADError as exc:
         raise FolderError(f"{what}: {exc}") from exc
 
@@ -301,3 +310,84 @@ def _note_differences(registry: Registry, name: str, spec: MLPSpec, config: Mode
 
 def _add_note(entry, note: str) -> None:
     entry.reason = f"{entry.reason}; {note}" if entry.reason else note
+
+
+# -- writing: `mmad export --to repository` ---------------------------------------------------
+def publish_versions(root: Path, name: str, spec: MLPSpec, config: ModelConfig,
+                     versions: dict[int, dict[str, np.ndarray]]) -> list[Path]:
+    """Write ``versions`` of model ``name`` into repository ``root`` in Triton's layout, each
+    version folder (and a new model folder, whole) written under a dot name and renamed into
+    place, so that a daemon following the repository never reads half of one. A published
+    version is never overwritten; a folder holding another spec is refused. Returns the folders
+    written."""
+    check_model_name(name)
+    for v in versions:
+        if v < 1:
+            raise InvalidInput(f"version {v}: versions are numbered 1, 2, ...")
+    params = {v: check_params(spec, p) for v, p in sorted(versions.items())}
+    spec_bytes = json.dumps(spec.to_json(), indent=2, sort_keys=True).encode() + b"\n"
+    config_doc = config.model_dump(exclude_defaults=True)
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / name
+    if not folder.exists():
+        staging = root / f".new-{name}-{uuid.uuid4().hex}"
+        try:
+            staging.mkdir()
+            atomic_write(staging / SPEC_FILE, spec_bytes)
+            atomic_write(staging / CONFIG_FILE, _json_bytes(config_doc))
+            for v, p in params.items():
+                atomic_write(staging / str(v) / WEIGHTS_FILE, tensors_to_bytes(p))
+            os.rename(staging, folder)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fsync_dir(root)
+        return [folder / str(v) for v in params]
+    try:
+        theirs = MLPSpec.from_json(_read_json(folder / SPEC_FILE))
+    except (FolderError, MMADError) as exc:
+        raise InvalidInput(f"{folder} is there but not a model folder mmad reads ({exc}); remove it or publish "
+                           "under another name") from exc
+    if theirs.to_json() != spec.to_json():
+        raise InvalidInput(f"{folder / SPEC_FILE} holds another spec than this model's: versions of another "
+                           "network do not go beside it; publish under another name or remove the folder")
+    taken = [v for v in params if (folder / str(v)).exists()]
+    if taken:
+        raise InvalidInput(f"version(s) {', '.join(map(str, taken))} of {name!r} are published in {root} already; "
+                           "a published version is never changed: publish a newer one (--version)")
+    _update_config(folder, config_doc)
+    written = []
+    for v, p in params.items():
+        staging = folder / f".new-{v}-{uuid.uuid4().hex}"
+        try:
+            atomic_write(staging / WEIGHTS_FILE, tensors_to_bytes(p))
+            os.rename(staging, folder / str(v))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        fsync_dir(folder)
+        written.append(folder / str(v))
+    return written
+
+
+def newest_published(root: Path, name: str) -> int:
+    """The highest version folder of ``name`` in repository ``root`` (0: none)."""
+    folder = root / name
+    if not folder.is_dir():
+        return 0
+    return max((int(p.name) for p in folder.iterdir() if p.is_dir() and VERSION_RE.match(p.name)), default=0)
+
+
+def _update_config(folder: Path, config_doc: dict) -> None:
+    """mmad.json holding ``config_doc``, the version_policy written there kept."""
+    path = folder / CONFIG_FILE
+    doc = _read_json(path) if path.exists() else {}
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"{path} is not a JSON object; fix or remove it")
+    policy = {"version_policy": doc["version_policy"]} if "version_policy" in doc else {}
+    if {k: v for k, v in doc.items() if k != "version_policy"} != config_doc or not path.exists():
+        atomic_write(path, _json_bytes({**config_doc, **policy}))
+
+
+def _json_bytes(doc) -> bytes:
+    return json.dumps(doc, indent=2, sort_keys=True).encode() + b"\n"
