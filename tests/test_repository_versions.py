@@ -138,6 +138,16 @@ def test_triton_layout_is_read_with_its_version_policy_and_refused_where_not_und
             assert "1/model.safetensors" in reasons["bad-weights"] and "safetensors" in reasons["bad-weights"]
             for name in reasons:  # nothing of a refused folder is in the store
                 assert http.get(f"/v2/models/{name}").status_code == 404
+        daemon.stop()
+
+        # a version published since: the stored model is served, its reason tells of the version
+        model_folder(root / "tmp", "latest", (4,))
+        (root / "tmp" / "latest" / "4").rename(root / "latest" / "4")
+        daemon = DaemonProcess(tmp_path / "store", "--model-repository", str(root)).start()
+        with httpx.Client(base_url=daemon.url, timeout=30.0) as http:
+            row = index(http)["latest"]
+            assert row["state"] == "READY" and row["version"] == "3"
+            assert "version(s) 4 the store lacks" in row["reason"] and "--model-control-mode poll" in row["reason"]
     finally:
         daemon.stop()
 
@@ -186,6 +196,8 @@ def test_export_to_repository_from_files_round_trip(tmp_path, capsys):
 def test_two_daemons_one_repository_train_here_serve_many(tmp_path, capsys):
     root = tmp_path / "repo"
     root.mkdir()
+    (root / "flat").mkdir()  # served at start only: a followed repository numbers every version
+    (root / "flat" / "config.json").write_text(json.dumps(SMALL_SPEC))
     trainer = DaemonProcess(tmp_path / "store-a", "--no-demo").start()
     server = None
     try:
@@ -193,7 +205,8 @@ def test_two_daemons_one_repository_train_here_serve_many(tmp_path, capsys):
                                "--repository-poll-secs", "0.2").start()
         with httpx.Client(base_url=trainer.url, timeout=60.0) as a, httpx.Client(base_url=server.url,
                                                                                  timeout=60.0) as b:
-            assert index(b) == {}
+            (flat,) = index(b).values()
+            assert flat["state"] == "UNAVAILABLE" and "serves version folders" in flat["reason"]
             assert a.put("/v2/models/field", json={"spec": SMALL_SPEC}).status_code == 201
             assert cli(["export", "--to", "repository", str(root), "--url", trainer.url, "--model", "field"]) == 0
             wait_for("version 1 served by the polling daemon", lambda: index(b).get("field", {}).get("state") == "READY")

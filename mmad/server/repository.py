@@ -243,7 +243,7 @@ async def load_repository(registry: Registry, directory: Path) -> None:
             model = await registry.run(read_model_folder, folder)
             spec, config = model.spec, model.config
             if registry.store.exists(name):
-                _note_differences(registry, name, spec, config)
+                _note_differences(registry, name, spec, config, list(model.versions))
                 continue
             if model.versions:
                 await create_versioned(registry, name, model)
@@ -295,15 +295,21 @@ async def create_versioned(registry: Registry, name: str, model: ModelFolder, ke
         raise
 
 
-def _note_differences(registry: Registry, name: str, spec: MLPSpec, config: ModelConfig) -> None:
+def _note_differences(registry: Registry, name: str, spec: MLPSpec, config: ModelConfig,
+                      versions: list[int]) -> None:
     entry = registry.models.get(name)
     if entry is None:  # in the store but unreadable: its own reason says why
         return
-    differ = [what for what, same in ((f"spec ({SPEC_FILE})", entry.spec.to_json() == spec.to_json()),
-                                      (f"config ({CONFIG_FILE})", entry.config == config)) if not same]
+    stored = {int(v["version"]) for v in entry.versions}
+    lacking = [v for v in versions if v not in stored]
+    differ = [what for what, same in ((f"another spec ({SPEC_FILE})", entry.spec.to_json() == spec.to_json()),
+                                      (f"another config ({CONFIG_FILE})", entry.config == config),
+                                      (f"version(s) {', '.join(map(str, lacking))} the store lacks", not lacking))
+              if not same]
     if differ:
-        note = (f"the model repository's folder has another {' and '.join(differ)}; the stored model is "
-                "served (delete it and restart, or PUT it, to take the repository's)")
+        note = (f"the model repository's folder has {' and '.join(differ)}; the stored model is "
+                "served (delete it and restart, or PUT it, to take the repository's; --model-control-mode poll "
+                "follows the repository)")
         _add_note(entry, note)
         log.warning("model %s: %s", name, note)
 
