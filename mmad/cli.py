@@ -476,8 +476,11 @@ def _daemon_versions(url: str, model: str, wanted: list[str]):
     with httpx.Client(base_url=url.rstrip("/"), timeout=60.0) as http:
         meta = http.get(f"/v2/models/{model}")
         if meta.status_code != 200:
-            raise InvalidInput(f"the daemon at {url} answered {meta.status_code} for model {model!r}: "
-                               f"{meta.json().get('error', meta.text) if meta.content else ''}")
+            try:
+                why = meta.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                why = meta.text[:200]
+            raise InvalidInput(f"the daemon at {url} answered {meta.status_code} for model {model!r}: {why}")
         doc = meta.json()
         spec, config = MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config"))
         if spec.optimizer.ema is not None:

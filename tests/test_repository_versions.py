@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, free_port
 from oracle import case_rng, rel_err
 from safetensors.numpy import load as st_load, save_file
 from test_server_api import SMALL_SPEC, binary_infer, decode_binary, oracle
@@ -208,6 +208,13 @@ def test_two_daemons_one_repository_train_here_serve_many(tmp_path, capsys):
             (flat,) = index(b).values()
             assert flat["state"] == "UNAVAILABLE" and "serves version folders" in flat["reason"]
             assert a.put("/v2/models/field", json={"spec": SMALL_SPEC}).status_code == 201
+            capsys.readouterr()
+            assert cli(["export", "--to", "repository", str(root), "--url", trainer.url, "--model", "nosuch"]) == 2
+            assert "answered 404 for model 'nosuch'" in capsys.readouterr().err
+            assert cli(["export", "--to", "repository", str(root), "--url", trainer.url, "--model", "field",
+                        "--version", "9"]) == 2
+            assert "has no version 9 (it has 1)" in capsys.readouterr().err
+            assert not (root / "field").exists()
             assert cli(["export", "--to", "repository", str(root), "--url", trainer.url, "--model", "field"]) == 0
             wait_for("version 1 served by the polling daemon", lambda: index(b).get("field", {}).get("state") == "READY")
             x = fresh_inputs("two-daemons", 1)
@@ -269,6 +276,18 @@ def test_two_daemons_one_repository_train_here_serve_many(tmp_path, capsys):
             (root / "other").rename(root / ".gone")
             wait_for("the removed model unloaded", lambda: index(b)["other"]["state"] == "UNAVAILABLE")
             assert "no longer in the model repository" in index(b)["other"]["reason"]
+
+        # a restart serves the copy its store keeps, level with the repository
+        server.stop()
+        server = DaemonProcess(tmp_path / "store-b", "--model-repository", str(root), "--model-control-mode", "poll",
+                               "--repository-poll-secs", "0.2").start()
+        with httpx.Client(base_url=server.url, timeout=60.0) as b:
+            rows = index(b)
+            assert rows["field"]["state"] == "READY" and rows["field"]["version"] == "3" and listed(b, "field") == ["3"]
+            assert rows["other"]["state"] == "UNAVAILABLE"
+            live = st_load(b.get("/v2/models/field/weights").content)
+            assert all(np.array_equal(live[k], third[k]) for k in third)
+            assert rel_err(decode_binary(binary_infer(b, "field", x))[1], oracle(b, "field", x)) < 1e-5
     finally:
         if server is not None:
             server.stop()
@@ -279,3 +298,26 @@ def test_poll_mode_needs_a_repository(tmp_path):
     daemon = DaemonProcess(tmp_path / "store", "--model-control-mode", "poll")
     with pytest.raises(RuntimeError, match="model_control_mode 'poll' follows a model repository"):
         daemon.start()
+
+
+def test_poll_mode_refuses_grpc_load_and_unload(tmp_path):
+    tg = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed (pip install -e .[dev])")
+    from tritonclient.utils import InferenceServerException
+
+    root = tmp_path / "repo"
+    model_folder(root, "field", (1, 2))
+    port = free_port()
+    daemon = DaemonProcess(tmp_path / "store", "--model-repository", str(root), "--model-control-mode", "poll",
+                           "--grpc-port", str(port)).start()
+    try:
+        client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        assert client.is_model_ready("field", "2") and not client.is_model_ready("field", "1")
+        for call in (lambda: client.unload_model("field"), lambda: client.load_model("field")):
+            with pytest.raises(InferenceServerException) as info:
+                call()
+            assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+            assert "model repository" in info.value.message()
+        assert client.is_model_ready("field")
+        client.close()
+    finally:
+        daemon.stop()

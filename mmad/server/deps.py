@@ -12,6 +12,7 @@ from fastapi import Request
 from mmad.backends.contract import Backend, ProbeRow
 from mmad.errors import Forbidden, NotReady, Unauthorized
 from mmad.server.metrics import Metrics
+from mmad.server.repository_poll import refuse_changes
 from mmad.server.settings import Settings
 from mmad.server.shm import SharedMemoryRegistry
 
@@ -62,6 +63,4 @@ async def require_key(request: Request) -> None:  # async: no thread hop per req
         if not hmac.compare_digest(token.strip().encode(), expected.encode()):
             raise Forbidden("the API key is not valid")
     if "model" in request.path_params:
-        from mmad.server.repository_poll import refuse_changes
-
         refuse_changes(settings, request.path_params["model"])

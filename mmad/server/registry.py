@@ -74,8 +74,8 @@ class ModelConfig(BaseModel):
                                 description="run the model on this variant of the daemon's backend (cuda: mma, "
                                             "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
                                             "for the model, measured (docs/cuda.md)")
-    # Triton's version_policy {"latest": {"num_versions": N}} keeps N versions served; here the
-    # store keeps only the newest N (each new version drops the oldest beyond them)
+    # the store's retention: only the newest N are kept (each new version drops the oldest beyond
+    # them); a model repository's folders are picked by Triton's version_policy in mmad.json
     keep_versions: int | None = Field(None, ge=0, le=1_000_000,
                                       description="versions of this model kept in the store, the newest; 0 keeps "
                                                   "all (default: the daemon's --keep-versions)")
