@@ -139,12 +139,6 @@ class ModelFolder:
     flat_weights: bool = False
 
 
-def read_folder(folder: Path) -> tuple[MLPSpec, ModelConfig]:
-    """(spec, config) of one folder, checked."""
-    model = read_model_folder(folder)
-    return model.spec, model.config
-
-
 def read_model_folder(folder: Path) -> ModelFolder:
     """The layout of one model folder, checked in full (every version folder, every name; the
     weights are read by :func:`read_weights`)."""
