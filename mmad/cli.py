@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from mmad import __version__
+from mmad.demo import IMAGE_CONFIG, demo_field
 from mmad.errors import MMADError
 
 
@@ -109,16 +110,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_field(x):
-    """A smooth colour field on [0, 1]^2 that the demo model learns."""
-    import numpy as np
-
-    r = 0.5 + 0.5 * np.sin(6.0 * x[:, 0]) * np.cos(4.0 * x[:, 1])
-    g = 0.5 + 0.5 * np.cos(5.0 * (x[:, 0] + x[:, 1]))
-    b = x[:, 0] * x[:, 1]
-    return np.stack([r, g, b], axis=1).astype(np.float32)
-
-
 def demo_image(size: int):
     """A size × size RGB picture in [0, 1], generated (no download): rings, a checkerboard whose
     squares shrink to the right, a colour ramp and a sharp-edged disc: detail at every scale."""
@@ -132,19 +123,6 @@ def demo_image(size: int):
     green = np.where(disc, 0.2, 0.1 + 0.8 * squares)
     blue = np.where(disc, 0.1, u * (1 - v) + 0.3 * v)
     return np.stack([red, green, blue], -1).astype(np.float32)
-
-
-# the hash-grid image config of tiny-cuda-nn's samples (data/config_hash.json: 16 levels × 2
-# features, base resolution 16, scale 1.5, 64 × 2 ReLU MLP); the table size is an option
-IMAGE_CONFIG = {
-    "n_input_dims": 2, "n_output_dims": 3,
-    "encoding": {"otype": "HashGrid", "n_levels": 16, "n_features_per_level": 2, "log2_hashmap_size": 15,
-                 "base_resolution": 16, "per_level_scale": 1.5},
-    "network": {"otype": "FullyFusedMLP", "activation": "ReLU", "output_activation": "None",
-                "n_neurons": 64, "n_hidden_layers": 2},
-    "loss": {"otype": "L2"},
-    "optimizer": {"otype": "Adam", "learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15},
-    "precision": "fp32", "seed": 1337}
 
 
 def _demo_image(args: argparse.Namespace) -> int:
@@ -324,8 +302,8 @@ def _warm_cache(args: argparse.Namespace, cache) -> int:
     in the kernel cache."""
     from mmad.backends import parse_forced, select
     from mmad.backends.dispatch import settled
-    from mmad.server.registry import DEMO_NAME, DEMO_SPEC
-    from mmad.server.settings import Settings
+    from mmad.engine.registry import DEMO_NAME, DEMO_SPEC
+    from mmad.settings import Settings
     from mmad.spec import MLPSpec, bench_spec
 
     everything = not (args.bench_models or args.demo or args.config)
@@ -395,7 +373,7 @@ def _export_config(args: argparse.Namespace):
     (the config under "spec", the serving config under "config")."""
     from pathlib import Path
 
-    from mmad.server.registry import ModelConfig
+    from mmad.engine.registry import ModelConfig
     from mmad.spec import MLPSpec
 
     doc = json.loads(Path(args.config).read_text())
@@ -434,7 +412,7 @@ def _export_repository(args: argparse.Namespace) -> int:
     daemon (--url) or from files (--config and a weights source)."""
     from pathlib import Path
 
-    from mmad.server.repository import newest_published, publish_versions
+    from mmad.engine.repository import newest_published, publish_versions
 
     if bool(args.output) == bool(args.output_dir):
         raise ValueError("--to repository needs the repository folder, once: mmad export --to repository DIR "
@@ -470,7 +448,7 @@ def _daemon_versions(url: str, model: str, wanted: list[str]):
     from safetensors.numpy import load as st_load
 
     from mmad.errors import InvalidInput
-    from mmad.server.registry import ModelConfig
+    from mmad.engine.registry import ModelConfig
     from mmad.spec import MLPSpec
 
     with httpx.Client(base_url=url.rstrip("/"), timeout=60.0) as http:

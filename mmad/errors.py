@@ -106,8 +106,12 @@ class Diverged(ConflictError):
     """A training step produced a non-finite loss or non-finite weights (HTTP 409).
 
     The step's result is never published: the live weights are put back to the last finite
-    state and no version of non-finite weights is written.
+    state and no version of non-finite weights is written. ``step`` and ``losses``: where a loss
+    went non-finite, the step it did and the losses of the call's steps up to it (None otherwise).
     """
+
+    step: int | None = None
+    losses: list[float] | None = None
 
 
 class InvalidInput(MMADError, ValueError):

@@ -295,7 +295,7 @@ def write_versions(store: Path, versions: int, name: str = "m", spec: dict | Non
     (version 1 through the store, the others copies of its files under the listing): seconds
     for thousands of versions, where a daemon would fsync each."""
     from mmad.backends.cpu import CpuBackend
-    from mmad.server.store import Store
+    from mmad.engine.store import Store
     from mmad.spec import MLPSpec
 
     spec = spec or SPEC

@@ -64,7 +64,7 @@ def serve_main(argv: list[str]) -> int:
     """Run ``mmad serve`` with compiled-model accounting and ``GET /soak/device``."""
     import mmad.server.app as app_module
     from mmad.server import main as daemon_main
-    from mmad.server.registry import Registry
+    from mmad.engine.registry import Registry
 
     lock = threading.Lock()
     open_models: dict[int, object] = {}

@@ -1,5 +1,5 @@
 """The daemon serving a model at once while its variants are measured in the background, then
-swapping the measured one in (mmad.server.background_dispatch): a real daemon on loopback whose
+swapping the measured one in (mmad.engine.background_dispatch): a real daemon on loopback whose
 backend is the fake dispatching one (tests/fake_variants.py, started by tests/fake_daemon.py),
 driven by mmad_client. The measurement is held at its first call until the test opens a gate
 file, so what happens during it is seen, not raced."""

@@ -12,7 +12,8 @@ import pytest
 from oracle import wrong_cpu_forward
 
 from mmad import cli
-from mmad.bench import kernels, timing
+from mmad.backends import timing
+from mmad.bench import kernels
 from mmad.errors import MMADError
 from mmad.spec import bench_spec
 

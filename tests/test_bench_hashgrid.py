@@ -32,7 +32,7 @@ def test_cpu_run_writes_checked_figures(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("mmad bench --hashgrid --backend cpu --rows 512")
     assert doc["rows"] == 512 and doc["steps_per_sample"] == 2 and doc["errors"] == []
-    assert doc["tcnn_reference"]["source"] == "issue 18: tiny-cuda-nn 2.0, native C++ API, JIT-fused, H100"
+    assert doc["tcnn_reference"]["source"] == "tiny-cuda-nn 2.0, native C++ API, JIT-fused, H100"
     assert doc["tcnn_reference"]["train_msps"] == {"15": 566, "19": 446}
     assert doc["config"]["encoding"]["otype"] == "HashGrid" and doc["log2_hashmap_sizes"] == [8]
     [row] = doc["results"]
@@ -42,7 +42,7 @@ def test_cpu_run_writes_checked_figures(tmp_path, capsys):
     assert row["train_msps"] > 0 and row["infer_msps"] > 0 and row["infer_io"] == "fp32 in, fp16 out"
     assert np.isfinite(row["loss_last"]) and row["loss_last"] < row["loss_first"]
     assert row["train_steps_checked"] == 2 * (1 + 2)  # the warm-up call, then a call per repeat
-    # no tcnn figures and no bars of issue 18 for a 2^8 table; the peer's bar wherever it ran
+    # no tcnn figures and no throughput targets for a 2^8 table; the peer's bar wherever it ran
     assert row["x_tcnn_reference_train"] is None and "train_msps" not in row["bars"]
     if HAS_TORCH:
         [p] = doc["peer"]
@@ -52,7 +52,7 @@ def test_cpu_run_writes_checked_figures(tmp_path, capsys):
     else:
         assert doc["peer"] == [] and row["x_torch_train"] is None and row["bars"] == {}
     table = md.read_text()
-    assert "| cpu:numpy | 2^8 | fp32 |" in table and "tiny-cuda-nn reference (not run here; issue 18" in table
+    assert "| cpu:numpy | 2^8 | fp32 |" in table and "tiny-cuda-nn reference (not run here; tiny-cuda-nn 2.0" in table
     assert "| cpu:numpy | 2^8 | fp32 |" in capsys.readouterr().out
 
 

@@ -131,7 +131,7 @@ def test_initialisation_is_deterministic_from_the_seed():
 
 
 def test_training_fits_a_2d_field():
-    from mmad.cli import demo_field
+    from mmad.demo import demo_field
 
     spec = MLPSpec.from_json({
         "n_input_dims": 2, "n_output_dims": 3,

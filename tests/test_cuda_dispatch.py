@@ -2,7 +2,7 @@
 for S/M/L/W a cold compile serves at once on a quick variant while the usable variants are
 measured in the background; the one chosen matches the float64 oracle, and a second compile
 takes the decision from the cache without measuring. The variants that share an NVRTC module
-compile it once; an encoded model (the OneBlob config whose measurement used to stall)
+compile it once; an encoded model (a OneBlob config of 512 encoded columns)
 is measured, its encoding on the device, within bounds."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from mmad.backends.contract import EpochPosition
 from mmad.backends.cuda.grids import CudaGridModel, GridPlan
 from mmad.backends.cuda.mma import MmaPlan
 from mmad.backends.numerics import epoch_rows
-from mmad.cli import IMAGE_CONFIG
+from mmad.demo import IMAGE_CONFIG
 from mmad.errors import InvalidInput, SpecError
 from mmad.spec import MLPSpec
 from oracle import rel_err

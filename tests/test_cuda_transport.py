@@ -119,7 +119,7 @@ def test_page_locked_buffers_are_copied_directly(pair, pool):
 
 
 def test_the_backend_pins_shared_memory_regions(backend):
-    """The daemon page-locks system regions through this hook (mmad/server/shm.py)."""
+    """The daemon page-locks system regions through this hook (mmad/engine/shm.py)."""
     import cupy as cp
 
     from mmad.backends.cuda.toolchain import is_page_locked
@@ -172,7 +172,7 @@ def test_cuda_ipc_region_opened_by_the_daemons_opener(pair):
     written on the device; byte sizes past the allocation and other GPUs refused."""
     import cupy as cp
 
-    from mmad.server.cudashm import open_ipc_region
+    from mmad.backends.cuda.ipc import open_ipc_region
 
     model, oracle = pair
     rows, n_in, n_out = 4096, model.spec.n_input_dims, model.spec.n_output_dims
@@ -300,7 +300,7 @@ def test_forward_group_runs_the_requests_in_one_launch_and_flags_nonfinite_input
 
 
 def test_region_group_slot_waits_for_the_default_stream_and_keeps_its_staging(pair):
-    """The primary's region forwards (mmad/server/region_forwards.py) launch each group on its
+    """The primary's region forwards (mmad/engine/region_forwards.py) launch each group on its
     slot's stream. That stream is a blocking one: what it runs waits for work queued before on
     the device's default stream, where training writes the weights (a kernel that spins ~10 ms
     there, then fills an array, is seen filled by a copy queued after it on the slot's stream).
@@ -308,10 +308,11 @@ def test_region_group_slot_waits_for_the_default_stream_and_keeps_its_staging(pa
     group's outputs are its own inputs' forward."""
     import cupy as cp
 
-    from mmad.server.region_forwards import CudaGroupSlot
+    from mmad.backends.cuda.region_group import CudaGroupSlot
+    from mmad.engine.region_forwards import GROUP_MAX
 
     model, oracle = pair
-    slot = CudaGroupSlot(cp, 0)
+    slot = CudaGroupSlot(cp, 0, GROUP_MAX)
     spin = cp.RawKernel(r'''
     extern "C" __global__ void spin_then_fill(float* a, int n, long long cycles) {
         long long start = clock64();

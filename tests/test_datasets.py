@@ -1,4 +1,4 @@
-"""Datasets uploaded in chunks (issue 15): the store's chunk files, the streamed upload routes and
+"""Datasets uploaded in chunks: the store's chunk files, the streamed upload routes and
 their limits, the copies held by the model's backend (``registry.datasets``), the client's split.
 
 HTTP tests run against a real daemon on loopback (cpu backend, a 256 KiB body cap and a 1 MiB

@@ -128,10 +128,7 @@ def test_the_runtime_args_are_what_mmad_serve_takes():
     (container,) = manifests()["ServingRuntime"]["spec"]["containers"]
     args = container["args"]
     assert args[args.index("--model-repository") + 1] == "/mnt/models"  # where KServe puts storageUri
-    parser = build_parser()
-    if "--model-repository" not in parser._option_string_actions:
-        pytest.skip("this mmad serve has no --model-repository yet (issue 20 item 4 adds it)")
-    parsed = parser.parse_args(args)
+    parsed = build_parser().parse_args(args)
     assert parsed.model_repository == "/mnt/models", shlex.join(args)
 
 

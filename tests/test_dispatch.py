@@ -433,7 +433,7 @@ def test_cuda_dispatch_knob_is_checked(stub_cuda, monkeypatch):
 # -- the daemon: the per-model override and the reports ----------------------------------------------
 def test_registry_compile_passes_the_override_else_the_forced_variant_else_none():
     """...and the model's max_batch_rows, the batch a backend that measures its variants measures at."""
-    from mmad.server.registry import Registry
+    from mmad.engine.registry import Registry
 
     calls = []
     stub = types.SimpleNamespace(backend=types.SimpleNamespace(compile=lambda spec, variant, device, batch_rows: calls.append(
@@ -474,10 +474,10 @@ def test_daemon_model_variant_override_and_reports(http):
 
 def test_reports_carry_the_decision(tmp_path):
     """``metadata`` and ``/v2/devices``' dispatch list, on a model the fake backend dispatched."""
-    from mmad.server.registry import ModelConfig, ModelEntry, Replica
+    from mmad.engine.registry import ModelConfig, ModelEntry, Replica
     from mmad.server.routers.devices import dispatch_report
     from mmad.server.routers.models import metadata
-    from mmad.server.settings import Settings
+    from mmad.settings import Settings
 
     model = fast_and_slow().compile(SPEC, KernelCache(tmp_path))
     entry = ModelEntry("m", SPEC, ModelConfig())

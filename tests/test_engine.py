@@ -16,7 +16,7 @@ from mmad.engine.api import Caller, EngineClient, InferenceClient, InferInput, I
 from mmad.engine.inprocess import InProcessEngine
 from mmad.errors import InvalidInput, ModelNotFound, Unauthorized
 from mmad.server import Settings, create_app
-from mmad.server.registry import DEMO_SPEC
+from mmad.engine.registry import DEMO_SPEC
 from mmad.spec import MLPSpec
 
 ADMIN = Caller(key_verified=True, loopback=True)

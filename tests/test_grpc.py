@@ -292,7 +292,10 @@ def listening_ports(pid: int) -> set[int]:
 
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed between the listing and the read (a file the daemon was reading)
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     ports = set()
@@ -338,6 +341,7 @@ def test_a_taken_grpc_port_stops_the_start_and_port_0_serves_none(tmp_path):
 
 
 def test_generated_modules_are_what_the_vendored_protos_give():
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) makes the modules; not installed here")
     check = subprocess.run([sys.executable, "scripts/generate_grpc.py", "--check"], cwd=REPO,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stderr

@@ -1,4 +1,4 @@
-"""Page-locked body buffers (mmad/server/hostmem.py) without a GPU: a counting allocator stands in
+"""Page-locked body buffers (mmad/engine/hostmem.py) without a GPU: a counting allocator stands in
 for cudaHostAlloc, so the pool's reuse, budget and lifetime rules are checked on any machine,
 and a daemon given it serves binary requests from pooled bodies with the oracle's outputs."""
 
@@ -10,7 +10,8 @@ import numpy as np
 from fastapi.testclient import TestClient
 
 from mmad.backends.cpu import CpuBackend, CpuModel
-from mmad.server import Settings, create_app, hostmem
+from mmad.engine import hostmem
+from mmad.server import Settings, create_app
 from mmad.spec import MLPSpec
 
 

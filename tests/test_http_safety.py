@@ -32,7 +32,8 @@ from safetensors.numpy import load as st_load, save as st_save
 from mmad.backends.contract import check_params, init_params
 from mmad.errors import InvalidInput
 from mmad.server import Settings, create_app
-from mmad.server.origin import JSON, OCTETS, body_types, normalise_origin, parse_allowed_origins
+from mmad.server.origin import JSON, OCTETS, body_types
+from mmad.settings import normalise_origin, parse_allowed_origins
 from mmad.spec import MLPSpec
 from test_security import route_table
 from test_server_api import SMALL_SPEC, binary_infer, create

@@ -17,7 +17,7 @@ from conftest import DaemonProcess
 from prometheus_client.parser import text_string_to_metric_families
 from test_server_api import binary_infer, create
 
-from mmad.server.metrics import GpuCollector
+from mmad.engine.metrics import GpuCollector
 
 COUNTERS = ("mmad_inference_request_success", "mmad_inference_request_failure", "mmad_inference_count",
             "mmad_inference_exec_count", "mmad_inference_request_duration_us", "mmad_inference_queue_duration_us",

@@ -1,4 +1,4 @@
-"""``mmad serve --model-repository DIR`` (mmad/server/repository.py) against real daemon processes
+"""``mmad serve --model-repository DIR`` (mmad/engine/repository.py) against real daemon processes
 on loopback: the models a repository holds are served with their weights and serving config, a
 folder that fails is UNAVAILABLE with its reason and stops no other, and a restart keeps what the
 store trained.

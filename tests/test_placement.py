@@ -21,8 +21,8 @@ from mmad.backends.numerics import epoch_rows
 from mmad.backends.parallel import HostDataParallel, shard_bounds, shard_positions, shard_seed, split_batch
 from mmad.errors import InvalidInput
 from mmad.server import Settings, create_app
-from mmad.server.batcher import Batcher, BatchLimits
-from mmad.server.placement import DeviceLoad, place
+from mmad.engine.batcher import Batcher, BatchLimits
+from mmad.engine.placement import DeviceLoad, place
 from mmad.spec import MLPSpec
 
 N_IN, N_OUT = 3, 2
@@ -278,7 +278,7 @@ def test_training_one_replica_brings_the_others_level(three_devices):
 def test_one_request_at_a_time_takes_the_replicas_in_turn():
     """Equally idle replicas are taken in turn: a serving process with one client (mmad serve
     --workers) would otherwise run every request on the first device."""
-    from mmad.server.registry import ModelConfig, ModelEntry, Replica
+    from mmad.engine.registry import ModelConfig, ModelEntry, Replica
 
     class Counting:
         def forward_to_host(self, x, out, pool, check_finite):

@@ -21,7 +21,7 @@ from test_server_api import SMALL_SPEC, binary_infer, decode_binary, oracle
 
 from mmad.backends.contract import param_shapes
 from mmad.cli import main as cli
-from mmad.server.repository import read_model_folder
+from mmad.engine.repository import read_model_folder
 from mmad.spec import MLPSpec
 
 

@@ -26,7 +26,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save as st_save
 
 from mmad.server import Settings, create_app
-from mmad.server.workers import INTERNAL_PREFIX, TOKEN_HEADER
+from mmad.server.internal import INTERNAL_PREFIX, TOKEN_HEADER
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

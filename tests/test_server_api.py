@@ -313,6 +313,12 @@ def test_training_job_with_sse_checkpoints_and_cancel(http):
     progress = [e[1] for e in events if e[0] == "progress"]
     assert all({"step", "steps", "loss", "samples_per_s"} <= set(p) for p in progress)
     assert http.get(f"/v2/models/jobby/jobs/{job}").json()["state"] == "done"
+    curve = http.get(f"/v2/models/jobby/jobs/{job}/losses").json()
+    assert curve["job"] == job and curve["step"] == 60
+    steps = [p[0] for p in curve["points"]]
+    assert steps[0] == 1 and steps[-1] == 60 and steps == sorted(set(steps))  # the first chunk is one step
+    assert all(p[1] is not None and p[1] > 0 for p in curve["points"])
+    assert http.get(f"/v2/models/demo/jobs/{job}/losses").status_code == 404
     assert http.get("/v2/models/jobby/versions").json()["versions"][-1]["step"] == 60
     assert http.get("/v2/models/demo/jobs/" + job).status_code == 404
     r = http.post("/v2/models/jobby/jobs", json={"dataset": dataset, "steps": 10, "batch_size": 9999})

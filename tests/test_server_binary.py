@@ -124,7 +124,7 @@ def test_batcher_fails_only_the_requests_that_bring_nan():
     from concurrent.futures import ThreadPoolExecutor
 
     from mmad.errors import NonFiniteInput
-    from mmad.server.batcher import Batcher, BatchLimits
+    from mmad.engine.batcher import Batcher, BatchLimits
 
     calls = []
 
@@ -158,7 +158,7 @@ def test_batcher_fills_given_buffers_alone_and_merged():
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from mmad.server.batcher import Batcher, BatchLimits
+    from mmad.engine.batcher import Batcher, BatchLimits
 
     calls = []
 

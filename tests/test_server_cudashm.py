@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient
 from test_server_api import oracle, rel_err
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NotReady
 from mmad.server import Settings, create_app
-from mmad.server.cudashm import CudaRegion
-from mmad.server.region_forwards import GROUP_MAX, RegionForwardClient, RegionForwardRunner
+from mmad.backends.cuda.ipc import CudaRegion
+from mmad.engine.region_forwards import RegionForwardClient, RegionForwardRunner
 
 API_KEY = "cudashm-test-key"
 ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
@@ -272,25 +272,16 @@ def test_register_and_unregister_need_the_api_key(client):
     assert client.get("/v2/cudasharedmemory/status").json() == [{"name": "k", "device_id": 0, "byte_size": 64}]
 
 
-class FakeCupy:
-    """CuPy's calls the region-forward runner makes, on NumPy arrays (the fake regions' views)."""
-
-    empty = staticmethod(np.empty)
-
-    class cuda:  # noqa: N801 - CuPy's name
-        @staticmethod
-        def Device(device):  # noqa: N802 - CuPy's name
-            return contextlib.nullcontext()
-
-
 class FakeGroupSlot:
-    """CudaGroupSlot's calls on NumPy words: the forwards ran when launched."""
+    """A region group slot's calls (mmad/backends/cuda/region_group.py) on NumPy words: the
+    forwards ran when launched."""
 
-    stream = contextlib.nullcontext()
-
-    def __init__(self, cp, device):
+    def __init__(self, device, size):
         self.device = device
-        self.words = np.zeros(GROUP_MAX, np.uint32)
+        self.words = np.zeros(size, np.uint32)
+
+    def launching(self):
+        return contextlib.nullcontext()
 
     def start(self):
         self.words[:] = 0
@@ -313,7 +304,7 @@ class FakeGroupSlot:
 
 def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, tmp_path):
     """With --workers, a worker sends a request whose tensors all lie in shared-memory regions
-    of one kind to the primary (mmad/server/region_forwards.py): the forward there matches the
+    of one kind to the primary (mmad/engine/region_forwards.py): the forward there matches the
     oracle for CUDA and system regions, many at once run in groups, and every refusal comes
     back as the primary's own, in the user's terms."""
     app, _ = app_client
@@ -350,7 +341,7 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
         return {**target(k), "region": f"rf-sys-out{k}"}
 
     path = str(tmp_path / "rf.sock")
-    runner = RegionForwardRunner(rt, path, cp=FakeCupy, slot_type=FakeGroupSlot)
+    runner = RegionForwardRunner(rt, path, new_slot=FakeGroupSlot)
 
     async def scenario():
         remote = RegionForwardClient(path)

@@ -1,4 +1,4 @@
-"""The daemon's HTTP protocol (mmad/server/protocol.py): large infer bodies read in place, over raw sockets.
+"""The daemon's HTTP protocol (mmad/server/http_protocol.py): large infer bodies read in place, over raw sockets.
 
 Bodies from ``DIRECT_BODY_MIN`` bytes up skip uvicorn's body handling; the tests split them at
 awkward places, pipeline requests behind them, keep the connection alive afterwards, and cut
@@ -16,7 +16,7 @@ import orjson
 import pytest
 from oracle import rel_err
 
-from mmad.server.protocol import DIRECT_BODY_MIN
+from mmad.server.http_protocol import DIRECT_BODY_MIN
 from test_server_api import SMALL_SPEC, create, oracle
 
 ROWS = 40_000  # 5 inputs a row: 400,000 bytes of FP16 tensor data, over DIRECT_BODY_MIN

@@ -279,7 +279,7 @@ def test_api_key_from_a_file_and_not_in_the_command_line(limited):
 def test_api_key_settings(tmp_path):
     from pydantic import ValidationError
 
-    from mmad.server.settings import Settings
+    from mmad.settings import Settings
 
     key_file = tmp_path / "key"
     key_file.write_text("  secret\n")

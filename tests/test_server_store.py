@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import save as st_save
 
 from mmad.errors import InvalidInput, MMADError, ModelNotFound
-from mmad.server.store import Store, check_model_name, read_chunk_header
+from mmad.engine.store import Store, check_model_name, read_chunk_header
 
 
 def params(seed: int) -> dict[str, np.ndarray]:

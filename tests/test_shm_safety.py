@@ -302,7 +302,7 @@ def test_a_keyless_daemon_refuses_an_object_of_another_user(keyless, objects):
 
 
 def test_the_loopback_peer_is_told_by_its_user():
-    from mmad.server.peers import Peer, loopback_peer_uid
+    from mmad.engine.peers import Peer, loopback_peer_uid
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
@@ -321,7 +321,7 @@ def test_page_locked_regions_hand_device_copies_the_mapping_and_host_code_a_copy
     registration: device copies get views of the mapping; everything else a buffer of the
     daemon's, read and written with pread/pwrite. Unregistered under a live view, the mapping
     stays (and locked) until the view is gone, then is unlocked before it is unmapped."""
-    from mmad.server.shm import SharedMemoryRegistry
+    from mmad.engine.shm import SharedMemoryRegistry
 
     rows, nbytes = 8, 8 * (IN_COLS + OUT_COLS) * 4
     key = objects(nbytes)

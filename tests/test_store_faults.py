@@ -1,4 +1,4 @@
-"""Store and training faults (issue 21, items 2, 6, 7, 8): a damaged model never stops start-up,
+"""Store and training faults: a damaged model never stops start-up,
 diverged training is never published, a refused store write changes nothing served, a full or
 read-only store is a 507 without paths. In-process (``TestClient`` runs the real lifespan)."""
 
@@ -15,9 +15,9 @@ import pytest
 from fastapi.testclient import TestClient
 from safetensors.numpy import load as st_load, save as st_save
 
-import mmad.server.store as store_module
+import mmad.engine.store as store_module
 from mmad.server.app import create_app
-from mmad.server.settings import Settings
+from mmad.settings import Settings
 
 SPEC = {"n_input_dims": 5, "n_output_dims": 4, "network": {"n_neurons": 32, "n_hidden_layers": 2},
         "precision": "fp32", "seed": 7}
@@ -127,7 +127,7 @@ def test_a_damaged_model_is_unavailable_with_its_reason_and_the_others_serve(tmp
         kept = {v: version_weights(c, "bad", v) for v in ("1", "2", "3")}
     mutate, serves, word = CORRUPTIONS[case]
     mutate(store / "models" / "bad")
-    caplog.set_level(logging.WARNING, logger="mmad.server.registry")
+    caplog.set_level(logging.WARNING, logger="mmad.engine.registry")
     with app_client(store) as c:  # the daemon starts
         assert c.get("/v2/health/ready").status_code == 200
         np.testing.assert_array_equal(outputs(infer(c, "good", x)), good_out)
@@ -191,6 +191,11 @@ def test_diverging_job_fails_with_the_reason_and_leaves_the_last_finite_version_
             assert time.monotonic() < deadline, status
             time.sleep(0.05)
         assert status["state"] == "failed" and "diverged" in status["error"], status
+        # the curve ends at the step that diverged, its loss null (NaN or Inf, not JSON numbers)
+        points = c.get(f"/v2/models/m/jobs/{job}/losses").json()["points"]
+        diverged_at = int(status["error"].split("diverged at step ")[1].split()[0])
+        assert points[-1] == [diverged_at, None], points
+        assert all(p[1] is not None for p in points[:-1]) and diverged_at == status["step"] + 1
         versions = [v["version"] for v in c.get("/v2/models/m/versions").json()["versions"]]
         assert all(finite(version_weights(c, "m", v)) for v in versions)
         live = live_weights(c, "m")

@@ -1,4 +1,4 @@
-"""Replace / delete racing weight uploads and checkpoints (issue 21, item 1).
+"""Replace / delete racing weight uploads and checkpoints.
 
 Each round starts a runtime on the same store (the lifespan's own ``start_runtime``, cpu
 backend), fires 24 writers (``PUT .../weights`` and ``POST .../versions`` through the very
@@ -28,10 +28,10 @@ from safetensors.numpy import load as st_load
 from mmad.backends.contract import param_shapes
 from mmad.errors import ConflictError, InvalidInput, ModelNotFound, NotReady
 from mmad.server.app import start_runtime, stop_runtime
-from mmad.server.deps import Runtime
-from mmad.server.metrics import Metrics
-from mmad.server.registry import ModelConfig
-from mmad.server.settings import Settings
+from mmad.engine.runtime import Runtime
+from mmad.engine.metrics import Metrics
+from mmad.engine.registry import ModelConfig
+from mmad.settings import Settings
 from mmad.spec import MLPSpec
 
 ROUNDS = int(os.environ.get("MMAD_RACE_ROUNDS", "40"))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save as st_save
 
-import mmad.server.store as store_module
+import mmad.engine.store as store_module
 from mmad.errors import DeviceMemoryFull
 from test_fault_injection import load_script
 from test_store_faults import SPEC, app_client, infer, live_weights, outputs, same, train, version_weights

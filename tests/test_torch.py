@@ -189,8 +189,10 @@ def test_fp16_module_follows_the_oracle_within_fp16():
     ref_dx, ref_grads = ref.backward(ctx, g.numpy().astype(np.float64), want_input_grad=True)
     flat = export.tcnn_flat_from_params(m.spec, ref_grads, np.zeros(m.params.numel()), spread_bias=True)
     assert rel_err(y.detach().float().numpy(), ref_y) < 5e-3
-    assert rel_err(m.params.grad.numpy(), flat) < 3e-2
-    assert rel_err(x.grad.numpy(), ref_dx) < 3e-2
+    # fp16 activations and gradients (unit roundoff 4.9e-4) through the grid's sums: over 300 fresh
+    # draws the gradients' error had median 1.1% and maximum 5.8%; a wrong gradient is off by O(1)
+    assert rel_err(m.params.grad.numpy(), flat) < 0.1
+    assert rel_err(x.grad.numpy(), ref_dx) < 0.1
 
 
 @pytest.mark.parametrize("encoding", ["ngp", "oneblob", "triangle"])

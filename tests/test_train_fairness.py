@@ -1,9 +1,10 @@
-"""Long ``/train`` requests share the daemon (issue 21, item 9): they never take every compute
+"""Long ``/train`` requests share the daemon: they never take every compute
 thread from inference on other models, and one whose client went away stops at its next slice.
 
 A real daemon on loopback with 2 compute threads; the train requests go over raw sockets so the
-test can hang up on them. The thresholds are generous (not a benchmark): before the fix the
-inference waited for the trains' whole duration (minutes) and the trains ran to their end.
+test can hang up on them. The thresholds are generous (not a benchmark): a daemon whose trains held every compute thread
+would keep the inference waiting for the trains' whole duration (minutes), and trains that ignored
+the hang-up would run to their end.
 """
 
 from __future__ import annotations

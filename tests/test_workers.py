@@ -28,8 +28,8 @@ from safetensors.numpy import load as st_load, save as st_save
 import test_server_api
 import test_server_shm
 from mmad.backends.cpu import CpuBackend
-from mmad.server.metrics import Metrics
-from mmad.server.workers import merge_stats
+from mmad.engine.metrics import Metrics
+from mmad.engine.statistics import merge_stats
 from mmad.spec import MLPSpec
 from test_server_api import SMALL_SPEC, binary_infer, create, decode_binary
 from test_server_shm import region, shm, th, triton  # noqa: F401 - fixtures of the imported suite

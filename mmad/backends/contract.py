@@ -46,9 +46,9 @@ from typing import Any, Callable, ClassVar, Iterable
 import numpy as np
 
 from mmad.backends.numerics import (
-    all_finite, batches_per_epoch, encode as encode_inputs, epoch_rows, step_learning_rate,
+    EpochPosition, all_finite, check_epoch_run, encode as encode_inputs, epoch_rows, step_learning_rate,
 )
-from mmad.errors import InvalidInput, NonFiniteInput, SpecError
+from mmad.errors import BackendUnavailable, InvalidInput, NonFiniteInput, SpecError
 from mmad.spec import MLPSpec
 
 # Auto-selection order, highest first; software devices (lavapipe, a CPU WebGPU adapter)
@@ -139,23 +139,6 @@ class Dataset:
     rows: int
     nbytes: int
     on_device: bool
-
-
-@dataclass
-class EpochPosition:
-    """Where a run over a dataset stands: the order's seed, the epoch, and the position of the
-    next batch in that epoch's order (``numerics.epoch_rows``). A batch never straddles two
-    epochs: the rows left over at an epoch's end wait for a later epoch."""
-
-    seed: int
-    epoch: int = 0
-    cursor: int = 0
-
-    def advance(self, rows: int, batch: int, steps: int = 1) -> None:
-        per_epoch = batches_per_epoch(rows, batch)
-        done = self.cursor // batch + steps
-        self.epoch += done // per_epoch
-        self.cursor = (done % per_epoch) * batch
 
 
 @dataclass
@@ -465,6 +448,21 @@ class Backend(abc.ABC):
         nothing to a device (this default)."""
         return None
 
+    def cuda_ipc_opener(self) -> Callable[[bytes, int, int], Any] | None:
+        """``open(raw_handle, device_id, byte_size)``: a CUDA IPC handle of another process's
+        allocation opened as a region the daemon reads and writes (Triton's CUDA shared memory),
+        or None where this backend opens none (this default)."""
+        return None
+
+    def region_group_slot(self, device: int, size: int) -> Any:
+        """A slot for one group of up to ``size`` forwards between shared-memory regions on
+        ``device`` (``mmad serve --workers``: the primary runs its workers' region forwards):
+        ``launching()`` (a context the group is launched in), ``start()``, ``upload(k, host)``,
+        ``output(k, shape, dtype)``, ``download(device_array, host)``, ``words`` (a finiteness
+        word per forward, for ``forward_group``), ``finish(count)``, ``wait()`` (the words on the
+        host) and ``device``. Backends that serve no regions from a device have none (this default)."""
+        raise BackendUnavailable(f"the {self.name} backend runs no forwards between shared-memory regions")
+
     def close(self) -> None:
         """Release the device and anything the probe opened."""
 
@@ -546,13 +544,6 @@ def check_device_index(device: Any, count: int, backend: str) -> int:
         have = "device 0" if count == 1 else f"devices 0 to {count - 1}"
         raise InvalidInput(f"device {device!r} does not exist: the {backend} backend has {have}")
     return int(device)
-
-
-def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:
-    if steps < 1:
-        raise InvalidInput(f"steps must be at least 1; got {steps}")
-    if not 1 <= batch <= data.rows:
-        raise InvalidInput(f"batch_size {batch} must be from 1 to the dataset's {data.rows} rows")
 
 
 def check_host_output(out: Any, rows: int, cols: int) -> np.ndarray:

@@ -15,7 +15,7 @@ once: the chosen variant is compiled (its kernels are cached too) and carries th
   threads (:func:`mmad.backends.cache.compile_pool`; modules the variants share compile once),
   then each checked and timed in turn. The decision goes to the cache; whoever serves the model
   swaps the chosen variant in with the model's current parameters and optimizer state (the
-  daemon: :mod:`mmad.server.background_dispatch`; a library caller: :func:`settled`). A
+  daemon: :mod:`mmad.engine.background_dispatch`; a library caller: :func:`settled`). A
   measurement that fails leaves the quick variant serving, its ``dispatch`` saying why;
 * **before returning** (no ``quick``; the cuda backend's ``MMAD_DISPATCH=measure``): the same
   measurement on the caller's thread, the chosen variant compiled afresh (the measured copies
@@ -102,13 +102,13 @@ class DispatchFailed(MMADError):
 
 
 def median_timer(clock: str = "host", repeats: int = 10, budget_s: float | None = None) -> Timer:
-    """The benchmarks' median timer (mmad.bench.timing) as a dispatch timer: ``clock`` "host"
+    """The benchmarks' median timer (:mod:`mmad.backends.timing`) as a dispatch timer: ``clock`` "host"
     (perf_counter around ``fn`` and ``sync``, one call a sample) or a device's events ("cupy",
     around the benchmarks' ``GPU_CALLS_PER_SAMPLE`` back-to-back calls a sample), unless the
     caller says how many calls a sample takes. ``budget_s``: one warm-up sample (plans, graph
     captures and tunings happen in it), then ``budget_s`` of samples, ``MIN_REPEATS`` to
     ``repeats`` of them; without it, three warm-up samples and ``repeats``."""
-    from mmad.bench.timing import GPU_CALLS_PER_SAMPLE, back_to_back, median_seconds
+    from mmad.backends.timing import GPU_CALLS_PER_SAMPLE, back_to_back, median_seconds
 
     default_calls = 1 if clock == "host" else GPU_CALLS_PER_SAMPLE
 

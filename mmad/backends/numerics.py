@@ -9,7 +9,8 @@ host and the tests use all of them as the definition of right.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -17,7 +18,11 @@ from mmad.backends.encodings import (
     GridLookup, grid_backward, grid_forward, grid_input_gradient, grid_lookup, spherical_harmonics,
     spherical_harmonics_input_gradient, triangle_wave, triangle_wave_input_gradient,
 )
+from mmad.errors import InvalidInput
 from mmad.spec import EmaSpec, EncodingSpec, OptimizerSpec
+
+if TYPE_CHECKING:  # an annotation only: the contract builds on this module
+    from mmad.backends.contract import Dataset
 
 LEAKY_SLOPE = 0.01
 LOSS_EPSILON = 0.01  # tiny-cuda-nn's normaliser offset for the relative losses
@@ -475,3 +480,28 @@ def epoch_rows(seed: int, epoch: int, rows: int, start: int, count: int) -> np.n
 def batches_per_epoch(rows: int, batch: int) -> int:
     """Full batches in one epoch (the remainder rows wait for a later epoch's order)."""
     return rows // batch
+
+
+@dataclass
+class EpochPosition:
+    """Where a run over a dataset stands: the order's seed, the epoch, and the position of the
+    next batch in that epoch's order (``numerics.epoch_rows``). A batch never straddles two
+    epochs: the rows left over at an epoch's end wait for a later epoch."""
+
+    seed: int
+    epoch: int = 0
+    cursor: int = 0
+
+    def advance(self, rows: int, batch: int, steps: int = 1) -> None:
+        per_epoch = batches_per_epoch(rows, batch)
+        done = self.cursor // batch + steps
+        self.epoch += done // per_epoch
+        self.cursor = (done % per_epoch) * batch
+
+
+def check_epoch_run(data: Dataset, batch: int, steps: int) -> None:
+    """Refuse a run of ``steps`` batches of ``batch`` rows that ``data`` cannot hold."""
+    if steps < 1:
+        raise InvalidInput(f"steps must be at least 1; got {steps}")
+    if not 1 <= batch <= data.rows:
+        raise InvalidInput(f"batch_size {batch} must be from 1 to the dataset's {data.rows} rows")

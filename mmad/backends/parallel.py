@@ -3,7 +3,7 @@
 A data-parallel run splits the dataset into contiguous shards (``shard_bounds``), one per
 replica, and each optimizer batch into per-replica parts (``split_batch``) that add up to the
 batch a single device would train on. Each replica draws its part of every batch from its own
-shard in the epoch order of its own :class:`~mmad.backends.contract.EpochPosition` (seed
+shard in the epoch order of its own :class:`~mmad.backends.numerics.EpochPosition` (seed
 ``shard_seed(seed, rank)``), computes the gradient of the *global* batch's mean loss over its
 rows, and the replicas' gradients are summed: every replica then takes the same optimizer step
 on the same sum, so their weights stay identical, step for step.
@@ -17,13 +17,15 @@ implementation (``mmad.backends.cuda.parallel``, NCCL all-reduce) is checked aga
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
-from mmad.backends.contract import CompiledModel, Dataset, EpochPosition, check_epoch_run
-from mmad.backends.numerics import epoch_rows, mix32
+from mmad.backends.numerics import EpochPosition, check_epoch_run, epoch_rows, mix32
 from mmad.errors import InvalidInput
+
+if TYPE_CHECKING:  # annotations only: the contract's default trainer is this module's
+    from mmad.backends.contract import CompiledModel, Dataset
 
 
 def shard_bounds(rows: int, shards: int) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mmad.bench import timing
+from mmad.backends import timing
 from mmad.spec import bench_spec
 
 

@@ -4,7 +4,7 @@ For each model, and each ``--backend NAME[:VARIANT]`` in turn: compile; check th
 output against the float64 cpu oracle on up to 4096 random rows, in the I/O type that is timed
 (a failed check is an error and the model is not timed on that backend); then time forward
 (input already on the device, output left there) and one full training step (forward, L2
-loss, backward, Adam) as the median of ``--repeats`` samples after warm-up (mmad.bench.timing):
+loss, backward, Adam) as the median of ``--repeats`` samples after warm-up (mmad.backends.timing):
 
 * cuda — CUDA events around 10 back-to-back forwards, or one ``train_step(steps=10)``, a sample
   (the losses come back once a sample, as from a job's chunk of steps; the PyTorch peer never
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.dispatch import CHECK_ROWS, oracle_error, settled
-from mmad.bench import timing
+from mmad.backends import timing
 from mmad.errors import InvalidInput, MMADError, SpecError
 from mmad.spec import MLPSpec, bench_spec
 

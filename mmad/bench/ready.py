@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def model_docs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """name -> tiny-cuda-nn JSON of every model asked for."""
-    from mmad.cli import IMAGE_CONFIG
+    from mmad.demo import IMAGE_CONFIG
 
     builtin = {"hashgrid": IMAGE_CONFIG, "oneblob32": ONEBLOB32}
     docs: dict[str, dict[str, Any]] = {}

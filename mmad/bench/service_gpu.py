@@ -1,5 +1,5 @@
-"""``mmad bench --service --backend cuda:mma`` (or vulkan:coopmat, ...): the GPU serving report
-of issue 16, in one run, against the same run's in-process and hardware figures.
+"""``mmad bench --service --backend cuda:mma`` (or vulkan:coopmat, ...): the GPU serving report,
+in one run, against the same run's in-process and hardware figures.
 
 * transport ceiling: host->device and device->host bandwidth of page-locked copies (CuPy, 256 MiB);
 * in-process: ``forward_to_host`` of ``--gpu-rows`` FP16 rows (65,536 and 2^20) on a thread
@@ -18,7 +18,7 @@ of issue 16, in one run, against the same run's in-process and hardware figures.
 * small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
 
 Every measurement runs in a fresh load-generator process (:mod:`mmad.bench.load`), timings with
-:func:`mmad.bench.timing.median_seconds`. A phase that fails is recorded under ``errors`` and
+:func:`mmad.backends.timing.median_seconds`. A phase that fails is recorded under ``errors`` and
 the others still run. Results: ``--json PATH`` (default ``<out>/service-<backend>.json``).
 """
 
@@ -41,7 +41,7 @@ from mmad.bench.grpc_load import grpc_clients
 from mmad.bench.load import (
     FP16_TOLERANCE, MODEL, Bench, BenchError, batching_config, grpc_line, progress, scenario_http,
 )
-from mmad.bench.timing import median_seconds
+from mmad.backends.timing import median_seconds
 
 BANDWIDTH_BYTES = 256 << 20
 LARGE_ROWS = 65536
@@ -257,7 +257,7 @@ def shm_clients(bench: Bench, daemon, kind: str, clients: int, opts: argparse.Na
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 16's "done when" rows: the figure, the bar, met or not (None: not measured)."""
+    """The serving targets' rows: the figure, the bar, met or not (None: not measured)."""
     rows = []
     for p in doc.get("in_process", {}).get("forward_to_host", []):
         if "of_pcie_bound" in p:  # the bar is judged on page-locked host memory, the daemon's; pageable shown

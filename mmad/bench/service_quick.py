@@ -33,7 +33,7 @@ import orjson
 
 from mmad.backends import select
 from mmad.backends.cpu import CpuBackend
-from mmad.bench.timing import median_seconds
+from mmad.backends.timing import median_seconds
 from mmad.spec import bench_spec
 
 

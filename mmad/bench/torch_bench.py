@@ -3,7 +3,7 @@ against ``mmad.export.to_torch``'s module in the same run and tiny-cuda-nn's nat
 
 Two models, fp16 (tinycudann's modules' precision on CUDA):
 
-* ``image``: the hash-grid image config (mmad/cli.py's ``IMAGE_CONFIG``: HashGrid 16 levels × 2
+* ``image``: the hash-grid image config (mmad/demo.py's ``IMAGE_CONFIG``: HashGrid 16 levels × 2
   features, base 16, scale 1.5, 2^19 table by default, 64 × 2 ReLU MLP, 2 inputs, 3 outputs);
 * ``ngp``: the instant-NGP-like composite (HashGrid 2^19 16 levels × 2 features, base 16, scale 2
   on 3 dims + SphericalHarmonics degree 4 on 3 dims, 64 × 2 ReLU MLP, 6 inputs, 4 outputs).
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from mmad.bench import timing
+from mmad.backends import timing
 from mmad.bench.kernels import CheckFailed, write_report
-from mmad.cli import IMAGE_CONFIG
+from mmad.demo import IMAGE_CONFIG
 from mmad.errors import MMADError, SpecError
 
 MODELS = {

@@ -33,6 +33,7 @@ DATATYPES: dict[str, np.dtype] = {
     "INT64": np.dtype("<i8"), "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
 }
 MODEL_DATATYPES = ("FP32", "FP16")  # what a model's INPUT may be sent as and its OUTPUT asked for
+WIRE_DTYPES = {name: DATATYPES[name] for name in MODEL_DATATYPES}  # their little-endian NumPy types
 
 Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
                    "FP16", "FP32", "FP64", "BYTES", "BF16"]

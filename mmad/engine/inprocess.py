@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -27,19 +27,20 @@ from mmad.engine.api import (
     RepositoryEntry, RequestedOutput, ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata,
     VersionInfo, WeightsSnapshot,
 )
-from mmad.errors import InvalidInput, MMADError, ModelNotFound, ModelNotReady, NonFiniteInput, NotReady, Unauthorized
-from mmad.server import hostmem
-from mmad.server.binary import InferRequest as ParsedTensors, OutputChoice, check_response_size
-from mmad.server.peers import Peer, shared_memory_owner
-from mmad.server.shm import ShmTensor
-from mmad.server.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
-from mmad.server.repository_poll import refuse_changes
-from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
-from mmad.server.workers import merge_stats, worker_records, worker_stats
+from mmad.errors import InvalidInput, MMADError, ModelNotFound, NonFiniteInput, NotReady, Unauthorized
+from mmad.engine import hostmem
+from mmad.engine.inference import (
+    INLINE_TENSOR_VALUES, OutputChoice, ParsedRequest, check_response_size, copy_regions, count_failure, count_success,
+    model_tensors, nonfinite_input, run_forward, shm_outputs,
+)
+from mmad.engine.peers import Peer, shared_memory_owner
+from mmad.engine.shm import ShmTensor
+from mmad.engine.runtime import Runtime
+from mmad.engine.statistics import model_statistics, worker_records
+from mmad.engine.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.engine.repository_poll import refuse_changes
+from mmad.engine.store import check_model_name, tensors_from_bytes
 from mmad.spec import MLPSpec
-
-if TYPE_CHECKING:  # the runtime's type lives with the HTTP front end's dependencies
-    from mmad.server.deps import Runtime
 
 # the extensions of Triton's protocol the engine serves (a front end adds its own)
 EXTENSIONS = ("system_shared_memory", "model_repository", "statistics", "model_configuration")
@@ -71,10 +72,10 @@ def _version_info(doc: dict[str, Any]) -> VersionInfo:
 
 
 class InProcessEngine:
-    """The engine of this process, over the daemon's :class:`~mmad.server.deps.Runtime` (the
+    """The engine of this process, over the daemon's :class:`~mmad.engine.runtime.Runtime` (the
     registry, shared-memory regions and settings its start-up made)."""
 
-    def __init__(self, runtime: "Runtime"):
+    def __init__(self, runtime: Runtime):
         self.rt = runtime
 
     # -- the daemon -----------------------------------------------------------------------------
@@ -145,13 +146,8 @@ class InProcessEngine:
         if name is not None:
             self._entry(name, version)  # an unknown name is answered before the workers are asked
         records = await worker_records(self.rt)
-        out = []
-        for model in [name] if name is not None else sorted(registry.models):
-            entry = registry.get(model)
-            doc = entry.stats.to_json(model, version or registry.latest_version(model))
-            others = worker_stats(records, model, entry.incarnation)
-            out.append(_statistics(merge_stats(doc, others) if others else doc))
-        return out
+        return [_statistics(model_statistics(self.rt, records, model, version))
+                for model in ([name] if name is not None else sorted(registry.models))]
 
     async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         self._serving()
@@ -189,11 +185,10 @@ class InProcessEngine:
         rt, registry = self.rt, self.rt.registry
         rt.metrics.process_infers.inc()
         check_model_name(request.model)
-        stats = entry = served = None
+        known = served = None
         t0 = time.perf_counter_ns()
         try:
-            entry = registry.get(request.model)
-            stats = entry.stats  # failures of a known model count in its statistics, not-ready included
+            known = registry.get(request.model)  # failures of a known model count, not-ready included
             entry = registry.get_ready(request.model)
             version = request.version
             if version is not None:
@@ -203,38 +198,21 @@ class InProcessEngine:
                 x, parsed, check_finite = await self._input(entry, request.inputs)
                 outputs, out, targets = self._outputs(entry, request.outputs, parsed, (x.shape[0], entry.spec.n_output_dims))
                 t1 = time.perf_counter_ns()
-                out, queue_ns, compute_ns = await self._forward(entry, version, x, parsed, outputs, out, targets,
-                                                                check_finite)
+                out, queue_ns, compute_ns = await run_forward(rt, entry, version, x, parsed, outputs, out=out,
+                                                              targets=targets, check_finite=check_finite)
             except NonFiniteInput as exc:
-                raise InvalidInput(f"input {INPUT!r} holds NaN or Inf (set config.allow_nonfinite to allow "
-                                   "them)") from exc
+                raise nonfinite_input(INPUT) from exc
             t2 = time.perf_counter_ns()
             results = self._results(outputs, out, targets)
         except MMADError:
-            if stats is not None:
-                with stats.lock:
-                    stats.fail.add(time.perf_counter_ns() - t0)
-            if served is not None:
-                rt.metrics.inference.request_failed(entry, served)
+            count_failure(rt, known, served, t0)
             raise
-        t3 = time.perf_counter_ns()
-        with stats.lock:
-            stats.inference_count += x.shape[0]
-            stats.last_inference_ms = int(time.time() * 1000)
-            stats.success.add(t3 - t0)
-            stats.queue.add(queue_ns)
-            stats.compute_input.add(t1 - t0)
-            stats.compute_infer.add(compute_ns)
-            stats.compute_output.add(t3 - t2)
-        rt.metrics.queue_seconds.labels(entry.name, registry.backend_label).observe(queue_ns / 1e9)
-        rt.metrics.inference.request_succeeded(entry, served, t3 - t0, queue_ns, t1 - t0, compute_ns, t3 - t2)
+        count_success(rt, entry, served, x.shape[0], t0, t1, t2, time.perf_counter_ns(), queue_ns, compute_ns)
         return InferResponse(request.model, served, results, request.id, {})
 
-    async def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedTensors, bool]:
+    async def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedRequest, bool]:
         """(INPUT's rows, the tensors as the forwards take them, whether the forward checks them
         finite): every input checked against the model here, once."""
-        from mmad.server.tensors import INLINE_TENSOR_VALUES, model_tensors
-
         tensors, shm_inputs = {}, {}
         for tensor in inputs:
             where = f"input {tensor.name!r}"
@@ -255,10 +233,8 @@ class InProcessEngine:
                                    f"{tensor.datatype} {list(tensor.shape)}")
             else:
                 tensors[tensor.name] = tensor.data
-        parsed = ParsedTensors({}, tensors, shm=self.rt.shm, uses_shm=bool(shm_inputs), shm_inputs=shm_inputs)
+        parsed = ParsedRequest({}, tensors, shm=self.rt.shm, uses_shm=bool(shm_inputs), shm_inputs=shm_inputs)
         # a system region's input is read (pread) into the daemon's buffer before it is checked
-        from mmad.server.inference import copy_regions
-
         await copy_regions(self.rt, list(shm_inputs.values()), ShmTensor.load)
         names = {INPUT: entry.spec.n_input_dims}
         small = sum(t.size for t in inputs) <= INLINE_TENSOR_VALUES
@@ -269,12 +245,10 @@ class InProcessEngine:
             return x, parsed, not small and not entry.config.allow_nonfinite
         return model_tensors(entry, parsed, names, keep_fp16=True)[INPUT], parsed, False
 
-    def _outputs(self, entry: ModelEntry, asked: list[RequestedOutput] | None, parsed: ParsedTensors,
+    def _outputs(self, entry: ModelEntry, asked: list[RequestedOutput] | None, parsed: ParsedRequest,
                  shape: tuple[int, int]) -> tuple[list[OutputChoice], np.ndarray | None, list]:
         """(the outputs asked for, the array the forward writes into where one output takes it
         all, the outputs' views of their shared-memory regions)."""
-        from mmad.server.inference import shm_outputs
-
         choices = []
         for o in asked or [RequestedOutput(OUTPUT)]:
             if o.name != OUTPUT:
@@ -296,51 +270,6 @@ class InProcessEngine:
                 dtype = DATATYPES[choices[0].datatype]
                 out = hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
         return choices, out, targets
-
-    async def _forward(self, entry: ModelEntry, version: str | None, x: np.ndarray, parsed: ParsedTensors,
-                       outputs: list[OutputChoice], out: np.ndarray | None, targets: list,
-                       check_finite: bool) -> tuple[Any, int, int]:
-        """(the output rows, queue ns, compute ns)."""
-        registry = self.rt.registry
-        region_targets = [t for _, t in targets]
-        on_device = any(t.on_device for t in [*parsed.shm_inputs.values(), *region_targets])
-        t1 = time.perf_counter_ns()
-        if on_device:
-            from mmad.server.inference import device_forward  # CUDA specifics: the backend's, once moved
-
-            if version is not None:
-                raise InvalidInput("CUDA shared memory runs the live model; leave out the version")
-            if out is None and any(o.shm is None for o in outputs):
-                out = np.empty(x.shape[:1] + (entry.spec.n_output_dims,), dtype=np.float32)
-            out = await registry.run(device_forward, entry, x, list(parsed.shm_inputs.values()), region_targets, out)
-            compute_ns = time.perf_counter_ns() - t1
-            registry.record_batch(entry, x.shape[0], 1, compute_ns)
-            await self._store(region_targets)  # a system region's output copied from the device
-            return out, 0, compute_ns
-        if version is None:
-            batcher = entry.batcher  # None once an unload that began meanwhile finished
-            if batcher is None:
-                raise ModelNotReady(entry.name)
-            result = await batcher.submit(x, out, check_finite)
-            out = result.output
-            queue_ns, compute_ns = result.queue_ns, result.compute_ns
-        else:
-            if out is None:
-                out = np.empty(x.shape[:1] + (entry.spec.n_output_dims,), dtype=np.float32)
-            out = await registry.run(registry.forward_pinned, entry, version, x, out, check_finite)
-            queue_ns, compute_ns = 0, time.perf_counter_ns() - t1
-            registry.record_batch(entry, x.shape[0], 1, compute_ns, version)
-        for target in region_targets:
-            if target.array is not out:
-                np.copyto(target.array, out, casting="same_kind")
-        await self._store(region_targets)
-        return out, queue_ns, compute_ns
-
-    async def _store(self, targets: list) -> None:
-        """Each system region's output written (pwrite) from the daemon's buffer into its object."""
-        from mmad.server.inference import copy_regions
-
-        await copy_regions(self.rt, targets, ShmTensor.store)
 
     @staticmethod
     def _results(outputs: list[OutputChoice], out: Any, targets: list) -> list[InferOutput]:
@@ -432,7 +361,7 @@ class InProcessEngine:
         self._admin(caller)
         refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
-        return _version_info(await registry.run(registry.checkpoint_blocking, registry.get_ready(name)))
+        return _version_info(await registry.checkpoint(registry.get_ready(name)))
 
     async def get_weights(self, name: str, version: str | None = None) -> WeightsSnapshot:
         """A stored version's safetensors file, else the live weights now (a consistent snapshot:
@@ -440,11 +369,10 @@ class InProcessEngine:
         self._serving()
         registry = self.rt.registry
         if version is not None:
-            self._entry(name, version)
-            return WeightsSnapshot(await registry.run(registry.store.weights_bytes, name, version), version, None)
-        entry = registry.get_ready(name)
-        params, _state, step = await registry.run(registry.snapshot_blocking, entry)
-        return WeightsSnapshot(await registry.run(tensors_to_bytes, params), None, step)
+            self._serving()
+            return WeightsSnapshot(await registry.stored_weights(name, version), version, None)
+        data, step = await registry.live_weights(registry.get_ready(name))
+        return WeightsSnapshot(data, None, step)
 
     async def set_weights(self, name: str, safetensors: bytes, caller: Caller) -> VersionInfo:
         self._serving()
@@ -453,4 +381,4 @@ class InProcessEngine:
         registry = self.rt.registry
         entry = registry.get_ready(name)
         params = tensors_from_bytes(safetensors, "the weights")
-        return _version_info(await registry.run(registry.set_weights_blocking, entry, params))
+        return _version_info(await registry.set_weights(entry, params))

@@ -4,7 +4,7 @@
 The HTTP contract is docs/api.md.
 """
 
-from mmad.server.settings import Settings
+from mmad.settings import Settings
 
 __all__ = ["Settings", "create_app"]
 

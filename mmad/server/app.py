@@ -3,8 +3,8 @@
 The lifespan probes the devices once, picks the backend (``settings.backend`` or the best
 available, never a silent fallback from a forced one), opens the store, creates the demo model
 when the store is empty, loads every model, creates those of the model repository the store
-lacks (``mmad.server.repository``) or, in poll mode, follows the repository
-(``mmad.server.repository_poll``), and on exit stops training jobs (each writes a
+lacks (``mmad.engine.repository``) or, in poll mode, follows the repository
+(``mmad.engine.repository_poll``), and on exit stops training jobs (each writes a
 final checkpoint), stops the batchers and frees every device buffer.
 """
 
@@ -19,20 +19,20 @@ from fastapi import FastAPI
 
 import mmad
 from mmad.backends import probe_all, select
-from mmad.server import hostmem
+from mmad.engine import hostmem
 from mmad.server.bodies import BodyLimitMiddleware
-from mmad.server.deps import Runtime
+from mmad.engine.runtime import Runtime, ServingWorkers
 from mmad.server.errors import install_error_handlers
-from mmad.server.jobs import JobManager
-from mmad.server.metrics import Metrics
-from mmad.server.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
-from mmad.server.repository import load_repository
-from mmad.server.repository_poll import RepositoryPoller
+from mmad.engine.jobs import JobManager
+from mmad.engine.metrics import Metrics
+from mmad.engine.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
+from mmad.engine.repository import load_repository
+from mmad.engine.repository_poll import RepositoryPoller
 from mmad.server.routers import ALL as ROUTERS, ui
 from mmad.server.inference import InferFastPath
 from mmad.server.origin import guarded
-from mmad.server.settings import Settings
-from mmad.server.store import Store
+from mmad.settings import Settings
+from mmad.engine.store import Store
 from mmad.spec import MLPSpec
 
 log = logging.getLogger("mmad.server")
@@ -84,12 +84,12 @@ async def start_runtime(rt: Runtime) -> None:
     rt.jobs = JobManager(rt.registry)
     rt.metrics.track(lambda: rt.registry.models)
     if rt.workers is not None:  # what inference can see is published to the serving workers
-        rt.registry.publish = rt.workers.counter.store
+        rt.registry.publish = rt.workers.publish
         rt.shm.on_change = rt.registry.changed
         if rt.shm.cuda_enabled:
-            from mmad.server.region_forwards import RegionForwardRunner
+            from mmad.engine.region_forwards import RegionForwardRunner
 
-            rt.region_service = RegionForwardRunner(rt, rt.workers.link(0).region_forwards_socket)
+            rt.region_service = RegionForwardRunner(rt, rt.workers.region_forwards_socket)
     # a daemon given a model repository serves what it holds, as Triton does: no demo model
     if settings.demo and settings.model_repository is None and not rt.store.list_models():
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
@@ -132,8 +132,8 @@ class MMADApp(FastAPI):
     """FastAPI with the infer hot path in front of its middleware stack: each request meets the
     cross-site and body-type rules (:mod:`mmad.server.origin`), the body cap, then
     :class:`~mmad.server.inference.InferFastPath`, and only what that passes on reaches FastAPI
-    (whose middleware layers cost ~10% of a large shared-memory request's event-loop time on the
-    H100 host, docs/gpu-notes-cuda.md)."""
+    (whose middleware layers cost ~10% of a large shared-memory request's event-loop time,
+    measured on an H100)."""
 
     def __init__(self, runtime: Runtime, settings: Settings, **kwargs):
         super().__init__(**kwargs)
@@ -144,7 +144,7 @@ class MMADApp(FastAPI):
         await self._front(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, workers=None) -> FastAPI:
+def create_app(settings: Settings | None = None, workers: ServingWorkers | None = None) -> FastAPI:
     """The daemon's app; ``workers``: the serving workers (:class:`~mmad.server.workers.WorkerPool`)
     of a primary started with ``--workers``."""
     settings = settings or Settings()

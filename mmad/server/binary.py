@@ -10,16 +10,16 @@ FP16 travels only as binary data, as Triton does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
 
 from mmad.errors import InvalidInput
-from mmad.server import hostmem
+from mmad.engine import hostmem
+from mmad.engine.api import WIRE_DTYPES
+from mmad.engine.inference import OutputChoice, ParsedRequest
 
-WIRE_DTYPES = {"FP32": np.dtype("<f4"), "FP16": np.dtype("<f2")}
 JSON_DTYPES = ("FP32",)
 MAX_ELEMENTS = 1 << 31
 # Binary tensor data starts at a multiple of this in a response body (the JSON header is padded
@@ -38,28 +38,11 @@ def _response_body(json_bytes: bytes, data_bytes: int) -> np.ndarray:
 
     Uninitialised, not a ``bytearray``, which would first zero the whole body (8 MiB for a
     65,536-row FP16 response) on the event loop; page-locked where the backend copies from a
-    GPU (:mod:`mmad.server.hostmem`), so the forward's output lands in it straight off the device.
+    GPU (:mod:`mmad.engine.hostmem`), so the forward's output lands in it straight off the device.
     """
     body = hostmem.empty(len(json_bytes) + data_bytes)
     body[:len(json_bytes)] = np.frombuffer(json_bytes, dtype=np.uint8)
     return body
-
-
-@dataclass
-class InferRequest:
-    """A parsed request: the JSON header and its tensors by name (float views of the body)."""
-
-    header: dict[str, Any]
-    tensors: dict[str, np.ndarray]
-    binary_inputs: bool = False
-    parameters: dict[str, Any] = field(default_factory=dict)
-    shm: Any = None  # the SharedMemoryRegistry, for outputs that name a region
-    uses_shm: bool = False  # some input or output names a shared-memory region
-    shm_inputs: dict[str, Any] = field(default_factory=dict)  # input name -> its ShmTensor
-
-    @property
-    def id(self) -> str | None:
-        return self.header.get("id")  # a string: parse_infer_request refuses anything else
 
 
 def parse_header_length(value: str | None, body_len: int) -> int | None:
@@ -144,10 +127,10 @@ def _json_word(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> InferRequest:
+def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> ParsedRequest:
     """Split and validate a request body; tensors come back as float32/float16 arrays.
 
-    ``shm``: the :class:`~mmad.server.shm.SharedMemoryRegistry` of the regions that inputs
+    ``shm``: the :class:`~mmad.engine.shm.SharedMemoryRegistry` of the regions that inputs
     naming a ``shared_memory_region`` lie in: device arrays in a CUDA region; for a system
     region, a buffer of the daemon's, filled by ``ShmTensor.load`` once the caller knows where
     the forward runs (``shm_inputs``).
@@ -232,18 +215,10 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
             tensors[name] = _json_data(where, tensor["data"], shape)
     if header_length is not None and offset != len(body):
         raise InvalidInput(f"the body has {len(body) - offset} bytes after the last binary tensor")
-    return InferRequest(header, tensors, binary_inputs, parameters, shm, uses_shm, shm_inputs)
+    return ParsedRequest(header, tensors, binary_inputs, parameters, shm, uses_shm, shm_inputs)
 
 
-@dataclass
-class OutputChoice:
-    name: str
-    binary: bool
-    datatype: str
-    shm: dict[str, Any] | None = None  # the output's shared_memory_* parameters, when it names a region
-
-
-def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list[OutputChoice]:
+def requested_outputs(request: ParsedRequest, available: tuple[str, ...]) -> list[OutputChoice]:
     """Which outputs to return, in which encoding (``binary_data``) and datatype."""
     _bool_parameter("parameters", request.parameters, "binary_data_output")
     default_binary = request.parameters.get("binary_data_output", False)
@@ -283,36 +258,6 @@ def requested_outputs(request: InferRequest, available: tuple[str, ...]) -> list
             raise InvalidInput("the classification extension is not supported")
         choices.append(OutputChoice(out["name"], binary, datatype, shm))
     return choices
-
-
-# the most bytes one FP32 value takes in a JSON response ("-1.2345678e-38" and a comma): the
-# bound is checked before the forward, when only the count of values is known
-JSON_VALUE_BYTES = 16
-
-
-def check_response_size(outputs: list[OutputChoice], shape: tuple[int, ...], limit: int) -> None:
-    """Refuse, before any work, a response larger than ``limit`` bytes (JSON outputs at their
-    largest): a 61 MiB FP16 request could otherwise ask for a 520 MiB JSON response."""
-    values = math.prod(shape)
-    size = sum(values * (WIRE_DTYPES[o.datatype].itemsize if o.binary else JSON_VALUE_BYTES) for o in outputs
-               if o.shm is None)
-    if size <= limit:
-        return
-    mib = 1024 * 1024
-    if all(o.binary for o in outputs):
-        hint = "send fewer rows per request, or ask for FP16 outputs (parameters.output_datatype)"
-        what = f"{size / mib:.1f} MiB of binary data"
-    else:
-        binary = values * 4
-        hint = (f"ask for binary output (parameters.binary_data_output: true, {binary / mib:.1f} MiB as FP32) "
-                "or send fewer rows per request")
-        what = f"up to {size / mib:.1f} MiB ({values} values as JSON)"
-    raise ResponseTooLarge(f"the response would be {what} for output shape {list(shape)}; the limit is "
-                           f"{limit / mib:.1f} MiB (max_response_bytes); {hint}")
-
-
-class ResponseTooLarge(InvalidInput):
-    """A request valid in itself whose response would pass ``max_response_bytes`` (400)."""
 
 
 def encode_infer_response(header: dict[str, Any], outputs: list[tuple[OutputChoice, np.ndarray]]

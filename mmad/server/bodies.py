@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from mmad.errors import InvalidInput, PayloadTooLarge
-from mmad.server import hostmem
+from mmad.engine import hostmem
 from mmad.server.errors import error_response
 
 
@@ -67,7 +67,7 @@ def tensor_buffer(size: int, header_length: str) -> memoryview:
     Placed so that the binary tensors after the JSON header (``header_length``, the
     ``Inference-Header-Content-Length`` value) start at an address that is a multiple of
     ``BODY_ALIGN``: NumPy views of unaligned data take slow loops (measured: a 65,536-row FP16
-    forward ~7 ms slower). Uninitialised (:func:`mmad.server.hostmem.empty`): a ``bytearray``
+    forward ~7 ms slower). Uninitialised (:func:`mmad.engine.hostmem.empty`): a ``bytearray``
     would first zero the 8 MiB.
     """
     raw = hostmem.empty(size + BODY_ALIGN)  # page-locked where the backend copies to a GPU
@@ -89,7 +89,7 @@ def _tensor_offset(header_length: str, size: int) -> int:
 async def read_tensor_body(request: Request) -> bytes | memoryview:
     """The body of a tensor request in one buffer of its Content-Length, tensors aligned (no joins).
 
-    Large infer bodies arrive already read in place by :mod:`mmad.server.protocol` (one message,
+    Large infer bodies arrive already read in place by :mod:`mmad.server.http_protocol` (one message,
     a :func:`tensor_buffer`); anything else is streamed into a :func:`tensor_buffer`. The
     middleware has already refused a Content-Length over the cap and counts what streams in.
     """

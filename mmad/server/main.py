@@ -1,6 +1,6 @@
 """``mmad serve``: run the daemon under uvicorn.
 
-Options default to the ``MMAD_*`` environment (see :class:`~mmad.server.settings.Settings`).
+Options default to the ``MMAD_*`` environment (see :class:`~mmad.settings.Settings`).
 On SIGINT/SIGTERM the daemon stops reporting ready, lets running training jobs write a final
 checkpoint, lets in-flight requests finish (up to ``--graceful-timeout`` seconds) and frees the
 devices.
@@ -18,7 +18,8 @@ import sys
 from pydantic import ValidationError
 
 from mmad.errors import MMADError
-from mmad.server.settings import Settings, default_store_dir
+from mmad.server.serving import http_protocol, limit_blas_threads
+from mmad.settings import Settings, default_store_dir
 
 log = logging.getLogger("mmad.server")
 
@@ -116,79 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def limit_blas_threads(threads: int) -> None:
-    """Cap the BLAS thread pool of this process (0: leave it as the library set it).
-
-    The event loop needs a core of its own: with OpenBLAS's default threads, a forward over a
-    batch of a few hundred rows (what dynamic batching builds) ran up to 100x slower on a busy
-    2-core machine (docs/service-performance.md). Applied at run time with threadpoolctl, which
-    sees only libraries already loaded, hence the NumPy import.
-    """
-    if threads <= 0:
-        return
-    import numpy  # noqa: F401
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
-        log.warning("threadpoolctl is not installed: NumPy's BLAS keeps its default threads "
-                    "(--blas-threads %d ignored; install mmad's dependencies)", threads)
-        return
-
-    threadpool_limits(limits=threads, user_api="blas")
-    limited = sorted({i["internal_api"] for i in threadpool_info() if i.get("user_api") == "blas"})
-    if limited:
-        log.info("BLAS (%s) limited to %d thread(s)", ", ".join(limited), threads)
-    else:
-        log.warning("--blas-threads %d: NumPy loaded no BLAS library that can be limited", threads)
-
-
-def http_protocol(settings: Settings):
-    """uvicorn's ``http=``: httptools (``auto`` when it is installed) as :mod:`mmad.server.protocol`'s
-    protocol, which reads large infer bodies in place and bounds connections; h11 as uvicorn has it."""
-    if settings.http == "h11":
-        log.warning("--http h11: the connection cap, the request head timeout and the header size cap "
-                    "apply only with httptools (docs/reliability.md)")
-        return "h11"
-    try:
-        import httptools  # noqa: F401
-    except ImportError:  # as uvicorn does: auto falls back to h11, an explicit httptools fails at start-up
-        return settings.http
-    from mmad.server.protocol import ConnectionLimits, protocol_class
-
-    return protocol_class(settings.max_body_bytes, ConnectionLimits(
-        max_connections=connection_cap(settings.max_connections, settings.health_slots),
-        head_timeout_s=settings.head_timeout_s, max_header_bytes=settings.max_header_bytes,
-        health_slots=settings.health_slots, body_timeout_s=settings.body_timeout_s,
-        min_body_rate=settings.min_body_rate, max_pending_body_bytes=settings.max_pending_body_bytes))
-
-
-FD_RESERVE = 256  # descriptors kept for the store, devices, logs and the listening socket
-
-
-def connection_cap(wanted: int, health_slots: int = 0) -> int:
-    """``wanted`` connections, or fewer if the descriptor limit (raised to its hard limit) cannot
-    hold them and the ``health_slots`` beside them: past it accept() fails and even health probes
-    go unanswered."""
-    try:
-        import resource
-    except ImportError:
-        return wanted
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + health_slots + FD_RESERVE
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    if soft != resource.RLIM_INFINITY and soft < need:
-        cap = max(1, soft - FD_RESERVE - health_slots)
-        log.warning("max_connections %d lowered to %d: the open-file limit is %d", wanted, cap, soft)
-        return cap
-    return wanted
-
-
 def bind_listening_sockets(host: str, port: int) -> list[socket.socket]:
     """The daemon's sockets, bound as uvicorn's event loop would bind them (one per address ``host``
     resolves to, SO_REUSEADDR, IPv6 sockets IPv6 only) but not listening until the server starts:
@@ -234,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # what start-up would fail on late, after probing the devices, with uvicorn's traceback: a
     # store another daemon holds, a taken port. Each ends here with one line.
-    from mmad.server.store import Store
+    from mmad.engine.store import Store
 
     pool, sockets, reserved = None, None, None
     try:
@@ -260,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     from mmad.server.app import create_app
 
     if settings.workers:
+        from mmad.server.worker import run_worker
         from mmad.server.workers import WorkerPool, bind_unix
 
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per statistics read otherwise
 
-        pool = WorkerPool(settings, settings.workers)
+        pool = WorkerPool(settings, settings.workers, run_worker)
         sockets = [bind_unix(pool.primary_socket)]
     app = create_app(settings, workers=pool)
     runtime = app.state.runtime

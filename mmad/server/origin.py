@@ -28,10 +28,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from mmad.errors import CrossSiteRequest, MMADError, UnsupportedMediaType
 from mmad.server.errors import error_response, status_for
+from mmad.settings import normalise_origin, parse_allowed_origins
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 JSON, OCTETS = "application/json", "application/octet-stream"
-DEFAULT_PORTS = {"http": "80", "https": "443"}
 # the body types a page of any site may send without a preflight (the Fetch standard's list)
 NO_PREFLIGHT_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 # what a page allowed by --allow-origin may send and read (CORS)
@@ -39,36 +39,6 @@ CORS_REQUEST_HEADERS = ["Authorization", "Content-Type", "Content-Encoding", "Ac
                         "Inference-Header-Content-Length"]
 CORS_RESPONSE_HEADERS = ["Inference-Header-Content-Length", "Content-Encoding", "Retry-After", "Mmad-Model-Version",
                          "Mmad-Step"]
-
-
-def normalise_origin(value: str) -> str:
-    """``scheme://host[:port]`` in lower case, the scheme's default port left out (how browsers
-    write ``Origin``); ``null`` and anything unparsable come back lowered, matching nothing."""
-    value = value.strip().lower().rstrip("/")
-    scheme, sep, authority = value.partition("://")
-    if not sep or not authority or "/" in authority:
-        return value
-    host, colon, port = authority.rpartition(":")
-    if colon and port.isdigit() and not host.endswith(":") and port == DEFAULT_PORTS.get(scheme):
-        authority = host  # "[::1]:80" -> "[::1]"; a bare IPv6 address has no port to strip
-    return f"{scheme}://{authority}"
-
-
-def parse_allowed_origins(value: str) -> frozenset[str]:
-    """``--allow-origin`` entries (comma-separated, repeatable): ``*`` or ``scheme://host[:port]``."""
-    allowed = set()
-    for entry in (e.strip() for e in value.split(",")):
-        if not entry:
-            continue
-        if entry == "*":
-            allowed.add(entry)
-            continue
-        scheme, sep, authority = entry.partition("://")
-        if scheme.lower() not in DEFAULT_PORTS or not sep or not authority or "/" in authority.rstrip("/"):
-            raise ValueError(f"allow_origin entry {entry!r} is not an origin: give scheme://host[:port] "
-                             "(e.g. https://app.example or http://localhost:3000) or *")
-        allowed.add(normalise_origin(entry))
-    return frozenset(allowed)
 
 
 def body_types(method: str, path: str) -> tuple[str, ...]:

@@ -1,58 +1,18 @@
-"""Tensors of inference and training requests: parsed (JSON or binary, gzip/deflate bodies),
-checked against the model (names, shapes, rows, finiteness), and answered."""
+"""Tensors of inference and training requests over HTTP: parsed (JSON or binary, gzip/deflate
+bodies) and answered; the engine checks them against the model (:func:`mmad.engine.inference.model_tensors`)."""
 
 from __future__ import annotations
 
 import mmap
 import zlib
 
-import numpy as np
 from fastapi import Request, Response
 
-from mmad.backends.numerics import all_finite
+from mmad.engine.inference import ParsedRequest
+from mmad.engine.runtime import Runtime
 from mmad.errors import InvalidInput, MMADError, PayloadTooLarge
-from mmad.server.binary import InferRequest, parse_header_length, parse_infer_request
+from mmad.server.binary import parse_header_length, parse_infer_request
 from mmad.server.bodies import read_tensor_body
-from mmad.server.deps import Runtime
-from mmad.server.registry import INPUT, ModelEntry
-
-
-def model_tensors(entry: ModelEntry, request: InferRequest, names: dict[str, int],
-                  keep_fp16: bool = False, check_finite: bool = True) -> dict[str, np.ndarray]:
-    """The request's tensors as float32 [rows, cols], all with the same rows, finite unless allowed.
-
-    ``keep_fp16``: FP16 tensors stay float16 views of the body (the forward casts them chunk by chunk).
-    ``check_finite=False``: the caller checks finiteness (:func:`check_finite_input`).
-    """
-    unknown = sorted(set(request.tensors) - set(names))
-    if unknown:
-        raise InvalidInput(f"unknown input {unknown[0]!r}; model {entry.name!r} takes {', '.join(names)}")
-    out, rows = {}, None
-    for name, cols in names.items():
-        if name not in request.tensors:
-            raise InvalidInput(f"input {name!r} is missing")
-        array = request.tensors[name]
-        if array.ndim != 2 or array.shape[1] != cols or array.shape[0] < 1:
-            raise InvalidInput(f"input {name!r} must have shape [rows >= 1, {cols}]; got {list(array.shape)}")
-        if rows is not None and array.shape[0] != rows:
-            raise InvalidInput(f"input {name!r} has {array.shape[0]} rows; {INPUT} has {rows}")
-        rows = array.shape[0]
-        if not (keep_fp16 and array.dtype == np.float16):
-            array = array.astype(np.float32, copy=False)
-        if check_finite:
-            check_finite_input(entry, name, array)
-        out[name] = array
-    return out
-
-
-def check_finite_input(entry: ModelEntry, name: str, array: np.ndarray) -> None:
-    if not entry.config.allow_nonfinite and not all_finite(array):
-        raise nonfinite_input(name)
-
-
-def nonfinite_input(name: str) -> InvalidInput:
-    return InvalidInput(f"input {name!r} holds NaN or Inf (set config.allow_nonfinite to allow them)")
-
 
 INFLATE_STEP = 1 << 20  # inflate in steps, so a bomb costs at most the cap plus one step
 
@@ -93,12 +53,12 @@ def decompress(body: bytes, encoding: str, limit: int) -> memoryview:
 # Work on a small body or tensor runs inline on the event loop: a hop to the compute threads
 # costs more than the work, and under load the hops queue behind each other and behind the
 # batches (GIL hand-offs). Larger JSON parsing and encoding go to the threads so that they never
-# stall the loop. Binary tensors are views of the body (np.frombuffer): cheap at any size.
+# stall the loop. Binary tensors are views of the body (np.frombuffer): cheap at any size (the
+# engine's INLINE_TENSOR_VALUES bounds the tensors worked on inline).
 INLINE_JSON_BYTES = 64 * 1024
-INLINE_TENSOR_VALUES = 16 * 1024
 
 
-async def parse_tensors(rt: Runtime, request: Request) -> InferRequest:
+async def parse_tensors(rt: Runtime, request: Request) -> ParsedRequest:
     body = await read_tensor_body(request)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":

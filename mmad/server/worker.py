@@ -25,16 +25,18 @@ from fastapi import Request
 from mmad.errors import MMADError
 from mmad.server.app import release_runtime, use_backend
 from mmad.server.bodies import BodyLimitMiddleware, json_response
-from mmad.server.deps import Runtime
+from mmad.engine.runtime import Runtime
 from mmad.server.errors import error_response, internal_error_response, mmad_error_response, status_for
 from mmad.server.inference import InferFastPath, infer_request
-from mmad.server.metrics import Metrics
+from mmad.engine.messages import HeldModel, PrimaryState, ServedModel, WorkerRecords
+from mmad.engine.metrics import Metrics
 from mmad.server.origin import guarded
-from mmad.server.registry import ModelConfig, ModelEntry, Registry
-from mmad.server.settings import Settings
-from mmad.server.store import tensors_from_bytes
-from mmad.server.peers import CLIENT_HEADER, peer_of
-from mmad.server.workers import INTERNAL_PREFIX, TOKEN_HEADER, SharedCounter, WorkerLink, check_token
+from mmad.engine.registry import ModelConfig, ModelEntry, Registry
+from mmad.settings import Settings
+from mmad.engine.store import tensors_from_bytes
+from mmad.engine.peers import CLIENT_HEADER, peer_of
+from mmad.server.internal import INTERNAL_PREFIX, TOKEN_HEADER, check_token
+from mmad.server.workers import SharedCounter, WorkerLink
 from mmad.spec import MLPSpec
 
 log = logging.getLogger("mmad.server.worker")
@@ -62,34 +64,34 @@ class WorkerRegistry(Registry):
         self.followed: dict[str, tuple[tuple, int]] = {}  # name -> (its shape, the generation of its weights)
         self._failed: dict[str, str] = {}  # name -> the incarnation that could not be compiled here
 
-    async def follow(self, models: list[dict[str, Any]], weights: Callable[[str], Any]) -> None:
+    async def follow(self, models: list[ServedModel], weights: Callable[[str], Any]) -> None:
         """Hold what ``models`` (the primary's state) lists: compile what is new or changed
         shape, load weights whose generation moved, drop what is gone. A model that cannot be
         compiled here is left out (logged once): its requests go to the primary."""
-        wanted = {doc["name"]: doc for doc in models}
+        wanted = {doc.name: doc for doc in models}
         for name in [n for n in self.models if n not in wanted]:
             await self._drop(name)
         for name, doc in wanted.items():
-            shape = _shape(doc)
+            shape = doc.shape
             held = self.followed.get(name)
             if held is None or held[0] != shape:
-                if self._failed.get(name) == doc["incarnation"]:
+                if self._failed.get(name) == doc.incarnation:
                     continue
                 try:
                     await self._replace(doc, await weights(name))
                 except httpx.HTTPError:  # the primary unreachable: the whole sync fails, tried again later
                     raise
                 except Exception as exc:  # noqa: BLE001 - whatever stops one model, the others serve
-                    self._failed[name] = doc["incarnation"]
+                    self._failed[name] = doc.incarnation
                     log.error("model %r cannot be served by this worker (%s); the primary answers its requests",
                               name, exc)
                     await self._drop(name)
                     continue
-            elif held[1] != doc["generation"]:
+            elif held[1] != doc.generation:
                 params = await weights(name)
                 await self.run(self.models[name].put_all, params)
-            self.followed[name] = (shape, doc["generation"])
-            self.models[name].versions = [{"version": doc["version"]}]
+            self.followed[name] = (shape, doc.generation)
+            self.models[name].versions = [{"version": doc.version}]
 
     async def _drop(self, name: str) -> None:
         self.followed.pop(name, None)
@@ -97,11 +99,11 @@ class WorkerRegistry(Registry):
         if entry is not None:
             await self._deactivate(entry)
 
-    async def _replace(self, doc: dict[str, Any], params) -> None:
-        spec, config = MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc["config"])
+    async def _replace(self, doc: ServedModel, params) -> None:
+        spec, config = MLPSpec.from_json(doc.spec), ModelConfig.parse(doc.config)
 
         def build():
-            compiled = self._compile_replicas(spec, doc["devices"], doc["variant"],
+            compiled = self._compile_replicas(spec, doc.devices, doc.variant,
                                               config.limits(self.settings).max_batch_rows)
             try:
                 for model in compiled:
@@ -113,9 +115,9 @@ class WorkerRegistry(Registry):
             return compiled
 
         compiled = await self.run(build)
-        held = self.models.get(doc["name"])
-        entry = ModelEntry(doc["name"], spec, config)
-        entry.incarnation = doc["incarnation"]
+        held = self.models.get(doc.name)
+        entry = ModelEntry(doc.name, spec, config)
+        entry.incarnation = doc.incarnation
         if held is not None and held.incarnation == entry.incarnation:
             entry.stats = held.stats  # the same model compiled again: its counts go on
         if held is not None:
@@ -123,12 +125,6 @@ class WorkerRegistry(Registry):
         self.models[entry.name] = entry
         self._activate(entry, compiled)
         self._failed.pop(entry.name, None)
-
-
-def _shape(doc: dict[str, Any]) -> tuple:
-    """What, if it changes, needs the model compiled again (weights alone do not)."""
-    return (doc["incarnation"], repr(doc["spec"]), repr(sorted(doc["config"].items())), tuple(doc["devices"]),
-            doc["variant"])
 
 
 class PrimaryLink:
@@ -153,12 +149,12 @@ class PrimaryLink:
         response.raise_for_status()
         return response
 
-    async def wait_for_primary(self) -> dict[str, Any]:
+    async def wait_for_primary(self) -> PrimaryState:
         """The primary's state, once it answers (it may still be loading its models)."""
         waited = 0.0
         while True:
             try:
-                return (await self.internal("/state")).json()
+                return PrimaryState.from_json((await self.internal("/state")).json())
             except httpx.HTTPError:
                 if not self.link.primary_alive:
                     raise RuntimeError("the primary process is gone") from None
@@ -176,21 +172,21 @@ class PrimaryLink:
     def stale(self) -> bool:
         return self.counter.value != self.synced
 
-    async def sync(self, rt: Runtime, state: dict[str, Any] | None = None) -> None:
+    async def sync(self, rt: Runtime, state: PrimaryState | None = None) -> None:
         """Follow the primary's state if the counter moved since the last sync (one sync at a
         time; requests arriving meanwhile wait for it)."""
         async with self._lock:
             if state is None:
                 if not self.stale:
                     return
-                state = (await self.internal("/state")).json()
+                state = PrimaryState.from_json((await self.internal("/state")).json())
 
             async def weights(name: str):
                 return tensors_from_bytes((await self.internal(f"/weights/{name}")).content, "the live weights")
 
-            await rt.registry.follow(state["models"], weights)
-            await rt.registry.run(rt.shm.follow, state["shm"])
-            self.synced = state["generation"]
+            await rt.registry.follow(state.models, weights)
+            await rt.registry.run(rt.shm.follow, state.shm)
+            self.synced = state.generation
 
 
 class WorkerApp:
@@ -250,11 +246,12 @@ class WorkerApp:
         if not check_token(request.headers, self.link.token):
             return await error_response(404, "Not Found")(scope, receive, send)
         registry = self.rt.registry
-        stats = {} if registry is None else {
-            name: {"incarnation": entry.incarnation, "doc": entry.stats.to_json(name, registry.latest_version(name)),
-                   "queued": entry.batcher.queued if entry.batcher is not None else 0}
+        held = {} if registry is None else {
+            name: HeldModel(entry.incarnation, entry.stats.to_json(name, registry.latest_version(name)),
+                            entry.batcher.queued if entry.batcher is not None else 0)
             for name, entry in list(registry.models.items())}
-        await json_response({"stats": stats, "samples": self.rt.metrics.samples()})(scope, receive, send)
+        records = WorkerRecords(held, self.rt.metrics.samples())
+        await json_response(records.to_json())(scope, receive, send)
 
     async def pass_on(self, scope, receive, send) -> None:
         """The request to the primary and its answer back, both streamed; the primary's
@@ -335,12 +332,12 @@ class WorkerApp:
     async def start(self) -> None:
         rt, settings = self.rt, self.settings
         state = await self.primary.wait_for_primary()
-        use_backend(rt, state["backend"])  # the primary's backend, whatever MMAD_BACKEND says here
+        use_backend(rt, state.backend)  # the primary's backend, whatever MMAD_BACKEND says here
         backend, row = rt.backend, rt.selected
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
         if rt.shm.cuda_enabled:  # requests all in CUDA regions, or all in system regions, run in the
             # primary's context
-            from mmad.server.region_forwards import RegionForwardClient
+            from mmad.engine.region_forwards import RegionForwardClient
 
             rt.region_forwards = RegionForwardClient(self.link.region_forwards_socket)
         rt.metrics.track(lambda: rt.registry.models)
@@ -471,7 +468,7 @@ def run_worker(settings: Settings, link: WorkerLink, channel: socket.socket) -> 
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {link.index}]: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per passed-on request otherwise
-    from mmad.server.main import http_protocol, limit_blas_threads
+    from mmad.server.serving import http_protocol, limit_blas_threads
     from mmad.server.workers import bind_unix
 
     limit_blas_threads(settings.blas_threads)

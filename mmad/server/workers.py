@@ -1,13 +1,13 @@
 """Several processes serving one port: ``mmad serve --workers N``.
 
 One Python process answers a 65,536-row shared-memory request in ~0.66 ms of which the device
-needs 0.34 (docs/gpu-notes-cuda.md): its event loop, not the GPU, bounds serving. With
+needs 0.34 (measured on an H100): its event loop, not the GPU, bounds serving. With
 ``--workers N`` the port is served by N inference workers, with the primary behind them:
 
 - the *primary* (this module's :class:`WorkerPool`) is the daemon as it is alone, serving the
   workers on a private socket: it owns the store, the registry, training, datasets and every
   admin call, and (on the cuda backend) runs every worker's forwards between shared-memory
-  regions (CUDA or system) in its one CUDA context per GPU (:mod:`mmad.server.region_forwards`);
+  regions (CUDA or system) in its one CUDA context per GPU (:mod:`mmad.engine.region_forwards`);
 - each *worker* (:mod:`mmad.server.worker`) holds a compiled copy of every ready model with the
   primary's live weights and answers infer requests for them itself; every other request
   (admin, training, metadata, a pinned version, a model it does not hold) it passes to the
@@ -18,7 +18,7 @@ ready worker with the fewest open connections (:class:`WorkerPool`'s dealer thre
 descriptor sent over a Unix socket pair). A client's requests all go to the worker that holds
 its connection, so the spread of connections is the spread of the load; the kernel's own
 spreading (``SO_REUSEPORT``, a hash of each connection) left one of 8 workers with three of 8
-persistent clients and three with none on the H100 host (docs/gpu-notes-cuda.md). The port
+persistent clients and three with none (measured on an H100 with 8 workers). The port
 refuses connections while no worker is ready (at start, and while every worker is being
 started again).
 
@@ -30,7 +30,7 @@ admin call's answer sees its effect, whichever worker it lands on.
 
 The primary and the workers talk over Unix sockets in a private directory, and the internal
 routes need a token made at start (:data:`TOKEN_HEADER`). Statistics and metrics are read from
-every worker when asked for and added to the primary's (:func:`merge_stats`,
+every worker when asked for and added to the primary's (:func:`mmad.engine.statistics.merge_stats`,
 :meth:`Metrics.render`).
 """
 
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import mmap
@@ -52,15 +51,17 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import numpy as np
 
+from mmad.engine.messages import WorkerRecords
+from mmad.server.internal import INTERNAL_PREFIX, TOKEN_HEADER
+from mmad.settings import Settings
+
 log = logging.getLogger("mmad.server.workers")
 
-INTERNAL_PREFIX = "/_mmad/worker"
-TOKEN_HEADER = "mmad-worker-token"
 RECORDS_TIMEOUT_S = 5.0
 # a worker that exits sooner than this after its start is not started again at once
 RESTART_BACKOFF_S = (1.0, 60.0)
@@ -154,18 +155,15 @@ def bind_unix(path: str) -> socket.socket:
     return sock
 
 
-def check_token(headers: Any, token: str) -> bool:
-    given = headers.get(TOKEN_HEADER, "")
-    return bool(given) and hmac.compare_digest(given.encode(), token.encode())
-
-
 class WorkerPool:
     """The primary's side: the private directory, the shared counter, the worker processes
     (started again when one dies), the dealer of the port's connections, and reading the
     workers' statistics."""
 
-    def __init__(self, settings: Any, count: int):
+    def __init__(self, settings: Settings, count: int,
+                 run_worker: Callable[[Settings, WorkerLink, socket.socket], None]):
         self.settings = settings
+        self.run_worker = run_worker  # what a spawned worker process runs (importable by the spawn)
         self.count = count  # the worker processes (the primary serves only them)
         self.private_dir = tempfile.mkdtemp(prefix="mmad-workers-")  # mode 0700
         self.token = secrets.token_urlsafe(32)
@@ -193,6 +191,14 @@ class WorkerPool:
     def primary_socket(self) -> str:
         return self.link(0).primary_socket
 
+    @property
+    def region_forwards_socket(self) -> str:
+        return self.link(0).region_forwards_socket
+
+    def publish(self, generation: int) -> None:
+        """Tell the workers that what inference sees changed (they sync before their next infer)."""
+        self.counter.store(generation)
+
     def start(self, port: int) -> None:
         self.port = port
         for index in range(1, self.count + 1):
@@ -203,8 +209,6 @@ class WorkerPool:
         self._dealer.start()
 
     def _spawn(self, index: int) -> None:
-        from mmad.server.worker import run_worker
-
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         ours.settimeout(DEAL_SEND_TIMEOUT_S)
         with self._lock:
@@ -214,7 +218,7 @@ class WorkerPool:
             self.closed.store(0, index)
         if previous is not None:
             previous.close()
-        proc = self._context.Process(target=run_worker, args=(self.settings, self.link(index), theirs),
+        proc = self._context.Process(target=self.run_worker, args=(self.settings, self.link(index), theirs),
                                      name=f"mmad-worker-{index}", daemon=False)
         proc.start()
         theirs.close()
@@ -352,71 +356,22 @@ class WorkerPool:
             channel.close()
         shutil.rmtree(self.private_dir, ignore_errors=True)
 
-    async def records(self) -> list[dict[str, Any]]:
-        """Every live worker's statistics and metric samples (:func:`mmad.server.worker.records`);
+    async def records(self) -> list[WorkerRecords]:
+        """Every live worker's statistics and metric samples (:meth:`mmad.server.worker.WorkerApp.records`);
         a worker that does not answer in time is left out, logged."""
 
-        async def one(index: int) -> dict[str, Any] | None:
+        async def one(index: int) -> WorkerRecords | None:
             transport = httpx.AsyncHTTPTransport(uds=self.link(index).worker_socket())
             try:
                 async with httpx.AsyncClient(transport=transport, base_url="http://worker",
                                              timeout=RECORDS_TIMEOUT_S) as client:
                     response = await client.get(f"{INTERNAL_PREFIX}/records", headers={TOKEN_HEADER: self.token})
                     response.raise_for_status()
-                    return response.json()
-            except (httpx.HTTPError, ValueError) as exc:
+                    return WorkerRecords.from_json(response.json())
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 log.warning("serving worker %d gave no statistics (%s): they are missing from this answer",
                             index, exc)
                 return None
 
         answers = await asyncio.gather(*(one(i) for i, p in self._procs.items() if p.is_alive()))
         return [a for a in answers if a is not None]
-
-
-# -- statistics --------------------------------------------------------------------------------
-async def worker_records(rt: Any) -> list[dict[str, Any]]:
-    """The serving workers' counts (``--workers``; none without), added to the primary's."""
-    return await rt.workers.records() if rt.workers is not None else []
-
-
-_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
-              "cache_hit", "cache_miss")
-
-
-def merge_stats(doc: dict[str, Any], others: list[dict[str, Any]]) -> dict[str, Any]:
-    """Triton's statistics of one model: ``doc`` (the primary's) with the workers' ``others``
-    (the same model's, same incarnation) added in."""
-    merged = {**doc, "inference_stats": {k: dict(v) for k, v in doc["inference_stats"].items()}}
-    batches = {b["batch_size"]: {k: (dict(v) if isinstance(v, dict) else v) for k, v in b.items()}
-               for b in doc["batch_stats"]}
-    for other in others:
-        merged["inference_count"] += other["inference_count"]
-        merged["execution_count"] += other["execution_count"]
-        merged["last_inference"] = max(merged["last_inference"], other["last_inference"])
-        for key in _DURATIONS:
-            for field in ("count", "ns"):
-                merged["inference_stats"][key][field] += other["inference_stats"][key][field]
-        for b in other["batch_stats"]:
-            mine = batches.setdefault(b["batch_size"], {"batch_size": b["batch_size"],
-                                                        **{k: {"count": 0, "ns": 0} for k in b if k != "batch_size"}})
-            for key, value in b.items():
-                if key != "batch_size":
-                    mine[key]["count"] += value["count"]
-                    mine[key]["ns"] += value["ns"]
-    merged["batch_stats"] = [batches[size] for size in sorted(batches)]
-    return merged
-
-
-def _held(records: list[dict[str, Any]], name: str, incarnation: str | None) -> list[dict[str, Any]]:
-    return [held for r in records for held in [r["stats"].get(name)]
-            if held is not None and held["incarnation"] == incarnation]
-
-
-def worker_stats(records: list[dict[str, Any]], name: str, incarnation: str | None) -> list[dict[str, Any]]:
-    """The workers' statistics of model ``name`` as it is now (a replaced model's are dropped)."""
-    return [held["doc"] for held in _held(records, name, incarnation)]
-
-
-def worker_queued(records: list[dict[str, Any]], name: str, incarnation: str | None) -> int:
-    """Requests waiting in the workers' batchers for model ``name``."""
-    return sum(held["queued"] for held in _held(records, name, incarnation))

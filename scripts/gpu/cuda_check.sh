@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Build, test and benchmark everything CUDA-side in one device call (docs/gpu-notes-cuda.md).
+# Build, test and benchmark everything CUDA-side in one device call (docs/cuda.md, docs/benchmarks.md).
 #   [TEST_SELECT=<pytest -k expr>] [PROFILE="M:mma W:cublaslt"] [BENCH_MODELS=S,M] scripts/gpu/cuda_check.sh [phase ...]    phases: env wgmma tests grids epochs jobs sass nvmath serve bench dispatch cublaslt profile ncu
 #   (`epochs`: training on the device (graph replay, device gather) against launching each step and
 #   host batches, plus test_cuda's training tests; `jobs`: `mmad bench --jobs`, training jobs through
 #   the daemon against in-process and PyTorch, JOBS_MODELS / JOBS_EXTRA, the JSON to $OUT/jobs.json)
 #   (default: env wgmma sass serve bench cublaslt tests; `wgmma`: probe, SASS, all its tests (forward
 #   and training), the fp16 forward bench against mma and mma-f16acc, compute-sanitizer on the forwards
-#   and the training kernels; alone it needs most of one device call; `dispatch`: issue 17's
-#   benchmark, every variant measured per model, the JSON to $OUT/dispatch-h100.json and -bench.json)
+#   and the training kernels; alone it needs most of one device call; `dispatch`: the kernel
+#   benchmark of docs/benchmarks.md, every variant measured per model, the JSON to $OUT/dispatch-h100.json and -bench.json)
 # Expects to run in the repository root on the GPU host, with .whl carried (nvmath-python and the
-# daemon's dependencies, py3.12 wheels: docs/gpu-notes-cuda.md);
+# daemon's dependencies, py3.12 wheels: scripts/gpu/site.sh);
 # logs go under $OUT (or /tmp/out; at most 8 files, the device tool's limit), the short summary
 # is printed last. Every measurement and check runs through `python3 -m mmad.bench` (= `mmad bench`,
 # docs/benchmarks.md): the benchmark rows, --profile, --sass, --nvmath-check, --daemon-check, --run-forward.
@@ -110,7 +110,7 @@ for phase in $PHASES; do
       ) 2>&1 | tee -a "$SUMMARY"
       pack ;;
     dispatch)
-      # issue 17's command: every usable variant measured per model at 2^20 rows, fp16 I/O, PyTorch in the same run
+      # docs/benchmarks.md's H100 kernel table: every usable variant measured per model at 2^20 rows, fp16 I/O, PyTorch in the same run
       timeout ${DISPATCH_TIMEOUT:-420} python3 -m mmad.bench --backend cuda --models ${BENCH_MODELS:-S,M,L,W} --rows 1048576 \
         --io fp16 --mode both --peer torch --repeats 20 --dispatch bench/results/dispatch-h100.json \
         --json bench/results/dispatch-h100-bench.json > "$OUT/dispatch.log" 2>&1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Several GPUs of one host in one device call (docs/multi-gpu.md, notes in docs/gpu-notes-cuda.md):
+# Several GPUs of one host in one device call (docs/multi-gpu.md):
 #   [PHASES="env tests bench"] [BENCH_ARGS=...] scripts/gpu/multi_gpu_check.sh
 # env: nvidia-smi topology and the probe; tests: tests/test_cuda_multi.py (device 1, NCCL
 # data-parallel against one device), tests/test_placement.py, and the single-device training

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Time to READY on a GPU host in one device call (about 5 minutes): `mmad bench --ready` on cuda and
-# vulkan with empty kernel caches for S/M/L/W, the hash-grid image config, the OneBlob config whose
-# measurement used to stall (oneblob32) and the tiny-cuda-nn configs the tests use (tests/configs,
+# vulkan with empty kernel caches for S/M/L/W, the hash-grid image config, the OneBlob config
+# oneblob32 (512 encoded columns) and the tiny-cuda-nn configs the tests use (tests/configs,
 # in fp16: the precision both backends run), each model's background measurement (compile and
 # timing seconds, the variant chosen), the warm-cache PUT and the daemon's restart; then what a
 # warmed image saves (`mmad cache warm`: its seconds and the cache's size, then the cold PUTs of a
@@ -10,9 +10,8 @@
 #   phases: env ready warm tests (default: env ready warm; `tests`, tests/test_cuda_dispatch.py and
 #   tests/test_cuda_ema.py, takes about 3 minutes more)
 # Expects the repository root on the GPU host with .whl and .gl carried (nvmath-python, glslang and
-# the daemon's dependencies as py3.12 wheels, the Vulkan loader's debs: docs/gpu-notes-cuda.md,
-# docs/gpu-notes-vulkan.md); logs and JSON under $OUT (or /tmp/out), the
-# short table printed last. Each phase runs under `timeout`; one that fails does not stop the others.
+# the daemon's dependencies as py3.12 wheels, the Vulkan loader's debs: scripts/gpu/site.sh); logs
+# and JSON under $OUT (or /tmp/out), the short table printed last. Each phase runs under `timeout`; one that fails does not stop the others.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 16 on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
-# serving report (docs/benchmarks.md, "--service on a GPU host").
+# Serving on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
+# serving report (docs/benchmarks.md, "Serving on a GPU").
 #   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=8] [SHM_CLIENTS=8,16,32] scripts/gpu/service_check.sh [phase ...]
 #   phases: env tests shm service vulkan grpc (default: env tests service vulkan; shm: the shared-memory
 #   attacks of scripts/attack_shm_store.py against page-locked regions)
@@ -9,7 +9,7 @@
 #   requests at 8 clients against HTTP binary, small requests at 64 clients (bars: HTTP's figure;
 #   15,000 req/s with p99 <= 20 ms)
 # Expects the repository root on the GPU host with .whl carried (the daemon's dependencies and
-# tritonclient with cuda-bindings, py3.12 wheels: docs/gpu-notes-cuda.md); logs go under $OUT (or
+# tritonclient with cuda-bindings, py3.12 wheels: scripts/gpu/site.sh); logs go under $OUT (or
 # /tmp/out), $OUT/service.json (cuda) and $OUT/service-vulkan.json are the results, the short
 # table is printed last. Each phase runs under `timeout`; one that fails does not stop the others.
 set -u

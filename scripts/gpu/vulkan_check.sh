@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vulkan backend on an offline NVIDIA host against the cuda backend on the same GPU, in one device
-# call (carry .gl and .whl: the Vulkan loader + GL dispatch debs and the wheels, docs/gpu-notes-vulkan.md;
+# call (carry .gl and .whl: the Vulkan loader + GL dispatch debs and the wheels, scripts/gpu/site.sh;
 # .whl also holds slangpy's libslang-glslang-*.so, the coopmat2 kernels' compiler, see below).
 #   OUT=<dir> bash scripts/gpu/vulkan_check.sh [phase ...]
 # phases (default: env tests hashgrid bench ratios, about 5 minutes), each under `timeout`, logs and JSON under $OUT:

@@ -3,8 +3,8 @@
 #   1. the probe row, 2. tests/test_webgpu.py, 3. forward and training throughput for S/M/L/W at
 #   batch 2^20 against PyTorch fp16 in the same run (CUDA-graph forward; autocast + fused Adam),
 #   through `python3 -m mmad.bench --backend wgpu` (BENCH_ARGS: more of its options, e.g. '--models M').
-# Run from the repository root through the device tool with carry [".gl", ".whl"] (see
-# docs/gpu-notes.md, "GPU host set-up"); logs go to $OUT (or /tmp/wgpu_check), a short table is printed last.
+# Run from the repository root through the device tool with carry [".gl", ".whl"] (the Vulkan
+# loader's debs and the wheels, scripts/gpu/site.sh); logs go to $OUT (or /tmp/wgpu_check), a short table is printed last.
 set -uo pipefail
 OUT=${OUT:-/tmp/wgpu_check}
 mkdir -p "$OUT"

@@ -203,6 +203,16 @@ class CudaBackend(Backend):
 
         return alloc
 
+    def cuda_ipc_opener(self) -> Any:
+        from mmad.backends.cuda.ipc import open_ipc_region
+
+        return open_ipc_region
+
+    def region_group_slot(self, device: int, size: int) -> Any:
+        from mmad.backends.cuda.region_group import CudaGroupSlot
+
+        return CudaGroupSlot(cupy_module(), device, size)
+
     def data_parallel(self, replicas: list[CompiledModel]) -> Any:
         from mmad.backends.cuda.parallel import NcclDataParallel
 

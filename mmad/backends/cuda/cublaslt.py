@@ -40,7 +40,7 @@ LOSS_BLOCK, LOSS_ITEMS = 256, 8  # ew_loss: threads a block (a multiple of 32), 
 # a matmul of at least TUNED_MIN_ROWS rows runs the fastest of the heuristic's first
 # TUNED_CANDIDATES algorithms, timed once per device, library and shape and kept in the kernel
 # cache; smaller ones (and a model without a cache) the heuristic's first. H100, 2^20 rows: L's
-# training 247 -> 264 M samples/s, W's 138 -> 142 (docs/gpu-notes-cuda.md, Session 14)
+# training 247 -> 264 M samples/s, W's 138 -> 142
 TUNED_MIN_ROWS = 1 << 16
 TUNED_CANDIDATES = 8
 TUNED_REPEATS = 5  # timed runs of each candidate (after one warm-up)
@@ -73,16 +73,16 @@ class CublasLtModel(CudaModel):
     an fp32 matmul (fp32 zero C) whose BGRADB epilog sums delta over the rows for the bias
     gradient; input gradients ``W^T @ delta``: with ReLU the DRELU epilog applies the kept sign
     bits and writes the next fp16 delta itself, other activations an fp32 matmul finished by
-    ``ew_backward``; then the optimizer kernel. (The unfused backward wrote and read an fp32
-    gradient per hidden layer and summed delta in a kernel of its own: W's training step at 2^20
-    rows spent ~1 ms a layer on them; docs/gpu-notes-cuda.md, Session 14.)
+    ``ew_backward``; then the optimizer kernel. (Unfused, the backward would write and read an fp32
+    gradient per hidden layer and sum delta in a kernel of its own: ~1 ms a layer of W's training
+    step at 2^20 rows.)
 
     Layout: every activation, pre-activation and delta is an (features, rows) array in F order,
     i.e. row-major [rows][features] memory. That is the order nvmath gives D whenever a C operand
     is passed (D follows C, and an (M, 1) C counts as column-major) or a bias epilog is used
     (column-major D), so results are used as they come: C-order activations would copy every
     matmul result into C order, which costs far more than the matmul (measured on the H100: a W
-    layer 6.4 ms against 0.35 ms; docs/gpu-notes-cuda.md). The fp16 input is the fp32 input cast, and the output and loss
+    layer 6.4 ms against 0.35 ms). The fp16 input is the fp32 input cast, and the output and loss
     kernels read [rows][outputs] like the targets and the result. ``_mm`` raises if a result ever
     comes back in another layout rather than copying it.
     """
@@ -118,7 +118,7 @@ class CublasLtModel(CudaModel):
             self.b = [cp.zeros(fo, dtype=cp.float32) for _, fo in self.layers]
             self.w16 = [cp.zeros((fo, fi), dtype=cp.float16) for fi, fo in self.layers]
             # W^T in C order for the DRELU input gradients: as an F-order view of w16 the same matmul
-            # took 0.71 ms against 0.47 (W layer, 2^20 rows, H100; docs/gpu-notes-cuda.md, Session 14)
+            # took 0.71 ms against 0.47 (W layer, 2^20 rows, H100)
             self.w16t = [cp.zeros((fi, fo), dtype=cp.float16) for fi, fo in self.layers]
             self.b16 = [cp.zeros(fo, dtype=cp.float16) for _, fo in self.layers]
             n_slots = len(optimizer_slots(spec))

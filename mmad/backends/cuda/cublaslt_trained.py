@@ -27,7 +27,7 @@ class CublasLtTrainedModel(CublasLtModel):
 
     Where the fastest training and the fastest forward of a model come from different variants
     (L on the H100: cuBLASLt trains at 281 M samples/s against 189 for the fused kernels, whose
-    forward runs at 1,763-1,817 against cuBLASLt's 955-1,076; docs/gpu-notes-cuda.md, Session 14),
+    forward runs at 1,763-1,817 against cuBLASLt's 955-1,076),
     the dispatcher measures this pair as one more candidate. Every call that changes the
     parameters marks the copy stale; the next forward first copies the masters on the device
     (``CudaMmaModel.load_device_params``: one copy and one image refresh a layer)."""

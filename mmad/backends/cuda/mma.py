@@ -42,13 +42,13 @@ from mmad.shaders import read_source
 from mmad.spec import ACTIVATION_CODES, LOSS_CODES, MLPSpec, kernel_code_defines
 
 MMA_MAX_WIDTH = 256  # wider than 256 would not fit the fused kernels' registers
-WARPS_PER_BLOCK = 4  # warps per block of the mma kernels (2-16 measured within 12%: docs/gpu-notes-cuda.md)
+WARPS_PER_BLOCK = 4  # warps per block of the mma kernels (2-16 measured within 12%)
 FUSED_WARPS, FUSED_ROWS = 8, 128  # mlp_train_fused: warps per block, rows per super-tile (FW, SUPER_ROWS)
 FUSED_MAX_ACC = 96  # fp32 weight-gradient accumulators per thread the fused kernel may hold
 # up to this many accumulators per thread, and where its shared memory fits twice, two fused blocks
 # share an SM (at most 128 registers a thread): H100, 2^20 rows, S (32 accumulators) trains at
 # 2,540-2,633 M samples/s with two against 2,281-2,357 with one, though ptxas then spills 36 bytes;
-# M (80) spills ~800 bytes at 128 registers (docs/gpu-notes-cuda.md, Session 14)
+# M (80) spills ~800 bytes at 128 registers
 FUSED_TWO_BLOCKS_MAX_ACC = 32
 WGRAD_ROWS = 32  # rows per step of the weight-gradient kernel (its chunks are multiples)
 SMEM_WEIGHTS_LIMIT = 100 * 1024  # weights go through shared memory when they fit twice per SM

@@ -284,7 +284,7 @@ class CudaModel(CompiledModel):
         bytes cross the bus. Requests of at least ``PIPELINE_MIN_BYTES`` take the pipelined
         page-locked path (:class:`PinnedStaging`), which checks ``check_finite`` on the device
         (a flag kernel over each uploaded chunk: the host check of 65,536 FP16 rows of model M
-        cost a compute thread ~1.4 ms a request on the H100 host, docs/gpu-notes-cuda.md);
+        costs a compute thread ~1.4 ms a request on an H100);
         smaller ones one plain copy each way, which costs less than the pipeline's setup, and
         check on the host. Encoded models take ``forward``'s host path (encoded on the host,
         then in fp32)."""
@@ -392,7 +392,7 @@ class CudaModel(CompiledModel):
 PIPELINE_MIN_BYTES = 1 << 20  # host bytes in + out from which forward_to_host pipelines
 PIPELINE_DEPTH = 4  # chunks in flight: staged in, on the device, and copied out at once
 PIPELINE_CHUNKS = 2  # a request is cut into about this many chunks (H100, 65,536 FP16 rows of M: 0.34 ms
-# page-locked and 1.45 ms pageable against 0.49 and 3.05 ms with 8 chunks; docs/gpu-notes-cuda.md) ...
+# page-locked and 1.45 ms pageable against 0.49 and 3.05 ms with 8 chunks) ...
 CHUNK_BYTES = (256 << 10, 8 << 20)  # ... of this many input bytes at least and at most
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
 _MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked or cudaHostRegister'ed host memory
@@ -491,8 +491,8 @@ class PinnedStaging:
     the slot's page-locked output buffer; another executor thread waits for that download and
     copies the rows into ``out``. So the host copies of several chunks run on several threads
     while the copy engines and the kernels work on others. A pageable copy is itself a
-    single-threaded host copy plus a page-locked one inside the driver: the earlier one-chunk
-    staging measured no faster (docs/gpu-notes-cuda.md); the host copies spread over threads
+    single-threaded host copy plus a page-locked one inside the driver, so one-chunk staging
+    measures no faster; the host copies spread over threads
     and overlapped with the bus are what this buys. An input or output that is already
     page-locked (a registered shared-memory region) skips its host copy.
     """

@@ -186,7 +186,7 @@ class WgmmaPlan:
         Compute on the H100: DRAM at 61-69% of its peak, no eligible warp in 64-68% of the
         cycles with one 64-row input tile in flight per warpgroup); only where two blocks still
         fit on an SM, since losing the second block costs more than the prefetch gains (M: -12%,
-        S: +5%; docs/gpu-notes-cuda.md).
+        S: +5%).
         """
         self.a_bytes = _align(WGMMA_TILE_ROWS * self.kin_p * 2)
         self.x_bytes = _align(WGMMA_TILE_ROWS * self.nin * 4)
@@ -227,8 +227,7 @@ class WgmmaPlan:
 
         The default aims at 6 warpgroups an SM, then at 2 tiles a ring (one in flight while one
         computes), then at 2 warpgroups a block: the best of the 16 (warpgroups, ring) pairs
-        measured on M at 2^20 rows, within 2-5 % of the best on S and L (docs/gpu-notes-cuda.md,
-        Session 15, run 1); MIN_BLOCKS_H asks ptxas for registers that let that many blocks
+        measured on M at 2^20 rows, within 2-5 % of the best on S and L; MIN_BLOCKS_H asks ptxas for registers that let that many blocks
         stay resident.
         """
         self.half_io = self.w_resident and warpgroups != 0

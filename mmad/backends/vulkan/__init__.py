@@ -1221,8 +1221,8 @@ class VulkanModel(CompiledModel):
         rows are converted (FP16 by the cpu backend's exact routines, chunks on ``executor``'s
         threads) straight into the mapped staging memory, and the output from it into ``out``.
         Through ``forward``'s host path (NumPy casts, an encoded and padded copy, a read into
-        ``bytes``, a sliced cast) 65,536 FP16 rows of model M took 29-34 ms on the H100 host, of
-        which the device work was 0.6 ms (docs/gpu-notes-vulkan.md). Encoded models take that path."""
+        ``bytes``, a sliced cast) 65,536 FP16 rows of model M take 29-34 ms on an H100, of
+        which the device work is 0.6 ms. Encoded models take that path."""
         out = check_host_output(out, np.shape(x)[0], self.spec.n_output_dims)
         if not self.spec.encoding.passthrough or not isinstance(x, np.ndarray) or \
                 x.dtype not in (np.float16, np.float32):

@@ -429,8 +429,8 @@ class Device:
     def memory_type(self, type_bits: int, host_visible: bool, cached: bool = False) -> int:
         """The memory type for a buffer: DEVICE_LOCAL, or HOST_VISIBLE|HOST_COHERENT (``cached``:
         HOST_CACHED too where the device offers it: the CPU reads uncached memory — NVIDIA's
-        first host-visible type — at a few hundred MB/s, which made reading a 65,536-row model-M
-        output back through the staging buffer take ~55 ms on the H100 host)."""
+        first host-visible type — at a few hundred MB/s, which makes reading a 65,536-row model-M
+        output back through uncached staging memory take ~55 ms on an H100)."""
         wants = [0x2 | 0x4 | 0x8, 0x2 | 0x4] if host_visible and cached else [0x2 | 0x4] if host_visible else [0x1]
         for want in wants:
             for i, (flags, _) in enumerate(self.memory_types):

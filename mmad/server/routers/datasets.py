@@ -16,12 +16,12 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, Request
 
 from mmad.server.bodies import json_response, stream_to_file
-from mmad.server.datasets import check_chunk
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.openapi import BINARY_REQUEST_DOC
-from mmad.server.registry import ModelEntry
-from mmad.server.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size, store_write
+from mmad.engine.registry import ModelEntry
+from mmad.engine.store import ChunkHeader, DatasetInfo, check_dataset_id, check_dataset_size, store_write
 
 router = APIRouter(tags=["datasets"], responses=ERROR_RESPONSES)
 
@@ -33,12 +33,12 @@ async def receive_chunk(rt: Runtime, request: Request, entry: ModelEntry, stored
     length = request.headers.get("content-length", "")
     if length.isdigit():  # refused before a byte of the body is read
         check_dataset_size(stored + int(length), limit)
-    path = await rt.registry.run(rt.store.incoming_path)
+    path = await rt.registry.datasets.incoming_path()
     try:
         with store_write(f"the dataset chunk for model {entry.name!r}"):  # a full disk is a 507, not a 500
             await stream_to_file(request, path, rt.settings.max_body_bytes, rt.registry.run,
                                  check=lambda received: check_dataset_size(stored + received, limit))
-            header = await rt.registry.run(check_chunk, entry.spec, path)
+            header = await rt.registry.datasets.check_chunk(entry, path)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -56,8 +56,7 @@ async def create_dataset(model: str, request: Request, rt: Runtime = Depends(run
     entry = rt.registry.get(model)
     path, header = await receive_chunk(rt, request, entry, 0)
     try:
-        info = await rt.registry.run(rt.store.add_dataset, model, path, header, rt.settings.max_dataset_bytes,
-                                     entry.incarnation)
+        info = await rt.registry.datasets.add(entry, path, header)
     finally:
         path.unlink(missing_ok=True)  # gone already when it was moved into the dataset
     return json_response({"dataset": info.dataset, "rows": info.rows, "bytes": info.bytes})
@@ -69,14 +68,12 @@ async def append_chunk(model: str, dataset: str, request: Request, rt: Runtime =
     """The dataset's next chunk: the same tensors, types and columns as its first chunk."""
     entry = rt.registry.get(model)
     check_dataset_id(dataset)
-    before = await rt.registry.run(rt.store.dataset_info, model, dataset)  # 404 before the body is read
+    before = await rt.registry.datasets.info(model, dataset)  # 404 before the body is read
     path, header = await receive_chunk(rt, request, entry, before.bytes)
     try:
-        info = await rt.registry.run(rt.store.append_dataset_chunk, model, dataset, path, header,
-                                     rt.settings.max_dataset_bytes, entry.incarnation)
+        info = await rt.registry.datasets.append(entry, dataset, path, header)  # a held copy is dropped
     finally:
         path.unlink(missing_ok=True)
-    rt.registry.datasets.invalidate(model, dataset)  # a held copy lacks the new rows
     return json_response({"dataset": dataset, "rows": info.rows, "bytes": info.bytes, "chunks": len(info.chunks)})
 
 
@@ -84,7 +81,7 @@ async def append_chunk(model: str, dataset: str, request: Request, rt: Runtime =
 async def list_datasets(model: str, rt: Runtime = Depends(runtime)):
     """The model's datasets, and the limits an upload must keep (bytes of a chunk, of a dataset)."""
     rt.registry.get(model)
-    infos = await rt.registry.run(rt.store.list_datasets, model)
+    infos = await rt.registry.datasets.listed(model)
     return json_response({"datasets": [described(rt, i) for i in infos],
                           "max_chunk_bytes": rt.settings.max_body_bytes,
                           "max_dataset_bytes": rt.settings.max_dataset_bytes})
@@ -94,7 +91,7 @@ async def list_datasets(model: str, rt: Runtime = Depends(runtime)):
 async def get_dataset(model: str, dataset: str, rt: Runtime = Depends(runtime)):
     rt.registry.get(model)
     check_dataset_id(dataset)
-    return json_response(described(rt, await rt.registry.run(rt.store.dataset_info, model, dataset)))
+    return json_response(described(rt, await rt.registry.datasets.info(model, dataset)))
 
 
 @router.delete("/v2/models/{model}/datasets/{dataset}", dependencies=[Depends(require_key)])
@@ -103,6 +100,5 @@ async def delete_dataset(model: str, dataset: str, rt: Runtime = Depends(runtime
     from it keeps the copy it holds until it ends (its memory is freed then)."""
     rt.registry.get(model)
     check_dataset_id(dataset)
-    await rt.registry.run(rt.store.delete_dataset, model, dataset)
-    rt.registry.datasets.invalidate(model, dataset)
+    await rt.registry.datasets.delete(model, dataset)
     return json_response({"model_name": model, "dataset": dataset, "deleted": True})

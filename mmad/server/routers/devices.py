@@ -6,7 +6,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from mmad.server.bodies import json_response
-from mmad.server.deps import Runtime, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import runtime
 from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["devices"], responses=ERROR_RESPONSES)

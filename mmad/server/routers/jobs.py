@@ -7,10 +7,11 @@ from fastapi.responses import StreamingResponse
 
 from mmad.server.bodies import json_body, json_response
 
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.server.jobs import JobRequest
+from mmad.engine.jobs import JobRequest
 
 router = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
 
@@ -34,6 +35,14 @@ async def list_jobs(rt: Runtime = Depends(runtime)):
 @router.get("/v2/models/{model}/jobs/{job_id}")
 async def job_status(model: str, job_id: str, rt: Runtime = Depends(runtime)):
     return json_response(rt.jobs.get(model, job_id).status())
+
+
+@router.get("/v2/models/{model}/jobs/{job_id}/losses")
+async def job_losses(model: str, job_id: str, rt: Runtime = Depends(runtime)):
+    """The job's loss curve from its first step: ``[[step, loss], ...]``, at most about a thousand
+    points (evenly merged as the job runs); ``loss`` is null where it was NaN or Inf."""
+    job = rt.jobs.get(model, job_id)
+    return json_response({"job": job.id, "model_name": job.model, "step": job.step, "points": job.history.points()})
 
 
 @router.delete("/v2/models/{model}/jobs/{job_id}", dependencies=[Depends(require_key)])

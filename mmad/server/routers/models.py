@@ -9,13 +9,15 @@ from fastapi import APIRouter, Depends, Request, Response
 from mmad.errors import InvalidInput, SpecError
 from mmad.backends.contract import param_shapes
 from mmad.server.bodies import check_safetensors_header, json_body, json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 from mmad.server.inference import infer_request
 from mmad.server.openapi import BINARY_REQUEST_DOC, TENSOR_REQUEST_DOC, TENSOR_RESPONSES
-from mmad.server.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
-from mmad.server.store import check_model_name, tensors_from_bytes, tensors_to_bytes
-from mmad.server.workers import worker_queued, worker_records
+from mmad.engine.registry import INPUT, OUTPUT, ModelConfig, ModelEntry
+from mmad.engine.store import check_model_name, tensors_from_bytes
+from mmad.engine.messages import WorkerRecords
+from mmad.engine.statistics import worker_queued, worker_records
 from mmad.spec import MLPSpec
 
 router = APIRouter(tags=["models"], responses=ERROR_RESPONSES)
@@ -29,7 +31,7 @@ CREATE_BODY_SCHEMA = {
 }
 
 
-def metadata(rt: Runtime, entry: ModelEntry, records: list[dict] = ()) -> dict[str, Any]:
+def metadata(rt: Runtime, entry: ModelEntry, records: list[WorkerRecords] = ()) -> dict[str, Any]:
     """The model's metadata; ``records``: the serving workers' (their queued requests count too)."""
     versions = rt.registry.versions(entry.name)
     limits = entry.config.limits(rt.settings)
@@ -42,7 +44,7 @@ def metadata(rt: Runtime, entry: ModelEntry, records: list[dict] = ()) -> dict[s
         "backend": rt.registry.backend_label, "latest_version": versions[-1]["version"] if versions else "",
         "step": entry.live.step_count if entry.live is not None else (versions[-1]["step"] if versions else 0),
         "queued_requests": (entry.batcher.queued if entry.batcher is not None else 0)
-                           + worker_queued(list(records), entry.name, entry.incarnation),
+                           + worker_queued(list(records), entry),
         "devices": [r.device for r in entry.replicas if r.model is not None],  # the replicas', primary first
         # the variant the primary runs, and the dispatcher's figures when it was chosen by measurement
         "variant": live.variant if live is not None else None,
@@ -143,7 +145,7 @@ async def list_versions(model: str, rt: Runtime = Depends(runtime)):
 @router.post("/v2/models/{model}/versions", dependencies=[Depends(require_key)])
 async def checkpoint(model: str, rt: Runtime = Depends(runtime)):
     entry = rt.registry.get_ready(model)
-    version = await rt.registry.run(rt.registry.checkpoint_blocking, entry)
+    version = await rt.registry.checkpoint(entry)
     return json_response(version)
 
 
@@ -153,16 +155,9 @@ async def get_weights(model: str, version: str | None = None, rt: Runtime = Depe
     """A stored version's safetensors file (``?version=``), else the live weights right now."""
     registry = rt.registry
     if version is not None:
-        registry.get(model)
-        data = await registry.run(registry.store.weights_bytes, model, registry.check_version(model, version))
+        data = await registry.stored_weights(model, version)
         return Response(data, media_type="application/octet-stream", headers={"Mmad-Model-Version": version})
-    entry = registry.get_ready(model)
-
-    def snapshot() -> tuple[bytes, int]:
-        with entry.lock:
-            return tensors_to_bytes(entry.live.get_params()), entry.live.step_count
-
-    data, step = await registry.run(snapshot)
+    data, step = await registry.live_weights(registry.get_ready(model))
     return Response(data, media_type="application/octet-stream", headers={"Mmad-Step": str(step)})
 
 
@@ -182,5 +177,5 @@ def uploaded_weights(spec: MLPSpec, data: bytes) -> dict[str, Any]:
 async def set_weights(model: str, request: Request, rt: Runtime = Depends(runtime)):
     entry = rt.registry.get_ready(model)
     params = await rt.registry.run(uploaded_weights, entry.spec, await request.body())
-    version = await rt.registry.run(rt.registry.set_weights_blocking, entry, params)
+    version = await rt.registry.set_weights(entry, params)
     return json_response(version)

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput
 from mmad.server.bodies import json_body, json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["repository"], responses=ERROR_RESPONSES)

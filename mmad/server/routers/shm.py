@@ -4,7 +4,7 @@ Registering a region lets the daemon read and write memory with its own permissi
 an admin action: the API key where one is set, and ``--shared-memory`` (``off``: none;
 ``loopback``, the default: from clients on this host only; ``on``: from any client, which
 needs an API key). A keyless daemon lets a local client register only a ``/dev/shm`` object of
-the client's own user (:mod:`mmad.server.peers` tells which user holds the connection), so no
+the client's own user (:mod:`mmad.engine.peers` tells which user holds the connection), so no
 local process reaches, through the daemon, an object it could not open itself.
 
 The CUDA routes answer 400 with the reason (CUDA shared memory needs the cuda backend) on any
@@ -16,16 +16,17 @@ from fastapi import APIRouter, Depends, Request
 
 from mmad.errors import InvalidInput
 from mmad.server.bodies import json_body, json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.server.peers import peer_of, shared_memory_owner
-from mmad.server.workers import check_token
+from mmad.engine.peers import peer_of, shared_memory_owner
+from mmad.server.internal import check_token
 
 router = APIRouter(tags=["shared memory"], responses=ERROR_RESPONSES)
 
 
 def admitted(request: Request, rt: Runtime) -> int | None:
-    """:func:`~mmad.server.peers.shared_memory_owner` for an HTTP request (the client's address
+    """:func:`~mmad.engine.peers.shared_memory_owner` for an HTTP request (the client's address
     as the connection or, behind ``--workers``, the serving worker tells it)."""
     via_worker = request.client is None and rt.workers is not None and check_token(request.headers, rt.workers.token)
     return shared_memory_owner(rt.settings.shared_memory, rt.settings.api_key_value is not None,

@@ -7,60 +7,25 @@ the request at the next slice (the steps done so far stay, as if it had asked fo
 
 from __future__ import annotations
 
-import logging
-import time
-
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 
-from mmad.errors import Diverged, InvalidInput, MMADError
+from mmad.engine.inference import model_tensors
+from mmad.engine.training import train_in_slices
+from mmad.errors import InvalidInput, MMADError
 from mmad.server.bodies import json_response
-from mmad.server.deps import Runtime, require_key, runtime
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
-from mmad.server.metrics import UNKNOWN_MODEL
+from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.server.openapi import TENSOR_REQUEST_DOC
-from mmad.server.registry import INPUT, TARGET
-from mmad.server.store import check_model_name
-from mmad.server.tensors import model_tensors, parse_tensors
+from mmad.engine.registry import INPUT, TARGET
+from mmad.engine.store import check_model_name
+from mmad.server.tensors import parse_tensors
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)
 
 MAX_STEPS_PER_REQUEST = 100_000
-SLICE_S = 0.05
-
-log = logging.getLogger("mmad.server.training")
-
-
-async def train_in_slices(rt: Runtime, request: Request, entry, x: np.ndarray, y: np.ndarray,
-                          steps: int) -> tuple[list[np.ndarray], int, bool]:
-    """(losses per slice, the model's step count, whether the client disconnected first).
-
-    A diverged slice is undone by ``train_live``; the request's earlier slices are undone too
-    unless other training interleaved (undoing those would lose someone else's steps).
-    """
-    losses: list[np.ndarray] = []
-    done, step, per_step_s = 0, 0, None
-    snapshot = await rt.registry.run_training(rt.registry.snapshot_blocking, entry) if steps > 1 else None
-    while done < steps:
-        n = 1 if per_step_s is None else int(SLICE_S / max(per_step_s, 1e-7))
-        n = max(1, min(n, steps - done))
-        started = time.perf_counter()
-        try:
-            out, step = await rt.registry.run_training(entry.train_live, x, y, n, done, steps)
-        except Diverged as exc:
-            if done == 0:
-                raise Diverged(f"{exc}; the weights of before this request are kept") from None
-            if await rt.registry.run_training(rt.registry.restore_blocking, entry, snapshot, snapshot[2] + done):
-                raise Diverged(f"{exc}; the weights of before this request are kept") from None
-            raise Diverged(f"{exc}; the weights of before step {done + 1} are kept (other training "
-                           "interleaved with this request)") from None
-        per_step_s = (time.perf_counter() - started) / n
-        losses.append(out)
-        done += n
-        if done < steps and await request.is_disconnected():
-            log.info("train on %s: the client went away after %d of %d steps; stopped", entry.name, done, steps)
-            return losses, step, True
-    return losses, step, False
 
 
 @router.post("/v2/models/{model}/train", dependencies=[Depends(require_key)], openapi_extra=TENSOR_REQUEST_DOC)
@@ -78,7 +43,8 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS_PER_REQUEST:
             raise InvalidInput(f"parameters.steps must be an integer from 1 to {MAX_STEPS_PER_REQUEST}; got {steps!r}")
         tensors = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims, TARGET: entry.spec.n_output_dims})
-        slices, step, _gone = await train_in_slices(rt, request, entry, tensors[INPUT], tensors[TARGET], steps)
+        slices, step, _gone = await train_in_slices(rt, entry, tensors[INPUT], tensors[TARGET], steps,
+                                                    request.is_disconnected)
     except MMADError as exc:
         if labels[0] is UNKNOWN_MODEL:
             rt.metrics.requests.labels(*labels, "train").inc()

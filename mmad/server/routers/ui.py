@@ -18,7 +18,7 @@ from fastapi.staticfiles import StaticFiles
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 # what / points to: name, path, what a person finds there
-LINKS = (("dashboard", "/ui", "the dashboard: models, training jobs, devices"),
+LINKS = (("dashboard", "/ui", "the dashboard: training jobs, requests, models, devices"),
          ("docs", "/docs", "the HTTP API, to read and try (Swagger UI)"),
          ("openapi", "/openapi.json", "the API's OpenAPI schema"),
          ("server", "/v2", "server metadata (Open Inference Protocol v2)"),

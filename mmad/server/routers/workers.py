@@ -7,11 +7,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request, Response
 from starlette.exceptions import HTTPException
 
-from mmad.errors import ModelNotReady
 from mmad.server.bodies import json_response
-from mmad.server.deps import Runtime, runtime
-from mmad.server.store import tensors_to_bytes
-from mmad.server.workers import INTERNAL_PREFIX, check_token
+from mmad.engine.runtime import Runtime
+from mmad.server.deps import runtime
+from mmad.engine.messages import PrimaryState
+from mmad.server.internal import INTERNAL_PREFIX, check_token
 
 router = APIRouter(include_in_schema=False)
 
@@ -26,33 +26,16 @@ async def worker_token(request: Request) -> None:  # async: no thread hop
 async def state(rt: Runtime = Depends(runtime)):
     """The ready models (what a worker compiles, and the generation of their weights) and the
     shared-memory regions; ``generation`` is read first, so all below is at least that new."""
-    registry = rt.registry
-    generation = registry.generation
-    models = []
-    for name, entry in list(registry.models.items()):
-        live = entry.live
-        if live is None:  # a worker passes its requests to the primary, which says why
-            continue
-        models.append({"name": name, "incarnation": entry.incarnation, "generation": entry.generation,
-                       "spec": entry.spec.to_json(), "config": entry.config.model_dump(),
-                       "devices": [r.device for r in entry.replicas], "variant": live.variant,
-                       "version": registry.latest_version(name)})
-    return json_response({"generation": generation, "backend": rt.selected.backend, "models": models,
-                          "shm": rt.shm.registrations()})
+    generation = rt.registry.generation
+    state = PrimaryState(generation, rt.selected.backend, rt.registry.served_models(), rt.shm.registrations())
+    return json_response(state.to_json())
 
 
 @router.get(INTERNAL_PREFIX + "/weights/{model}", dependencies=[Depends(worker_token)])
 async def weights(model: str, rt: Runtime = Depends(runtime)):
     """The live weights of ``model`` now (safetensors)."""
-    entry = rt.registry.get_ready(model)
-
-    def snapshot() -> bytes:
-        with entry.lock:
-            if entry.live is None:
-                raise ModelNotReady(model)
-            return tensors_to_bytes(entry.live.get_params())
-
-    return Response(await rt.registry.run(snapshot), media_type="application/octet-stream")
+    data, _step = await rt.registry.live_weights(rt.registry.get_ready(model))
+    return Response(data, media_type="application/octet-stream")
 
 
 @router.post(INTERNAL_PREFIX + "/ready/{index}", dependencies=[Depends(worker_token)])

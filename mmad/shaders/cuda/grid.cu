@@ -200,8 +200,8 @@ __device__ __forceinline__ void grid_encode_row(
 
 // A thread per (row, level), blockIdx.y the level: the blocks resident on an SM at once work on
 // one level, so its table rows stay in L1 (H100, the image config: 49 us against 70 for a thread
-// per row and every level, docs/gpu-notes-cuda.md). Blocks that stay on the level of their SM
-// (%smid) and claim row chunks from a counter per level were no faster (docs/gpu-notes-cuda.md).
+// per row and every level). Blocks that stay on the level of their SM (%smid) and claim row
+// chunks from a counter per level measure no faster.
 template <int DIMS, int F, int INTERP, bool GROUPED, int BEGIN, int COLUMN, int X_COLS>
 __device__ __forceinline__ void grid_encode_part(
     const GridLevelDesc* __restrict__ levels, const float* __restrict__ x, const int* __restrict__ row_map, i64 rows,

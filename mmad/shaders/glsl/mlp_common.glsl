@@ -20,11 +20,11 @@ layout(constant_id = 5) const int ROUND_FP16 = 1;
 
 // Round an fp32 value to the nearest fp16 value (ties to even), kept in fp32 storage
 // (ROUND_FP16 = 0: no rounding, precision fp32). Integer arithmetic, the same on every
-// driver: packHalf2x16's rounding mode is implementation-defined, and NVIDIA's compiler was
-// seen to drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
+// driver: packHalf2x16's rounding mode is implementation-defined, and NVIDIA's compiler can
+// drop an unpackHalf2x16(packHalf2x16(x)) round trip altogether (no rounding at all).
 // Branch-free (every case computed, then selected). On NVIDIA, r16 on coopmat accumulator
 // elements (branchy or not) cost 256 B of local memory and ~5x the forward's time against
-// letting the fp16 conversion round (docs/gpu-notes-vulkan.md): see pre_f16 below.
+// letting the fp16 conversion round: see pre_f16 below.
 float round_f16(float x) {
     uint u = floatBitsToUint(x);
     uint a = u & 0x7fffffffu;

@@ -1,6 +1,6 @@
 """Training sets: uploaded chunks checked against the model, and the copies held by its backend.
 
-A dataset lives in the store as chunk files (:mod:`mmad.server.store`); an uploaded chunk is
+A dataset lives in the store as chunk files (:mod:`mmad.engine.store`); an uploaded chunk is
 checked here (:func:`check_chunk`: its header, the model's column counts, finite values, one
 memory-mapped block at a time) before the store moves it into place.
 
@@ -39,13 +39,13 @@ from mmad.backends.contract import CompiledModel, Dataset
 from mmad.backends.numerics import all_finite
 from mmad.backends.parallel import shard_bounds, shard_chunks
 from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady
-from mmad.server.store import ChunkHeader, chunk_arrays, read_chunk_header, size_words
+from mmad.engine.store import ChunkHeader, DatasetInfo, chunk_arrays, read_chunk_header, size_words
 from mmad.spec import MLPSpec
 
 if TYPE_CHECKING:  # the registry creates the cache: no import cycle at run time
-    from mmad.server.registry import ModelEntry, Registry
+    from mmad.engine.registry import ModelEntry, Registry
 
-log = logging.getLogger("mmad.server.datasets")
+log = logging.getLogger("mmad.engine.datasets")
 
 FINITE_BLOCK_VALUES = 1 << 22  # values checked at once (16 MiB of float32): the page cache does the rest
 
@@ -99,6 +99,39 @@ class DatasetCache:
         self._building: dict[tuple[str, str | None, str, int], asyncio.Lock] = {}
         # bumped by every invalidation: a copy built across one is handed out but not kept
         self._generation: dict[tuple[str, str], int] = {}
+
+    # -- the store's datasets, on a compute thread --------------------------------------------
+    async def incoming_path(self) -> Path:
+        return await self.registry.run(self.registry.store.incoming_path)
+
+    async def check_chunk(self, entry: "ModelEntry", path: Path) -> ChunkHeader:
+        """:func:`check_chunk` of an uploaded chunk file against ``entry``'s model."""
+        return await self.registry.run(check_chunk, entry.spec, path)
+
+    async def add(self, entry: "ModelEntry", path: Path, header: ChunkHeader) -> DatasetInfo:
+        """A new dataset of ``entry``'s model from its first checked chunk file."""
+        registry = self.registry
+        return await registry.run(registry.store.add_dataset, entry.name, path, header,
+                                  registry.settings.max_dataset_bytes, entry.incarnation)
+
+    async def append(self, entry: "ModelEntry", dataset_id: str, path: Path, header: ChunkHeader) -> DatasetInfo:
+        """The dataset's next checked chunk file; a held copy, which lacks its rows, is dropped."""
+        registry = self.registry
+        info = await registry.run(registry.store.append_dataset_chunk, entry.name, dataset_id, path, header,
+                                  registry.settings.max_dataset_bytes, entry.incarnation)
+        self.invalidate(entry.name, dataset_id)
+        return info
+
+    async def info(self, model: str, dataset_id: str) -> DatasetInfo:
+        return await self.registry.run(self.registry.store.dataset_info, model, dataset_id)
+
+    async def listed(self, model: str) -> list[DatasetInfo]:
+        return await self.registry.run(self.registry.store.list_datasets, model)
+
+    async def delete(self, model: str, dataset_id: str) -> None:
+        """Delete the dataset and drop the copy its model's backend holds."""
+        await self.registry.run(self.registry.store.delete_dataset, model, dataset_id)
+        self.invalidate(model, dataset_id)
 
     async def on_device(self, entry: "ModelEntry", dataset_id: str) -> Dataset:
         """The dataset held by ``entry``'s live (primary) compiled model, copied in on first use."""

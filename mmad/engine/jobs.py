@@ -9,9 +9,10 @@ once at its end. Between chunks inference gets the model's lock, cancel is seen,
 is published. Every ``checkpoint_every`` steps, at the end, on cancel and on shutdown it
 writes a version; a version is announced (``checkpoint`` event, ``versions`` list) only once the
 store has acknowledged it. Progress goes to Server-Sent Events subscribers, throttled to a few
-reports per second. A step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with
-the reason, and the live model goes back to the newest finite stored version: a diverged state
-is never checkpointed nor left serving.
+reports per second; every chunk's losses go to the job's bounded history (``LossHistory``). A
+step that diverges (NaN/Inf loss or weights) ends the job ``failed`` with the reason, and the
+live model goes back to the newest finite stored version: a diverged state is never
+checkpointed nor left serving.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends.contract import Dataset
 from mmad.backends.parallel import shard_positions, split_batch
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
-from mmad.server.registry import Registry
+from mmad.engine.loss_history import LossHistory
+from mmad.engine.registry import Registry
 
-log = logging.getLogger("mmad.server.jobs")
+log = logging.getLogger("mmad.engine.jobs")
 
 PROGRESS_INTERVAL_S = 0.2
 CHUNK_S = 0.1  # training between two looks from the host (losses, progress, cancel)
@@ -81,6 +83,7 @@ class Job:
         self.state = "queued"
         self.step = 0
         self.loss: float | None = None
+        self.history = LossHistory()
         self.samples_per_s = 0.0
         self.versions: list[str] = []
         self.error: str | None = None
@@ -227,6 +230,7 @@ class JobManager:
                 per_step_s = (now - chunk_started) / n
                 job.step += n
                 job.loss = float(losses[-1])
+                job.history.add(job.step, losses)
                 metrics.training_steps.labels(*labels).inc(n)
                 metrics.training_samples.labels(*labels).inc(n * batch)
                 job.samples_per_s = job.step * batch / max(now - started, 1e-9)
@@ -242,6 +246,8 @@ class JobManager:
             job.state = "done" if job.cancel_reason is None else "cancelled"
             job.error = job.cancel_reason
         except Diverged as exc:
+            if exc.losses is not None:  # the curve ends at the step that diverged (its weights were put back)
+                job.history.add(exc.step, exc.losses)
             try:
                 restored = await self.registry.run(self.registry.restore_last_finite_blocking, entry)
             except MMADError as restore_exc:

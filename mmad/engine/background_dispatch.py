@@ -31,9 +31,9 @@ from mmad.backends.contract import CompiledModel
 from mmad.backends.dispatch import Background, Decision, in_words
 
 if TYPE_CHECKING:  # the registry calls in: no import cycle at run time
-    from mmad.server.registry import ModelEntry, Registry
+    from mmad.engine.registry import ModelEntry, Registry
 
-log = logging.getLogger("mmad.server.background_dispatch")
+log = logging.getLogger("mmad.engine.background_dispatch")
 
 SWAP_POLL_S = 1.0  # how often a thread waiting for the swap checks that the event loop still runs
 

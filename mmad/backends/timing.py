@@ -13,9 +13,9 @@ sample read from one clock:
 ``calls`` is how many calls ``fn`` makes per sample (back-to-back launches or ``steps=``): the
 result is per call, so a fixed cost per sample (a read-back to synchronise) is spread over them.
 On CUDA every timer makes :data:`GPU_CALLS_PER_SAMPLE` calls a sample (:func:`back_to_back`): the
-throughput of a queue of calls. With one call a sample the GPU idled from the start event until
-the host had launched the call's first kernel (Python and the launch, 5-15 µs), inside a 60-80 µs
-forward of model S or of the hash-grid image config (docs/gpu-notes-cuda.md, session 12).
+throughput of a queue of calls. With one call a sample the GPU would idle from the start event
+until the host had launched the call's first kernel (Python and the launch, 5-15 µs), inside a
+60-80 µs forward of model S or of the hash-grid image config.
 
 ``measure_ceilings`` measures, now and here, the copy bandwidth and the matmul rate the floor
 divides by: on the GPU host a 1 GiB device-to-device copy and an 8192² fp16 matmul (PyTorch,

@@ -3,7 +3,7 @@
 
 Train here, serve many: one daemon trains and publishes versions (``mmad export --to
 repository``, which renames each version folder into place whole), and every serving daemon
-polls the shared folder. Each pass reads the folders (mmad.server.repository's layout, Triton's
+polls the shared folder. Each pass reads the folders (mmad.engine.repository's layout, Triton's
 version folders only) and brings the daemon's models level with them:
 
 - a new version folder (one the policy picks, above the newest served) is read, checked and
@@ -27,13 +27,13 @@ import asyncio
 import logging
 from pathlib import Path
 
+from mmad.engine.registry import ModelEntry, Registry
+from mmad.engine.repository import FolderError, ModelFolder, create_versioned, read_model_folder, read_versions
+from mmad.engine.store import check_model_name
 from mmad.errors import Forbidden, MMADError
-from mmad.server.registry import ModelEntry, Registry
-from mmad.server.repository import FolderError, ModelFolder, create_versioned, read_model_folder, read_versions
-from mmad.server.settings import Settings
-from mmad.server.store import check_model_name
+from mmad.settings import Settings
 
-log = logging.getLogger("mmad.server.repository")
+log = logging.getLogger("mmad.engine.repository")
 
 
 def refuse_changes(settings: Settings, model: str) -> None:

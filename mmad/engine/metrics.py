@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-log = logging.getLogger("mmad.server.metrics")
+log = logging.getLogger("mmad.engine.metrics")
 
 LABELS = ("model", "backend")
 # the ``model`` label of requests naming no model the daemon has (not a valid model name, so

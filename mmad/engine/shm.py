@@ -1,6 +1,6 @@
 """Triton's shared-memory extensions: regions that inference requests read inputs from and write
 outputs into, instead of the body. System regions are POSIX shared-memory objects (``/dev/shm``);
-CUDA regions (the cuda backend only, :mod:`mmad.server.cudashm`) are device allocations another
+CUDA regions (the cuda backend only, :mod:`mmad.backends.cuda.ipc`) are device allocations another
 process shares through a CUDA IPC handle. Both kinds share one namespace of region names and one
 validation of every reference (:meth:`SharedMemoryRegistry.reference`).
 
@@ -9,12 +9,12 @@ sparse on a full filesystem at any moment. A load or store through a mapping of 
 past its end, or into a hole the filesystem has no page for, is SIGBUS: the whole daemon dies.
 So the daemon's CPU never touches a mapping of a client's object. Inputs are read with
 ``pread`` into buffers of the daemon's own (page-locked on a GPU backend,
-:mod:`mmad.server.hostmem`), and outputs are written from such buffers with ``pwrite``: a read
+:mod:`mmad.engine.hostmem`), and outputs are written from such buffers with ``pwrite``: a read
 that comes up short (the object shrank) is a 400 for that request, a write the filesystem has
 no room for (ENOSPC) a 507, and nothing else happens to the daemon.
 
 The one exception is DMA. Where the primary runs region forwards for its serving workers on
-the cuda backend (:mod:`mmad.server.region_forwards`), a region's pages are mapped and
+the cuda backend (:mod:`mmad.engine.region_forwards`), a region's pages are mapped and
 page-locked at registration (the backend's ``pin_host_memory``: ``cudaHostRegister``), and the
 device copies rows straight from and into them. Page-locking faults every page of the region
 in and holds it: a client that truncates the object afterwards takes the pages out of its
@@ -50,9 +50,9 @@ from typing import Any, Callable
 import numpy as np
 
 from mmad.errors import ConflictError, Forbidden, InvalidInput, RegionFull
-from mmad.server import hostmem
+from mmad.engine import hostmem
 
-log = logging.getLogger("mmad.server")
+log = logging.getLogger("mmad.engine.shm")
 
 SHM_DIR = "/dev/shm"
 # a POSIX shared-memory name: one leading slash, no other (no way out of /dev/shm)
@@ -210,7 +210,7 @@ class SharedMemoryRegistry:
     ``pin``: the backend's ``pin_host_memory`` (page-locks a system region's mapping; None where
     the backend copies nothing to a device), used once :meth:`enable_dma` was called (the
     primary's region forwards). ``cuda_open``: turns (IPC handle bytes, device id, byte size)
-    into a CUDA region (:func:`mmad.server.cudashm.open_ipc_region` on the cuda backend; tests
+    into a CUDA region (the backend's ``cuda_ipc_opener``, :func:`mmad.backends.cuda.ipc.open_ipc_region`; tests
     pass a fake); None where CUDA shared memory is unavailable, then ``cuda_unavailable`` says why.
     """
 
@@ -227,13 +227,11 @@ class SharedMemoryRegistry:
 
     def use_backend(self, backend: Any, name: str) -> None:
         """Page-lock system regions through ``backend`` (its ``pin_host_memory`` hook) where
-        device copies use them; CUDA regions on the cuda backend only."""
+        device copies use them; CUDA regions where it opens them (``cuda_ipc_opener``: the cuda
+        backend only)."""
         self.pin = backend.pin_host_memory
-        if name == "cuda":
-            from mmad.server.cudashm import open_ipc_region
-
-            self.cuda_open = open_ipc_region
-        else:
+        self.cuda_open = backend.cuda_ipc_opener()
+        if self.cuda_open is None:
             self.cuda_unavailable = CUDA_NEEDS_BACKEND.format(backend=name)
 
     def enable_dma(self) -> None:

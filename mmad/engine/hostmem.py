@@ -4,7 +4,7 @@ A request body read off the socket and a response body the forward writes into a
 ends of the device copies. Where they lie in page-locked memory the cuda backend copies them
 straight to and from the device (``CudaModel.forward_to_host``: 0.33 ms for 65,536 FP16 rows of
 model M each way on an H100, against 1.45 ms through page-locked staging and 2.2 ms through the
-driver's pageable copies, docs/gpu-notes-cuda.md session 8). Allocating page-locked memory is slow
+driver's pageable copies). Allocating page-locked memory is slow
 (``cudaHostAlloc``), so :class:`PinnedPool` keeps freed buffers by size class (eight classes an
 octave: at most 1/8 wasted) up to a byte budget, and hands out each buffer as an array over its
 own small buffer object, whose collection — once no view of the body is left anywhere (the
@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-log = logging.getLogger("mmad.server.hostmem")
+log = logging.getLogger("mmad.engine.hostmem")
 
 MIN_POOLED_BYTES = 1 << 16  # below this a body costs no copy worth avoiding; plain memory
 

@@ -31,16 +31,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
-from mmad.server import background_dispatch
-from mmad.server.batcher import Batcher, BatchLimits
-from mmad.server.datasets import DatasetCache
-from mmad.server.metrics import Metrics
-from mmad.server.placement import DeviceLoad, place
-from mmad.server.settings import Settings
-from mmad.server.store import Store, check_model_name, check_version
+from mmad.engine import background_dispatch
+from mmad.engine.batcher import Batcher, BatchLimits
+from mmad.engine.datasets import DatasetCache
+from mmad.engine.messages import ServedModel
+from mmad.engine.metrics import Metrics
+from mmad.engine.placement import DeviceLoad, place
+from mmad.settings import Settings
+from mmad.engine.store import Store, check_model_name, check_version, tensors_to_bytes
 from mmad.spec import MLPSpec
 
-log = logging.getLogger("mmad.server.registry")
+log = logging.getLogger("mmad.engine.registry")
 
 PINNED_CACHE_SIZE = 2
 INPUT, OUTPUT, TARGET = "INPUT", "OUTPUT", "TARGET"
@@ -310,10 +311,13 @@ class ModelEntry:
                     replica.model.set_params(before[0])
                     replica.model.set_optimizer_state(before[1])
                 at = int(bad[0]) + 1 if bad.size else steps
-                raise Diverged(
+                exc = Diverged(
                     f"training of model {self.name!r} diverged at step {done + at} of {total or steps} "
                     f"({'loss ' + str(float(losses[at - 1])) if bad.size else 'non-finite weights'}); lower the "
                     "learning rate or scale the targets")
+                if bad.size:
+                    exc.step, exc.losses = done + at, losses[:at].tolist()
+                raise exc
             return losses, self.live.step_count
 
 
@@ -417,7 +421,7 @@ class Registry:
         """``variant`` (the model's config), else the one MMAD_BACKEND names, else the backend's
         choice, measured on ``batch_rows`` rows (the model's max_batch_rows) where it measures: a
         decision not yet cached is measured in the background while a quick variant serves
-        (``_activate`` follows it, :mod:`mmad.server.background_dispatch`)."""
+        (``_activate`` follows it, :mod:`mmad.engine.background_dispatch`)."""
         forced = parse_forced(self.settings.backend or "")
         return self.backend.compile(spec, variant=variant or (forced[1] if forced else None), device=device,
                                     batch_rows=batch_rows)
@@ -733,6 +737,43 @@ class Registry:
             entry.put_all(params)
             self._versions_changed(entry)
             return version
+
+    async def checkpoint(self, entry: ModelEntry) -> dict[str, Any]:
+        """:meth:`checkpoint_blocking` on a compute thread."""
+        return await self.run(self.checkpoint_blocking, entry)
+
+    async def set_weights(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
+        """:meth:`set_weights_blocking` on a compute thread."""
+        return await self.run(self.set_weights_blocking, entry, params)
+
+    async def stored_weights(self, name: str, version: str) -> bytes:
+        """The safetensors file of a stored version of model ``name``."""
+        self.get(name)
+        return await self.run(self.store.weights_bytes, name, self.check_version(name, version))
+
+    async def live_weights(self, entry: ModelEntry) -> tuple[bytes, int]:
+        """(the live weights as safetensors, their step count): one consistent snapshot, taken
+        under the model's lock between optimizer steps."""
+
+        def snapshot() -> tuple[bytes, int]:
+            with entry.lock:  # serialised under it too: a backend's parameters may be its own arrays
+                if entry.live is None:
+                    raise ModelNotReady(entry.name)
+                return tensors_to_bytes(entry.live.get_params()), entry.live.step_count
+
+        return await self.run(snapshot)
+
+    def served_models(self) -> list[ServedModel]:
+        """The ready models as serving workers compile and follow them."""
+        models = []
+        for name, entry in list(self.models.items()):
+            live = entry.live  # read once: an unload may clear it meanwhile
+            if live is None:  # a worker passes its requests to the primary, which says why
+                continue
+            models.append(ServedModel(name, entry.incarnation, entry.generation, entry.spec.to_json(),
+                                      entry.config.model_dump(), [r.device for r in entry.replicas], live.variant,
+                                      self.latest_version(name)))
+        return models
 
     def forward_pinned(self, entry: ModelEntry, version: str, x: np.ndarray, out: np.ndarray,
                        check_finite: bool = False) -> np.ndarray:

@@ -1,8 +1,8 @@
 """Forwards between shared-memory regions, run by the primary for its serving workers.
 
-Several processes' work on one GPU is time-sliced between their CUDA contexts: on the H100 host,
+Several processes' work on one GPU is time-sliced between their CUDA contexts: on an H100,
 one process ran 22,969 forwards a second of 65,536 FP16 rows on device arrays, two to eight
-processes 6,100 together (docs/gpu-notes-cuda.md). A request whose input and outputs all lie in
+processes 6,100 together. A request whose input and outputs all lie in
 CUDA regions needs no host copy, so that switch is all its cost: with ``--workers`` a worker
 reads and checks such a request (HTTP, the references, the bounds) and sends only what names
 the tensors to the primary, which runs every worker's region forwards in its own context, a
@@ -12,13 +12,14 @@ checked inside it) under its lock, then one wait per device for the group, then 
 A request all in system regions goes the same way (the primary copies the rows up from its
 page-locked mapping of the regions and back by DMA, a model's replicas in turn; a region that
 could not be page-locked is read with ``pread`` into a buffer and written back with ``pwrite``
-once its group is done, :mod:`mmad.server.shm`): each worker's contexts on every GPU would be
+once its group is done, :mod:`mmad.engine.shm`): each worker's contexts on every GPU would be
 time-sliced with the others'.
 
 The messages: 4-byte length, then JSON. A request ``{"id", "model", "input": {...},
 "outputs": [{...}], "check_finite"}`` names each tensor by ``region``, ``offset``, ``byte_size``,
 ``datatype`` (and the input's ``shape``); the answer is ``{"id", "ok": true}`` or ``{"id",
-"status", "error"}``, the error the primary's check gave, in the user's terms.
+"kind", "error"}``: the error the primary's check gave, in the user's terms, and the
+class of it the worker raises (:data:`WIRE_ERRORS`).
 """
 
 from __future__ import annotations
@@ -32,32 +33,42 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
 import orjson
 
+from mmad.engine.api import WIRE_DTYPES
+from mmad.engine.registry import INPUT
+from mmad.engine.runtime import Runtime
 from mmad.errors import (
-    ConflictError, DeviceMemoryFull, InvalidInput, LaunchError, MMADError, ModelNotFound, ModelNotReady, NotReady,
+    BackendUnavailable, ConflictError, DeviceMemoryFull, InvalidInput, LaunchError, MMADError, ModelNotFound,
+    ModelNotReady, NotReady, Overloaded, RegionFull, SpecError, StoreUnwritable,
 )
-from mmad.server.binary import WIRE_DTYPES
-from mmad.server.errors import status_for
-from mmad.server.registry import INPUT
 
-log = logging.getLogger("mmad.server.region_forwards")
+log = logging.getLogger("mmad.engine.region_forwards")
 
 HEADER = struct.Struct("<I")
 GROUP_MAX = 64  # forwards launched before one synchronize
-STAGED_KEPT = 8  # a slot keeps the staging arrays of its groups' first forwards (system regions)
-# an error's status back into the tree (the worker answers as the primary would have)
-ERRORS_BY_STATUS = {400: InvalidInput, 404: ModelNotFound, 409: ConflictError, 503: NotReady, 507: DeviceMemoryFull}
+# what the worker raises for the primary's error (first match wins), so that it answers as the
+# primary would have; any other error is a failed launch
+WIRE_ERRORS: list[tuple[type, type]] = [
+    (SpecError, InvalidInput), (InvalidInput, InvalidInput), (ModelNotFound, ModelNotFound),
+    (ConflictError, ConflictError), (Overloaded, NotReady), (NotReady, NotReady), (BackendUnavailable, NotReady),
+    (StoreUnwritable, DeviceMemoryFull), (DeviceMemoryFull, DeviceMemoryFull), (RegionFull, DeviceMemoryFull),
+]
+ERRORS_BY_KIND = {raised.__name__: raised for _, raised in WIRE_ERRORS}
+
+
+def error_kind(exc: MMADError) -> str:
+    """The name of the error the worker raises for ``exc`` (:data:`WIRE_ERRORS`)."""
+    return next((raised.__name__ for cls, raised in WIRE_ERRORS if isinstance(exc, cls)), LaunchError.__name__)
 
 
 WIRE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 
 
 def describe(tensor, **more: Any) -> dict[str, Any]:
-    """What names a tensor in its region (a :class:`~mmad.server.shm.ShmTensor`)."""
+    """What names a tensor in its region (a :class:`~mmad.engine.shm.ShmTensor`)."""
     return {"region": tensor.region, "offset": tensor.offset, "byte_size": tensor.nbytes,
             "datatype": WIRE_NAMES[tensor.array.dtype], **more}
 
@@ -80,76 +91,6 @@ class _Work:
     staged: tuple = ()  # (input, output) on the device for system regions, held until answered
 
 
-class CudaGroupSlot:
-    """One group in flight on one device: its stream, its finiteness words on the device and in
-    page-locked host memory, and the event that says the group's kernels and the words' copy
-    are done.
-
-    Each slot has a stream of its own, so one group's downloads run beside the next group's
-    uploads (the copy engines of the two directions work at once; on one stream the PCIe link
-    carried one direction at a time). The streams are blocking ones: ordered with the device's
-    default stream, where training and the replicas' weight updates run, so a forward still
-    sees the weights of before or after a whole optimizer step."""
-
-    def __init__(self, cp, device: int):
-        self.cp = cp
-        self.device = device
-        with cp.cuda.Device(device):
-            self.stream = cp.cuda.Stream(non_blocking=False)
-            self.words = cp.zeros(GROUP_MAX, dtype=cp.uint32)
-            self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(GROUP_MAX * 4), np.uint32, GROUP_MAX)
-            self.event = cp.cuda.Event(disable_timing=True)
-        self._staging: dict[tuple[str, int], Any] = {}  # (in|out, position in the group) -> device array
-
-    def start(self) -> None:
-        """Zero the words (on the slot's stream, as everything after: the runner launches the
-        group inside ``with slot.stream``)."""
-        self.cp.cuda.runtime.memsetAsync(self.words.data.ptr, 0, self.words.nbytes, self.stream.ptr)
-
-    def _staged(self, side: str, k: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """The device array of the group's ``k``-th forward's input or output: kept by the slot
-        for the next group of the same shapes (clients send the same sizes again and again, and
-        a pool allocation costs the launching thread more than the lookup)."""
-        key = (side, k)
-        array = self._staging.get(key)
-        if array is None or array.shape != shape or array.dtype != dtype:
-            array = self.cp.empty(shape, dtype=dtype)
-            if k < STAGED_KEPT:
-                self._staging[key] = array
-        return array
-
-    def upload(self, k: int, host: np.ndarray) -> Any:
-        """A device copy of the host array (the group's ``k``-th input, a system region's rows),
-        queued: asynchronous from the primary's page-locked mapping of the region."""
-        device = self._staged("in", k, host.shape, host.dtype)
-        self.cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, host.nbytes, 1,  # host to device
-                                         self.stream.ptr)
-        return device
-
-    def output(self, k: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """The device array the group's ``k``-th forward writes, before its download."""
-        return self._staged("out", k, shape, dtype)
-
-    def download(self, device: Any, host: np.ndarray) -> None:
-        """Queue the copy of the device array into the host array (a system region), in its dtype."""
-        cp = self.cp
-        if device.dtype != host.dtype:
-            device = device.astype(host.dtype)
-        cp.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, host.nbytes, 2,  # device to host
-                                    self.stream.ptr)
-
-    def finish(self, count: int) -> None:
-        """Queue the copy of the first ``count`` words back, and the event after it."""
-        self.cp.cuda.runtime.memcpyAsync(self.host.ctypes.data, self.words.data.ptr, count * 4, 2,  # device to host
-                                         self.stream.ptr)
-        self.event.record(self.stream)
-
-    def wait(self) -> np.ndarray:
-        """The words, once the group is done (the wait lets go of the GIL)."""
-        self.event.synchronize()
-        return self.host
-
-
 class RegionForwardRunner:
     """Reads the workers' requests and runs them in the primary's CUDA context, a group at a
     time: one thread reads the sockets and launches each group (``forward_group``: one kernel
@@ -158,17 +99,17 @@ class RegionForwardRunner:
     answers. Up to ``SLOTS`` groups per device are in flight. Everything either thread waits on
     (the sockets, a group's event) lets go of the GIL, and no request crosses from an event loop
     to a thread (through the primary's event loop and a queue to a thread, 8 clients got 1,536
-    requests/s on the H100 host; a launching thread per device, fed by the reading one, added
-    ~0.09 ms to each request, docs/gpu-notes-cuda.md)."""
+    requests/s on an H100; a launching thread per device, fed by the reading one, added
+    ~0.09 ms to each request)."""
 
     SLOTS = 4
 
-    def __init__(self, rt, path: str, cp: Any = None, slot_type: Any = CudaGroupSlot):
-        """Listen on ``path``; ``cp``: CuPy (the default) or a stand-in with its API, and
-        ``slot_type`` a stand-in for :class:`CudaGroupSlot` (tests: NumPy arrays as the regions)."""
+    def __init__(self, rt: Runtime, path: str, new_slot: Callable[[int, int], Any] | None = None):
+        """Listen on ``path``; ``new_slot(device, size)``: a group slot of ``size`` forwards on
+        ``device``, the backend's :meth:`~mmad.backends.contract.Backend.region_group_slot` by
+        default (tests: a stand-in on NumPy arrays)."""
         self.rt = rt
-        self.cp = cp
-        self.slot_type = slot_type
+        self.new_slot = new_slot or rt.backend.region_group_slot
         rt.shm.enable_dma()  # system regions page-locked from now on: the copies below DMA straight
         self._free: dict[int, queue.SimpleQueue] = {}  # device -> its slots not in flight
         self._turns: dict[str, int] = {}  # model -> the replica the next system-region forward takes
@@ -241,10 +182,6 @@ class RegionForwardRunner:
         return works
 
     def _launch_group(self, group: list[_Work]) -> None:
-        if self.cp is None:
-            from mmad.backends.cuda.toolchain import cupy_module
-
-            self.cp = cupy_module()
         # device -> id(replica) -> (the replica, the group's forwards there in arrival order)
         batches: dict[int, dict[int, tuple[Any, list[_Work]]]] = {}
         refused = []
@@ -267,7 +204,7 @@ class RegionForwardRunner:
         if free is None:
             free = self._free[device] = queue.SimpleQueue()
             for _ in range(self.SLOTS):
-                free.put(self.slot_type(self.cp, device))
+                free.put(self.new_slot(device, GROUP_MAX))
         return free.get()
 
     def _launch_on_device(self, device: int, by_replica: dict[int, tuple[Any, list[_Work]]]) -> None:
@@ -275,11 +212,10 @@ class RegionForwardRunner:
         replica's lock, on the slot's stream (ordered with training's: a forward sees the
         weights before or after a whole optimizer step); then the finiteness words' copy back
         and the group's event, for the answering thread."""
-        cp = self.cp
         works = [work for _, batch in by_replica.values() for work in batch]
         slot = self._slot(device)
         try:
-            with cp.cuda.Device(device), slot.stream:
+            with slot.launching():
                 slot.start()
                 first = 0
                 for replica, batch in by_replica.values():
@@ -352,7 +288,7 @@ class RegionForwardRunner:
                 if work.error is None:
                     answer = {"id": work.doc["id"], "ok": True}
                 else:
-                    answer = {"id": work.doc["id"], "status": status_for(work.error), "error": str(work.error)}
+                    answer = {"id": work.doc["id"], "kind": error_kind(work.error), "error": str(work.error)}
                 body = orjson.dumps(answer)
                 answers.setdefault(work.connection, []).append(HEADER.pack(len(body)) + body)
             for connection, bodies in answers.items():
@@ -420,7 +356,7 @@ class RegionForwardClient:
         time-sliced with the others'; the primary's one context per GPU copies system regions
         up and back on a stream per group in flight, both directions at once: a one-replica
         model served 65,536-row requests to 8 clients at 250-278 M samples/s so, against the
-        workers' own copies' 224 (2x H100 host, docs/gpu-notes-cuda.md session 17 run 4)."""
+        workers' own copies' 224 (measured on 2x H100)."""
         if not sources or not targets or len(targets) != len(outputs):
             return False
         return len({t.on_device for t in [*sources, *targets]}) == 1
@@ -467,7 +403,7 @@ class RegionForwardClient:
         writer.write(HEADER.pack(len(body)) + body)
         answer = await future
         if not answer.get("ok"):
-            raise ERRORS_BY_STATUS.get(answer["status"], LaunchError)(answer["error"])
+            raise ERRORS_BY_KIND.get(answer["kind"], LaunchError)(answer["error"])
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -81,11 +81,11 @@ class Settings(BaseSettings):
     forward_threads: int = Field(0, ge=0, description="threads that share the host-side chunks of one large "
                                                       "forward (cpu backend); 0: one per CPU")
     demo: bool = True
-    # Triton's --model-repository: one folder per model, loaded at start (mmad/server/repository.py)
+    # Triton's --model-repository: one folder per model, loaded at start (mmad/engine/repository.py)
     model_repository: Path | None = Field(None, description="folder of model folders created at start "
                                                             "where the store lacks them (docs/service.md)")
     # Triton's --model-control-mode: none reads the repository once at start; poll follows it
-    # read-only (mmad/server/repository_poll.py)
+    # read-only (mmad/engine/repository_poll.py)
     model_control_mode: Literal["none", "poll"] = Field(
         "none", description="none: the repository seeds the store at start; poll: the repository is followed "
                             "every repository_poll_secs, read-only (new versions and models served as they appear)")
@@ -120,8 +120,6 @@ class Settings(BaseSettings):
     @field_validator("allow_origin")
     @classmethod
     def _origins_are_origins(cls, value: str) -> str:
-        from mmad.server.origin import parse_allowed_origins
-
         parse_allowed_origins(value)  # a malformed entry stops the start, naming it
         return value
 
@@ -165,3 +163,37 @@ class Settings(BaseSettings):
     @property
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key is not None else None
+
+
+# browsers write an Origin without its scheme's default port
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def normalise_origin(value: str) -> str:
+    """``scheme://host[:port]`` in lower case, the scheme's default port left out (how browsers
+    write ``Origin``); ``null`` and anything unparsable come back lowered, matching nothing."""
+    value = value.strip().lower().rstrip("/")
+    scheme, sep, authority = value.partition("://")
+    if not sep or not authority or "/" in authority:
+        return value
+    host, colon, port = authority.rpartition(":")
+    if colon and port.isdigit() and not host.endswith(":") and port == DEFAULT_PORTS.get(scheme):
+        authority = host  # "[::1]:80" -> "[::1]"; a bare IPv6 address has no port to strip
+    return f"{scheme}://{authority}"
+
+
+def parse_allowed_origins(value: str) -> frozenset[str]:
+    """``--allow-origin`` entries (comma-separated, repeatable): ``*`` or ``scheme://host[:port]``."""
+    allowed = set()
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        if entry == "*":
+            allowed.add(entry)
+            continue
+        scheme, sep, authority = entry.partition("://")
+        if scheme.lower() not in DEFAULT_PORTS or not sep or not authority or "/" in authority.rstrip("/"):
+            raise ValueError(f"allow_origin entry {entry!r} is not an origin: give scheme://host[:port] "
+                             "(e.g. https://app.example or http://localhost:3000) or *")
+        allowed.add(normalise_origin(entry))
+    return frozenset(allowed)

@@ -40,7 +40,7 @@ import numpy as np
 
 from mmad.backends.numerics import all_finite
 from mmad.errors import NonFiniteInput, Overloaded
-from mmad.server import hostmem
+from mmad.engine import hostmem
 
 TIMER_RESOLUTION_S = 1e-3  # event-loop timers round to milliseconds: a batch this close to due is due
 
@@ -75,7 +75,7 @@ class _Pending:
 
 def _host_array(shape: tuple[int, int], dtype: Any) -> np.ndarray:
     """An uninitialised host array for a merged batch (page-locked where the backend copies to a
-    GPU: :mod:`mmad.server.hostmem`)."""
+    GPU: :mod:`mmad.engine.hostmem`)."""
     dtype = np.dtype(dtype)
     return hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
 

@@ -4,7 +4,8 @@ outputs into on the device, with no host copy.
 
 :func:`open_ipc_region` is the one place that touches CUDA: it opens the handle on the
 region's device and wraps the pointer as CuPy memory. The registry
-(:class:`mmad.server.shm.SharedMemoryRegistry`) takes it as a seam (``cuda_open``), so the
+(:class:`mmad.engine.shm.SharedMemoryRegistry`) takes it from the backend
+(``CudaBackend.cuda_ipc_opener``) as a seam (``cuda_open``), so the
 routes and every reference check run in CI without a GPU, with a fake opener.
 """
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from mmad.errors import InvalidInput
 
-log = logging.getLogger("mmad.server")
+log = logging.getLogger("mmad.backends.cuda.ipc")
 
 
 VIEWS_KEPT = 64  # device-array views of one region kept for reuse

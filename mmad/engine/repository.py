@@ -29,7 +29,7 @@ says so (and the log), and nothing stored is replaced: ``DELETE`` the model and 
 through the registry as ``PUT /v2/models/<m>`` and ``PUT .../weights`` do: version 1 holds the
 seed's weights, version 2 the folder's; a new versioned model gets the versions the policy
 picks, numbered as their folders. With ``--model-control-mode poll`` the repository is followed
-instead (``mmad.server.repository_poll``).
+instead (``mmad.engine.repository_poll``).
 
 A folder whose model cannot be created (unreadable or invalid files, weights of other shapes)
 is UNAVAILABLE in the repository index with the reason and never stops the others; everything
@@ -50,13 +50,13 @@ import numpy as np
 
 from mmad.backends.contract import check_params
 from mmad.errors import InvalidInput, MMADError
-from mmad.server.registry import ModelConfig, Registry
-from mmad.server.store import (
+from mmad.engine.registry import ModelConfig, Registry
+from mmad.engine.store import (
     VERSION_RE, _fsync_dir as fsync_dir, atomic_write, check_model_name, tensors_from_bytes, tensors_to_bytes,
 )
 from mmad.spec import MLPSpec
 
-log = logging.getLogger("mmad.server.repository")
+log = logging.getLogger("mmad.engine.repository")
 
 SPEC_FILE, CONFIG_FILE, WEIGHTS_FILE = "config.json", "mmad.json", "model.safetensors"
 TRITON_CONFIG_FILE = "config.pbtxt"
