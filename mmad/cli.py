@@ -329,8 +329,19 @@ def _warm_cache(args: argparse.Namespace, cache) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    import httpx
+
     try:
+        if args.to == "repository":
+            return _export_repository(args)
+        if args.url or args.output_dir:
+            raise ValueError("--url and a positional folder go with --to repository; give the file with -o")
+        if not args.config or not args.output:
+            raise ValueError(f"--to {args.to} needs --config and -o/--output")
         return _export_files(args)
+    except httpx.HTTPError as exc:
+        print(f"mmad: error: the daemon at {args.url} could not be read: {exc}", file=sys.stderr)
+        return 2
     # a file that cannot be read or parsed, or an optional package (mmad[export]) that is missing
     except (OSError, ImportError, ValueError) as exc:
         print(f"mmad: error: {exc}", file=sys.stderr)
@@ -340,15 +351,46 @@ def _export(args: argparse.Namespace) -> int:
 def _export_files(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    import numpy as np
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     from mmad import export
+
+    spec, _config = _export_config(args)
+    params = _export_params(args, spec)
+    out = Path(args.output)
+    if args.to == "onnx":
+        out.write_bytes(export.to_onnx(spec, params))
+    elif args.to == "safetensors":
+        save_file(params, str(out))
+    else:
+        export.require_optional("torch").save(export.to_torch(spec, params).state_dict(), out)
+    print(f"wrote {out} ({args.to}, {out.stat().st_size} bytes)")
+    return 0
+
+
+def _export_config(args: argparse.Namespace):
+    """(spec, serving config) of --config: a tiny-cuda-nn JSON config, or a store's model.json
+    (the config under "spec", the serving config under "config")."""
+    from pathlib import Path
+
+    from mmad.engine.registry import ModelConfig
     from mmad.spec import MLPSpec
 
     doc = json.loads(Path(args.config).read_text())
-    # a store's model.json holds the tcnn config under "spec"
-    spec = MLPSpec.from_json(doc["spec"] if isinstance(doc, dict) and "spec" in doc else doc)
+    if isinstance(doc, dict) and "spec" in doc:
+        return MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config"))
+    return MLPSpec.from_json(doc), ModelConfig()
+
+
+def _export_params(args: argparse.Namespace, spec):
+    """The inference weights of the file source given (--params, --tcnn-params or --state-dict)."""
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from mmad import export
+
     if args.params:
         state = load_file(args.optimizer_state) if args.optimizer_state else None
         params = export.inference_params(spec, load_file(args.params), state)
@@ -362,15 +404,82 @@ def _export_files(args: argparse.Namespace) -> int:
         else:
             state_dict = export.require_optional("torch").load(path, map_location="cpu", weights_only=True)
         params = export.from_state_dict(spec, state_dict)
-    out = Path(args.output)
-    if args.to == "onnx":
-        out.write_bytes(export.to_onnx(spec, params))
-    elif args.to == "safetensors":
-        save_file(params, str(out))
+    return params
+
+
+def _export_repository(args: argparse.Namespace) -> int:
+    """Versions of a model into a model repository folder (Triton's layout), from a running
+    daemon (--url) or from files (--config and a weights source)."""
+    from pathlib import Path
+
+    from mmad.engine.repository import newest_published, publish_versions
+
+    if bool(args.output) == bool(args.output_dir):
+        raise ValueError("--to repository needs the repository folder, once: mmad export --to repository DIR "
+                         "(or -o DIR)")
+    root = Path(args.output or args.output_dir)
+    if not args.model:
+        raise ValueError("--to repository needs --model NAME: the model's folder in the repository (with --url, "
+                         "also the daemon's model)")
+    if args.url:
+        if args.config or args.optimizer_state:
+            raise ValueError("--url reads the model's config and weights from the daemon: leave out --config and "
+                             "--optimizer-state")
+        spec, config, versions = _daemon_versions(args.url, args.model, args.version or ["latest"])
     else:
-        export.require_optional("torch").save(export.to_torch(spec, params).state_dict(), out)
-    print(f"wrote {out} ({args.to}, {out.stat().st_size} bytes)")
+        if not args.config:
+            raise ValueError("--to repository from files needs --config (the model's tiny-cuda-nn JSON, or a "
+                             "store's model.json) and one weights source; or --url to read a running daemon")
+        spec, config = _export_config(args)
+        if args.version and (len(args.version) > 1 or not args.version[0].isdigit()):
+            raise ValueError("from files, --version is the one version number to write (default: the repository's "
+                             "newest plus one)")
+        number = int(args.version[0]) if args.version else newest_published(root, args.model) + 1
+        versions = {number: _export_params(args, spec)}
+    for folder in publish_versions(root, args.model, spec, config, versions):
+        print(f"wrote {folder} (model {args.model} version {folder.name})")
     return 0
+
+
+def _daemon_versions(url: str, model: str, wanted: list[str]):
+    """(spec, serving config, {version: weights}) of ``model`` on the daemon at ``url``: the
+    versions ``wanted`` (numbers, 'latest' or 'all')."""
+    import httpx
+    from safetensors.numpy import load as st_load
+
+    from mmad.errors import InvalidInput
+    from mmad.engine.registry import ModelConfig
+    from mmad.spec import MLPSpec
+
+    with httpx.Client(base_url=url.rstrip("/"), timeout=60.0) as http:
+        meta = http.get(f"/v2/models/{model}")
+        if meta.status_code != 200:
+            try:
+                why = meta.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                why = meta.text[:200]
+            raise InvalidInput(f"the daemon at {url} answered {meta.status_code} for model {model!r}: {why}")
+        doc = meta.json()
+        spec, config = MLPSpec.from_json(doc["spec"]), ModelConfig.parse(doc.get("config"))
+        if spec.optimizer.ema is not None:
+            raise InvalidInput(f"model {model!r} infers with the averaged weights of its EMA optimizer, which the "
+                               "daemon's API does not give: export each version from its store files (--config "
+                               "<store>/models/NAME/model.json --params .../weights/V.safetensors --optimizer-state "
+                               ".../optimizer/V.safetensors --version V)")
+        listed = [v["version"] for v in http.get(f"/v2/models/{model}/versions").raise_for_status().json()["versions"]]
+        if "all" in wanted:
+            picked = listed
+        else:
+            picked = sorted({listed[-1] if w == "latest" else w for w in wanted}, key=int)
+            missing = [v for v in picked if v not in listed]
+            if missing:
+                raise InvalidInput(f"model {model!r} on {url} has no version {', '.join(missing)} (it has "
+                                   f"{', '.join(listed)})")
+        versions = {}
+        for v in picked:
+            body = http.get(f"/v2/models/{model}/weights", params={"version": v}).raise_for_status().content
+            versions[int(v)] = st_load(body)
+    return spec, config, versions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -471,10 +580,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from tiny-cuda-nn (--tcnn-params: its flat parameter buffer) or from PyTorch "
                                    "(--state-dict of an nn.Sequential of Linear layers); --to safetensors turns "
                                    "the last two into weights for PUT /v2/models/NAME/weights. The exported "
-                                   "forward is mmad's fp32 forward (docs/export.md).")
-    p.add_argument("--config", required=True,
+                                   "forward is mmad's fp32 forward (docs/export.md). --to repository publishes "
+                                   "versions of a model (from a running daemon with --url, or from files) into a "
+                                   "model repository folder that serving daemons follow with `mmad serve "
+                                   "--model-repository DIR --model-control-mode poll`; each version folder appears "
+                                   "whole (docs/service.md).")
+    p.add_argument("--config",
                    help="the model's tiny-cuda-nn JSON config, or a model store's model.json")
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="--to repository: read the model (--model) from the daemon at this address, "
+                                   "e.g. http://127.0.0.1:8000")
     src.add_argument("--params", metavar="FILE", help="mmad weights (.safetensors: a store version's "
                                                      "weights/<v>.safetensors or GET .../weights)")
     src.add_argument("--tcnn-params", metavar="FILE",
@@ -486,10 +601,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the averaged weights)")
     p.add_argument("--tcnn-dtype", choices=("fp16", "fp32"), default="fp16",
                    help="the raw buffer's values (default fp16, tiny-cuda-nn's network precision)")
-    p.add_argument("--to", choices=("onnx", "state-dict", "safetensors"), required=True,
+    p.add_argument("--to", choices=("onnx", "state-dict", "safetensors", "repository"), required=True,
                    help="onnx (needs the onnx package), state-dict (torch.save of the PyTorch module's state "
-                        "dict; needs torch) or safetensors (mmad's weights, for PUT .../weights)")
-    p.add_argument("-o", "--output", required=True, help="the file to write")
+                        "dict; needs torch), safetensors (mmad's weights, for PUT .../weights) or repository "
+                        "(a model repository folder: DIR/MODEL/config.json, mmad.json, VERSION/model.safetensors, "
+                        "for mmad serve --model-repository DIR)")
+    p.add_argument("-o", "--output", help="the file to write (--to repository: the repository folder)")
+    p.add_argument("output_dir", nargs="?", metavar="DIR", help="--to repository: the repository folder")
+    p.add_argument("--model", help="--to repository: the model's name (its folder; with --url, the daemon's model)")
+    p.add_argument("--version", action="append",
+                   help="--to repository: with --url, a version of the daemon's model to publish (repeatable; "
+                        "'all', or 'latest', the default); from files, the version number to write (default: "
+                        "the repository's newest plus one). A published version is never overwritten")
     p.set_defaults(func=_export)
 
     p = sub.add_parser("cache", help="inspect, clear or warm the kernel cache (MMAD_CACHE_DIR)",

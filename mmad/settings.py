@@ -84,6 +84,13 @@ class Settings(BaseSettings):
     # Triton's --model-repository: one folder per model, loaded at start (mmad/engine/repository.py)
     model_repository: Path | None = Field(None, description="folder of model folders created at start "
                                                             "where the store lacks them (docs/service.md)")
+    # Triton's --model-control-mode: none reads the repository once at start; poll follows it
+    # read-only (mmad/engine/repository_poll.py)
+    model_control_mode: Literal["none", "poll"] = Field(
+        "none", description="none: the repository seeds the store at start; poll: the repository is followed "
+                            "every repository_poll_secs, read-only (new versions and models served as they appear)")
+    repository_poll_secs: float = Field(15.0, gt=0, description="seconds between two passes over the repository "
+                                                                "in poll mode")
     log_level: str = "info"
     graceful_timeout_s: float = Field(30.0, ge=0)
     # serving performance: docs/service-performance.md has the measurements behind the defaults
@@ -122,6 +129,13 @@ class Settings(BaseSettings):
         if value is not None and not value.is_dir():  # as Triton: a missing repository stops the start
             raise ValueError(f"model_repository {str(value)!r} is not a folder")
         return value
+
+    @model_validator(mode="after")
+    def _poll_needs_a_repository(self):
+        if self.model_control_mode == "poll" and self.model_repository is None:
+            raise ValueError("model_control_mode 'poll' follows a model repository: give model_repository "
+                             "(--model-repository DIR / MMAD_MODEL_REPOSITORY)")
+        return self
 
     @model_validator(mode="after")
     def _key_from_file(self):

@@ -140,12 +140,15 @@ def test_backward_of_a_loss_equals_loss_and_grads():
         assert rel_err(grads[name], ref[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("mode,tolerance", [("fp32", 1e-5), ("emulate", 3e-2)])
-def test_every_mode_follows_the_float64_oracle(mode, tolerance):
+# emulate is checked through Tanh: under ReLU a pre-activation within fp16 rounding of zero flips
+# its gradient on and off, and over 150 seeds those few rows took the error from a median of
+# 6e-4 to 9e-2; with Tanh the worst of 100 seeds was 2.5e-3.
+@pytest.mark.parametrize("mode,activation,tolerance", [("fp32", "ReLU", 1e-5), ("emulate", "Tanh", 5e-3)])
+def test_every_mode_follows_the_float64_oracle(mode, activation, tolerance):
     """fp32 within float32 rounding of the oracle, emulate (fp16 at the kernels' rounding points,
     the loss scale applied) within fp16's."""
     rng = case_rng("backward-modes", mode)
-    spec = make_spec("Composite", activation="ReLU", precision="fp16" if mode == "emulate" else "fp32")
+    spec = make_spec("Composite", activation=activation, precision="fp16" if mode == "emulate" else "fp32")
     params = random_params(spec, rng)
     x = inputs(spec, rng, 512)
     g = rng.normal(size=(512, 3)).astype(np.float32)

@@ -28,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from mmad.backends.contract import CompiledModel
-from mmad.backends.dispatch import Background, Decision, in_words
+from mmad.backends.dispatch import Background, in_words
 
 if TYPE_CHECKING:  # the registry calls in: no import cycle at run time
     from mmad.engine.registry import ModelEntry, Registry

@@ -38,6 +38,7 @@ from mmad.engine.shm import ShmTensor
 from mmad.engine.runtime import Runtime
 from mmad.engine.statistics import model_statistics, worker_records
 from mmad.engine.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.store import check_model_name, tensors_from_bytes
 from mmad.spec import MLPSpec
 
@@ -166,11 +167,13 @@ class InProcessEngine:
     async def load_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.load(name)
 
     async def unload_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.unload(name)
 
     # -- inference ------------------------------------------------------------------------------
@@ -339,12 +342,14 @@ class InProcessEngine:
         seed's weights."""
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         check_model_name(name)
         return await self.rt.registry.create(name, MLPSpec.from_json(spec), ServingConfig.parse(config))
 
     async def delete_model(self, name: str, caller: Caller) -> None:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         await self.rt.registry.delete(name)
 
     async def versions(self, name: str) -> list[VersionInfo]:
@@ -354,6 +359,7 @@ class InProcessEngine:
     async def checkpoint(self, name: str, caller: Caller) -> VersionInfo:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
         return _version_info(await registry.checkpoint(registry.get_ready(name)))
 
@@ -371,6 +377,7 @@ class InProcessEngine:
     async def set_weights(self, name: str, safetensors: bytes, caller: Caller) -> VersionInfo:
         self._serving()
         self._admin(caller)
+        refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
         entry = registry.get_ready(name)
         params = tensors_from_bytes(safetensors, "the weights")

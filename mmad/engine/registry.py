@@ -75,8 +75,8 @@ class ModelConfig(BaseModel):
                                 description="run the model on this variant of the daemon's backend (cuda: mma, "
                                             "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
                                             "for the model, measured (docs/cuda.md)")
-    # Triton's version_policy {"latest": {"num_versions": N}} keeps N versions served; here the
-    # store keeps only the newest N (each new version drops the oldest beyond them)
+    # the store's retention: only the newest N are kept (each new version drops the oldest beyond
+    # them); a model repository's folders are picked by Triton's version_policy in mmad.json
     keep_versions: int | None = Field(None, ge=0, le=1_000_000,
                                       description="versions of this model kept in the store, the newest; 0 keeps "
                                                   "all (default: the daemon's --keep-versions)")
@@ -427,12 +427,16 @@ class Registry:
                                     batch_rows=batch_rows)
 
     def _compile_replicas(self, spec: MLPSpec, devices: list[int], variant: str | None = None,
-                          batch_rows: int | None = None) -> list[CompiledModel]:
-        """The model compiled on each device (all closed again if one fails)."""
+                          batch_rows: int | None = None,
+                          params: dict[str, np.ndarray] | None = None) -> list[CompiledModel]:
+        """The model compiled on each device, holding ``params`` if given (all closed again if one fails)."""
+        params = check_params(spec, params) if params is not None else None
         compiled: list[CompiledModel] = []
         try:
             for device in devices:
                 compiled.append(self._compile(spec, device, variant, batch_rows))
+                if params is not None:
+                    compiled[-1].set_params(params)
         except BaseException:
             for model in compiled:
                 model.close()
@@ -568,8 +572,10 @@ class Registry:
                 entry.reason = _reason(exc)
                 log.error("model %s could not be loaded: %s", name, exc)
 
-    async def create(self, name: str, spec: MLPSpec, config: ModelConfig) -> bool:
-        """Create or replace a model at version 1; True when it did not exist before.
+    async def create(self, name: str, spec: MLPSpec, config: ModelConfig,
+                     params: dict[str, np.ndarray] | None = None, version: str = "1") -> bool:
+        """Create or replace a model at version 1 (or ``version``) holding the seed's weights (or
+        ``params``, checked); True when it did not exist before.
 
         The new model is compiled first; an old one is then drained and closed before the store
         swaps the directories, so nothing of the old model can write into the new one.
@@ -581,13 +587,14 @@ class Registry:
                 raise ConflictError(f"model {name!r} is training (job {old.busy_job}); cancel it first")
             # the old model's replicas count against its devices until it goes: placed as if it stayed
             compiled = await self.run(lambda: self._compile_replicas(
-                spec, self._place(config), config.variant, config.limits(self.settings).max_batch_rows))
+                spec, self._place(config), config.variant, config.limits(self.settings).max_batch_rows, params))
             doc = {"spec": spec.to_json(), "config": config.model_dump(), "created": time.time()}
             try:
                 if old is not None:
                     await self._deactivate(old)
                 first, incarnation = await self.run(lambda: (
-                    self.store.create_model(name, doc, compiled[0].get_params(), compiled[0].get_optimizer_state()),
+                    self.store.create_model(name, doc, compiled[0].get_params(), compiled[0].get_optimizer_state(),
+                                            version),
                     self.store.incarnation(name)))
             except BaseException:
                 for model in compiled:
@@ -712,7 +719,10 @@ class Registry:
                 entry.pinned.pop(version).close()
         self.changed(entry)
 
-    def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray]) -> dict[str, Any]:
+    def set_weights_blocking(self, entry: ModelEntry, params: dict[str, np.ndarray], version: str | None = None,
+                             keep_versions: int | None = None) -> dict[str, Any]:
+        """``params`` as a new version (numbered ``version``, else the next) and the live weights;
+        ``keep_versions``: the versions kept (default the model's config)."""
         params = check_params(entry.spec, params)  # refuses NaN/Inf too
         with entry.checkpoint_lock:
             with entry.lock:
@@ -721,8 +731,9 @@ class Registry:
                 optimizer_state = entry.live.get_optimizer_state()
                 step = entry.live.step_count
             # the store first: a refused write (full disk, replaced model) changes nothing served
-            version = self.store.add_version(entry.name, params, optimizer_state, step, entry.incarnation,
-                                             entry.config.keep_versions)
+            version = self.store.add_version(
+                entry.name, params, optimizer_state, step, entry.incarnation,
+                entry.config.keep_versions if keep_versions is None else keep_versions, version)
             entry.put_all(params)
             self._versions_changed(entry)
             return version

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # only annotations: these modules import the runtime themselv
     from mmad.engine.messages import WorkerRecords
     from mmad.engine.region_forwards import RegionForwardClient, RegionForwardRunner
     from mmad.engine.registry import Registry
+    from mmad.engine.repository_poll import RepositoryPoller
     from mmad.engine.store import Store
 
 
@@ -63,3 +64,4 @@ class Runtime:
     # worker sends them (its RegionForwardClient)
     region_service: RegionForwardRunner | None = None
     region_forwards: RegionForwardClient | None = None
+    repository_poller: RepositoryPoller | None = None  # --model-control-mode poll

@@ -225,8 +225,9 @@ class Store:
         return (self.model_dir(name) / "versions.json").is_file()
 
     def create_model(self, name: str, model_doc: dict[str, Any], params: dict[str, np.ndarray],
-                     optimizer_state: dict[str, np.ndarray]) -> dict[str, Any]:
-        """Write a complete model (version 1) next to the target, then swap it in.
+                     optimizer_state: dict[str, np.ndarray], version: str = "1") -> dict[str, Any]:
+        """Write a complete model (its first version, ``version``: 1 unless it mirrors a model
+        repository's numbers) next to the target, then swap it in.
 
         Replacing an existing model renames the old directory away first; a crash between the
         two renames loses the old model but never leaves a half-written one.
@@ -236,7 +237,7 @@ class Store:
         try:
             with store_write(f"model {name!r}"):
                 staging.mkdir()
-                entry = self._write_version_files(staging, "1", params, optimizer_state, step=0)
+                entry = self._write_version_files(staging, check_version(version), params, optimizer_state, step=0)
                 atomic_write(staging / "model.json", _dump_json(model_doc))
                 atomic_write(staging / "versions.json", _dump_json({"versions": [entry]}))
                 with self.lock(name):  # the swap: no version writer is inside the old directory
@@ -330,8 +331,12 @@ class Store:
 
     def add_version(self, name: str, params: dict[str, np.ndarray],
                     optimizer_state: dict[str, np.ndarray], step: int,
-                    incarnation: str | None = None, keep_versions: int | None = None) -> dict[str, Any]:
+                    incarnation: str | None = None, keep_versions: int | None = None,
+                    version: str | None = None) -> dict[str, Any]:
         """Persist a new version; when this returns, it survives a crash (it is acknowledged).
+
+        ``version``: its number (a model repository's, mirrored), above the newest; by default the
+        newest plus one.
 
         ``incarnation`` (from :meth:`incarnation`) is the model the weights belong to: a model
         replaced since raises ConflictError, a deleted one ModelNotFound, and nothing is written.
@@ -345,7 +350,12 @@ class Store:
         with self.lock(name), store_write(f"a new version of model {name!r}"):
             self._check_incarnation(name, incarnation, "a new version")
             listing = self.versions(name)
-            version = str(int(listing[-1]["version"]) + 1)  # the listing is in increasing order, never empty
+            newest = int(listing[-1]["version"])  # the listing is in increasing order, never empty
+            if version is None:
+                version = str(newest + 1)
+            elif int(check_version(version)) <= newest:
+                raise ConflictError(f"model {name!r} has version {newest} already; a new version is numbered "
+                                    f"above it, not {version}")
             entry = self._write_version_files(model_dir, version, params, optimizer_state, step)
             listing.append(entry)
             dropped = listing[:-keep] if keep else []

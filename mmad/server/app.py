@@ -3,7 +3,8 @@
 The lifespan probes the devices once, picks the backend (``settings.backend`` or the best
 available, never a silent fallback from a forced one), opens the store, creates the demo model
 when the store is empty, loads every model, creates those of the model repository the store
-lacks (``mmad.engine.repository``), and on exit stops training jobs (each writes a
+lacks (``mmad.engine.repository``) or, in poll mode, follows the repository
+(``mmad.engine.repository_poll``), and on exit stops training jobs (each writes a
 final checkpoint), stops the batchers and frees every device buffer.
 """
 
@@ -26,6 +27,7 @@ from mmad.engine.jobs import JobManager
 from mmad.engine.metrics import Metrics
 from mmad.engine.registry import DEMO_NAME, DEMO_SPEC, ModelConfig, Registry
 from mmad.engine.repository import load_repository
+from mmad.engine.repository_poll import RepositoryPoller
 from mmad.server.routers import ALL as ROUTERS, ui
 from mmad.server.inference import InferFastPath
 from mmad.server.origin import guarded
@@ -93,7 +95,11 @@ async def start_runtime(rt: Runtime) -> None:
         await rt.registry.create(DEMO_NAME, MLPSpec.from_json(DEMO_SPEC), ModelConfig())
         log.info("created the demo model %r", DEMO_NAME)
     await rt.registry.load_all()
-    if settings.model_repository is not None:
+    if settings.model_repository is not None and settings.model_control_mode == "poll":
+        rt.repository_poller = RepositoryPoller(rt.registry, settings.model_repository, settings.repository_poll_secs)
+        await rt.repository_poller.sync()  # ready once it serves what the repository holds now
+        rt.repository_poller.start()
+    elif settings.model_repository is not None:
         await load_repository(rt.registry, settings.model_repository)
     rt.ready = True
 
@@ -103,6 +109,8 @@ async def stop_runtime(rt: Runtime) -> None:
     if rt.jobs is not None:
         await rt.jobs.shutdown()
     rt.ready = False
+    if rt.repository_poller is not None:
+        await rt.repository_poller.stop()
     if rt.region_service is not None:
         rt.region_service.stop()
     await release_runtime(rt)

@@ -6,6 +6,7 @@ import hmac
 
 from fastapi import Request
 
+from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.runtime import Runtime
 from mmad.errors import Forbidden, NotReady, Unauthorized
 
@@ -18,13 +19,16 @@ async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync depe
 
 
 async def require_key(request: Request) -> None:  # async: no thread hop per request
-    """Dependency of every mutating endpoint: ``Authorization: Bearer <key>`` when a key is set."""
-    expected = request.app.state.runtime.settings.api_key_value
-    if expected is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("this endpoint needs 'Authorization: Bearer <api key>'")
-    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise Forbidden("the API key is not valid")
+    """Dependency of every mutating endpoint: ``Authorization: Bearer <key>`` when a key is set;
+    a change to a model is refused on a daemon that follows a model repository."""
+    settings = request.app.state.runtime.settings
+    expected = settings.api_key_value
+    if expected is not None:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthorized("this endpoint needs 'Authorization: Bearer <api key>'")
+        if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise Forbidden("the API key is not valid")
+    if "model" in request.path_params:
+        refuse_changes(settings, request.path_params["model"])

@@ -149,13 +149,15 @@ class DirectBodyProtocol(asyncio.BufferedProtocol):
         if not self.limits.health_slots:
             return False
         if len(self._health) >= self.limits.health_slots:
-            waiting = next((c for c in self._health if c.in_head), None)
-            if waiting is None:  # every slot is answering a request
+            # a slot connection turned away is only finishing its 503: its slot is free
+            waiting = next((c for c in self._health if c.in_head or c.turned_away), None)
+            if waiting is None:  # every slot is answering a health probe
                 return False
             del self._health[waiting]
-            waiting.health_only = False
-            waiting.refuse(503, "Service Unavailable", too_many_connections(
-                len(self.http.connections) - len(self._health), self.limits), "retry-after: 1\r\n")
+            if not waiting.turned_away:
+                waiting.health_only = False
+                waiting.refuse(503, "Service Unavailable", too_many_connections(
+                    len(self.http.connections) - len(self._health), self.limits), "retry-after: 1\r\n")
         self.http.health_only = True
         self._health[self.http] = None
         return True
@@ -237,6 +239,7 @@ class _HttpToolsDirect(HttpToolsProtocol):
         self.head_bytes = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.health_only = False  # in a health slot: one health probe, then closed
+        self.turned_away = False  # in a health slot with another request: answered 503, closing
         # the request body arriving: its reservation, the bytes of the current window, its timer
         self.body_open = False
         self.body_held = 0
@@ -301,6 +304,7 @@ class _HttpToolsDirect(HttpToolsProtocol):
         headers = dict(self.headers)
         refusal = self._turned_away()
         if refusal is not None:  # answered by a refusal in place of the app, then closed
+            self.turned_away = True
             self._log_refusal(503, refusal)
             app, self.app = self.app, refusal_app(503, refusal)
             try:

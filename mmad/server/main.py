@@ -79,9 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(MMAD_PINNED_BODY_BYTES, default 1 GiB; 0: ordinary memory)")
     p.add_argument("--forward-threads", type=int,
                    help="threads sharing the row chunks of one large cpu forward (MMAD_FORWARD_THREADS, 0: one per CPU)")
-    p.add_argument("--model-repository", help="folder with one folder per model (config.json, optional mmad.json "
-                                              "and model.safetensors), created at start where the store lacks "
-                                              "them (MMAD_MODEL_REPOSITORY)")
+    p.add_argument("--model-repository", help="folder with one folder per model (config.json, optional mmad.json, "
+                                              "and model.safetensors or version folders 1/model.safetensors, "
+                                              "2/...), created at start where the store lacks them "
+                                              "(MMAD_MODEL_REPOSITORY; docs/service.md)")
+    p.add_argument("--model-control-mode", choices=("none", "poll"),
+                   help="none: the repository seeds the store at start; poll: serve the repository read-only and "
+                        "pick up new versions and models as they appear, refusing training and uploads "
+                        "(MMAD_MODEL_CONTROL_MODE, default none)")
+    p.add_argument("--repository-poll-secs", type=float,
+                   help="poll mode: seconds between two reads of the repository (MMAD_REPOSITORY_POLL_SECS, "
+                        "default 15)")
     p.add_argument("--no-demo", dest="demo", action="store_const", const=False,
                    help="do not create the demo model in an empty store")
     p.add_argument("--graceful-timeout", dest="graceful_timeout_s", type=float,
