@@ -9,6 +9,7 @@
 #   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]
 #   phases: env ready warm tests (default: env ready warm; `tests`, tests/test_cuda_dispatch.py and
 #   tests/test_cuda_ema.py, takes about 3 minutes more)
+#   `breakdown` (scripts/gpu/compile_breakdown.py): each compiler call of a cold compile and its seconds
 # Expects the repository root on the GPU host with .whl and .gl carried (nvmath-python, glslang and
 # the daemon's dependencies as py3.12 wheels, the Vulkan loader's debs: scripts/gpu/site.sh); logs
 # and JSON under $OUT (or /tmp/out), the short table printed last. Each phase runs under `timeout`; one that fails does not stop the others.
@@ -69,7 +70,11 @@ for phase in $PHASES; do
       echo "pytest rc=$? in $(( $(date +%s) - start )) s: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$SUMMARY"
       grep -E "(FAILED|ERROR) |served .*, chose" "$OUT/pytest.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -30 \
         | tee -a "$SUMMARY" ;;
-    *) echo "unknown phase $phase (env ready warm tests)" | tee -a "$SUMMARY" ;;
+    breakdown)
+      # each compiler call of a cold compile (NVRTC modules, glslang, driver pipelines) and its seconds
+      timeout ${BREAKDOWN_TIMEOUT:-150} python3 scripts/gpu/compile_breakdown.py > "$OUT/breakdown.log" 2>&1
+      echo "compile breakdown rc=$?" | tee -a "$SUMMARY"; grep -E "^== " "$OUT/breakdown.log" | tee -a "$SUMMARY" ;;
+    *) echo "unknown phase $phase (env ready warm tests breakdown)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "==== summary ===="

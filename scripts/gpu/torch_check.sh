@@ -10,7 +10,8 @@
 #   3. bench: `mmad bench --torch` at batch 2^18, fp16: the image config and the instant-NGP-like
 #      composite, forward + backward from an outside dL/dy, params only / with input grads, against
 #      mmad.export.to_torch in the same run; the JSON to $OUT/torch-h200.json.
-#   scripts/gpu/torch_check.sh [phase ...]     phases: env tests bench (default: all three)
+#   4. profile (not in the default): scripts/gpu/torch_profile.py, where each step's time goes.
+#   scripts/gpu/torch_check.sh [phase ...]     phases: env tests bench profile (default: env tests bench)
 # Run from the repository root with .whl carried (scripts/gpu/site.sh); logs go under $OUT (or
 # /tmp/out), the short table is printed last.
 set -u
@@ -41,8 +42,12 @@ for phase in $PHASES; do
         --repeats ${BENCH_REPEATS:-20} ${BENCH_ARGS:-} --json "$OUT/torch-h200.json" --markdown "$OUT/torch-h200.md" \
         > "$OUT/torch-bench.log" 2>&1
       echo "torch bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/torch-bench.log" | tee -a "$SUMMARY" ;;
+    profile)
+      # where a forward + backward's time goes: wall vs GPU busy, the kernels, the host's calls
+      timeout ${PROFILE_TIMEOUT:-120} python3 scripts/gpu/torch_profile.py > "$OUT/torch-profile.log" 2>&1
+      echo "torch profile rc=$?" | tee -a "$SUMMARY"; grep -E "^== " "$OUT/torch-profile.log" | tee -a "$SUMMARY" ;;
     *)
-      echo "unknown phase $phase (env tests bench)" | tee -a "$SUMMARY" ;;
+      echo "unknown phase $phase (env tests bench profile)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "=== summary"
