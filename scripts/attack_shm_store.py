@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_injection import Daemon  # noqa: E402  (the shared loopback daemon launcher)
 
 SPEC = {"n_input_dims": 5, "n_output_dims": 4, "network": {"n_neurons": 32, "n_hidden_layers": 2},
-        "precision": "fp32", "seed": 7}
+        "precision": "fp16", "seed": 7}  # fp16: what every backend computes (cuda only fp16)
 IN_COLS, OUT_COLS = 2, 3  # the demo model
 SHM = "/dev/shm"
 
@@ -59,7 +59,8 @@ class Bystander:
     def __init__(self, url: str):
         self.client = httpx.Client(base_url=url, timeout=60.0)
         r = self.client.put("/v2/models/bystander", json={"spec": SPEC})
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise SystemExit(f"creating the bystander model failed: {r.status_code} {r.text}")
         self.x = np.random.default_rng().uniform(-1, 1, (16, 5)).astype(np.float32)
         self.want = self._infer()
         self.codes: Counter = Counter()

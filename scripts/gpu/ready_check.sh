@@ -72,7 +72,7 @@ for phase in $PHASES; do
         | tee -a "$SUMMARY" ;;
     breakdown)
       # each compiler call of a cold compile (NVRTC modules, glslang, driver pipelines) and its seconds
-      timeout ${BREAKDOWN_TIMEOUT:-150} python3 scripts/gpu/compile_breakdown.py > "$OUT/breakdown.log" 2>&1
+      PYTHONPATH=$PWD:$PYTHONPATH timeout ${BREAKDOWN_TIMEOUT:-150} python3 scripts/gpu/compile_breakdown.py > "$OUT/breakdown.log" 2>&1
       echo "compile breakdown rc=$?" | tee -a "$SUMMARY"; grep -E "^== " "$OUT/breakdown.log" | tee -a "$SUMMARY" ;;
     *) echo "unknown phase $phase (env ready warm tests breakdown)" | tee -a "$SUMMARY" ;;
   esac

@@ -44,7 +44,7 @@ for phase in $PHASES; do
       echo "torch bench rc=$?" | tee -a "$SUMMARY"; tail -n 8 "$OUT/torch-bench.log" | tee -a "$SUMMARY" ;;
     profile)
       # where a forward + backward's time goes: wall vs GPU busy, the kernels, the host's calls
-      timeout ${PROFILE_TIMEOUT:-120} python3 scripts/gpu/torch_profile.py > "$OUT/torch-profile.log" 2>&1
+      PYTHONPATH=$PWD:$PYTHONPATH timeout ${PROFILE_TIMEOUT:-120} python3 scripts/gpu/torch_profile.py > "$OUT/torch-profile.log" 2>&1
       echo "torch profile rc=$?" | tee -a "$SUMMARY"; grep -E "^== " "$OUT/torch-profile.log" | tee -a "$SUMMARY" ;;
     *)
       echo "unknown phase $phase (env tests bench profile)" | tee -a "$SUMMARY" ;;

@@ -1,9 +1,9 @@
 """Where mmad.torch's forward + backward spends its time on a CUDA GPU: the bench's models
 (``mmad bench --torch``) at batch 2^18, fp16, ``y = module(x); y.backward(dy)``, profiled with
-torch.profiler (CUPTI sees CuPy's kernels too: one process, one context). Printed per model and
-per case (parameter gradients only / with input gradients): wall time per step, the GPU's busy
-time per step, and the kernels by GPU time, with their launches per step; then the host's
-costliest calls. Run by ``scripts/gpu/torch_check.sh profile``.
+torch.profiler (CUPTI sees CuPy's kernels too: one process, one context) and cProfile. Printed per
+model and per case (parameter gradients only / with input gradients): wall time per step, the GPU's busy
+time per step, and the kernels by GPU time, with their launches per step; the host's costliest
+calls; the Python functions by their own time. Run by ``scripts/gpu/torch_check.sh profile``.
 
     python3 scripts/gpu/torch_profile.py [--rows N] [--steps N] [--models image,ngp]
 """
@@ -11,6 +11,9 @@ costliest calls. Run by ``scripts/gpu/torch_check.sh profile``.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import numpy as np
@@ -48,6 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--models", default="image,ngp")
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--python-top", type=int, default=30, help="the Python functions by own time under cProfile")
     args = p.parse_args()
     for name in args.models.split(","):
         doc = MODELS[name]
@@ -80,7 +84,16 @@ def main() -> None:
             print("\n".join(kernels))
             print("  host, self time:")
             print("\n".join(host_table(prof, args.steps, 8)))
-        del module
+            python = cProfile.Profile()
+            python.enable()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            python.disable()
+            text = io.StringIO()
+            pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(args.python_top)
+            print(f"  Python, {args.steps} steps under cProfile (own time first):")
+            print("\n".join("    " + line for line in text.getvalue().splitlines() if line.strip()))
         torch.cuda.empty_cache()
 
 
