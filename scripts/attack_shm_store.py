@@ -59,7 +59,7 @@ class Bystander:
     def __init__(self, url: str):
         self.client = httpx.Client(base_url=url, timeout=60.0)
         r = self.client.put("/v2/models/bystander", json={"spec": SPEC})
-        if r.status_code != 200:
+        if r.is_error:
             raise SystemExit(f"creating the bystander model failed: {r.status_code} {r.text}")
         self.x = np.random.default_rng().uniform(-1, 1, (16, 5)).astype(np.float32)
         self.want = self._infer()
