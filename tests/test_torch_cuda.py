@@ -258,6 +258,55 @@ def test_torch_module_on_a_side_stream_without_synchronising(torch_cuda):
 
 
 @pytest.mark.gpu
+def test_torch_captured_steps_give_what_launching_each_kernel_gives(torch_cuda, monkeypatch):
+    """A batch size seen again runs as captured CUDA graphs: every step's output and gradients
+    (fresh random inputs and d loss / d output each step) are those of a module that launches
+    every kernel; so are a backward after a later forward of the same size (run again eagerly)
+    and a size interleaved with it."""
+    torch = torch_cuda
+    rng = case_rng("torch-cuda-graphs")
+    modules = {}
+    for graphs in ("1", "0"):
+        monkeypatch.setenv("MMAD_CUDA_GRAPHS", graphs)
+        m = torch_module(torch, "ngp")
+        with torch.no_grad():
+            m.params.copy_(torch.from_numpy(rng.uniform(-0.5, 0.5, m.params.shape)))
+        m.cuda()(torch.zeros(8, m.n_input_dims, device="cuda"))  # the runner is built (with the knob) now
+        modules[graphs] = m
+    modules["0"].load_state_dict(modules["1"].state_dict())
+
+    def step(m, x, dy):
+        m.params.grad = None
+        xg = x.clone().requires_grad_()
+        y = m(xg)
+        y.backward(dy)
+        return y.detach().float(), m.params.grad.clone(), xg.grad.clone()
+
+    def draw(rows):
+        return (torch.from_numpy(unit_rows(rng, rows, 6)).cuda(),
+                torch.from_numpy(rng.normal(size=(rows, 3)).astype(np.float16)).cuda())
+
+    for rows in (3000, 3000, 3000, 1000, 3000, 1000, 1000, 3000):
+        x, dy = draw(rows)
+        ours, ref = step(modules["1"], x, dy), step(modules["0"], x, dy)
+        assert torch.equal(ours[0], ref[0]), rows
+        for got, want in zip(ours[1:], ref[1:]):  # the tables' fp32 atomics add in any order
+            assert rel_err(got.cpu().numpy(), want.cpu().numpy()) <= 1e-3, rows
+    assert modules["1"]._runners[("cuda:0", False)].captured_rows == [1000, 3000], "both sizes run as graphs"
+    assert modules["0"]._runners[("cuda:0", False)].captured_rows == []
+    # two forwards of the captured size, then the first one's backward
+    m, x, dy = modules["1"], *draw(3000)
+    xg = x.clone().requires_grad_()
+    m.params.grad = None
+    y_first = m(xg)
+    m(draw(3000)[0])
+    y_first.backward(dy)
+    want = step(modules["0"], x, dy)
+    assert rel_err(m.params.grad.cpu().numpy(), want[1].cpu().numpy()) <= 1e-3
+    assert rel_err(xg.grad.cpu().numpy(), want[2].cpu().numpy()) <= 1e-3
+
+
+@pytest.mark.gpu
 def test_torch_tcnn_checkpoint_on_cuda(torch_cuda):
     from test_export import tcnn_buffer, tcnn_forward
 

@@ -207,8 +207,10 @@ def measure(name: str, doc: dict[str, Any], device: str, rows: int, repeats: int
     finite = bool(torch.isfinite(module.params.grad).all() and torch.isfinite(xg.grad).all())
     if not finite:
         return {**row, "status": "failed", "reason": "the gradients hold NaN or Inf"}
+    runner = module._runners.get((str(x.device), False))
     row.update(status="measured", reason=None, params_msps=rows / params_s / 1e6, input_msps=rows / input_s / 1e6,
-               timing={"clock": clock, "calls_per_sample": calls, "path": "y = module(x); y.backward(dy)"})
+               timing={"clock": clock, "calls_per_sample": calls, "path": "y = module(x); y.backward(dy)",
+                       "cuda_graphs": bool(getattr(runner, "captured_rows", None))})
     if peer == "torch":
         from mmad.spec import MLPSpec
 

@@ -5,7 +5,7 @@
 | ``MMAD_DISPATCH`` | background, measure, fixed | background | compile(variant=None): a quick variant at once, the fastest measured in the background and swapped in; measure: the fastest measured before returning; fixed: wgmma or mma |
 | ``MMAD_CUDA_WGMMA`` | 0, 1 | 1 | offer the wgmma variants (0: the probe reports them off) |
 | ``MMAD_CUDA_FUSED_WGRAD`` | 0, 1 | 1 | mma training accumulates weight gradients inside the training kernel where they fit |
-| ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step (0: launches each kernel, to measure what graphs save) |
+| ``MMAD_CUDA_GRAPHS`` | 0, 1 | 1 | mma training replays one captured CUDA graph per step, and mmad.torch a graph per forward and per backward of a batch size seen again (0: launches each kernel, to measure what graphs save) |
 | ``MMAD_CUDA_WGMMA_WARPGROUPS`` | 1, 2 | plan | warpgroups per wgmma forward block (unset: the shared-memory plan decides) |
 | ``MMAD_CUDA_WGMMA_STAGES`` | 0, 1, 2 | plan | input tiles each wgmma warpgroup prefetches (unset: the plan decides) |
 | ``MMAD_CUDA_WGMMA_HALF_WARPGROUPS`` | 1, 2, 3, 4 | plan | warpgroups per block of the fp16-I/O wgmma forward |
