@@ -65,7 +65,7 @@ for phase in $PHASES; do
       grep -E "(FAILED|ERROR|SKIPPED) " "$OUT/pytest-grpc.log" | head -20 | tee -a "$SUMMARY"
       timeout ${GRPC_TIMEOUT:-200} python3 -m mmad.bench --service --backend "$BACKEND" --concurrency 64 \
         --duration-s ${SWEEP_S:-3} --warmup-s 0.5 --large-duration-s ${LARGE_S:-3} --large-requests 40 \
-        --in-process-repeats 3 --gpu-rows 65536 --shm-clients "" --grpc-clients 8,64 \
+        --in-process-repeats 3 --gpu-rows 65536 --shm-clients "" --grpc-clients ${GRPC_CLIENTS:-8,64} --grpc-processes ${GRPC_PROCESSES:-4} \
         --server-arg=--workers=$WORKERS --json "$OUT/service-grpc.json" > "$OUT/service-grpc.log" 2>&1
       echo "gRPC beside HTTP ($BACKEND, $WORKERS inference workers) rc=$?" | tee -a "$SUMMARY"
       grep -E "^\||gRPC raw" "$OUT/service-grpc.log" | tee -a "$SUMMARY" ;;
@@ -74,7 +74,7 @@ for phase in $PHASES; do
       # under running infers and a sparse object on a 4 MiB /dev/shm, through the primary's region
       # forwards (--workers 2: page-locked regions, DMA) and in one process (pread/pwrite); one log
       : > "$OUT/shm_attack.log"
-      for w in 2 0; do
+      for w in ${SHM_WORKERS:-2 0}; do
         for attack in "shrink-region --rounds ${SHM_ROUNDS:-1000}" "sparse-region --rounds ${SPARSE_ROUNDS:-100}"; do
           timeout ${SHM_TIMEOUT:-150} python3 scripts/attack_shm_store.py --backend "$BACKEND" --workers $w $attack \
             >> "$OUT/shm_attack.log" 2>&1

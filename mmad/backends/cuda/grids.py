@@ -98,6 +98,13 @@ class GridPlan:
             levels += 1
         return levels, (p.levels[levels - 1].offset + p.levels[levels - 1].entries) * p.features if levels else 0
 
+    @staticmethod
+    def backward_level_blocks(p: GridPart) -> int:
+        """grid_backward's blocks in y: one for the levels summed in shared memory (if any), one
+        for each other level."""
+        smem_levels, _ = GridPlan.shared_levels(p)
+        return (1 if smem_levels else 0) + len(p.levels) - smem_levels
+
     def _source(self, spec: MLPSpec) -> str:
         defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f", "GRID_THREADS": GRID_THREADS}
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -295,7 +302,7 @@ class CudaGridModel(CudaMmaModel):
         blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
         grad = self.table_grad if into is None else into
         for p in self.grid_plan.parts:
-            self._grid_launch(f"grid_backward_{p.index}", (blocks,), (BACKWARD_THREADS,),
+            self._grid_launch(f"grid_backward_{p.index}", (blocks, GridPlan.backward_level_blocks(p)), (BACKWARD_THREADS,),
                               (din, np.int32(din_cols), kin, 0 if row_map is None else row_map,
                                np.int64(rows), np.int32(kin.shape[1]), grad[p.offset:], inv_scale))
 

@@ -221,21 +221,30 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {  // sm_90
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
 }
 
-// d loss / d table of one grid part: a thread per row (grid-stride), every level. The row's
-// d loss / d encoded input comes from the training kernel (``din``: fp16, rows_pad x din_cols,
-// loss-scaled: ``inv_scale`` undoes it); each corner gets weight x gradient (tcnn's scatter).
-// The first SMEM_LEVELS levels (the coarse ones, SMEM_VALUES values: their rows are the first of
-// the table) add into shared memory and the block adds its sums to ``grad`` once at the end:
-// thousands of rows share each of their few rows, which as global atomics would queue on the
-// same addresses. The others add into ``grad`` directly (8-byte reductions for pairs).
+// d loss / d table of one grid part (tcnn's scatter: each corner gets weight x gradient). The
+// row's d loss / d encoded input comes from the training kernel (``din``: fp16, rows_pad x
+// din_cols, loss-scaled: ``inv_scale`` undoes it). A thread per row (grid-stride) and one level
+// per blockIdx.y, as tcnn's kernel_grid_backward: the blocks of a level run before the next's, so
+// the gradient rows being added to are one level's (a 2^19-entry level of pairs is 4 MiB of fp32)
+// and stay in L2, where every level at once (52 MiB for instant-NGP's 13 hashed levels) did not.
+// blockIdx.y 0 (when SMEM_LEVELS > 0) takes the first SMEM_LEVELS levels together (the coarse
+// ones, SMEM_VALUES values: their rows are the first of the table), adding into shared memory,
+// and the block adds its sums to ``grad`` once at the end: thousands of rows share each of their
+// few rows, which as global atomics would queue on the same addresses. The other levels add into
+// ``grad`` directly (8-byte reductions for pairs). Launched with grid_backward_levels(...) in y.
 template <int DIMS, int F, int INTERP, int LEVELS, int SMEM_LEVELS, int SMEM_VALUES>
 __device__ __forceinline__ void grid_backward_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const u16* __restrict__ din, int din_cols,
     const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, float* __restrict__ grad,
     float inv_scale) {
     __shared__ float sgrad[SMEM_VALUES > 0 ? SMEM_VALUES : 1];
-    for (int i = threadIdx.x; i < SMEM_VALUES; i += blockDim.x) sgrad[i] = 0.f;
-    __syncthreads();
+    const bool coarse = SMEM_LEVELS > 0 && blockIdx.y == 0;  // the same for the whole block
+    const int first = coarse ? 0 : SMEM_LEVELS + (int)blockIdx.y - (SMEM_LEVELS > 0 ? 1 : 0);
+    const int last = coarse ? SMEM_LEVELS : first + 1;
+    if (coarse) {
+        for (int i = threadIdx.x; i < SMEM_VALUES; i += blockDim.x) sgrad[i] = 0.f;
+        __syncthreads();
+    }
     for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (i64)gridDim.x * blockDim.x) {
         const i64 src = row_map ? (i64)row_map[r] : r;
         float xr[DIMS];
@@ -244,7 +253,7 @@ __device__ __forceinline__ void grid_backward_part(
         const u16* dr = din + r * din_cols + column;
         // not unrolled: the reductions need no registers in flight, and unrolled a 3-D part spills
 #pragma unroll 1
-        for (int level = 0; level < LEVELS; ++level) {
+        for (int level = first; level < last; ++level) {
             float dl[F];
 #pragma unroll
             for (int f = 0; f < F; ++f) dl[f] = half_bits_to_float(__ldg(dr + level * F + f)) * inv_scale;
@@ -254,7 +263,7 @@ __device__ __forceinline__ void grid_backward_part(
             for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner) {
                 const float w = INTERP == INTERP_NEAREST ? 1.f : g.weight(corner);
                 const u32 row = g.row(L, corner);
-                if (level < SMEM_LEVELS) {
+                if (coarse) {
 #pragma unroll
                     for (int f = 0; f < F; ++f) atomicAdd(sgrad + row * F + f, w * dl[f]);
                 } else if (F % 2 == 0) {
@@ -267,6 +276,7 @@ __device__ __forceinline__ void grid_backward_part(
             }
         }
     }
+    if (!coarse) return;
     __syncthreads();
     if (F % 2 == 0) {
         for (int i = 2 * threadIdx.x; i < SMEM_VALUES; i += 2 * blockDim.x)
