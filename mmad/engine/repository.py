@@ -221,6 +221,16 @@ def read_weights(folder: Path, spec: MLPSpec, version: int | None = None) -> dic
         raise FolderError(f"{what}: {exc}") from exc
 
 
+async def read_named_folder(registry: Registry, folder: Path) -> ModelFolder:
+    """``folder`` read as a model whose name is the folder's (a name the store refuses is the
+    folder's FolderError)."""
+    try:
+        check_model_name(folder.name)
+    except MMADError as exc:
+        raise FolderError(str(exc)) from exc
+    return await registry.run(read_model_folder, folder)
+
+
 async def load_repository(registry: Registry, directory: Path) -> None:
     """Create the models of ``directory`` the store does not have yet, after ``load_all``; note
     where a stored model differs from its folder. Failures go to ``registry.unreadable``
@@ -230,11 +240,7 @@ async def load_repository(registry: Registry, directory: Path) -> None:
     for folder in folders:
         name = folder.name
         try:
-            try:
-                check_model_name(name)
-            except MMADError as exc:
-                raise FolderError(str(exc)) from exc
-            model = await registry.run(read_model_folder, folder)
+            model = await read_named_folder(registry, folder)
             spec, config = model.spec, model.config
             if registry.store.exists(name):
                 _note_differences(registry, name, spec, config, list(model.versions))

@@ -28,8 +28,7 @@ import logging
 from pathlib import Path
 
 from mmad.engine.registry import ModelEntry, Registry
-from mmad.engine.repository import FolderError, ModelFolder, create_versioned, read_model_folder, read_versions
-from mmad.engine.store import check_model_name
+from mmad.engine.repository import FolderError, ModelFolder, create_versioned, read_named_folder, read_versions
 from mmad.errors import Forbidden, MMADError
 from mmad.settings import Settings
 
@@ -101,11 +100,7 @@ class RepositoryPoller:
     async def _sync_folder(self, folder: Path) -> None:
         registry, name = self.registry, folder.name
         try:
-            try:
-                check_model_name(name)
-            except MMADError as exc:
-                raise FolderError(str(exc)) from exc
-            model = await registry.run(read_model_folder, folder)
+            model = await read_named_folder(registry, folder)
             if not model.versions:
                 raise FolderError("a followed repository serves version folders: <model>/1/model.safetensors, "
                                   "... (what `mmad export --to repository` writes); this folder has none")
