@@ -14,16 +14,19 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
 
+from mmad.backends.cache import KernelCache
 from mmad.backends.contract import EpochPosition
+from mmad.backends.cuda import mma
 from mmad.backends.cuda.grids import CudaGridModel, GridPlan
 from mmad.backends.cuda.mma import MmaPlan
 from mmad.backends.numerics import epoch_rows
 from mmad.demo import IMAGE_CONFIG
-from mmad.errors import InvalidInput, SpecError
+from mmad.errors import CompileError, InvalidInput, SpecError
 from mmad.spec import MLPSpec
 from oracle import rel_err
 from test_cuda import _cuda_backend
@@ -67,6 +70,71 @@ def test_grid_forward_gradients_and_adam(backend, case, interpolation):
         m.set_params(params)
         check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
         check_training(m, spec, params, x, y)
+
+
+class HeldCompiles:
+    """mma.in_background standing in: each compile waits until the test runs it (``finish``) or
+    fails it (``fail``), so a model is seen between its serving and its training kernels."""
+
+    def __init__(self):
+        self.held: list[tuple[object, Future]] = []
+
+    def __call__(self, fn, name):
+        future: Future = Future()
+        self.held.append((fn, future))
+        return future
+
+    def finish(self):
+        for fn, future in self.held:
+            future.set_result(fn())
+
+    def fail(self, exc):
+        for _, future in self.held:
+            future.set_exception(exc)
+
+
+@pytest.mark.gpu
+def test_a_grid_model_serves_before_its_training_kernels_are_built(backend, monkeypatch, tmp_path):
+    """compile() returns with the serving kernels alone (the training module still compiling):
+    forwards match the float64 oracle then, and training, once its kernels are in, follows the
+    oracle's losses as it does with every kernel built up front."""
+    held = HeldCompiles()
+    monkeypatch.setattr(mma, "in_background", held)
+    spec = grid_spec(IMAGE, 2)
+    rng = np.random.default_rng()
+    params = random_params(spec, rng)
+    x = grid_inputs(rng, 700, 2)
+    y = targets(rng, x)
+    with backend.compile(spec, cache=KernelCache(tmp_path)) as m:
+        assert len(held.held) == 1 and not m.training_ready
+        m.set_params(params)
+        assert rel_err(m.forward(x), oracle(spec, params).forward(x)) <= FWD_TOL["fp16"]
+        xh = x.astype(np.float16)  # fp16 in and out: the oracle reads the same rounded inputs
+        half = m.forward(xh, out_dtype=np.float16)
+        ref = oracle(spec, params).forward(xh.astype(np.float32))
+        assert half.dtype == np.float16 and rel_err(half, ref) <= FWD_TOL["fp16"] + 1e-3  # + fp16 output rounding
+        assert not m.training_ready  # nothing above waited for the training kernels
+        held.finish()
+        assert m.training_ready
+        check_training(m, spec, params, x, y)
+
+
+@pytest.mark.gpu
+def test_a_failed_training_compile_fails_training_and_leaves_serving(backend, monkeypatch, tmp_path):
+    """The training module's compile error reaches the training request (CompileError with its
+    log); the model keeps answering forwards."""
+    held = HeldCompiles()
+    monkeypatch.setattr(mma, "in_background", held)
+    spec = grid_spec(HASH_2D, 2)
+    rng = np.random.default_rng()
+    params = random_params(spec, rng)
+    x = grid_inputs(rng, 300, 2)
+    with backend.compile(spec, cache=KernelCache(tmp_path)) as m:
+        m.set_params(params)
+        held.fail(CompileError("the mma training kernels", "error: injected by the test"))
+        with pytest.raises(CompileError, match="injected by the test"):
+            m.train_step(x, targets(rng, x), 2)
+        assert rel_err(m.forward(x), oracle(spec, params).forward(x)) <= FWD_TOL["fp16"]
 
 
 @pytest.mark.gpu
@@ -287,19 +355,28 @@ class EncodedInputPlan(MmaPlan):
 @pytest.mark.parametrize("case", ["image", "instant_ngp"])
 def test_mma_source_of_a_grid_model_builds_with_nvcc_without_spills(tmp_path, case):
     """A grid model's mma kernels (pair-major input, d loss / d input from the training kernels),
-    built by nvcc for sm_90: the pair forwards and the training kernels use no local memory."""
+    built by nvcc for sm_90: the serving module holds the pair forwards and no plain or group
+    forward (a grid model never runs them), the training module the training kernels; the pair
+    forwards and the training kernels use no local memory."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
     spec = grid_spec(IMAGE, 2) if case == "image" else grid_spec(INSTANT_NGP, 6, n_out=4)
     plan = EncodedInputPlan(spec)
-    src = tmp_path / "mma.cu"
-    src.write_text(plan.source)
-    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
-                           "-o", str(tmp_path / "mma.cubin")], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = dict((k, int(a) + int(b)) for k, a, b in re.findall(
-        r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill", done.stderr, flags=re.S))
+    report = {}
+    for part, source, kernels in (("serve", plan.serve_source, plan.serve_kernels),
+                                  ("train", plan.train_source, plan.train_kernels)):
+        src = tmp_path / f"mma-{part}.cu"
+        src.write_text(source)
+        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
+                               "-o", str(tmp_path / f"mma-{part}.cubin")], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        built = dict((k, int(a) + int(b)) for k, a, b in re.findall(
+            r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill", done.stderr,
+            flags=re.S))
+        assert set(built) == set(kernels), part
+        report.update(built)
+    assert set(plan.serve_kernels) == {"mlp_forward_pairs", "mlp_forward_pairs_half", "mlp_optimize", "mlp_load_tcnn"}
     kernels = ["mlp_forward_pairs", "mlp_forward_pairs_half", "mlp_train_fwd_bwd"] + (
         ["mlp_train_fused"] if plan.fused_wgrad else [])
     assert all(report[k] == 0 for k in kernels), report

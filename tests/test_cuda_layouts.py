@@ -21,7 +21,9 @@ from mmad.backends import layouts as L
 from mmad.backends.cuda import CudaBackend
 from mmad.backends.cuda.cublaslt import EW_KERNELS, elementwise_source
 from mmad.install import missing_piece, read_driver
-from mmad.backends.cuda.mma import FUSED_KERNELS, GROUP_KERNELS, MMA_KERNELS, MmaPlan, b_image_index
+from mmad.backends.cuda.mma import (
+    FUSED_KERNELS, GROUP_KERNELS, PLAIN_FORWARD_KERNELS, SERVE_COMMON_KERNELS, TRAIN_KERNELS, MmaPlan, b_image_index,
+)
 from mmad.errors import SpecError
 from mmad.spec import bench_spec
 
@@ -82,23 +84,29 @@ def test_probe_without_cupy_reports_why() -> None:
     ("W", {}, ("mlp_forward", "mlp_forward_half", "mlp_wgrad")),
 ])
 def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overrides, spill_free) -> None:
-    """The exact source the backend hands NVRTC, built by nvcc for sm_90: compiles, no local memory."""
+    """The exact sources the backend hands NVRTC (the serving module's and the training module's),
+    built by nvcc for sm_90: each compiles, holds exactly the kernels its module loads, and uses
+    no local memory."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
     plan = MmaPlan(bench_spec(name, **overrides))
-    source = plan.source
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source)
-    done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
-                           "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores",
-                        done.stderr, flags=re.S)
-    spills = {kernel: int(stack) + int(spill) for kernel, stack, spill in report}
+    spills = {}
+    for part, source, kernels in (("serve", plan.serve_source, plan.serve_kernels),
+                                  ("train", plan.train_source, plan.train_kernels)):
+        src = tmp_path / f"{name}-{part}.cu"
+        src.write_text(source)
+        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
+                               "-o", str(tmp_path / f"{name}-{part}.cubin")], capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+                            r"stores", done.stderr, flags=re.S)
+        assert {kernel for kernel, _, _ in report} == set(kernels), part
+        spills.update({kernel: int(stack) + int(spill) for kernel, stack, spill in report})
     fused = set(FUSED_KERNELS) if plan.fused_wgrad else set()
     group = set(GROUP_KERNELS) if plan.group_forward else set()
-    assert set(spills) == set(MMA_KERNELS) | fused | group
+    assert set(spills) == set(PLAIN_FORWARD_KERNELS + SERVE_COMMON_KERNELS + TRAIN_KERNELS) | fused | group
     # the *_rows kernels (a held dataset read in place) must spill no more than their plain twins,
     # nor the group forwards (several requests in one launch) than the plain forwards
     for kernel, twin in [("mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows"), ("mlp_train_fused", "mlp_train_fused_rows"),
@@ -144,9 +152,9 @@ def test_fp16_accumulating_forwards_build_with_nvcc_without_spills(tmp_path, nam
     for acc16 in (False, True):
         plan = MmaPlan(bench_spec(name), forward_acc16=acc16)
         tiles[acc16] = plan.mt_half
-        assert ("#define FWD_ACC16 1" in plan.source) is acc16
+        assert ("#define FWD_ACC16 1" in plan.serve_source) is acc16
         src = tmp_path / f"{name}{int(acc16)}.cu"
-        src.write_text(plan.source)
+        src.write_text(plan.serve_source)
         done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
                                "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -178,8 +186,9 @@ def test_fused_weight_gradients_where_they_fit(name, overrides, fused, blocks, m
 
     plan = MmaPlan(bench_spec(name, **overrides))
     assert plan.fused_wgrad is fused
-    assert ("#define FUSED_WGRAD 1" in plan.source) is fused
-    assert plan.fused_min_blocks == blocks and f"#define FUSED_MIN_BLOCKS {blocks}\n" in plan.source
+    assert ("#define FUSED_WGRAD 1" in plan.train_source) is fused
+    assert plan.fused_min_blocks == blocks and f"#define FUSED_MIN_BLOCKS {blocks}\n" in plan.train_source
+    assert set(FUSED_KERNELS) <= set(plan.train_kernels) if fused else not set(FUSED_KERNELS) & set(plan.train_kernels)
     if fused:
         assert plan.smem_fused <= mma.FUSED_SMEM_LIMIT
         monkeypatch.setenv(knobs.FUSED_WGRAD_ENV, "0")

@@ -765,7 +765,7 @@ def test_wgmma_probe_gate_and_default_choice(wgmma_backend, cache, monkeypatch):
 def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     cache = KernelCache(tmp_path)
     spec = bench_spec("S", activation="Softplus")
-    wgmma_backend.compile(spec, variant="wgmma", cache=cache)
+    wgmma_backend.compile(spec, variant="wgmma", cache=cache).wait_for_training_kernels()
     misses = cache.stats.misses
 
     def no_compiler(*args, **kwargs):
@@ -774,7 +774,9 @@ def test_wgmma_cache_hit_runs_no_compiler(wgmma_backend, tmp_path, monkeypatch):
     monkeypatch.setattr(wgmma, "nvcc_compile", no_compiler)
     monkeypatch.setattr(mma, "nvrtc_compile", no_compiler)
     model = wgmma_backend.compile(spec, variant="wgmma", cache=cache)
-    assert cache.stats.hits == misses == 3  # the mma module, the wgmma forwards, the wgmma training
+    model.wait_for_training_kernels()
+    # the mma serving and training modules, the wgmma forwards, the wgmma training
+    assert cache.stats.hits == misses == 4
     x = np.random.default_rng(1).standard_normal((10, spec.n_input_dims), dtype=np.float32)
     assert np.isfinite(model.forward(x)).all()
 

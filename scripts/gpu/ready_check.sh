@@ -6,7 +6,7 @@
 # timing seconds, the variant chosen), the warm-cache PUT and the daemon's restart; then what a
 # warmed image saves (`mmad cache warm`: its seconds and the cache's size, then the cold PUTs of a
 # daemon started on that cache).
-#   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]
+#   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]   (VULKAN= leaves vulkan out)
 #   phases: env ready warm tests (default: env ready warm; `tests`, tests/test_cuda_dispatch.py and
 #   tests/test_cuda_ema.py, takes about 3 minutes more)
 #   `breakdown` (scripts/gpu/compile_breakdown.py): each compiler call of a cold compile and its seconds
@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PHASES=${*:-"env ready warm"}
 CUDA=${CUDA:-cuda}
-VULKAN=${VULKAN:-vulkan}
+VULKAN=${VULKAN-vulkan}
 . scripts/gpu/site.sh
 # the Vulkan loader (the debs carried in .gl) and glslang (the cmeel wheel in .whl), as
 # scripts/gpu/vulkan_check.sh sets them up
@@ -39,7 +39,7 @@ for phase in $PHASES; do
       { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc;
         python3 -m mmad.cli probe --backend cuda --backend vulkan; } 2>&1 | tee "$OUT/env.log" | tail -n 20 | tee -a "$SUMMARY" ;;
     ready)
-      for backend in "$CUDA" "$VULKAN"; do
+      for backend in $CUDA $VULKAN; do
         name=${backend//:/-}
         limit=${READY_TIMEOUT:-200}
         [ "$backend" = "$VULKAN" ] && limit=${VULKAN_READY_TIMEOUT:-80}

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from mmad.backends.contract import (
 from mmad.backends.numerics import ema_factor_table, epoch_half_bits
 from mmad.backends.cuda.knobs import CudaKnobs
 from mmad.backends.cuda.toolchain import (
-    CudaModel, LoadedModule, TableUploads, cached_cubin, device_errors, nvrtc_compile, nvrtc_version,
+    CudaModel, LoadedModule, TableUploads, cached_cubin, device_errors, in_background, nvrtc_compile, nvrtc_version,
 )
 from mmad.errors import InvalidInput, LaunchError, SpecError
 from mmad.shaders import read_source
@@ -56,11 +58,17 @@ FUSED_SMEM_LIMIT = 227 * 1024  # sm_80 / sm_90 opt-in limit per block
 SMEM_PER_SM = 228 * 1024  # sm_80 / sm_90 shared memory per SM, of which each resident block reserves 1 KiB
 NVRTC_OPTIONS = ("-std=c++17",)
 
-MMA_KERNELS = ("mlp_forward", "mlp_forward_half", "mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad",
-               "mlp_optimize", "mlp_gather_batch", "mlp_batch_rows", "mlp_finish_step", "mlp_load_tcnn")
+# the serving module's kernels (mlp_mma.cu's SERVE_KERNELS): the forwards of a plain input, or of
+# an input encoded on the device; the group forwards where they apply; the optimizer kernel (the
+# parameters' repack into the fp16 images) and tiny-cuda-nn's parameter loader
+PLAIN_FORWARD_KERNELS = ("mlp_forward", "mlp_forward_half")
+PAIRS_KERNELS = ("mlp_forward_pairs", "mlp_forward_pairs_half")
+GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # plain inputs, widths <= GROUP_MAX_WIDTH
+SERVE_COMMON_KERNELS = ("mlp_optimize", "mlp_load_tcnn")
+# the training module's kernels (TRAIN_KERNELS), compiled on a thread of their own while the model serves
+TRAIN_KERNELS = ("mlp_train_fwd_bwd", "mlp_train_fwd_bwd_rows", "mlp_wgrad", "mlp_gather_batch", "mlp_batch_rows",
+                 "mlp_finish_step")
 FUSED_KERNELS = ("mlp_train_fused", "mlp_train_fused_rows")  # where the fused plan applies
-GROUP_KERNELS = ("mlp_forward_group", "mlp_forward_half_group")  # where the group forward applies
-PAIRS_KERNELS = ("mlp_forward_pairs", "mlp_forward_pairs_half")  # where the input is encoded on the device
 GROUP_MAX_WIDTH = 128  # the 256-wide forward holds 254 registers: a group's per-tile pointers would spill
 CTL_STEP, CTL_CURSOR, CTL_EPOCH, CTL_SEED = range(4)  # the device control block (mlp_mma.cu)
 GATHER_WARPS = 8  # warps per block of mlp_gather_batch (a warp per row)
@@ -170,9 +178,14 @@ class MmaPlan:
         self.mt_half = (4 if self.width <= 64 else 2 if self.width <= 128 else 1) if forward_acc16 else self.mt_fwd
         self.warps = WARPS_PER_BLOCK
         self.fused_wgrad, self.smem_fused, self.fused_min_blocks = self._fused_plan(knobs.fused_wgrad)
-        self.group_forward = self.width <= GROUP_MAX_WIDTH
+        # an encoded input's forwards come one request at a time (forward_group's fallback)
+        self.group_forward = self.width <= GROUP_MAX_WIDTH and not self.encoded_input
         self.cuda_graphs = knobs.cuda_graphs
-        self.source = self._source()
+        self.serve_kernels = ((PAIRS_KERNELS if self.encoded_input else PLAIN_FORWARD_KERNELS)
+                              + (GROUP_KERNELS if self.group_forward else ()) + SERVE_COMMON_KERNELS)
+        self.train_kernels = TRAIN_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ())
+        self.serve_source = self._source(kernels="serve")
+        self.train_source = self._source(kernels="train")
 
     def _fused_plan(self, wanted: bool) -> tuple[bool, int, int]:
         """Whether mlp_train_fused applies (weight gradients accumulated in the training kernel),
@@ -190,9 +203,10 @@ class MmaPlan:
         two_blocks = acc <= FUSED_TWO_BLOCKS_MAX_ACC and 2 * (smem + 1024) <= SMEM_PER_SM
         return wanted and fits, smem, 2 if two_blocks else 1
 
-    def _source(self, loss: str | None = None) -> str:
-        """The kernels' source; ``loss``: the LOSS macro instead of the spec's (``LOSS_GIVEN``: the
-        training kernels take d loss / d output as their target, for ``backward``)."""
+    def _source(self, loss: str | None = None, kernels: str = "train") -> str:
+        """The source of the ``kernels`` set ("serve" or "train"); ``loss``: the LOSS macro instead
+        of the spec's (``LOSS_GIVEN``: the training kernels take d loss / d output as their target,
+        for ``backward``)."""
         s = self.spec
         defines = {
             "NIN": s.n_encoded_dims, "KIN": self.k_in, "WIDTH": self.width, "NHID": self.n_hidden,
@@ -205,6 +219,7 @@ class MmaPlan:
             "FUSED_MIN_BLOCKS": self.fused_min_blocks,
             "GROUP_FORWARD": int(self.group_forward), "ENCODED_INPUT": int(self.encoded_input),
             "FWD_ACC16": int(self.forward_acc16),
+            "SERVE_KERNELS": int(kernels == "serve"), "TRAIN_KERNELS": int(kernels == "train"),
             **optimizer_defines(s),
         }
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
@@ -229,40 +244,88 @@ class CudaMmaModel(MmaPlan, CudaModel):
 
     # -- build ------------------------------------------------------------------------------
     def _build(self, cache: KernelCache | None) -> LoadedModule:
-        what = f"mma kernels for model {self.spec.content_hash()} ({describe(self.spec)})"
+        """The serving module, compiled and loaded now; the training module's compile started
+        first, on a thread of its own (``_training_module`` waits for it): a model answers its
+        forwards while its training kernels compile (a grid model's serving kernels take about a
+        fifth of the time of the whole set)."""
+        about = f"model {self.spec.content_hash()} ({describe(self.spec)})"
         self._cache = cache  # the backward's kernels are built on first use, from the same cache
-
-        def build() -> bytes:
-            return nvrtc_compile(self.source, self.arch_digits, NVRTC_OPTIONS, what)
-
-        cubin = cached_cubin(cache, build, backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
-                             options=NVRTC_OPTIONS, source=self.source)
+        self._train_lock = threading.Lock()
+        self._train_module: LoadedModule | None = None
+        self._train_cubin = in_background(
+            partial(self._cubin, self.train_source, f"the mma training kernels of {about}"),
+            f"mmad-nvrtc-train-{self.spec.content_hash()[:8]}")
+        what = f"the mma serving kernels of {about}"
+        module = self._load(self._cubin(self.serve_source, what), self.serve_kernels, what)
+        forwards = PAIRS_KERNELS if self.encoded_input else PLAIN_FORWARD_KERNELS
         try:
-            module = LoadedModule(self.cp, cubin, MMA_KERNELS + (FUSED_KERNELS if self.fused_wgrad else ())
-                                  + (GROUP_KERNELS if self.group_forward else ())
-                                  + (PAIRS_KERNELS if self.encoded_input else ()))
-            fwd, train = module.kernel("mlp_forward"), module.kernel("mlp_train_fwd_bwd")
             if self.w_smem_fwd and self.smem_fwd > 48 * 1024:
-                fwd.max_dynamic_shared_size_bytes = self.smem_fwd
-                for name in (("mlp_forward_half",) + (GROUP_KERNELS if self.group_forward else ())
-                             + (PAIRS_KERNELS if self.encoded_input else ())):
+                for name in forwards + (GROUP_KERNELS if self.group_forward else ()):
                     module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fwd
-            if self.w_smem_train and self.smem_train > 48 * 1024:
-                train.max_dynamic_shared_size_bytes = self.smem_train
-                module.kernel("mlp_train_fwd_bwd_rows").max_dynamic_shared_size_bytes = self.smem_train
-            if self.fused_wgrad and self.smem_fused > 48 * 1024:
-                for name in FUSED_KERNELS:
-                    module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fused
+        except device_errors(self.cp) as exc:
+            raise LaunchError(f"loading {what} failed: {exc}") from exc
+        smem = self.smem_fwd if self.w_smem_fwd else 0
+        self.grid_fwd = self._resident_blocks(module.kernel(forwards[0]), smem)
+        # the fp16-out forwards' persistent grid (fp16 accumulators hold fewer registers)
+        self.grid_half = self._resident_blocks(module.kernel(forwards[1]), smem) if self.forward_acc16 else self.grid_fwd
+        return module
+
+    def _cubin(self, source: str, what: str) -> bytes:
+        return cached_cubin(self._cache, lambda: nvrtc_compile(source, self.arch_digits, NVRTC_OPTIONS, what),
+                            backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
+                            options=NVRTC_OPTIONS, source=source)
+
+    def _load(self, cubin: bytes, names: tuple[str, ...], what: str) -> LoadedModule:
+        try:
+            return LoadedModule(self.cp, cubin, names)
         except device_errors(self.cp) as exc:
             raise LaunchError(f"loading the compiled {what} failed: {exc}") from exc
-        self.grid_fwd = self._resident_blocks(fwd, self.smem_fwd if self.w_smem_fwd else 0)
-        # the fp16-out forwards' persistent grid (fp16 accumulators hold fewer registers)
-        self.grid_half = (self._resident_blocks(module.kernel("mlp_forward_half"), self.smem_fwd if self.w_smem_fwd
-                                                else 0) if self.forward_acc16 else self.grid_fwd)
-        self.grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
-        self.grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
-                           if self.fused_wgrad else 0)
-        return module
+
+    def _training_module(self) -> LoadedModule:
+        """The training kernels, loaded on first use once their background compile is done (a
+        failed compile raises its CompileError here, to the training request)."""
+        with self._train_lock:
+            if self._train_module is not None:
+                return self._train_module
+            what = f"the mma training kernels of model {self.spec.content_hash()}"
+            module = self._load(self._train_cubin.result(), self.train_kernels, what)
+            train = module.kernel("mlp_train_fwd_bwd")
+            try:
+                if self.w_smem_train and self.smem_train > 48 * 1024:
+                    train.max_dynamic_shared_size_bytes = self.smem_train
+                    module.kernel("mlp_train_fwd_bwd_rows").max_dynamic_shared_size_bytes = self.smem_train
+                if self.fused_wgrad and self.smem_fused > 48 * 1024:
+                    for name in FUSED_KERNELS:
+                        module.kernel(name).max_dynamic_shared_size_bytes = self.smem_fused
+            except device_errors(self.cp) as exc:
+                raise LaunchError(f"loading {what} failed: {exc}") from exc
+            self._grid_train = self._resident_blocks(train, self.smem_train if self.w_smem_train else 0)
+            self._grid_fused = (self._resident_blocks(module.kernel("mlp_train_fused"), self.smem_fused, FUSED_WARPS)
+                                if self.fused_wgrad else 0)
+            self._train_module = module
+            return module
+
+    def wait_for_training_kernels(self) -> None:
+        """Returns once the training kernels are compiled and loaded (their compile's error raised
+        here)."""
+        self._training_module()
+
+    @property
+    def training_ready(self) -> bool:
+        """Whether the training kernels are compiled (training then starts without waiting)."""
+        return self._train_cubin.done()
+
+    @property
+    def grid_train(self) -> int:
+        """Resident blocks of the training kernel (the persistent grid)."""
+        self._training_module()
+        return self._grid_train
+
+    @property
+    def grid_fused(self) -> int:
+        """Resident blocks of mlp_train_fused (0 where the fused plan does not apply)."""
+        self._training_module()
+        return self._grid_fused
 
     def _given_module(self) -> LoadedModule:
         """The training kernels compiled with d loss / d output as their target (``LOSS_GIVEN``),
@@ -270,14 +333,10 @@ class CudaMmaModel(MmaPlan, CudaModel):
         module = getattr(self, "_given", None)
         if module is not None:
             return module
-        source = self._source("LOSS_GIVEN")
         what = f"the backward kernels of model {self.spec.content_hash()} ({describe(self.spec)})"
-        cubin = cached_cubin(self._cache, lambda: nvrtc_compile(source, self.arch_digits, NVRTC_OPTIONS, what),
-                             backend="cuda-mma", device=self.arch, compiler=f"nvrtc-{nvrtc_version()}",
-                             options=NVRTC_OPTIONS, source=source)
-        names = ("mlp_train_fwd_bwd",) + (("mlp_train_fused",) if self.fused_wgrad else ())
+        cubin = self._cubin(self._source("LOSS_GIVEN"), what)
+        module = self._load(cubin, ("mlp_train_fwd_bwd",) + (("mlp_train_fused",) if self.fused_wgrad else ()), what)
         try:
-            module = LoadedModule(self.cp, cubin, names)
             if self.w_smem_train and self.smem_train > 48 * 1024:
                 module.kernel("mlp_train_fwd_bwd").max_dynamic_shared_size_bytes = self.smem_train
             if self.fused_wgrad and self.smem_fused > 48 * 1024:
@@ -375,7 +434,8 @@ class CudaMmaModel(MmaPlan, CudaModel):
         return max(self.grid_train * self.warps, self.grid_fused * FUSED_WARPS)
 
     def _launch(self, name: str, grid, block, args, smem: int = 0) -> None:
-        self._launch_from(self._module, name, grid, block, args, smem)
+        module = self._module if name in self._module.kernels else self._training_module()
+        self._launch_from(module, name, grid, block, args, smem)
 
     # -- compute --------------------------------------------------------------------------------
     def forward(self, x: Any, out_dtype: Any = np.float32, into: Any = None) -> Any:
@@ -752,6 +812,7 @@ class CudaMmaModel(MmaPlan, CudaModel):
         try:
             if graph is None:
                 self._workspace_for(self._rows_padded(key[1]))  # allocated before, not during, capture
+                self._training_module()  # and the training kernels loaded
                 capture = cp.cuda.Stream(non_blocking=True)
                 with capture:
                     capture.begin_capture()

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -657,3 +658,20 @@ def cached_cubin(cache: Any, build, *, backend: str, device: str, compiler: str,
         return build()
     return cache.get_or_build(build, backend=backend, device=device, compiler=compiler, options=list(options),
                               source=source)
+
+
+def in_background(fn: Callable[[], bytes], name: str) -> Future:
+    """``fn()`` on a thread of its own, its result or exception in the future returned. NVRTC
+    compiles without the GIL (CuPy's compileProgram), so a module builds beside the one being
+    built now and beside the requests being served. A daemon thread: a process exiting does not
+    wait for a compile nobody will use."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

@@ -18,6 +18,12 @@
 //   GROUP_FORWARD      1: mlp_forward_group and mlp_forward_half_group exist (widths <= 128)
 //   FWD_ACC16          1: the fp16-out forwards (mlp_forward_half, mlp_forward_half_group,
 //                      mlp_forward_pairs_half) accumulate in fp16 (mlp_forward_acc16 below)
+//   SERVE_KERNELS      1: the kernels a model serves with: the forwards, mlp_optimize (training's
+//                      reduce + step, and set_params' repack), mlp_load_tcnn
+//   TRAIN_KERNELS      1: the training kernels (forward + loss + backward, weight gradients, the
+//                      epoch's batches, the step's end). The host builds the two sets as two
+//                      modules, the training one on a thread of its own: a model serves while its
+//                      training kernels compile (mma.py, CudaMmaModel)
 //   ENCODED_INPUT      1: the input is an encoding made on the device (a grid's, grid.cu): fp16 in
 //                      pair-major layout (the pair of columns 2p, 2p + 1 of row r at word p·rows + r;
 //                      ``x_pairs``), read by mlp_forward_pairs(_half) and the plain training kernels,
@@ -814,6 +820,9 @@ __device__ __forceinline__ void mlp_forward_acc16(
     }
 }
 
+#if SERVE_KERNELS
+#if !ENCODED_INPUT
+// the forwards of a plain input (an encoded one has mlp_forward_pairs below)
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward(
     const float* __restrict__ x, i64 rows, i64 rows_pad, float* __restrict__ out,
     const uint2* __restrict__ wpack, const float* __restrict__ bias) {
@@ -832,6 +841,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half(
                                                          nullptr, nullptr, nullptr, nullptr);
 #endif
 }
+#endif
 
 #if ENCODED_INPUT
 // the forward of a pair-major fp16 encoded input (grid.cu), fp32 or fp16 out
@@ -878,7 +888,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_forward_half_group(
 #endif
 }
 #endif
+#endif  // SERVE_KERNELS
 
+#if TRAIN_KERNELS
 extern "C" __global__ void __launch_bounds__(WARPS * 32) mlp_train_fwd_bwd(
     const TRAIN_XT* __restrict__ x, i64 rows, i64 rows_pad, const uint2* __restrict__ wpack,
     const float* __restrict__ bias, const float* __restrict__ target, float grad_scale,
@@ -1009,6 +1021,7 @@ extern "C" __global__ void __launch_bounds__(128) mlp_wgrad(
     }
     if (do_bias && o0 + tid < N) pb[(i64)blockIdx.x * N + o0 + tid] = bsum;
 }
+#endif  // TRAIN_KERNELS
 
 // ---- chunk reduction + optimizer step + fp16 repack, one layer per launch --------------------
 // Index of element (k, n) of a K x N operand in its packed B image (see the header comment).
@@ -1031,6 +1044,7 @@ __device__ __forceinline__ int b_image_index(int Kdim, int k, int n) {
 // With tcnn's EMA wrapper (EMA 1) modes 0 and 2 also write the average ema_w / ema_b and the
 // forward image eimage made from it, which inference reads instead of wimage (training keeps
 // reading wimage, the raw weights).
+#if SERVE_KERNELS
 extern "C" __global__ void mlp_optimize(
     int mode, float* __restrict__ w, float* __restrict__ b, float* __restrict__ s1w,
     float* __restrict__ s1b, float* __restrict__ s2w, float* __restrict__ s2b,
@@ -1132,7 +1146,10 @@ extern "C" __global__ void mlp_load_tcnn(const u16* __restrict__ flat, float* __
     }
 }
 
+#endif  // SERVE_KERNELS
+
 // ---- training from a held dataset: the epoch's order, the batch gather, the step's bookkeeping --
+#if TRAIN_KERNELS
 
 __device__ __forceinline__ u32 mix32(u32 x) {
     x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
@@ -1218,3 +1235,4 @@ extern "C" __global__ void __launch_bounds__(FINISH_THREADS) mlp_finish_step(
         }
     }
 }
+#endif  // TRAIN_KERNELS
