@@ -6,7 +6,7 @@
 # timing seconds, the variant chosen), the warm-cache PUT and the daemon's restart; then what a
 # warmed image saves (`mmad cache warm`: its seconds and the cache's size, then the cold PUTs of a
 # daemon started on that cache).
-#   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]   (VULKAN= leaves vulkan out)
+#   [VULKAN=vulkan] [CUDA=cuda] scripts/gpu/ready_check.sh [phase ...]   (CUDA= or VULKAN= leaves that backend out)
 #   phases: env ready warm tests (default: env ready warm; `tests`, tests/test_cuda_dispatch.py and
 #   tests/test_cuda_ema.py, takes about 3 minutes more)
 #   `breakdown` (scripts/gpu/compile_breakdown.py): each compiler call of a cold compile and its seconds
@@ -17,7 +17,7 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 PHASES=${*:-"env ready warm"}
-CUDA=${CUDA:-cuda}
+CUDA=${CUDA-cuda}
 VULKAN=${VULKAN-vulkan}
 . scripts/gpu/site.sh
 # the Vulkan loader (the debs carried in .gl) and glslang (the cmeel wheel in .whl), as
