@@ -30,6 +30,7 @@ from mmad.errors import CompileError, InvalidInput, SpecError
 from mmad.spec import MLPSpec
 from oracle import rel_err
 from test_cuda import _cuda_backend
+from test_cuda_layouts import nvcc_local_memory
 from test_webgpu_grids import (
     ADAM, CASES, FWD_TOL, HASH_2D, INSTANT_NGP, check_forward_and_gradients, check_training, grid_inputs, grid_spec,
     oracle, random_params, targets,
@@ -93,13 +94,19 @@ class HeldCompiles:
             future.set_exception(exc)
 
 
+@pytest.fixture
+def held(monkeypatch) -> HeldCompiles:
+    """The mma training modules' background compiles, held until the test lets them run."""
+    compiles = HeldCompiles()
+    monkeypatch.setattr(mma, "in_background", compiles)
+    return compiles
+
+
 @pytest.mark.gpu
-def test_a_grid_model_serves_before_its_training_kernels_are_built(backend, monkeypatch, tmp_path):
+def test_a_grid_model_serves_before_its_training_kernels_are_built(backend, held, tmp_path):
     """compile() returns with the serving kernels alone (the training module still compiling):
     forwards match the float64 oracle then, and training, once its kernels are in, follows the
     oracle's losses as it does with every kernel built up front."""
-    held = HeldCompiles()
-    monkeypatch.setattr(mma, "in_background", held)
     spec = grid_spec(IMAGE, 2)
     rng = np.random.default_rng()
     params = random_params(spec, rng)
@@ -120,11 +127,9 @@ def test_a_grid_model_serves_before_its_training_kernels_are_built(backend, monk
 
 
 @pytest.mark.gpu
-def test_a_failed_training_compile_fails_training_and_leaves_serving(backend, monkeypatch, tmp_path):
+def test_a_failed_training_compile_fails_training_and_leaves_serving(backend, held, tmp_path):
     """The training module's compile error reaches the training request (CompileError with its
     log); the model keeps answering forwards."""
-    held = HeldCompiles()
-    monkeypatch.setattr(mma, "in_background", held)
     spec = grid_spec(HASH_2D, 2)
     rng = np.random.default_rng()
     params = random_params(spec, rng)
@@ -363,19 +368,7 @@ def test_mma_source_of_a_grid_model_builds_with_nvcc_without_spills(tmp_path, ca
         pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
     spec = grid_spec(IMAGE, 2) if case == "image" else grid_spec(INSTANT_NGP, 6, n_out=4)
     plan = EncodedInputPlan(spec)
-    report = {}
-    for part, source, kernels in (("serve", plan.serve_source, plan.serve_kernels),
-                                  ("train", plan.train_source, plan.train_kernels)):
-        src = tmp_path / f"mma-{part}.cu"
-        src.write_text(source)
-        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
-                               "-o", str(tmp_path / f"mma-{part}.cubin")], capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        built = dict((k, int(a) + int(b)) for k, a, b in re.findall(
-            r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill", done.stderr,
-            flags=re.S))
-        assert set(built) == set(kernels), part
-        report.update(built)
+    report = nvcc_local_memory(nvcc, plan, tmp_path / "mma")
     assert set(plan.serve_kernels) == {"mlp_forward_pairs", "mlp_forward_pairs_half", "mlp_optimize", "mlp_load_tcnn"}
     kernels = ["mlp_forward_pairs", "mlp_forward_pairs_half", "mlp_train_fwd_bwd"] + (
         ["mlp_train_fused"] if plan.fused_wgrad else [])

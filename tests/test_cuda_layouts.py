@@ -72,6 +72,25 @@ def test_probe_without_cupy_reports_why() -> None:
         assert row.available or row.reason
 
 
+def nvcc_local_memory(nvcc: str, plan: MmaPlan, stem) -> dict[str, int]:
+    """Each kernel's stack frame + spill stores in bytes, from nvcc's -Xptxas -v for sm_90 over the
+    plan's two sources (the serving and the training module); each must build and hold exactly
+    the kernels its module loads."""
+    local = {}
+    for part, source, kernels in (("serve", plan.serve_source, plan.serve_kernels),
+                                  ("train", plan.train_source, plan.train_kernels)):
+        src = stem.with_name(f"{stem.name}-{part}.cu")
+        src.write_text(source)
+        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
+                               "-o", str(src.with_suffix(".cubin"))], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
+                            r"stores", done.stderr, flags=re.S)
+        assert {kernel for kernel, _, _ in report} == set(kernels), part
+        local.update({kernel: int(stack) + int(spill) for kernel, stack, spill in report})
+    return local
+
+
 @pytest.mark.parametrize(("name", "overrides", "spill_free"), [
     # S: mlp_train_fused is bounded to 128 registers for two blocks an SM and spills a little
     # (measured faster than one spill-free block: mma.py's FUSED_TWO_BLOCKS_MAX_ACC)
@@ -91,19 +110,7 @@ def test_generated_source_builds_with_nvcc_without_spills(tmp_path, name, overri
     if nvcc is None:
         pytest.skip("nvcc is not installed here: the generated CUDA source is only checked where it is")
     plan = MmaPlan(bench_spec(name, **overrides))
-    spills = {}
-    for part, source, kernels in (("serve", plan.serve_source, plan.serve_kernels),
-                                  ("train", plan.train_source, plan.train_kernels)):
-        src = tmp_path / f"{name}-{part}.cu"
-        src.write_text(source)
-        done = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-std=c++17", "-Xptxas", "-v", str(src),
-                               "-o", str(tmp_path / f"{name}-{part}.cubin")], capture_output=True, text=True,
-                              timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        report = re.findall(r"Compiling entry function '(\w+)'.*?\n\s*(\d+) bytes stack frame, (\d+) bytes spill "
-                            r"stores", done.stderr, flags=re.S)
-        assert {kernel for kernel, _, _ in report} == set(kernels), part
-        spills.update({kernel: int(stack) + int(spill) for kernel, stack, spill in report})
+    spills = nvcc_local_memory(nvcc, plan, tmp_path / name)
     fused = set(FUSED_KERNELS) if plan.fused_wgrad else set()
     group = set(GROUP_KERNELS) if plan.group_forward else set()
     assert set(spills) == set(PLAIN_FORWARD_KERNELS + SERVE_COMMON_KERNELS + TRAIN_KERNELS) | fused | group

@@ -663,8 +663,10 @@ def cached_cubin(cache: Any, build, *, backend: str, device: str, compiler: str,
 def in_background(fn: Callable[[], bytes], name: str) -> Future:
     """``fn()`` on a thread of its own, its result or exception in the future returned. NVRTC
     compiles without the GIL (CuPy's compileProgram), so a module builds beside the one being
-    built now and beside the requests being served. A daemon thread: a process exiting does not
-    wait for a compile nobody will use."""
+    built now and beside the requests being served. Not on ``cache.compile_pool``: a model is
+    often built on a pool thread, and whoever then trains it waits for this future; queued
+    behind busy pool threads that wait the same way, it would never run. A daemon thread: a
+    process exiting does not wait for a compile nobody will use."""
     future: Future = Future()
 
     def run() -> None:
