@@ -242,3 +242,29 @@ def test_the_primarys_engine_route_needs_the_token(daemon):
     with httpx.Client(base_url=daemon.url) as h:
         for headers in ({}, {"mmad-worker-token": "guess"}):
             assert h.post("/_mmad/worker/engine/ready", content=b"", headers=headers).status_code == 404
+
+
+def test_the_benchmarks_grpc_clients_reach_every_worker(daemon, http, tmp_path):
+    """``mmad bench --service``'s gRPC clients of one generator process are connections of their
+    own, as its HTTP clients are: with gRPC's default (channels to one address share one
+    connection) a generator's clients were all one worker's, whatever their number."""
+    import argparse
+    import types
+
+    from mmad.bench.grpc_load import grpc_clients
+    from mmad.bench.load import MODEL, Bench
+    from mmad.spec import bench_spec
+
+    r = http.put(f"/v2/models/{MODEL}", json={"spec": bench_spec(MODEL).to_json()}, headers=KEY)
+    assert r.status_code == 201, r.text
+    try:
+        before = answered_by(http)
+        bench = Bench(argparse.Namespace(generator_slack_s=60.0), tmp_path)
+        target = types.SimpleNamespace(grpc_port=int(daemon.grpc.rsplit(":", 1)[1]))
+        res = grpc_clients(bench, target, (1, 16), "FP32", clients=CHANNELS, processes=1, max_requests=4 * CHANNELS,
+                           duration_s=1.0, warmup_s=0.1, pool=8)
+        assert res["errors"] == {} and res["processes"] == 1, res
+        answered = new_answers(before, answered_by(http))
+        assert all(answered.get(str(i), 0) > 0 for i in range(1, WORKERS + 1)), answered
+    finally:
+        assert http.delete(f"/v2/models/{MODEL}", headers=KEY).status_code == 200

@@ -2,8 +2,10 @@
 (what ``tritonclient.grpc`` sends) against the daemon's gRPC port, beside the HTTP rows of the
 same run.
 
-Each client is a ``grpc.aio`` channel of its own (as each HTTP client is a connection of its
-own) sending requests back to back; the requests are ``tritonclient.grpc``'s own messages,
+Each client is a ``grpc.aio`` channel with a connection of its own (as each HTTP client is a
+connection of its own) sending requests back to back: gRPC's channels to one address share one
+connection by default (its global subchannel pool), which the daemon's serving workers would
+answer as one client (``--workers``: each connection is one worker's); the requests are ``tritonclient.grpc``'s own messages,
 serialized before the clock starts (a load generator's job is to drive the server), and each
 reply's raw output is checked (size, finite) inside the clock. The clients can be spread over
 several generator processes timing the same wall-clock window (``start_at``): one Python
@@ -52,7 +54,8 @@ async def run_grpc_load(scenario: dict[str, Any]) -> dict[str, Any]:
     n_out, itemsize = scenario["n_output_dims"], 2 if scenario["datatype"] == "FP16" else 4
     dtype = np.float16 if itemsize == 2 else np.float32
     target = f"{scenario['host']}:{scenario['grpc_port']}"
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE),
+               ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(scenario["clients"])]
     latencies: list[float] = []
     measured = {"rows": 0, "bytes": 0, "first_begin": float("inf"), "last_end": 0.0, "completed": 0}
