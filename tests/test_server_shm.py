@@ -257,3 +257,22 @@ def test_register_and_unregister_need_the_api_key(tmp_path, region):
             assert anonymous.get_system_shared_memory_status() == []
     finally:
         daemon.stop()
+
+
+def test_train_refuses_tensors_in_shared_memory(triton, http, region):
+    """Shared memory carries infer requests: a /train input naming a region is refused by name
+    (it was read as the daemon's unfilled buffer), and training from the body still works."""
+    rng = np.random.default_rng()
+    x = rng.uniform(-1, 1, (8, IN_COLS)).astype(np.float32)
+    y = rng.uniform(0, 1, (8, OUT_COLS)).astype(np.float32)
+    name, key, handle = region(x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    triton.register_system_shared_memory(name, key, x.nbytes)
+    target = {"name": "TARGET", "datatype": "FP32", "shape": list(y.shape), "data": y.ravel().tolist()}
+    r = http.post("/v2/models/demo/train", json={"inputs": [
+        {"name": "INPUT", "datatype": "FP32", "shape": list(x.shape),
+         "parameters": {"shared_memory_region": name, "shared_memory_byte_size": x.nbytes}}, target]})
+    assert r.status_code == 400 and "'INPUT'" in r.json()["error"] and "shared-memory region" in r.json()["error"], r.text
+    r = http.post("/v2/models/demo/train", json={"inputs": [
+        {"name": "INPUT", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}, target]})
+    assert r.status_code == 200 and len(r.json()["losses"]) == 1 and np.isfinite(r.json()["losses"][0]), r.text

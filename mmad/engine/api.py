@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Awaitable, Callable, Literal, Optional, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -79,11 +79,21 @@ class RequestedOutput:
     shm: ShmRef | None = None
 
 
+# A front end's buffer for a response's output (Triton's TRITONSERVER_ResponseAllocator): called
+# with the version that answers, the output and its shape, before the forward, which then writes
+# (and casts) the output straight into the returned array (shape, the output's datatype); None
+# lets the engine allocate it.
+OutputAllocator = Callable[[str, RequestedOutput, tuple[int, ...]], Optional[np.ndarray]]
+
+
 @dataclass
 class InferRequest:
     """One inference request. ``version`` None runs the live weights (dynamically batched);
     a version runs that stored, immutable version. ``outputs`` None asks for every output in
-    FP32. ``parameters``: the request's own (Triton's ``parameters``), passed through."""
+    FP32. ``parameters``: the request's own (Triton's ``parameters``), passed through.
+    ``allocate``: where the one output of a response that has one lands, when it goes to the
+    client rather than into shared memory (:data:`OutputAllocator`); it stays in the front end's
+    process (an engine in another process allocates its own)."""
 
     model: str
     inputs: list[InferInput]
@@ -91,6 +101,7 @@ class InferRequest:
     version: str | None = None
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    allocate: OutputAllocator | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -388,10 +399,13 @@ class JobStatus:
 @runtime_checkable
 class TrainingClient(Protocol):
     """Training on a sent batch, datasets and training jobs (HTTP's ``mmad_training``,
-    ``mmad_training_jobs``). Declared here for the HTTP front end, which still reaches them
-    through its routers; no other front end serves them (docs/api.md, "gRPC")."""
+    ``mmad_training_jobs``); no front end but HTTP serves them (docs/api.md, "gRPC").
+    :class:`~mmad.engine.inprocess.InProcessEngine` serves ``train`` (HTTP's ``/train`` calls it);
+    the dataset and job methods are declared for the HTTP routers, which still reach the engine's
+    dataset store and job manager themselves."""
 
-    async def train(self, name: str, x: np.ndarray, y: np.ndarray, steps: int, caller: Caller) -> TrainResult: ...
+    async def train(self, name: str, x: np.ndarray, y: np.ndarray, steps: int, caller: Caller,
+                    stop: Callable[[], Awaitable[bool]] | None = None) -> TrainResult: ...
 
     async def create_dataset(self, name: str, chunk: bytes, caller: Caller) -> DatasetSummary: ...
 

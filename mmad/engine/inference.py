@@ -40,6 +40,8 @@ class ParsedRequest:
     shm: SharedMemoryRegistry | None = None  # for outputs that name a region
     uses_shm: bool = False  # some input or output names a shared-memory region
     shm_inputs: dict[str, ShmTensor] = field(default_factory=dict)  # input name -> its view of its region
+    # input name -> (datatype, shape, shared_memory_* parameters): a region not yet resolved
+    shm_refs: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def id(self) -> str | None:

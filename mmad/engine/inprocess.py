@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from mmad.engine.api import (
     DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, CudaRegion, Duration, InferInput, InferOutput,
     InferRequest, InferResponse, InferStatistics, ModelConfig, ModelMetadata, ModelStatistics, Readiness,
     RepositoryEntry, RequestedOutput, ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata,
-    VersionInfo, WeightsSnapshot,
+    TrainResult, VersionInfo, WeightsSnapshot,
 )
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NonFiniteInput, NotReady, Unauthorized
 from mmad.engine import hostmem
@@ -37,7 +37,8 @@ from mmad.engine.peers import Peer, shared_memory_owner
 from mmad.engine.shm import ShmTensor
 from mmad.engine.runtime import Runtime
 from mmad.engine.statistics import model_statistics, worker_records
-from mmad.engine.registry import INPUT, OUTPUT, ModelConfig as ServingConfig, ModelEntry
+from mmad.engine.training import train_in_slices
+from mmad.engine.registry import INPUT, OUTPUT, TARGET, ModelConfig as ServingConfig, ModelEntry
 from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.store import check_model_name, tensors_from_bytes
 from mmad.spec import MLPSpec
@@ -195,11 +196,13 @@ class InProcessEngine:
                 registry.check_version(request.model, version)
             served = version or registry.latest_version(request.model)
             try:
-                x, parsed, check_finite = await self._input(entry, request.inputs)
-                outputs, out, targets = self._outputs(entry, request.outputs, parsed, (x.shape[0], entry.spec.n_output_dims))
+                x, parsed, check_finite, small = await self._input(entry, request.inputs)
+                outputs, out, targets = self._outputs(entry, request, served, parsed,
+                                                      (x.shape[0], entry.spec.n_output_dims))
                 t1 = time.perf_counter_ns()
                 out, queue_ns, compute_ns = await run_forward(rt, entry, version, x, parsed, outputs, out=out,
-                                                              targets=targets, check_finite=check_finite)
+                                                              targets=targets, check_finite=check_finite,
+                                                              load_inputs=not small)
             except NonFiniteInput as exc:
                 raise nonfinite_input(INPUT) from exc
             t2 = time.perf_counter_ns()
@@ -210,9 +213,13 @@ class InProcessEngine:
         count_success(rt, entry, served, x.shape[0], t0, t1, t2, time.perf_counter_ns(), queue_ns, compute_ns)
         return InferResponse(request.model, served, results, request.id, {})
 
-    async def _input(self, entry: ModelEntry, inputs: list[InferInput]) -> tuple[np.ndarray, ParsedRequest, bool]:
+    async def _input(self, entry: ModelEntry, inputs: list[InferInput]
+                     ) -> tuple[np.ndarray, ParsedRequest, bool, bool]:
         """(INPUT's rows, the tensors as the forwards take them, whether the forward checks them
-        finite): every input checked against the model here, once."""
+        finite, whether they are small): every input checked against the model here, once. A
+        small request's system-region inputs are read (pread) into the daemon's buffers now, to be
+        checked here; a large one's once it is known where its forward runs (a serving worker's
+        forward between regions runs in the primary, which reads them itself)."""
         tensors, shm_inputs = {}, {}
         for tensor in inputs:
             where = f"input {tensor.name!r}"
@@ -234,23 +241,25 @@ class InProcessEngine:
             else:
                 tensors[tensor.name] = tensor.data
         parsed = ParsedRequest({}, tensors, shm=self.rt.shm, uses_shm=bool(shm_inputs), shm_inputs=shm_inputs)
-        # a system region's input is read (pread) into the daemon's buffer before it is checked
-        await copy_regions(self.rt, list(shm_inputs.values()), ShmTensor.load)
         names = {INPUT: entry.spec.n_input_dims}
         small = sum(t.size for t in inputs) <= INLINE_TENSOR_VALUES
+        if small:
+            await copy_regions(self.rt, list(shm_inputs.values()), ShmTensor.load)
         if any(t.on_device for t in shm_inputs.values()) or not small:
             # a CUDA region's input is checked finite on its device (device_forward); a large host
-            # input by its forward (on the device on a GPU backend, where it costs no host time)
+            # input by its forward (on the device on a GPU backend, where it costs no host time;
+            # on an H100 the host check of 65,536 FP16 rows took a compute thread ~1.4 ms, longer
+            # than the forward); a refused input's output is never sent
             x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
-            return x, parsed, not small and not entry.config.allow_nonfinite
-        return model_tensors(entry, parsed, names, keep_fp16=True)[INPUT], parsed, False
+            return x, parsed, not small and not entry.config.allow_nonfinite, small
+        return model_tensors(entry, parsed, names, keep_fp16=True)[INPUT], parsed, False, small
 
-    def _outputs(self, entry: ModelEntry, asked: list[RequestedOutput] | None, parsed: ParsedRequest,
+    def _outputs(self, entry: ModelEntry, request: InferRequest, served: str, parsed: ParsedRequest,
                  shape: tuple[int, int]) -> tuple[list[OutputChoice], np.ndarray | None, list]:
         """(the outputs asked for, the array the forward writes into where one output takes it
         all, the outputs' views of their shared-memory regions)."""
-        choices = []
-        for o in asked or [RequestedOutput(OUTPUT)]:
+        choices, asked = [], request.outputs or [RequestedOutput(OUTPUT)]
+        for o in asked:
             if o.name != OUTPUT:
                 raise InvalidInput(f"unknown output {o.name!r}; model {entry.name!r} has {OUTPUT}")
             if o.datatype not in MODEL_DATATYPES:
@@ -263,12 +272,16 @@ class InProcessEngine:
         targets = shm_outputs(parsed, choices, shape) if any(c.shm is not None for c in choices) else []
         on_device = any(t.on_device for t in parsed.shm_inputs.values()) or any(t.on_device for _, t in targets)
         out = None
-        if len(choices) == 1 and not on_device:  # the forward writes (and casts) into its one destination
+        if len(choices) == 1:  # the forward writes (and casts) into its one destination
             if targets:
-                out = targets[0][1].array
-            else:  # page-locked where the backend copies from a GPU: the download lands here directly
-                dtype = DATATYPES[choices[0].datatype]
-                out = hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
+                if not on_device:  # (on the device it writes each CUDA region there)
+                    out = targets[0][1].array
+            else:
+                if request.allocate is not None:
+                    out = request.allocate(served, asked[0], shape)
+                if out is None:  # page-locked where the backend copies from a GPU: the download lands here
+                    dtype = DATATYPES[choices[0].datatype]
+                    out = hostmem.empty(shape[0] * shape[1] * dtype.itemsize).view(dtype).reshape(shape)
         return choices, out, targets
 
     @staticmethod
@@ -284,6 +297,27 @@ class InProcessEngine:
                 data = np.asarray(out).astype(DATATYPES[choice.datatype], copy=False)
                 results.append(InferOutput(choice.name, choice.datatype, shape, data))
         return results
+
+    # -- training -------------------------------------------------------------------------------
+    async def train(self, name: str, x: np.ndarray, y: np.ndarray, steps: int, caller: Caller,
+                    stop: Callable[[], Awaitable[bool]] | None = None) -> TrainResult:
+        """``steps`` optimizer steps on the batch ``x``/``y`` (checked against the model: shapes,
+        rows, finite values), in slices between which other work gets the model (and ``stop()``,
+        the caller gone away, ends it: the steps done so far stay)."""
+        self._serving()
+        self._admin(caller)
+        check_model_name(name)
+        rt = self.rt
+        entry = rt.registry.get_ready(name)
+        parsed = ParsedRequest({}, {INPUT: x, TARGET: y})
+        tensors = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims, TARGET: entry.spec.n_output_dims})
+        slices, step, _gone = await train_in_slices(rt, entry, tensors[INPUT], tensors[TARGET], steps,
+                                                    stop or _never)
+        losses = np.concatenate(slices)
+        labels = (name, rt.registry.backend_label)
+        rt.metrics.training_steps.labels(*labels).inc(losses.size)
+        rt.metrics.training_samples.labels(*labels).inc(x.shape[0] * losses.size)
+        return TrainResult([float(v) if np.isfinite(v) else None for v in losses], step)
 
     # -- shared memory --------------------------------------------------------------------------
     def _shm_admin(self, caller: Caller) -> int | None:
@@ -382,3 +416,7 @@ class InProcessEngine:
         entry = registry.get_ready(name)
         params = tensors_from_bytes(safetensors, "the weights")
         return _version_info(await registry.set_weights(entry, params))
+
+
+async def _never() -> bool:
+    return False

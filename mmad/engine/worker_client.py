@@ -17,6 +17,8 @@ worker follows the primary (``holds``), so a change the primary answered is seen
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Awaitable, Callable
 
 from mmad.engine.api import (
@@ -67,7 +69,8 @@ class WorkerEngine:
     async def infer(self, request: InferRequest) -> InferResponse:
         if request.version is None and await self.holds(request.model):
             return await self.local.infer(request)
-        return await self._forward("infer", request=request)
+        # the front end's output buffer is this process's memory: the primary's answer is copied out
+        return await self._forward("infer", request=dataclasses.replace(request, allocate=None))
 
     async def model_ready(self, name: str, version: str | None = None) -> bool:
         if version is None and await self.holds(name):

@@ -127,13 +127,16 @@ def _json_word(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None) -> ParsedRequest:
+def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None,
+                        resolve_shm: bool = True) -> ParsedRequest:
     """Split and validate a request body; tensors come back as float32/float16 arrays.
 
     ``shm``: the :class:`~mmad.engine.shm.SharedMemoryRegistry` of the regions that inputs
     naming a ``shared_memory_region`` lie in: device arrays in a CUDA region; for a system
     region, a buffer of the daemon's, filled by ``ShmTensor.load`` once the caller knows where
-    the forward runs (``shm_inputs``).
+    the forward runs (``shm_inputs``). ``resolve_shm`` False: those inputs are left as the
+    references the request gives (``shm_refs``: name -> datatype, shape, ``shared_memory_*``
+    parameters) for the engine to resolve.
     """
     json_part = body if header_length is None else memoryview(body)[:header_length]
     if not json_part:
@@ -159,6 +162,7 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
     offset = header_length if header_length is not None else len(body)
     tensors: dict[str, np.ndarray] = {}
     shm_inputs: dict[str, Any] = {}
+    shm_refs: dict[str, tuple[str, tuple[int, ...], dict[str, Any]]] = {}
     binary_inputs = uses_shm = False
     for i, tensor in enumerate(inputs):
         where = f"inputs[{i}]"
@@ -167,7 +171,7 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
         name = tensor.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"{where}.name must be a non-empty string")
-        if name in tensors:
+        if name in tensors or name in shm_refs:
             raise InvalidInput(f"input {name!r} is given twice")
         where = f"input {name!r}"
         datatype = tensor.get("datatype")
@@ -184,8 +188,11 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
                                    f"{'binary_data_size' if size is not None else 'data'}; give one source")
             if shm is None:
                 raise InvalidInput(f"{where}: shared memory is not available on this endpoint")
-            shm_inputs[name] = shm.tensor(where, params, WIRE_DTYPES[datatype], shape, datatype)
-            tensors[name] = shm_inputs[name].array
+            if resolve_shm:
+                shm_inputs[name] = shm.tensor(where, params, WIRE_DTYPES[datatype], shape, datatype)
+                tensors[name] = shm_inputs[name].array
+            else:
+                shm_refs[name] = (datatype, shape, params)
             uses_shm = True
         elif size is not None:
             if header_length is None:
@@ -215,7 +222,7 @@ def parse_infer_request(body: bytes, header_length: int | None, shm: Any = None)
             tensors[name] = _json_data(where, tensor["data"], shape)
     if header_length is not None and offset != len(body):
         raise InvalidInput(f"the body has {len(body) - offset} bytes after the last binary tensor")
-    return ParsedRequest(header, tensors, binary_inputs, parameters, shm, uses_shm, shm_inputs)
+    return ParsedRequest(header, tensors, binary_inputs, parameters, shm, uses_shm, shm_inputs, shm_refs)
 
 
 def requested_outputs(request: ParsedRequest, available: tuple[str, ...]) -> list[OutputChoice]:
@@ -247,7 +254,6 @@ def requested_outputs(request: ParsedRequest, available: tuple[str, ...]) -> lis
             where = f"output {out['name']!r}"
             if request.shm is None:
                 raise InvalidInput(f"{where}: shared memory is not available on this endpoint")
-            request.shm.reference(where, params)  # the region exists and holds the byte range
             shm = {k: params[k] for k in ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
                    if k in params}
             request.uses_shm, binary = True, False

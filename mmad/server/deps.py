@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 
 from fastapi import Request
 
+from mmad.engine.api import Caller
 from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.runtime import Runtime
 from mmad.errors import Forbidden, NotReady, Unauthorized
@@ -32,3 +34,14 @@ async def require_key(request: Request) -> None:  # async: no thread hop per req
             raise Forbidden("the API key is not valid")
     if "model" in request.path_params:
         refuse_changes(settings, request.path_params["model"])
+
+
+def admitted_caller(request: Request) -> Caller:
+    """The engine's :class:`~mmad.engine.api.Caller` of a request :func:`require_key` admitted:
+    the key verified where one is set."""
+    client = request.client
+    try:
+        loopback = client is not None and ipaddress.ip_address(client.host).is_loopback
+    except ValueError:  # a Unix socket's or test client's name
+        loopback = False
+    return Caller(key_verified=request.app.state.runtime.settings.api_key_value is not None, loopback=loopback)

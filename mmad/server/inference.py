@@ -1,21 +1,20 @@
-"""``POST /v2/models/{m}/infer``: the inference hot path (HTTP parsed and encoded here, run by the
-engine), and the middleware that reaches it without FastAPI's routing."""
+"""``POST /v2/models/{m}/infer``: the inference hot path. The HTTP request is parsed into the
+engine's :class:`~mmad.engine.api.InferRequest`, run by the engine (:class:`~mmad.engine.inprocess.InProcessEngine`,
+which checks its tensors against the model, once), and its response encoded; the middleware
+here reaches it without FastAPI's routing."""
 
 from __future__ import annotations
 
-import time
-
+import numpy as np
 from fastapi import Request, Response
 
-from mmad.engine.inference import (
-    INLINE_TENSOR_VALUES, check_response_size, count_failure, count_success, model_tensors,
-    nonfinite_input, run_forward, shm_outputs,
-)
+from mmad.engine.api import WIRE_DTYPES, InferInput, InferRequest, InferResponse, RequestedOutput, ShmRef
+from mmad.engine.inference import INLINE_TENSOR_VALUES, OutputChoice, ParsedRequest, shape_only
+from mmad.engine.inprocess import InProcessEngine
 from mmad.engine.metrics import UNKNOWN_MODEL
-from mmad.engine.registry import INPUT, OUTPUT
+from mmad.engine.registry import OUTPUT
 from mmad.engine.runtime import Runtime
-from mmad.engine.store import check_model_name
-from mmad.errors import MMADError, NonFiniteInput, NotReady
+from mmad.errors import MMADError, NotReady
 from mmad.server.binary import binary_response_buffer, encode_infer_response, requested_outputs
 from mmad.server.errors import internal_error_response, mmad_error_response, status_for
 from mmad.server.tensors import accepted_encoding, compress, parse_tensors, tensor_response
@@ -23,85 +22,83 @@ from mmad.server.tensors import accepted_encoding, compress, parse_tensors, tens
 INLINE_COMPRESS_BYTES = 64 * 1024
 
 
+def _shm_ref(params: dict) -> ShmRef:
+    """A tensor's ``shared_memory_*`` parameters as the engine's reference (the engine checks them)."""
+    return ShmRef(params["shared_memory_region"], params.get("shared_memory_offset", 0),
+                  params.get("shared_memory_byte_size"))
+
+
+def engine_request(parsed: ParsedRequest, outputs: list[OutputChoice], model: str, version: str | None
+                   ) -> InferRequest:
+    inputs = [InferInput(name, "FP16" if array.dtype == np.float16 else "FP32", array.shape, data=array)
+              for name, array in parsed.tensors.items()]
+    inputs += [InferInput(name, datatype, shape, shm=_shm_ref(params))
+               for name, (datatype, shape, params) in parsed.shm_refs.items()]
+    asked = [RequestedOutput(o.name, o.datatype, o.binary, None if o.shm is None else _shm_ref(o.shm)) for o in outputs]
+    return InferRequest(model, inputs, asked, version, parsed.id, parsed.parameters)
+
+
+class ResponseBody:
+    """The response's body when the forward wrote its one binary output into it: the engine's
+    output allocator (:data:`~mmad.engine.api.OutputAllocator`) for this request."""
+
+    def __init__(self, model: str, request_id: str | None):
+        self.model, self.id = model, request_id
+        self.body: memoryview | None = None
+        self.header_length = 0
+
+    def header(self, served: str) -> dict:
+        header = {"model_name": self.model, "model_version": served}
+        if self.id is not None:
+            header["id"] = self.id
+        return header
+
+    def __call__(self, served: str, output: RequestedOutput, shape: tuple[int, ...]) -> np.ndarray | None:
+        if not output.binary:
+            return None  # JSON data: the engine's array, encoded once computed
+        self.body, self.header_length, tensor = binary_response_buffer(
+            self.header(served), OutputChoice(output.name, True, output.datatype), shape)
+        return tensor
+
+
+async def encode(rt: Runtime, response: InferResponse, outputs: list[OutputChoice], allocated: ResponseBody
+                 ) -> tuple[bytes | memoryview, int | None]:
+    if allocated.body is not None:
+        return allocated.body, allocated.header_length
+    outs = [(choice, out.data if out.data is not None else shape_only(out.shape, WIRE_DTYPES[out.datatype]))
+            for choice, out in zip(outputs, response.outputs)]
+    header = allocated.header(response.version)
+    # outputs written into shared memory leave only their JSON entries to encode
+    if all(out.data is None or out.data.size <= INLINE_TENSOR_VALUES for out in response.outputs):
+        return encode_infer_response(header, outs)
+    return await rt.registry.run(encode_infer_response, header, outs)
+
+
 async def infer_request(request: Request, rt: Runtime, model: str, version: str | None) -> Response:
     """The HTTP request parsed (JSON or binary body, shared-memory references), run by the
-    engine (:func:`mmad.engine.inference.run_forward`), and its response encoded."""
-    registry, known, served = rt.registry, None, None
-    rt.metrics.process_infers.inc()
-    check_model_name(model)
-    # series only for models that exist: labelled before the lookup, any name a client made up
-    # added series for good (45k names: RSS +73 MiB, a 3 s scrape)
-    labels = (UNKNOWN_MODEL, registry.backend_label)
-    t0 = time.perf_counter_ns()
+    engine, and its response encoded (a binary output written by the forward into the body)."""
+    backend = rt.registry.backend_label
     try:
-        known = registry.get(model)
-        labels = (model, registry.backend_label)
-        rt.metrics.requests.labels(*labels, "infer").inc()
-        entry = registry.get_ready(model)  # failures of a known model count in its statistics, not-ready included
-        if version is not None:
-            registry.check_version(model, version)
-        served = version or registry.latest_version(model)  # from here on Triton's families count it
-        parsed = await parse_tensors(rt, request)
-        names = {INPUT: entry.spec.n_input_dims}
-        check_finite = False  # left to the forward
-        sources = list(parsed.shm_inputs.values())
-        on_device = any(t.on_device for t in sources)
-        small = sum(t.size for t in parsed.tensors.values()) <= INLINE_TENSOR_VALUES
-        if small:  # read from its region now (a few KiB); a large one once it is known to run here
-            for source in sources:
-                source.load()
-        if on_device:  # a CUDA region's input: checked finite on the device, in device_forward
-            x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
-        elif small:
-            x = model_tensors(entry, parsed, names, keep_fp16=True)[INPUT]
-        else:
-            # a large tensor's finiteness is checked by its forward: on the device on a GPU backend,
-            # where it costs no host time (on an H100 the host check of 65,536 FP16 rows takes a
-            # compute thread ~1.4 ms, longer than the forward); a refused input's output is never sent
-            x = model_tensors(entry, parsed, names, True, check_finite=False)[INPUT]
-            check_finite = not entry.config.allow_nonfinite
-        try:
-            outputs = requested_outputs(parsed, (OUTPUT,))
-            header = {"model_name": model, "model_version": served}
-            if parsed.id is not None:
-                header["id"] = parsed.id
-            out_shape = (x.shape[0], entry.spec.n_output_dims)
-            check_response_size(outputs, out_shape, rt.settings.max_response_bytes)
-            body, out, targets = None, None, []
-            if len(outputs) == 1 and outputs[0].binary:  # the forward writes (and casts) into the response
-                body, header_length, out = binary_response_buffer(header, outputs[0], out_shape)
-            if parsed.uses_shm:
-                targets = shm_outputs(parsed, outputs, out_shape)
-                on_device = on_device or any(t.on_device for _, t in targets)
-                if len(outputs) == 1 and targets and not on_device:  # the forward writes (and casts) into the
-                    out = targets[0][1].array  # output's buffer, written into its region once computed
-            t1 = time.perf_counter_ns()
-            out, queue_ns, compute_ns = await run_forward(rt, entry, version, x, parsed, outputs, targets, out,
-                                                          check_finite, load_inputs=not small)
-            t2 = time.perf_counter_ns()
-            if body is None:
-                outs = [(o, out) for o in outputs]
-                # outputs written into shared memory leave only their JSON entries to encode
-                if out.size <= INLINE_TENSOR_VALUES or all(o.shm is not None for o in outputs):
-                    body, header_length = encode_infer_response(header, outs)
-                else:
-                    body, header_length = await registry.run(encode_infer_response, header, outs)
-        except NonFiniteInput as exc:
-            raise nonfinite_input(INPUT) from exc
+        parsed = await parse_tensors(rt, request, resolve_shm=False)
+        outputs = requested_outputs(parsed, (OUTPUT,))
+        infer = engine_request(parsed, outputs, model, version)
+        infer.allocate = allocated = ResponseBody(model, parsed.id)
+        response = await InProcessEngine(rt).infer(infer)
+        body, header_length = await encode(rt, response, outputs, allocated)
     except MMADError as exc:
-        count_failure(rt, known, served, t0)
-        if labels[0] is UNKNOWN_MODEL:
-            rt.metrics.requests.labels(*labels, "infer").inc()
+        # series only for models that exist: a name a client made up would add series for good
+        # (45k names: RSS +73 MiB, a 3 s scrape)
+        labels = (model if model in rt.registry.models else UNKNOWN_MODEL, backend)
+        rt.metrics.requests.labels(*labels, "infer").inc()
         rt.metrics.failures.labels(*labels, "infer", str(status_for(exc))).inc()
         raise
-    t3 = time.perf_counter_ns()
-    count_success(rt, entry, served, x.shape[0], t0, t1, t2, t3, queue_ns, compute_ns)
+    rt.metrics.requests.labels(model, backend, "infer").inc()
     encoding = accepted_encoding(request.headers.get("accept-encoding"))
     if encoding is not None:  # as Triton: the whole body, Inference-Header-Content-Length uncompressed
         if len(body) <= INLINE_COMPRESS_BYTES:
             body = compress(body, encoding)
         else:
-            body = await registry.run(compress, body, encoding)
+            body = await rt.registry.run(compress, body, encoding)
     return tensor_response(body, header_length, encoding)
 
 

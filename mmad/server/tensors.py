@@ -58,15 +58,17 @@ def decompress(body: bytes, encoding: str, limit: int) -> memoryview:
 INLINE_JSON_BYTES = 64 * 1024
 
 
-async def parse_tensors(rt: Runtime, request: Request) -> ParsedRequest:
+async def parse_tensors(rt: Runtime, request: Request, resolve_shm: bool = True) -> ParsedRequest:
+    """The request's body parsed (:func:`~mmad.server.binary.parse_infer_request`), decompressed
+    first where it says so; on a compute thread when large."""
     body = await read_tensor_body(request)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding != "identity":
         body = await rt.registry.run(decompress, body, encoding, rt.settings.max_body_bytes)
     header_length = parse_header_length(request.headers.get("inference-header-content-length"), len(body))
     if (len(body) if header_length is None else header_length) <= INLINE_JSON_BYTES:
-        return parse_infer_request(body, header_length, rt.shm)
-    return await rt.registry.run(parse_infer_request, body, header_length, rt.shm)
+        return parse_infer_request(body, header_length, rt.shm, resolve_shm)
+    return await rt.registry.run(parse_infer_request, body, header_length, rt.shm, resolve_shm)
 
 
 def accepted_encoding(accept: str | None) -> str | None:
