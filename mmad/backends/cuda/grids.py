@@ -70,14 +70,11 @@ class GridPlan:
     """The grid and parameter-free parts of a spec's encoding and the generated source of their
     kernels (needs no GPU). The kernels read the raw input (``input_cols`` = n_input_dims)."""
 
-    def __init__(self, spec: MLPSpec, half_gradients: bool = False):
+    def __init__(self, spec: MLPSpec):
         self.parts = grid_input_layout(spec)[0]
         self.free = free_parts(spec)
         self.input_cols = spec.n_input_dims
         self.values = sum(p.entries * p.features for p in self.parts)
-        # fp16 gradients of the tables where asked for (mmad.torch's fp16 parameters) and every
-        # part's levels have pairs of features, as tcnn's grad_t is T for them
-        self.half_gradients = half_gradients and bool(self.parts) and all(p.features % 2 == 0 for p in self.parts)
         self.source = self._source(spec)
 
     @staticmethod
@@ -88,9 +85,8 @@ class GridPlan:
     @property
     def kernels(self) -> tuple[str, ...]:
         grids = tuple(f"grid_{kind}_{p.index}" for p in self.parts for kind in ("encode", "backward"))
-        halves = tuple(f"grid_backward_half_{p.index}" for p in self.parts) if self.half_gradients else ()
         inputs = tuple(f"grid_input_grad_{p.index}" for p in self.parts if self.input_gradient(p))
-        return BASE_KERNELS + grids + halves + inputs + free_kernels(self.free)
+        return BASE_KERNELS + grids + inputs + free_kernels(self.free)
 
     @staticmethod
     def shared_levels(p: GridPart) -> tuple[int, int]:
@@ -112,11 +108,11 @@ class GridPlan:
     def _source(self, spec: MLPSpec) -> str:
         defines = {**optimizer_defines(spec), "ACT": 0, "LOSS": 0, "HUBER_DELTA": "0.f", "GRID_THREADS": GRID_THREADS}
         head = kernel_code_defines() + "".join(f"#define {k} {v}\n" for k, v in defines.items())
-        parts = "".join(self._part_source(p, self.half_gradients) for p in self.parts)
+        parts = "".join(self._part_source(p) for p in self.parts)
         return (head + read_source("cuda/mlp_common.cuh") + encodings_source(self.free) + read_source("cuda/grid.cu")
                 + parts)
 
-    def _part_source(self, p: GridPart, half_gradients: bool) -> str:
+    def _part_source(self, p: GridPart) -> str:
         levels = ",\n    ".join(
             f"{{{fastmod_factor(lv.entries)}ull, {f32_literal(lv.scale)}, {lv.resolution}u, {lv.entries}u, {lv.offset}u, "
             f"{MODE_CODES[mode]}, {lv.entries - 1 if lv.entries > 1 and lv.entries & (lv.entries - 1) == 0 else 0}u}}"
@@ -145,13 +141,6 @@ extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backwar
                                                           row_map, rows, x_cols, grad, inv_scale);
 }}
 """ + (f"""
-extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backward_half_{k}(
-    const u16* __restrict__ din, int din_cols, const float* __restrict__ x, const int* __restrict__ row_map,
-    i64 rows, int x_cols, u16* __restrict__ grad, float inv_scale) {{
-    grid_backward_part<{t}, {len(p.levels)}, {smem_levels}, {smem_values}, true>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din,
-                                                          din_cols, x, row_map, rows, x_cols, grad, inv_scale);
-}}
-""" if half_gradients else "") + (f"""
 extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_input_grad_{k}(
     const void* __restrict__ din, int din_half, int din_cols, const float* __restrict__ x, i64 rows, int x_cols,
     const u16* __restrict__ table, float inv_scale, float* __restrict__ dx) {{
@@ -165,11 +154,10 @@ class CudaGridModel(CudaMmaModel):
     """A grid-encoded model: the mma kernels on the encoded input, the grid kernels around them."""
 
     encoded_input = True  # the mma kernels read the pair-major encoded input and write d loss / d it
-    half_table_gradients = False  # grid_backward_half_<k> built (GridPlan.half_gradients)
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None,
                  knobs: CudaKnobs | None = None, forward_acc16: bool = False):
-        self.grid_plan = GridPlan(spec, self.half_table_gradients)
+        self.grid_plan = GridPlan(spec)
         self._grid_cache = cache
         super().__init__(spec, cp, info, cache, knobs, forward_acc16)
 
@@ -309,16 +297,12 @@ class CudaGridModel(CudaMmaModel):
                         into: Any = None) -> None:
         """Enqueue d loss / d tables (added into ``into``, default ``table_grad``) from the
         loss-scaled d loss / d encoded input ``din`` (fp16 rows of ``din_cols``: the training
-        kernel leaves it in its workspace, the mma plan's ``encoded_input``). An fp16 ``into``
-        (``grid_plan.half_gradients`` only) gets tcnn's gradient of fp16 tables: added up in
-        fp16 pairs and still loss-scaled, as tcnn's is until its caller divides."""
-        half = into is not None and into.dtype == self.cp.float16
-        inv_scale = np.float32(1.0 if half else 1.0 / self.spec.loss_scale)
+        kernel leaves it in its workspace, the mma plan's ``encoded_input``)."""
+        inv_scale = np.float32(1.0 / self.spec.loss_scale)
         blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
         grad = self.table_grad if into is None else into
-        kernel = "grid_backward_half" if half else "grid_backward"
         for p in self.grid_plan.parts:
-            self._grid_launch(f"{kernel}_{p.index}", (blocks, GridPlan.backward_level_blocks(p)), (BACKWARD_THREADS,),
+            self._grid_launch(f"grid_backward_{p.index}", (blocks, GridPlan.backward_level_blocks(p)), (BACKWARD_THREADS,),
                               (din, np.int32(din_cols), kin, 0 if row_map is None else row_map,
                                np.int64(rows), np.int32(kin.shape[1]), grad[p.offset:], inv_scale))
 
@@ -454,11 +438,10 @@ class CudaGridModel(CudaMmaModel):
         return dx, grads
 
     def _backward_buffers(self, ctx: ForwardContext, dL_dy: Any, want_input_grad: bool,
-                          stream: Any, tables: Any = None) -> tuple[Any, Any, Any, bool]:
+                          stream: Any) -> tuple[Any, Any, Any, bool]:
         """(d loss / d input or None, the weights' gradients then the tables' in one flat buffer
         (the masters' padded layout, then the tables'), the biases' gradients, whether the
-        forward's input came from the host). ``tables``: a zeroed fp16 buffer the tables'
-        gradient goes to instead (:meth:`_grid_gradients`; the flat buffer holds the weights')."""
+        forward's input came from the host)."""
         self._check_backward_model(want_input_grad)
         self.check_forward_context(ctx, dL_dy)
         kin, encoded, from_host = ctx.state
@@ -467,7 +450,7 @@ class CudaGridModel(CudaMmaModel):
         with stream_scope(cp, stream):
             dy = self._gradient_rows(dL_dy, rows)
             try:
-                grad_all = cp.zeros(n_w + (0 if tables is not None else self.grid_plan.values), dtype=cp.float32)
+                grad_all = cp.zeros(n_w + self.grid_plan.values, dtype=cp.float32)
                 grad_b = cp.zeros(self.b_all.size, dtype=cp.float32)
                 dx = cp.zeros((rows, self.spec.n_input_dims), dtype=cp.float32) if want_input_grad else None
             except device_errors(cp) as exc:
@@ -475,7 +458,7 @@ class CudaGridModel(CudaMmaModel):
             if rows:  # (no rows: nothing to launch, every gradient 0)
                 ws, _ = self._forward_backward(encoded, dy, rows, given=True)
                 self._gradients_into(ws, grad_all[:n_w], grad_b)
-                self._grid_gradients(ws["din"], self.k_in, kin, rows, into=grad_all[n_w:] if tables is None else tables)
+                self._grid_gradients(ws["din"], self.k_in, kin, rows, into=grad_all[n_w:])
                 if want_input_grad:
                     self._input_gradient(ws["din"], self.k_in, kin, rows, dx)
         return dx, grad_all, grad_b, from_host

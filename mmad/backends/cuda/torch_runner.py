@@ -29,7 +29,7 @@ import numpy as np
 
 from mmad.backends.cache import KernelCache
 from mmad.backends.cuda.grids import CudaGridModel
-from mmad.backends.cuda.toolchain import cupy_module, device_errors, device_info
+from mmad.backends.cuda.toolchain import cupy_module, device_info
 from mmad.errors import BackendUnavailable, InvalidInput, LaunchError
 from mmad.export import tcnn_bias_columns, tcnn_n_params
 from mmad.spec import MLPSpec
@@ -41,10 +41,7 @@ LOAD_THREADS = 256
 
 class CudaTorchModel(CudaGridModel):
     """A device-encoded mma model whose parameters are tinycudann's flat fp16 buffer on the device
-    (:meth:`load_tcnn`); the fp16-out forwards accumulate in fp16 (tcnn's fully fused MLP), and
-    the grid tables' gradient is added up in fp16 where tcnn's is (levels of 2 or more features)."""
-
-    half_table_gradients = True
+    (:meth:`load_tcnn`); the fp16-out forwards accumulate in fp16 (tcnn's fully fused MLP)."""
 
     def __init__(self, spec: MLPSpec, cp, info: dict[str, Any], cache: KernelCache | None):
         super().__init__(spec, cp, info, cache, forward_acc16=True)
@@ -76,28 +73,14 @@ class CudaTorchModel(CudaGridModel):
     _inference_tables = _training_tables
 
     def backward_tcnn(self, ctx: Any, dL_dy: Any, want_input_grad: bool) -> tuple[Any, Any]:
-        """(d loss / d input or None, d loss / d params in tcnn's flat layout): the layers'
+        """(d loss / d input or None, d loss / d params in tcnn's flat layout, fp32): the layers'
         gradients at their padded places, d loss / d b0 in each of the first layer's padding
-        columns of 1 (d loss / d each of them), then the tables'. fp16 where the tables' gradient
-        is added up in fp16 (``grid_plan.half_gradients``: still loss-scaled there, divided by
-        the loss scale at the end, as tinycudann divides its fp16 gradient), else fp32."""
-        cp, n_w = self.cp, self._n_weights
-        flat = None
-        if self.grid_plan.half_gradients:
-            try:
-                flat = cp.zeros(n_w + self.grid_plan.values, dtype=cp.float16)
-            except device_errors(cp) as exc:
-                raise LaunchError(f"allocating the gradient buffers failed: {exc}") from exc
-        dx, grad_w, grad_b, _ = self._backward_buffers(ctx, dL_dy, want_input_grad, None,
-                                                       tables=None if flat is None else flat[n_w:])
+        columns of 1 (d loss / d each of them), then the tables'."""
+        dx, grad_all, grad_b, _ = self._backward_buffers(ctx, dL_dy, want_input_grad, None)
         if self._bias_columns:
             width = self.layers[0][3]
-            grad_w[:width * self.k_in].reshape(width, self.k_in)[:, self.spec.n_encoded_dims:] = grad_b[:width, None]
-        if flat is None:
-            return dx, grad_w
-        flat[:n_w] = grad_w
-        flat[n_w:] *= flat.dtype.type(1.0 / self.spec.loss_scale)  # a power of two: exact but for subnormals
-        return dx, flat
+            grad_all[:width * self.k_in].reshape(width, self.k_in)[:, self.spec.n_encoded_dims:] = grad_b[:width, None]
+        return dx, grad_all
 
 
 class _TorchStream:
@@ -365,12 +348,9 @@ class CudaEncodingRunner:
             din = cp.from_dlpack((dy.float() * model.spec.loss_scale).half().contiguous())
             dx = dparams = None
             if want_params and model.grid_plan.values:
-                half = model.grid_plan.half_gradients  # tcnn's fp16 sums, loss-scaled until the end
-                grad = cp.zeros(model.grid_plan.values, dtype=cp.float16 if half else cp.float32)
+                grad = cp.zeros(model.grid_plan.values, dtype=cp.float32)
                 if rows:
                     model._grid_gradients(din, self.width, kin, rows, into=grad)
-                if half:
-                    grad *= grad.dtype.type(1.0 / model.spec.loss_scale)
                 dparams = torch.from_dlpack(grad).to(params.dtype)
             if want_input:
                 out = cp.zeros((rows, self.spec.n_input_dims), dtype=cp.float32)

@@ -221,11 +221,6 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {  // sm_90
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
 }
 
-// two fp16 gradient values in one 4-byte reduction (tcnn's atomicAdd(__half2*) into fp16 gradients)
-__device__ __forceinline__ void red_add_h2(u16* p, float a, float b) {
-    asm volatile("red.global.add.noftz.f16x2 [%0], %1;" :: "l"(p), "r"(pack_h2(a, b)) : "memory");
-}
-
 // d loss / d table of one grid part (tcnn's scatter: each corner gets weight x gradient). The
 // row's d loss / d encoded input comes from the training kernel (``din``: fp16, rows_pad x
 // din_cols, loss-scaled: ``inv_scale`` undoes it). A thread per row (grid-stride) and one level
@@ -237,16 +232,11 @@ __device__ __forceinline__ void red_add_h2(u16* p, float a, float b) {
 // and the block adds its sums to ``grad`` once at the end: thousands of rows share each of their
 // few rows, which as global atomics would queue on the same addresses. The other levels add into
 // ``grad`` directly (8-byte reductions for pairs). Launched with grid_backward_levels(...) in y.
-// HALF_GRAD (pairs only): ``grad`` holds fp16 values, added to two at a time (tcnn's gradient of
-// fp16 parameters when a level has 2 or more features); the shared sums stay fp32.
-template <int DIMS, int F, int INTERP, int LEVELS, int SMEM_LEVELS, int SMEM_VALUES, bool HALF_GRAD = false>
+template <int DIMS, int F, int INTERP, int LEVELS, int SMEM_LEVELS, int SMEM_VALUES>
 __device__ __forceinline__ void grid_backward_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const u16* __restrict__ din, int din_cols,
-    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, void* __restrict__ grad_out,
+    const float* __restrict__ x, const int* __restrict__ row_map, i64 rows, int x_cols, float* __restrict__ grad,
     float inv_scale) {
-    static_assert(!HALF_GRAD || F % 2 == 0, "fp16 gradients are added in pairs");
-    float* grad = static_cast<float*>(grad_out);
-    u16* hgrad = static_cast<u16*>(grad_out);
     __shared__ float sgrad[SMEM_VALUES > 0 ? SMEM_VALUES : 1];
     const bool coarse = SMEM_LEVELS > 0 && blockIdx.y == 0;  // the same for the whole block
     const int first = coarse ? 0 : SMEM_LEVELS + (int)blockIdx.y - (SMEM_LEVELS > 0 ? 1 : 0);
@@ -276,9 +266,6 @@ __device__ __forceinline__ void grid_backward_part(
                 if (coarse) {
 #pragma unroll
                     for (int f = 0; f < F; ++f) atomicAdd(sgrad + row * F + f, w * dl[f]);
-                } else if (HALF_GRAD) {
-#pragma unroll
-                    for (int f = 0; f < F; f += 2) red_add_h2(hgrad + (size_t)row * F + f, w * dl[f], w * dl[f + 1]);
                 } else if (F % 2 == 0) {
 #pragma unroll
                     for (int f = 0; f < F; f += 2) red_add2(grad + (size_t)row * F + f, w * dl[f], w * dl[f + 1]);
@@ -291,10 +278,7 @@ __device__ __forceinline__ void grid_backward_part(
     }
     if (!coarse) return;
     __syncthreads();
-    if (HALF_GRAD) {
-        for (int i = 2 * threadIdx.x; i < SMEM_VALUES; i += 2 * blockDim.x)
-            if (sgrad[i] != 0.f || sgrad[i + 1] != 0.f) red_add_h2(hgrad + i, sgrad[i], sgrad[i + 1]);
-    } else if (F % 2 == 0) {
+    if (F % 2 == 0) {
         for (int i = 2 * threadIdx.x; i < SMEM_VALUES; i += 2 * blockDim.x)
             if (sgrad[i] != 0.f || sgrad[i + 1] != 0.f) red_add2(grad + i, sgrad[i], sgrad[i + 1]);
     } else {
