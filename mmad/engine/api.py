@@ -404,7 +404,7 @@ class TrainingClient(Protocol):
     the dataset and job methods are declared for the HTTP routers, which still reach the engine's
     dataset store and job manager themselves."""
 
-    async def train(self, name: str, x: np.ndarray, y: np.ndarray, steps: int, caller: Caller,
+    async def train(self, name: str, tensors: dict[str, np.ndarray], steps: int, caller: Caller,
                     stop: Callable[[], Awaitable[bool]] | None = None) -> TrainResult: ...
 
     async def create_dataset(self, name: str, chunk: bytes, caller: Caller) -> DatasetSummary: ...

@@ -299,24 +299,24 @@ class InProcessEngine:
         return results
 
     # -- training -------------------------------------------------------------------------------
-    async def train(self, name: str, x: np.ndarray, y: np.ndarray, steps: int, caller: Caller,
+    async def train(self, name: str, tensors: dict[str, np.ndarray], steps: int, caller: Caller,
                     stop: Callable[[], Awaitable[bool]] | None = None) -> TrainResult:
-        """``steps`` optimizer steps on the batch ``x``/``y`` (checked against the model: shapes,
-        rows, finite values), in slices between which other work gets the model (and ``stop()``,
-        the caller gone away, ends it: the steps done so far stay)."""
+        """``steps`` optimizer steps on the batch ``tensors`` (INPUT and TARGET, checked against
+        the model: names, shapes, rows, finite values), in slices between which other work gets
+        the model (and ``stop()``, the caller gone away, ends it: the steps done so far stay)."""
         self._serving()
         self._admin(caller)
         check_model_name(name)
         rt = self.rt
         entry = rt.registry.get_ready(name)
-        parsed = ParsedRequest({}, {INPUT: x, TARGET: y})
-        tensors = model_tensors(entry, parsed, {INPUT: entry.spec.n_input_dims, TARGET: entry.spec.n_output_dims})
+        tensors = model_tensors(entry, ParsedRequest({}, tensors),
+                                {INPUT: entry.spec.n_input_dims, TARGET: entry.spec.n_output_dims})
         slices, step, _gone = await train_in_slices(rt, entry, tensors[INPUT], tensors[TARGET], steps,
                                                     stop or _never)
         losses = np.concatenate(slices)
         labels = (name, rt.registry.backend_label)
         rt.metrics.training_steps.labels(*labels).inc(losses.size)
-        rt.metrics.training_samples.labels(*labels).inc(x.shape[0] * losses.size)
+        rt.metrics.training_samples.labels(*labels).inc(tensors[INPUT].shape[0] * losses.size)
         return TrainResult([float(v) if np.isfinite(v) else None for v in losses], step)
 
     # -- shared memory --------------------------------------------------------------------------

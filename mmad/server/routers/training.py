@@ -17,7 +17,6 @@ from mmad.server.deps import admitted_caller, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
 from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.server.openapi import TENSOR_REQUEST_DOC
-from mmad.engine.registry import INPUT, TARGET
 from mmad.server.tensors import parse_tensors
 
 router = APIRouter(tags=["training"], responses=ERROR_RESPONSES)
@@ -37,13 +36,8 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
         steps = parsed.parameters.get("steps", 1)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS_PER_REQUEST:
             raise InvalidInput(f"parameters.steps must be an integer from 1 to {MAX_STEPS_PER_REQUEST}; got {steps!r}")
-        missing = [name for name in (INPUT, TARGET) if name not in parsed.tensors]
-        unknown = sorted(set(parsed.tensors) - {INPUT, TARGET})
-        if unknown or missing:  # (the engine checks them against the model; it takes the two by role)
-            raise InvalidInput(f"unknown input {unknown[0]!r}; model {model!r} takes {INPUT}, {TARGET}" if unknown
-                               else f"input {missing[0]!r} is missing")
-        result = await InProcessEngine(rt).train(model, parsed.tensors[INPUT], parsed.tensors[TARGET], steps,
-                                                 admitted_caller(request), request.is_disconnected)
+        result = await InProcessEngine(rt).train(model, parsed.tensors, steps, admitted_caller(request),
+                                                 request.is_disconnected)
     except MMADError as exc:
         # series only for models that exist (inference.py)
         labels = (model if model in rt.registry.models else UNKNOWN_MODEL, backend)
