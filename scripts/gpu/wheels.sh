@@ -5,6 +5,7 @@
 #   .whl    the daemon's stack, nvmath-python, the client SDK's tenacity, pytest-timeout/xdist
 #   .whltc  tritonclient with its gRPC stack (grpcio, protobuf) and CUDA shared memory (cuda-bindings)
 #   .whlvk  the Vulkan and wgpu stacks (vulkan, cffi, cmeel glslang/spirv-tools, wgpu, rendercanvas)
+#           and slangpy's libslang-glslang (the coopmat2 kernels' compiler; the slangpy wheel is too large)
 # A call carries at most 64 MiB: carry the folders a run needs (the sizes are printed last).
 #   bash scripts/gpu/wheels.sh [whl] [whltc] [whlvk]      (default: all three)
 set -euo pipefail
@@ -30,5 +31,9 @@ for set in ${*:-whl whltc whlvk}; do
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d ".$set" "${specs[@]}"
+  if [ "$set" = whlvk ]; then
+    lib=$(ls .venv/lib/python3*/site-packages/slangpy/libslang-glslang*.so 2>/dev/null | tail -n 1)
+    if [ -n "$lib" ]; then cp "$lib" .whlvk/; else echo "wheels: slangpy is not installed in .venv: no libslang-glslang" >&2; fi
+  fi
 done
 du -sh .whl .whltc .whlvk 2>/dev/null
