@@ -302,7 +302,9 @@ def test_adam_training_follows_the_oracles_loss_curve():
     target = torch.stack([torch.sin(6 * x[:, 0]) * x[:, 3], x[:, 1] * x[:, 2], torch.cos(4 * x[:, 4] + x[:, 5])], 1)
 
     def train(m, dtype):
-        optimizer = torch.optim.Adam(m.parameters(), lr=5e-3, eps=1e-15)
+        # lr 2e-3: the loss falls ~2000× in 200 steps; at 5e-3 it reached ~1e-5 of its start, where
+        # fp32 and float64 runs of Adam part ways (1 seed in 8 ended more than 5% apart)
+        optimizer = torch.optim.Adam(m.parameters(), lr=2e-3, eps=1e-15)
         losses = []
         for _ in range(200):
             optimizer.zero_grad()
