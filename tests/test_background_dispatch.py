@@ -164,6 +164,21 @@ def test_a_restart_with_a_warm_cache_serves_the_chosen_variant_without_measuring
     daemon.stop()
 
 
+def test_a_measurement_that_ends_before_it_is_watched_still_swaps_and_the_put_answers(fake_daemon):
+    """The measurement ended before the registry followed it (FAKE_WATCH_LATE): its callback
+    comes on the event loop, which the swap needs, and held it (the PUT never answered)."""
+    daemon = fake_daemon()
+    daemon.env["FAKE_WATCH_LATE"] = "1"
+    daemon.gate.touch()
+    client = daemon.start()
+    client.create_model("m", SPEC_DOC)
+    meta = daemon.wait_decided()
+    assert meta["variant"] == "fast" and meta["dispatch"]["state"] == "decided", meta["dispatch"]
+    x, _ = _data(16)
+    np.testing.assert_allclose(client.infer("m", x), CpuModel(SPEC, "fp32").forward(x), rtol=1e-5, atol=1e-6)
+    daemon.stop()
+
+
 def test_a_model_replaced_while_measuring_is_not_swapped_into_its_successor(fake_daemon):
     daemon = fake_daemon()
     client = daemon.start()

@@ -54,12 +54,20 @@ def watch(registry: "Registry", entry: "ModelEntry") -> None:
 
     left = [len(waiting)]
     lock = threading.Lock()
+    loop_thread = threading.get_ident()
 
     def ended(_: Background) -> None:
         with lock:
             left[0] -= 1
             if left[0]:
                 return
+        if threading.get_ident() == loop_thread:
+            # a measurement that ended before it was watched calls back here, on the event loop:
+            # settle compiles and then waits for the loop to run the swap, so it must not run on it
+            # (it held the loop, and the request that created the model, for good)
+            threading.Thread(target=settle, args=(registry, entry, models, pending, served, loop),
+                             name="mmad-dispatch-settle", daemon=True).start()
+            return
         settle(registry, entry, models, pending, served, loop)
 
     for background in waiting:
