@@ -408,14 +408,14 @@ def test_on_device_refuses_with_507_before_allocating(app_client):
 def test_a_full_disk_while_a_chunk_streams_in_is_507_and_leaves_nothing(app_client, monkeypatch, tmp_path):
     import errno
 
-    import mmad.server.bodies as bodies
+    import mmad.engine.datasets as datasets_module
 
     client, rt = app_client
     x, y = data(100, seed=int(time.time_ns() % 2**32))
 
     def full(f):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path))
-    monkeypatch.setattr(bodies, "_flush_and_sync", full)
+    monkeypatch.setattr(datasets_module, "_flush_and_sync", full)
     r = client.post("/v2/models/held/datasets", content=st_save({"x": x, "y": y}))
     assert r.status_code == 507 and "the model store is full" in r.json()["error"], r.text
     assert str(tmp_path) not in r.text

@@ -11,10 +11,9 @@ from safetensors.numpy import load as st_load, save as st_save
 
 from oracle import rel_err
 from mmad.backends.cpu import CpuBackend
-from mmad.engine.api import Caller, EngineClient, InferenceClient, InferInput, InferRequest, ModelStoreClient, \
-    RequestedOutput
+from mmad.engine.api import Caller, EngineClient, InferInput, InferRequest, JobRequest, RequestedOutput
 from mmad.engine.inprocess import InProcessEngine
-from mmad.errors import InvalidInput, ModelNotFound, Unauthorized
+from mmad.errors import InvalidInput, ModelNotFound, PayloadTooLarge, Unauthorized
 from mmad.server import Settings, create_app
 from mmad.engine.registry import DEMO_SPEC
 from mmad.spec import MLPSpec
@@ -49,8 +48,7 @@ def infer(engine, name: str, x: np.ndarray, **kwargs) -> np.ndarray:
 
 
 def test_the_in_process_engine_serves_inference_and_the_model_store(engine):
-    assert isinstance(engine, InferenceClient) and isinstance(engine, ModelStoreClient)
-    assert not isinstance(engine, EngineClient)  # training stays with the HTTP routers (docs/api.md)
+    assert isinstance(engine, EngineClient)
     with pytest.raises(Unauthorized):
         engine.call(engine.create_model, "e", DEMO_SPEC, None, ANYONE)
     assert engine.call(engine.create_model, "e", DEMO_SPEC, {"max_queue_delay_us": 0}, ADMIN) is True
@@ -99,3 +97,58 @@ def test_the_engine_checks_each_tensor_against_the_model(engine):
     stats = engine.call(engine.statistics, "checked")[0]
     assert stats.inference_stats.fail.count == len(cases) + 2 and stats.inference_count == 0
     engine.call(engine.delete_model, "checked", ADMIN)
+
+
+async def pieces(data: bytes, size: int = 4096):
+    for start in range(0, len(data), size):
+        yield data[start:start + size]
+
+
+def test_datasets_and_a_training_job_through_the_engine(engine):
+    """A dataset streamed in as pieces, listed, a job trained from it to the end with its events
+    and loss curve, then deleted: the engine's training calls with no front end in between."""
+    engine.call(engine.create_model, "jobbed", DEMO_SPEC, None, ADMIN)
+    rng = np.random.default_rng()
+    spec = MLPSpec.from_json(DEMO_SPEC)
+    x = rng.uniform(-1, 1, (3000, spec.n_input_dims)).astype(np.float32)
+    y = np.tanh(x @ rng.normal(0, 1, (spec.n_input_dims, spec.n_output_dims))).astype(np.float32)
+    body = st_save({"x": x[:2000], "y": y[:2000]})
+    with pytest.raises(Unauthorized):
+        engine.call(engine.create_dataset, "jobbed", pieces(body), len(body), ANYONE)
+    with pytest.raises(PayloadTooLarge, match="--max-dataset-bytes"):  # refused from the declared size alone
+        engine.call(engine.create_dataset, "jobbed", pieces(body), 1 << 40, ADMIN)
+    created = engine.call(engine.create_dataset, "jobbed", pieces(body), None, ADMIN)
+    assert (created.rows, created.chunks, created.x_dtype, created.on_device) == (2000, 1, "float32", False)
+    more = st_save({"x": x[2000:], "y": y[2000:]})
+    grown = engine.call(engine.append_dataset_chunk, "jobbed", created.dataset, pieces(more, 999), len(more), ADMIN)
+    assert (grown.rows, grown.chunks) == (3000, 2)
+    with pytest.raises(InvalidInput, match=f"dataset y must have {spec.n_output_dims} columns"):
+        bad = st_save({"x": x[:10], "y": np.ones((10, spec.n_output_dims + 1), np.float32)})
+        engine.call(engine.append_dataset_chunk, "jobbed", created.dataset, pieces(bad), None, ADMIN)
+    assert [d.rows for d in engine.call(engine.datasets, "jobbed")] == [3000]
+
+    before = engine.call(engine.get_weights, "jobbed").data
+    status = engine.call(engine.start_job, "jobbed", JobRequest(dataset=created.dataset, steps=40, batch_size=256,
+                                                                checkpoint_every=20, seed=7), ADMIN)
+    assert status.state in ("queued", "running") and status.steps == 40
+
+    async def all_events():
+        return [event async for event in await engine.job_events("jobbed", status.job)]
+    events = engine.call(all_events)
+    assert events[0].event in ("progress", "done") and events[-1].event == "done"
+    assert [e.data["version"] for e in events if e.event == "checkpoint"] in ([], ["2", "3"], ["3"])
+    final = engine.call(engine.job_status, "jobbed", status.job)
+    assert (final.state, final.step, final.versions, final.error) == ("done", 40, ["2", "3"], None)
+    assert events[-1].data == {**final.__dict__}
+    losses = engine.call(engine.job_losses, "jobbed", status.job)
+    assert losses.step == 40 and losses.points[-1][0] == 40 and all(np.isfinite(p[1]) for p in losses.points)
+    assert engine.call(engine.get_weights, "jobbed").data != before  # the job trained the live weights
+    assert [s.job for s in engine.call(engine.jobs)][:1] == [status.job]
+    assert engine.call(engine.dataset, "jobbed", created.dataset).on_device  # the job's copy is held
+
+    engine.call(engine.delete_dataset, "jobbed", created.dataset, ADMIN)
+    with pytest.raises(ModelNotFound):
+        engine.call(engine.dataset, "jobbed", created.dataset)
+    with pytest.raises(ModelNotFound):
+        engine.call(engine.job_status, "jobbed", "0" * 32)
+    engine.call(engine.delete_model, "jobbed", ADMIN)

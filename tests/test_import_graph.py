@@ -173,6 +173,18 @@ def test_engine_imports_no_front_end(graph):
     assert edges_into(graph, ("mmad.engine",), ("mmad.server", "mmad.grpc")) == []
 
 
+# the engine's parts that hold model locks, device arrays, files or queues: a route or handler
+# reaches them only through the engine's interface (mmad.engine.api, InProcessEngine)
+ENGINE_INTERNALS = tuple(f"mmad.engine.{m}" for m in (
+    "registry", "datasets", "jobs", "batcher", "store", "inference", "training", "region_forwards", "hostmem", "shm"))
+
+
+def test_routes_and_handlers_reach_the_engine_through_its_interface(graph):
+    assert edges_into(graph, ("mmad.server.routers", "mmad.grpc"), ENGINE_INTERNALS) == []
+    # (the check sees these modules' imports: the routers do import the engine's interface)
+    assert "mmad.engine.api" in graph["mmad.server.routers.jobs"]
+
+
 def test_grpc_imports_nothing_of_the_http_front_end(graph):
     assert edges_into(graph, ("mmad.grpc",), ("mmad.server",)) == []
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Optional, Protocol, runtime_checkable
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Literal, Optional, Protocol, runtime_checkable
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mmad.errors import InvalidInput
 
 # Triton's datatype names (its model configuration writes them TYPE_FP32 ...), and the NumPy
 # dtype each travels as: little-endian, as raw tensor contents are. The models take and give
@@ -271,11 +274,13 @@ class Caller:
 
 @dataclass(frozen=True)
 class VersionInfo:
-    """A stored version of a model."""
+    """A stored version of a model: its number, the optimizer step it was saved at, when (seconds
+    since the epoch) and its weight file's SHA-256 (None for a version stored without one)."""
 
     version: str
     step: int
     created: float
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +335,23 @@ class InferenceClient(Protocol):
     async def cuda_shm_status(self, name: str | None = None) -> list[CudaRegion]: ...
 
 
+@dataclass(frozen=True)
+class ModelStatus:
+    """mmad's own state of a model, beside Triton's metadata: the newest stored version, the live
+    weights' optimizer step, requests waiting in its queues (every serving process's), the
+    devices its replicas run on (primary first), the kernel variant the primary runs and the
+    dispatcher's measurement that chose it, its tiny-cuda-nn spec and its serving config."""
+
+    latest_version: str
+    step: int
+    queued_requests: int
+    devices: tuple[int, ...]
+    variant: str | None
+    dispatch: dict[str, Any] | None
+    spec: dict[str, Any]
+    config: dict[str, Any]
+
+
 @runtime_checkable
 class ModelStoreClient(Protocol):
     """mmad's model management: create, replace and delete models, their stored versions and
@@ -339,6 +361,8 @@ class ModelStoreClient(Protocol):
                            caller: Caller) -> bool: ...
 
     async def delete_model(self, name: str, caller: Caller) -> None: ...
+
+    async def model_status(self, name: str, version: str | None = None) -> ModelStatus: ...
 
     async def versions(self, name: str) -> list[VersionInfo]: ...
 
@@ -360,66 +384,129 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class DatasetSummary:
-    """A stored dataset of a model; ``on_device``: its model's backend holds a copy for training."""
+    """A stored dataset of a model: rows, bytes as stored, x's and y's element types (float32 or
+    float16), the chunks it was uploaded in; ``on_device``: its model's backend holds a copy for
+    training."""
 
     dataset: str
     rows: int
     bytes: int
+    x_dtype: str
+    y_dtype: str
     chunks: int
-    x_datatype: str
-    y_datatype: str
     on_device: bool
 
 
-@dataclass(frozen=True)
-class JobSpec:
+# A dataset chunk as it arrives: its bytes piece by piece (never whole in memory), and the size
+# its sender declared where it did (refused at once when that is over a limit).
+ChunkStream = AsyncIterable[bytes]
+
+
+class JobRequest(BaseModel):
     """A training job: ``steps`` optimizer steps of ``batch_size`` rows drawn from ``dataset``."""
 
+    model_config = ConfigDict(extra="forbid")
+
     dataset: str
-    steps: int
-    batch_size: int
-    checkpoint_every: int | None = None
-    seed: int | None = None
-    data_parallel: bool | None = None
+    steps: int = Field(ge=1, le=1_000_000_000)
+    batch_size: int = Field(ge=1, le=1 << 24)
+    checkpoint_every: int | None = Field(None, ge=1)
+    seed: int | None = Field(None, ge=0, lt=2**32, description="the epochs' order (random when not given)")
+    data_parallel: bool | None = Field(
+        None, description="train on every replica of the model, each on its shard of the dataset and its part "
+                          "of each batch (default: when the model has replicas on several devices)")
+
+    @classmethod
+    def parse(cls, doc: Any) -> "JobRequest":
+        """A request from its JSON document; the first thing wrong named in the user's terms."""
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(body)"
+            raise InvalidInput(f"{where}: {first['msg']}") from exc
 
 
 @dataclass(frozen=True)
 class JobStatus:
+    """A training job's state (queued, running, done, cancelled, failed) and progress: the step
+    it reached of ``steps``, the epoch and the last loss (None where it was NaN or Inf), the
+    versions it checkpointed, the error that ended it. The field names are the JSON keys."""
+
     job: str
-    model: str
-    state: str  # queued, running, completed, failed, cancelled
+    model_name: str
+    state: str
     step: int
     steps: int
+    batch_size: int
+    checkpoint_every: int
+    dataset: str
+    rows: int
+    seed: int
+    epoch: int
+    devices: list[int]
     loss: float | None
-    samples_per_s: float | None
-    versions: tuple[str, ...]
+    samples_per_s: float
+    versions: list[str]
     error: str | None
+
+
+@dataclass(frozen=True)
+class JobLosses:
+    """A job's loss curve from its first step: ``[step, loss]`` pairs (loss None where it was NaN
+    or Inf), at most about a thousand, evenly merged as the job runs."""
+
+    job: str
+    model_name: str
+    step: int
+    points: list[list[Any]]
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a job's progress stream: ``progress`` (step, steps, epoch, loss,
+    samples_per_s), ``checkpoint`` (version, step), and last the state it ended in (done,
+    cancelled, failed) with the job's whole status."""
+
+    event: str
+    data: dict[str, Any]
 
 
 @runtime_checkable
 class TrainingClient(Protocol):
     """Training on a sent batch, datasets and training jobs (HTTP's ``mmad_training``,
-    ``mmad_training_jobs``); no front end but HTTP serves them (docs/api.md, "gRPC").
-    :class:`~mmad.engine.inprocess.InProcessEngine` serves ``train`` (HTTP's ``/train`` calls it);
-    the dataset and job methods are declared for the HTTP routers, which still reach the engine's
-    dataset store and job manager themselves."""
+    ``mmad_datasets``, ``mmad_training_jobs``); no front end but HTTP serves them (docs/api.md,
+    "gRPC")."""
 
     async def train(self, name: str, tensors: dict[str, np.ndarray], steps: int, caller: Caller,
                     stop: Callable[[], Awaitable[bool]] | None = None) -> TrainResult: ...
 
-    async def create_dataset(self, name: str, chunk: bytes, caller: Caller) -> DatasetSummary: ...
+    async def create_dataset(self, name: str, chunk: ChunkStream, declared_bytes: int | None,
+                             caller: Caller) -> DatasetSummary: ...
 
-    async def append_dataset_chunk(self, name: str, dataset: str, chunk: bytes, caller: Caller) -> DatasetSummary: ...
+    async def append_dataset_chunk(self, name: str, dataset: str, chunk: ChunkStream, declared_bytes: int | None,
+                                   caller: Caller) -> DatasetSummary: ...
 
     async def datasets(self, name: str) -> list[DatasetSummary]: ...
 
+    async def dataset(self, name: str, dataset: str) -> DatasetSummary: ...
+
     async def delete_dataset(self, name: str, dataset: str, caller: Caller) -> None: ...
 
-    async def start_job(self, name: str, job: JobSpec, caller: Caller) -> JobStatus: ...
+    async def start_job(self, name: str, job: JobRequest, caller: Caller) -> JobStatus: ...
+
+    async def jobs(self) -> list[JobStatus]: ...
 
     async def job_status(self, name: str, job_id: str) -> JobStatus: ...
 
+    async def job_losses(self, name: str, job_id: str) -> JobLosses: ...
+
     async def cancel_job(self, name: str, job_id: str, caller: Caller) -> JobStatus: ...
+
+    async def job_events(self, name: str, job_id: str) -> AsyncIterator[JobEvent]:
+        """The job's events from now on, current progress first (or its final state when it has
+        ended); an unknown job is refused when this is awaited, before the first event."""
+        ...
 
 
 @runtime_checkable

@@ -39,17 +39,11 @@ from typing import Any, Callable
 import numpy as np
 
 from mmad.backends.numerics import all_finite
+from mmad.engine.config import BatchLimits
 from mmad.errors import NonFiniteInput, Overloaded
 from mmad.engine import hostmem
 
 TIMER_RESOLUTION_S = 1e-3  # event-loop timers round to milliseconds: a batch this close to due is due
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    max_batch_rows: int
-    max_queue_delay_us: int
-    max_queue_requests: int
 
 
 @dataclass

@@ -31,15 +31,17 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, AsyncIterable, Awaitable, Callable
 
 import numpy as np
 
 from mmad.backends.contract import CompiledModel, Dataset
 from mmad.backends.numerics import all_finite
 from mmad.backends.parallel import shard_bounds, shard_chunks
-from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady
-from mmad.engine.store import ChunkHeader, DatasetInfo, chunk_arrays, read_chunk_header, size_words
+from mmad.errors import ConflictError, DeviceMemoryFull, InvalidInput, ModelNotReady, PayloadTooLarge
+from mmad.engine.store import (
+    ChunkHeader, DatasetInfo, check_dataset_size, chunk_arrays, read_chunk_header, size_words, store_write,
+)
 from mmad.spec import MLPSpec
 
 if TYPE_CHECKING:  # the registry creates the cache: no import cycle at run time
@@ -47,7 +49,46 @@ if TYPE_CHECKING:  # the registry creates the cache: no import cycle at run time
 
 log = logging.getLogger("mmad.engine.datasets")
 
+FILE_WRITE_BYTES = 1 << 20  # what an arriving chunk gathers before one write on a compute thread
 FINITE_BLOCK_VALUES = 1 << 22  # values checked at once (16 MiB of float32): the page cache does the rest
+
+
+async def stream_to_file(pieces: AsyncIterable[bytes], path: Path, max_bytes: int,
+                         run: Callable[..., Awaitable[Any]], check: Callable[[int], None] | None = None) -> int:
+    """Write ``pieces`` into a new file ``path`` (flushed and fsynced), returns its size.
+
+    The chunk never sits whole in memory: the pieces received are gathered up to
+    ``FILE_WRITE_BYTES`` and written by ``run`` (a compute thread; disk writes stay off the event
+    loop). Past ``max_bytes`` (``--max-body-bytes``) it stops with a 413; ``check(bytes so far)``
+    may refuse earlier (another limit). The caller removes the file when anything fails.
+    """
+    f = await run(open, path, "xb")
+    total, pending, held = 0, [], 0
+    try:
+        async for piece in pieces:
+            if not piece:
+                continue
+            total += len(piece)
+            if total > max_bytes:
+                raise PayloadTooLarge(f"the chunk exceeds the limit of {max_bytes} bytes (--max-body-bytes)")
+            if check is not None:
+                check(total)
+            pending.append(piece)
+            held += len(piece)
+            if held >= FILE_WRITE_BYTES:
+                await run(f.writelines, pending)
+                pending, held = [], 0
+        if pending:
+            await run(f.writelines, pending)
+        await run(_flush_and_sync, f)
+    finally:
+        f.close()
+    return total
+
+
+def _flush_and_sync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def check_chunk(spec: MLPSpec, path: Path) -> ChunkHeader:
@@ -101,24 +142,48 @@ class DatasetCache:
         self._generation: dict[tuple[str, str], int] = {}
 
     # -- the store's datasets, on a compute thread --------------------------------------------
-    async def incoming_path(self) -> Path:
-        return await self.registry.run(self.registry.store.incoming_path)
+    async def receive(self, entry: "ModelEntry", chunk: AsyncIterable[bytes], declared: int | None,
+                      stored: int) -> tuple[Path, ChunkHeader]:
+        """An arriving chunk of ``entry``'s model as a checked file of the store's incoming
+        directory (the caller moves or removes it). ``declared``: the size its sender announced,
+        ``stored``: the bytes the dataset holds already; the dataset limit refuses the chunk
+        from the first (before a byte is read), while it streams and when it is added."""
+        settings = self.registry.settings
+        limit = settings.max_dataset_bytes
+        if declared is not None:
+            check_dataset_size(stored + declared, limit)
+        path = await self.registry.run(self.registry.store.incoming_path)
+        try:
+            with store_write(f"the dataset chunk for model {entry.name!r}"):  # a full disk is a 507, not a 500
+                await stream_to_file(chunk, path, settings.max_body_bytes, self.registry.run,
+                                     check=lambda received: check_dataset_size(stored + received, limit))
+                header = await self.registry.run(check_chunk, entry.spec, path)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path, header
 
-    async def check_chunk(self, entry: "ModelEntry", path: Path) -> ChunkHeader:
-        """:func:`check_chunk` of an uploaded chunk file against ``entry``'s model."""
-        return await self.registry.run(check_chunk, entry.spec, path)
-
-    async def add(self, entry: "ModelEntry", path: Path, header: ChunkHeader) -> DatasetInfo:
-        """A new dataset of ``entry``'s model from its first checked chunk file."""
+    async def add(self, entry: "ModelEntry", chunk: AsyncIterable[bytes], declared: int | None) -> DatasetInfo:
+        """A new dataset of ``entry``'s model from its first chunk."""
         registry = self.registry
-        return await registry.run(registry.store.add_dataset, entry.name, path, header,
-                                  registry.settings.max_dataset_bytes, entry.incarnation)
+        path, header = await self.receive(entry, chunk, declared, 0)
+        try:
+            return await registry.run(registry.store.add_dataset, entry.name, path, header,
+                                      registry.settings.max_dataset_bytes, entry.incarnation)
+        finally:
+            path.unlink(missing_ok=True)  # gone already when it was moved into the dataset
 
-    async def append(self, entry: "ModelEntry", dataset_id: str, path: Path, header: ChunkHeader) -> DatasetInfo:
-        """The dataset's next checked chunk file; a held copy, which lacks its rows, is dropped."""
+    async def append(self, entry: "ModelEntry", dataset_id: str, chunk: AsyncIterable[bytes],
+                     declared: int | None) -> DatasetInfo:
+        """The dataset's next chunk; a held copy, which lacks its rows, is dropped."""
         registry = self.registry
-        info = await registry.run(registry.store.append_dataset_chunk, entry.name, dataset_id, path, header,
-                                  registry.settings.max_dataset_bytes, entry.incarnation)
+        before = await self.info(entry.name, dataset_id)  # unknown: refused before the chunk is read
+        path, header = await self.receive(entry, chunk, declared, before.bytes)
+        try:
+            info = await registry.run(registry.store.append_dataset_chunk, entry.name, dataset_id, path, header,
+                                      registry.settings.max_dataset_bytes, entry.incarnation)
+        finally:
+            path.unlink(missing_ok=True)
         self.invalidate(entry.name, dataset_id)
         return info
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import numpy as np
 
 import mmad
+from mmad.backends.contract import param_shapes
 from mmad.engine.api import (
-    DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, CudaRegion, Duration, InferInput, InferOutput,
-    InferRequest, InferResponse, InferStatistics, ModelConfig, ModelMetadata, ModelStatistics, Readiness,
-    RepositoryEntry, RequestedOutput, ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata,
-    TrainResult, VersionInfo, WeightsSnapshot,
+    DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, ChunkStream, CudaRegion, DatasetSummary, Duration,
+    InferInput, InferOutput, InferRequest, InferResponse, InferStatistics, JobEvent, JobLosses, JobRequest, JobStatus,
+    ModelConfig, ModelMetadata, ModelStatistics, ModelStatus, Readiness, RepositoryEntry, RequestedOutput,
+    ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata, TrainResult, VersionInfo, WeightsSnapshot,
 )
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NonFiniteInput, NotReady, Unauthorized
 from mmad.engine import hostmem
@@ -36,11 +37,13 @@ from mmad.engine.inference import (
 from mmad.engine.peers import Peer, shared_memory_owner
 from mmad.engine.shm import ShmTensor
 from mmad.engine.runtime import Runtime
-from mmad.engine.statistics import model_statistics, worker_records
+from mmad.engine.statistics import model_statistics, worker_queued, worker_records
 from mmad.engine.training import train_in_slices
 from mmad.engine.registry import INPUT, OUTPUT, TARGET, ModelConfig as ServingConfig, ModelEntry
 from mmad.engine.repository_poll import refuse_changes
-from mmad.engine.store import check_model_name, tensors_from_bytes
+from mmad.engine.store import (
+    DatasetInfo, check_dataset_id, check_model_name, check_safetensors_header, dtype_words, tensors_from_bytes,
+)
 from mmad.spec import MLPSpec
 
 # the extensions of Triton's protocol the engine serves (a front end adds its own)
@@ -69,7 +72,7 @@ def _statistics(doc: dict[str, Any]) -> ModelStatistics:
 
 
 def _version_info(doc: dict[str, Any]) -> VersionInfo:
-    return VersionInfo(doc["version"], int(doc.get("step", 0)), float(doc.get("created", 0.0)))
+    return VersionInfo(doc["version"], int(doc.get("step", 0)), float(doc.get("created", 0.0)), doc.get("sha256"))
 
 
 class InProcessEngine:
@@ -102,8 +105,10 @@ class InProcessEngine:
         return Readiness(True)
 
     async def server_metadata(self) -> ServerMetadata:
-        cuda = ("cuda_shared_memory",) if self.rt.shm.cuda_enabled else ()
-        return ServerMetadata("mmad", mmad.__version__, EXTENSIONS + cuda)
+        extensions = EXTENSIONS + (("cuda_shared_memory",) if self.rt.shm.cuda_enabled else ())
+        if self.rt.settings.shared_memory == "off":  # --shared-memory off: neither extension is offered
+            extensions = tuple(e for e in extensions if not e.endswith("_shared_memory"))
+        return ServerMetadata("mmad", mmad.__version__, extensions)
 
     # -- models ---------------------------------------------------------------------------------
     def _entry(self, name: str, version: str | None) -> ModelEntry:
@@ -140,6 +145,25 @@ class InProcessEngine:
                            [TensorConfig(INPUT, "TYPE_FP32", (-1, entry.spec.n_input_dims))],
                            [TensorConfig(OUTPUT, "TYPE_FP32", (-1, entry.spec.n_output_dims))],
                            limits.max_queue_delay_us, serving)
+
+    async def model_status(self, name: str, version: str | None = None) -> ModelStatus:
+        entry = self._entry(name, version)
+        versions = self.rt.registry.versions(name)
+        limits = entry.config.limits(self.rt.settings)
+        live = entry.live  # read once: an unload may clear it meanwhile
+        queued = entry.batcher.queued if entry.batcher is not None else 0
+        if self.rt.workers is not None:  # the serving workers' queues count too
+            queued += worker_queued(await worker_records(self.rt), entry)
+        return ModelStatus(
+            versions[-1]["version"] if versions else "",
+            live.step_count if live is not None else (versions[-1]["step"] if versions else 0),
+            queued, tuple(r.device for r in entry.replicas if r.model is not None),
+            live.variant if live is not None else None,
+            live.dispatch.to_json() if live is not None and live.dispatch is not None else None,
+            entry.spec.to_json(),
+            {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
+             "max_queue_requests": limits.max_queue_requests, "allow_nonfinite": entry.config.allow_nonfinite,
+             "device": entry.config.device, "replicas": entry.config.replicas, "variant": entry.config.variant})
 
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         self._serving()
@@ -319,6 +343,76 @@ class InProcessEngine:
         rt.metrics.training_samples.labels(*labels).inc(tensors[INPUT].shape[0] * losses.size)
         return TrainResult([float(v) if np.isfinite(v) else None for v in losses], step)
 
+    # -- datasets and training jobs -------------------------------------------------------------
+    def _summary(self, info: DatasetInfo) -> DatasetSummary:
+        return DatasetSummary(info.dataset, info.rows, info.bytes, dtype_words(info.x_dtype), dtype_words(info.y_dtype),
+                              len(info.chunks), info.dataset in self.rt.registry.datasets.resident(info.model))
+
+    def _changing_datasets(self, name: str, caller: Caller) -> ModelEntry:
+        self._serving()
+        self._admin(caller)
+        refuse_changes(self.rt.settings, name)
+        return self.rt.registry.get(name)
+
+    async def create_dataset(self, name: str, chunk: ChunkStream, declared_bytes: int | None,
+                             caller: Caller) -> DatasetSummary:
+        """A new dataset from its first chunk (a safetensors file: ``x`` [rows, n_input_dims] and
+        ``y`` [rows, n_output_dims], float32 or float16, finite), streamed into the store and
+        checked there before it is kept."""
+        entry = self._changing_datasets(name, caller)
+        return self._summary(await self.rt.registry.datasets.add(entry, chunk, declared_bytes))
+
+    async def append_dataset_chunk(self, name: str, dataset: str, chunk: ChunkStream, declared_bytes: int | None,
+                                   caller: Caller) -> DatasetSummary:
+        """The dataset's next chunk: the same tensors, types and columns as its first."""
+        entry = self._changing_datasets(name, caller)
+        check_dataset_id(dataset)
+        return self._summary(await self.rt.registry.datasets.append(entry, dataset, chunk, declared_bytes))
+
+    async def datasets(self, name: str) -> list[DatasetSummary]:
+        self._entry(name, None)
+        return [self._summary(info) for info in await self.rt.registry.datasets.listed(name)]
+
+    async def dataset(self, name: str, dataset: str) -> DatasetSummary:
+        self._entry(name, None)
+        return self._summary(await self.rt.registry.datasets.info(name, check_dataset_id(dataset)))
+
+    async def delete_dataset(self, name: str, dataset: str, caller: Caller) -> None:
+        """Delete the dataset and drop the copy its model's backend holds (a running job that
+        trains from it keeps its own until it ends)."""
+        self._changing_datasets(name, caller)
+        await self.rt.registry.datasets.delete(name, check_dataset_id(dataset))
+
+    async def start_job(self, name: str, job: JobRequest, caller: Caller) -> JobStatus:
+        self._serving()
+        self._admin(caller)
+        refuse_changes(self.rt.settings, name)
+        return (await self.rt.jobs.start(name, job)).status()
+
+    async def jobs(self) -> list[JobStatus]:
+        """Every job the daemon keeps, newest first: those running and the latest finished ones."""
+        self._serving()
+        return [job.status() for job in sorted(self.rt.jobs.jobs.values(), key=lambda j: j.created, reverse=True)]
+
+    async def job_status(self, name: str, job_id: str) -> JobStatus:
+        self._serving()
+        return self.rt.jobs.get(name, job_id).status()
+
+    async def job_losses(self, name: str, job_id: str) -> JobLosses:
+        self._serving()
+        job = self.rt.jobs.get(name, job_id)
+        return JobLosses(job.id, job.model, job.step, job.history.points())
+
+    async def cancel_job(self, name: str, job_id: str, caller: Caller) -> JobStatus:
+        """Stop the job at its current chunk's end, after a checkpoint of the steps it made."""
+        self._serving()
+        self._admin(caller)
+        return self.rt.jobs.cancel(name, job_id).status()
+
+    async def job_events(self, name: str, job_id: str) -> AsyncIterator[JobEvent]:
+        self._serving()
+        return self.rt.jobs.get(name, job_id).events()
+
     # -- shared memory --------------------------------------------------------------------------
     def _shm_admin(self, caller: Caller) -> int | None:
         """Registering or unregistering a region lets the daemon read and write that memory: an
@@ -414,8 +508,20 @@ class InProcessEngine:
         refuse_changes(self.rt.settings, name)
         registry = self.rt.registry
         entry = registry.get_ready(name)
-        params = tensors_from_bytes(safetensors, "the weights")
+        params = await registry.run(uploaded_weights, entry.spec, safetensors)
         return _version_info(await registry.set_weights(entry, params))
+
+
+# a weight file's safetensors header: an entry per parameter (~70 bytes: name, dtype, shape,
+# offsets) with room to spare, and the metadata a writer adds ({"format": "pt"} and the like)
+HEADER_BYTES_PER_PARAMETER, HEADER_METADATA_BYTES = 256, 64 * 1024
+
+
+def uploaded_weights(spec: MLPSpec, data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of a weight upload, its header bounded by what ``spec``'s parameters need."""
+    check_safetensors_header(data, "the weight file", HEADER_METADATA_BYTES + HEADER_BYTES_PER_PARAMETER * len(
+        param_shapes(spec)))
+    return tensors_from_bytes(data, "the weight file")
 
 
 async def _never() -> bool:

@@ -18,18 +18,17 @@ checkpointed nor left serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import secrets
 import time
 import uuid
-from typing import Any, AsyncIterator
-
-import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing import AsyncIterator
 
 from mmad.backends.contract import Dataset
 from mmad.backends.parallel import shard_positions, split_batch
+from mmad.engine.api import JobEvent, JobRequest, JobStatus
 from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound
 from mmad.engine.loss_history import LossHistory
 from mmad.engine.registry import Registry
@@ -38,35 +37,8 @@ log = logging.getLogger("mmad.engine.jobs")
 
 PROGRESS_INTERVAL_S = 0.2
 CHUNK_S = 0.1  # training between two looks from the host (losses, progress, cancel)
-SSE_KEEPALIVE_S = 15.0
 FINISHED = ("done", "cancelled", "failed")
 KEEP_FINISHED_JOBS = 256  # statuses of finished jobs stay queryable until this many newer ones finish
-
-
-class JobRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    dataset: str
-    steps: int = Field(ge=1, le=1_000_000_000)
-    batch_size: int = Field(ge=1, le=1 << 24)
-    checkpoint_every: int | None = Field(None, ge=1)
-    seed: int | None = Field(None, ge=0, lt=2**32, description="the epochs' order (random when not given)")
-    data_parallel: bool | None = Field(
-        None, description="train on every replica of the model, each on its shard of the dataset and its part "
-                          "of each batch (default: when the model has replicas on several devices)")
-
-    @classmethod
-    def parse(cls, doc: Any) -> "JobRequest":
-        try:
-            return cls.model_validate(doc)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(body)"
-            raise InvalidInput(f"{where}: {first['msg']}") from exc
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 class Job:
@@ -92,39 +64,35 @@ class Job:
         self.task: asyncio.Task | None = None
         self._subscribers: set[asyncio.Queue] = set()
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JobStatus:
         loss = self.loss if self.loss is None or math.isfinite(self.loss) else None
-        return {"job": self.id, "model_name": self.model, "state": self.state, "step": self.step,
-                "steps": self.request.steps, "batch_size": self.request.batch_size,
-                "checkpoint_every": self.checkpoint_every, "dataset": self.request.dataset, "rows": self.rows,
-                "seed": self.position.seed, "epoch": self.position.epoch, "devices": list(self.devices), "loss": loss,
-                "samples_per_s": self.samples_per_s, "versions": list(self.versions), "error": self.error}
+        return JobStatus(self.id, self.model, self.state, self.step, self.request.steps, self.request.batch_size,
+                         self.checkpoint_every, self.request.dataset, self.rows, self.position.seed,
+                         self.position.epoch, list(self.devices), loss, self.samples_per_s, list(self.versions),
+                         self.error)
 
-    def progress(self) -> dict[str, Any]:
-        status = self.status()
-        return {k: status[k] for k in ("step", "steps", "epoch", "loss", "samples_per_s")}
+    def progress(self) -> JobEvent:
+        return JobEvent("progress", {"step": self.step, "steps": self.request.steps, "epoch": self.position.epoch,
+                                     "loss": self.status().loss, "samples_per_s": self.samples_per_s})
 
-    def publish(self, event: bytes | None) -> None:
+    def final(self) -> JobEvent:
+        return JobEvent(self.state, dataclasses.asdict(self.status()))
+
+    def publish(self, event: JobEvent | None) -> None:
         for queue in self._subscribers:
             queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """The SSE stream: current progress first, then live events until the job ends."""
+    async def events(self) -> AsyncIterator[JobEvent]:
+        """Current progress first (its final state when it has ended), then live events until the
+        job ends."""
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
             if self.state in FINISHED:
-                yield sse(self.state, self.status())
+                yield self.final()
                 return
-            yield sse("progress", self.progress())
-            while True:
-                try:
-                    event = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
-                except asyncio.TimeoutError:
-                    yield b": keep-alive\n\n"
-                    continue
-                if event is None:  # the job ended; its final event was the previous one
-                    return
+            yield self.progress()
+            while (event := await queue.get()) is not None:  # None: the job ended, its final event came before
                 yield event
         finally:
             self._subscribers.discard(queue)
@@ -189,19 +157,24 @@ class JobManager:
             job.cancel_reason = reason
         return job
 
-    async def shutdown(self) -> None:
-        """Stop every running job after a final checkpoint (graceful shutdown)."""
+    def stop_all(self) -> list[Job]:
+        """Ask every running job to stop at its next chunk's end (after a final checkpoint): the
+        daemon is shutting down. Returns them."""
         running = [j for j in self.jobs.values() if j.state not in FINISHED]
         for job in running:
             job.cancel_reason = job.cancel_reason or "the server is shutting down"
-        for job in running:
+        return running
+
+    async def shutdown(self) -> None:
+        """Stop every running job after a final checkpoint (graceful shutdown)."""
+        for job in self.stop_all():
             if job.task is not None:
                 await asyncio.shield(job.task)
 
     async def _checkpoint(self, job: Job, entry) -> None:
         version = (await self.registry.run(self.registry.checkpoint_blocking, entry))["version"]
         job.versions.append(version)
-        job.publish(sse("checkpoint", {"version": version, "step": job.step}))
+        job.publish(JobEvent("checkpoint", {"version": version, "step": job.step}))
 
     async def _run(self, job: Job, data: list[Dataset]) -> None:
         """Train in chunks on ``data``: the dataset held by the primary replica, or one shard per
@@ -237,7 +210,7 @@ class JobManager:
                 if now - last_report >= PROGRESS_INTERVAL_S or job.step == total:
                     last_report = now
                     metrics.training_samples_per_s.labels(*labels).set(job.samples_per_s)
-                    job.publish(sse("progress", job.progress()))
+                    job.publish(job.progress())
                 if job.step % job.checkpoint_every == 0 or job.step == total:
                     await self._checkpoint(job, entry)
                     last_checkpoint_step = job.step
@@ -265,5 +238,5 @@ class JobManager:
             job.state, job.error = "failed", f"internal error: {type(exc).__name__}: {exc}"
         finally:
             entry.busy_job = None
-            job.publish(sse(job.state, job.status()))
+            job.publish(job.final())
             job.publish(None)

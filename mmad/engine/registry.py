@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mmad.backends import parse_forced
 from mmad.backends.contract import Backend, CompiledModel, Dataset, EpochPosition, ProbeRow, check_params
-from mmad.errors import ConflictError, Diverged, InvalidInput, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
+from mmad.errors import ConflictError, Diverged, MMADError, ModelNotFound, ModelNotReady, StoreDamaged
 from mmad.engine import background_dispatch
-from mmad.engine.batcher import Batcher, BatchLimits
+from mmad.engine.batcher import Batcher
+from mmad.engine.config import ModelConfig
 from mmad.engine.datasets import DatasetCache
 from mmad.engine.messages import ServedModel
 from mmad.engine.metrics import Metrics
@@ -57,45 +57,6 @@ DEMO_SPEC = {
     "optimizer": {"otype": "Adam", "learning_rate": 1e-2, "beta1": 0.9, "beta2": 0.99, "epsilon": 1e-15},
     "precision": "fp16", "seed": 1337,
 }
-
-
-class ModelConfig(BaseModel):
-    """Per-model serving settings; unset fields take the daemon's defaults."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_batch_rows: int | None = Field(None, ge=1, le=1 << 24)
-    max_queue_delay_us: int | None = Field(None, ge=0, le=10_000_000)
-    max_queue_requests: int | None = Field(None, ge=1, le=1 << 20)
-    allow_nonfinite: bool = False
-    device: int | list[int] | None = Field(None, description="pin the model to this device, or one replica on "
-                                                            "each listed device (default: placed by load)")
-    replicas: int | None = Field(None, ge=1, le=64, description="replicas on that many devices (default 1)")
-    variant: str | None = Field(None, min_length=1,
-                                description="run the model on this variant of the daemon's backend (cuda: mma, "
-                                            "cublaslt, wgmma); default: the backend's choice, on cuda the fastest "
-                                            "for the model, measured (docs/cuda.md)")
-    # the store's retention: only the newest N are kept (each new version drops the oldest beyond
-    # them); a model repository's folders are picked by Triton's version_policy in mmad.json
-    keep_versions: int | None = Field(None, ge=0, le=1_000_000,
-                                      description="versions of this model kept in the store, the newest; 0 keeps "
-                                                  "all (default: the daemon's --keep-versions)")
-
-    @classmethod
-    def parse(cls, doc: Any) -> "ModelConfig":
-        try:
-            return cls.model_validate(doc or {})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise InvalidInput(f"config.{where}: {first['msg']}; got {first.get('input')!r}") from exc
-
-    def limits(self, settings: Settings) -> BatchLimits:
-        return BatchLimits(
-            self.max_batch_rows if self.max_batch_rows is not None else settings.max_batch_rows,
-            self.max_queue_delay_us if self.max_queue_delay_us is not None else settings.max_queue_delay_us,
-            self.max_queue_requests if self.max_queue_requests is not None else settings.max_queue_requests,
-        )
 
 
 @dataclass

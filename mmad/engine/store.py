@@ -125,6 +125,20 @@ def tensors_to_bytes(tensors: dict[str, np.ndarray]) -> bytes:
     return st_save({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())})
 
 
+def check_safetensors_header(data: bytes, what: str, max_header_bytes: int) -> None:
+    """Refuse a safetensors file whose header (8-byte little-endian length, then JSON) is longer
+    than ``max_header_bytes``, before anything parses it: parsing holds the GIL (the event loop
+    with it) and builds an object per entry, so a 200,000-entry header stalled every request for
+    seconds and left the process hundreds of MiB larger."""
+    if len(data) < 8:
+        raise InvalidInput(f"{what} is not a safetensors file: it has {len(data)} bytes; the header length "
+                           "alone needs 8")
+    (length,) = struct.unpack_from("<Q", data)
+    if length > max_header_bytes:
+        raise InvalidInput(f"{what} has a safetensors header of {length} bytes; this model's parameters need at "
+                           f"most {max_header_bytes}")
+
+
 def tensors_from_bytes(data: bytes, what: str) -> dict[str, np.ndarray]:
     try:
         return st_load(data)
@@ -748,6 +762,7 @@ class DatasetInfo:
                 "x_dtype": dtype_words(self.x_dtype), "y_dtype": dtype_words(self.y_dtype), "chunks": len(self.chunks)}
 
 
-__all__ = ["Store", "atomic_write", "check_model_name", "check_version", "store_write", "tensors_to_bytes",
+__all__ = ["Store", "atomic_write", "check_model_name", "check_version", "check_safetensors_header", "store_write",
+           "tensors_to_bytes",
            "tensors_from_bytes", "MODEL_NAME_RE", "ChunkHeader", "DatasetInfo", "read_chunk_header", "chunk_arrays",
            "check_dataset_id", "check_dataset_size", "size_words"]

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 import mmad
 from mmad.backends import probe_all, select
 from mmad.engine import hostmem
+from mmad.engine.inprocess import InProcessEngine
 from mmad.server.bodies import BodyLimitMiddleware
 from mmad.engine.runtime import Runtime, ServingWorkers
 from mmad.server.errors import install_error_handlers
@@ -122,7 +123,6 @@ async def start_grpc(rt: Runtime):
     settings = rt.settings
     if not settings.grpc_port or rt.workers is not None:
         return None
-    from mmad.engine.inprocess import InProcessEngine
     from mmad.grpc.server import serve
 
     return await serve(InProcessEngine(rt), settings.host, settings.grpc_port, settings.api_key_value,
@@ -169,6 +169,7 @@ def create_app(settings: Settings | None = None, workers: ServingWorkers | None 
     app = MMADApp(rt, settings, title="mmad", version=mmad.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
     app.state.runtime = rt
+    app.state.engine = InProcessEngine(rt)  # what the routes reach the engine through
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -3,10 +3,7 @@ files (dataset chunks), JSON in and out."""
 
 from __future__ import annotations
 
-import os
-import struct
-from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -112,62 +109,6 @@ async def read_tensor_body(request: Request) -> bytes | memoryview:
     if filled != size:
         raise InvalidInput(f"the body has {filled} bytes but Content-Length says {size}")
     return body if body is not None else b""
-
-
-FILE_WRITE_BYTES = 1 << 20  # what a streamed body gathers before one write on a worker thread
-
-
-async def stream_to_file(request: Request, path: Path, max_bytes: int, run: Callable[..., Awaitable[Any]],
-                         check: Callable[[int], None] | None = None) -> int:
-    """Write the request body into a new file ``path`` (flushed and fsynced), returns its size.
-
-    The body never sits whole in memory: the pieces received are gathered up to
-    ``FILE_WRITE_BYTES`` and written by ``run`` (a worker thread; disk writes stay off the event
-    loop). Past ``max_bytes`` it stops with the body cap's own 413 (:func:`body_too_large`; the
-    middleware counts too); ``check(bytes so far)`` may refuse earlier (another limit). The
-    caller removes the file when anything fails.
-    """
-    f = await run(open, path, "xb")
-    total, pending, held = 0, [], 0
-    try:
-        async for piece in request.stream():
-            if not piece:
-                continue
-            total += len(piece)
-            if total > max_bytes:
-                raise body_too_large(max_bytes)
-            if check is not None:
-                check(total)
-            pending.append(piece)
-            held += len(piece)
-            if held >= FILE_WRITE_BYTES:
-                await run(f.writelines, pending)
-                pending, held = [], 0
-        if pending:
-            await run(f.writelines, pending)
-        await run(_flush_and_sync, f)
-    finally:
-        f.close()
-    return total
-
-
-def _flush_and_sync(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def check_safetensors_header(data: bytes, what: str, max_header_bytes: int) -> None:
-    """Refuse a safetensors file whose header (8-byte little-endian length, then JSON) is longer
-    than ``max_header_bytes``, before anything parses it: parsing holds the GIL (the event loop
-    with it) and builds an object per entry, so a 200,000-entry header stalled every request for
-    seconds and left the process hundreds of MiB larger."""
-    if len(data) < 8:
-        raise InvalidInput(f"{what} is not a safetensors file: it has {len(data)} bytes; the header length "
-                           "alone needs 8")
-    (length,) = struct.unpack_from("<Q", data)
-    if length > max_header_bytes:
-        raise InvalidInput(f"{what} has a safetensors header of {length} bytes; this model's parameters need at "
-                           f"most {max_header_bytes}")
 
 
 def json_body(data: bytes, what: str = "the request body") -> Any:

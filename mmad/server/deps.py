@@ -1,4 +1,7 @@
-"""The routers' typed dependencies: the engine's runtime every route reaches, and the API-key check."""
+"""The routers' typed dependencies: the engine the routes call, the API-key check and the caller it
+admitted, and the process's runtime for the routes that read it directly (the infer fast path's
+parsing, the shared-memory, devices, metrics and dashboard routes: none takes a model lock or
+touches a device array)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import ipaddress
 
 from fastapi import Request
 
-from mmad.engine.api import Caller
+from mmad.engine.api import Caller, EngineClient
 from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.runtime import Runtime
 from mmad.errors import Forbidden, NotReady, Unauthorized
@@ -18,6 +21,11 @@ async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync depe
     if not rt.ready:
         raise NotReady("the daemon is starting or stopping")
     return rt
+
+
+async def engine(request: Request) -> EngineClient:
+    """The engine the routes call (:class:`~mmad.engine.api.EngineClient`): parse, call it, encode."""
+    return request.app.state.engine
 
 
 async def require_key(request: Request) -> None:  # async: no thread hop per request

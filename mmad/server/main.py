@@ -215,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             # stop jobs first: their SSE streams are in-flight requests the drain would wait for
             runtime.shutting_down = True
             if runtime.jobs is not None:
-                for job in runtime.jobs.jobs.values():
-                    job.cancel_reason = job.cancel_reason or "the server is shutting down"
+                runtime.jobs.stop_all()
             if pool is not None:  # the workers drain their requests while this process drains its own
                 pool.signal_stop()
             super().handle_exit(sig, frame)

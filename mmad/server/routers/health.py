@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends
 
-import mmad
+from mmad.engine.api import EngineClient
 from mmad.errors import NotReady
 from mmad.server.bodies import json_response
+from mmad.server.deps import engine
 from mmad.server.errors import ERROR_RESPONSES
 
 router = APIRouter(tags=["health"], responses=ERROR_RESPONSES)
 
-EXTENSIONS = [
-    "binary_tensor_data", "system_shared_memory", "model_repository", "statistics", "model_configuration",
-    "mmad_model_management", "mmad_weights", "mmad_versions", "mmad_training", "mmad_training_jobs",
-    "mmad_devices", "mmad_metrics",
-]
+# what the HTTP front end adds to the engine's extensions: binary tensors and mmad's own routes
+HTTP_EXTENSIONS = (
+    "binary_tensor_data", "mmad_model_management", "mmad_weights", "mmad_versions", "mmad_training",
+    "mmad_training_jobs", "mmad_devices", "mmad_metrics",
+)
 
 
 @router.get("/v2/health/live")
@@ -24,19 +25,15 @@ async def live():
 
 
 @router.get("/v2/health/ready")
-async def ready(request: Request):
-    rt = request.app.state.runtime
-    if not rt.ready or rt.shutting_down:
-        raise NotReady("the daemon is not ready")
-    if rt.workers is not None and rt.workers.waiting:  # --workers: ready once every process serves
-        raise NotReady(f"serving worker(s) {', '.join(map(str, rt.workers.waiting))} are still starting")
+async def ready(engine: EngineClient = Depends(engine)):
+    readiness = await engine.ready()  # --workers: ready once every process serves
+    if not readiness.ready:
+        raise NotReady(readiness.reason)
     return json_response({"ready": True})
 
 
 @router.get("/v2")
-async def server_metadata(request: Request):
-    rt = request.app.state.runtime
-    extensions = [*EXTENSIONS, *(["cuda_shared_memory"] if rt.shm.cuda_enabled else [])]
-    if rt.settings.shared_memory == "off":  # --shared-memory off: neither extension is offered
-        extensions = [e for e in extensions if not e.endswith("_shared_memory")]
-    return json_response({"name": "mmad", "version": mmad.__version__, "extensions": extensions})
+async def server_metadata(engine: EngineClient = Depends(engine)):
+    meta = await engine.server_metadata()
+    return json_response({"name": meta.name, "version": meta.version,
+                          "extensions": [HTTP_EXTENSIONS[0], *meta.extensions, *HTTP_EXTENSIONS[1:]]})
