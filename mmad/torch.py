@@ -50,28 +50,35 @@ def _precision_dtype(dtype: Any) -> Any:
 
 class _Function(torch.autograd.Function):
     """Forward through a runner; backward from torch's d loss / d output through the same runner,
-    on the parameters the forward ran on (tinycudann's _module_function)."""
+    on the parameters the forward ran on (tinycudann's _module_function). ``params`` are the
+    module's own (the masters); the runner computes on their copy in ``dtype`` (tinycudann's
+    forward casts them before its function), kept for the backward, and the gradient comes back
+    rounded to ``dtype`` in the masters' dtype, as torch's cast would hand it on (on CUDA the
+    captured backward rounds it in place and one copy hands it over, where the cast's backward
+    took two passes over it: to ``dtype``, then back)."""
 
     @staticmethod
-    def forward(ctx, runner, train: bool, x, params):
+    def forward(ctx, runner, train: bool, x, params, dtype):
         ctx.set_materialize_grads(False)
         ctx.runner = runner
+        cast = params.to(dtype)
         if not train:
             ctx.native = None
-            return runner.forward(x, params)
-        y, ctx.native = runner.forward_train(x, params)
-        ctx.save_for_backward(params)
+            return runner.forward(x, cast)
+        y, ctx.native = runner.forward_train(x, cast)
+        ctx.save_for_backward(cast)
+        ctx.grad_dtype = params.dtype
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         if dy is None or ctx.native is None:
-            return None, None, None, None
+            return None, None, None, None, None
         (params,) = ctx.saved_tensors
         dx, dparams = ctx.runner.backward(ctx.native, params, dy.contiguous(), ctx.needs_input_grad[2],
-                                          ctx.needs_input_grad[3])
-        return None, None, dx, dparams
+                                          ctx.needs_input_grad[3], ctx.grad_dtype)
+        return None, None, dx, dparams, None
 
 
 class Module(torch.nn.Module):
@@ -95,10 +102,10 @@ class Module(torch.nn.Module):
             raise ValueError(f"the input must have shape [batch, {self.n_input_dims}]; got {list(x.shape)}")
         if float64 and x.is_cuda:
             raise ValueError("float64 (module.double()) runs on the cpu backend only: the oracle of the kernels")
-        params = self.params if float64 else self.params.to(self.dtype)
         x = x.to(torch.float64 if float64 else torch.float32).contiguous()
-        train = torch.is_grad_enabled() and (x.requires_grad or params.requires_grad)
-        return _Function.apply(self._runner(x.device, float64), train, x, params.contiguous())
+        train = torch.is_grad_enabled() and (x.requires_grad or self.params.requires_grad)
+        return _Function.apply(self._runner(x.device, float64), train, x, self.params.contiguous(),
+                               torch.float64 if float64 else self.dtype)
 
     def _runner(self, device: Any, float64: bool):
         key = (str(device), float64)
@@ -220,7 +227,7 @@ class CpuNetworkRunner:
         y, ctx = self.model.forward_train(xs, out_dtype=self.out_dtype)
         return torch.from_numpy(y), (xs, ctx)
 
-    def backward(self, native, params, dy, want_input: bool, want_params: bool):
+    def backward(self, native, params, dy, want_input: bool, want_params: bool, grad_dtype: Any):
         xs, ctx = native
         self._load(params)
         if ctx.version != (self.model.step_count, self.model.params_version):
@@ -230,7 +237,8 @@ class CpuNetworkRunner:
         dparams = None
         if want_params:
             flat = np.zeros(tcnn_n_params(self.spec), np.float64 if self.float64 else np.float32)
-            dparams = torch.from_numpy(tcnn_flat_from_params(self.spec, grads, flat, spread_bias=True)).to(params.dtype)
+            dparams = torch.from_numpy(tcnn_flat_from_params(self.spec, grads, flat, spread_bias=True))
+            dparams = dparams.to(params.dtype).to(grad_dtype)
         return (torch.from_numpy(dx) if want_input else None), dparams
 
 
@@ -271,7 +279,7 @@ class CpuEncodingRunner:
     def forward_train(self, x, params):
         return self._encode(x, params)
 
-    def backward(self, ctx, params, dy, want_input: bool, want_params: bool):
+    def backward(self, ctx, params, dy, want_input: bool, want_params: bool, grad_dtype: Any):
         xs, lookups, tables = ctx
         scale = self.work(self.loss_scale)
         d = nm.round_to(self.compute, _numpy(dy).astype(self.work) * scale)
@@ -282,7 +290,8 @@ class CpuEncodingRunner:
                 dx = dx.double()
         if want_params and self.names:
             grads = nm.grid_gradients(self.encoding, self.spec.n_input_dims, lookups, d, tables)
-            dparams = torch.from_numpy(np.concatenate([g.reshape(-1) for g in grads]) / scale).to(params.dtype)
+            dparams = torch.from_numpy(np.concatenate([g.reshape(-1) for g in grads]) / scale)
+            dparams = dparams.to(params.dtype).to(grad_dtype)
         return dx, dparams
 
 

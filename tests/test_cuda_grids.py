@@ -158,6 +158,24 @@ def test_hash_grid_4d_one_feature(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("features,interpolation", [(1, "Linear"), (4, "Smoothstep"), (2, "Nearest")])
+def test_grid_backward_in_global_memory(backend, features, interpolation):
+    """Levels past the shared-memory sums (BACKWARD_SMEM_VALUES): the scatter with global
+    reductions, two threads a row (one for Nearest), single values, pairs or 16-byte rows."""
+    spec = grid_spec({"otype": "HashGrid", "n_levels": 4, "log2_hashmap_size": 12, "base_resolution": 8,
+                      "per_level_scale": 2.0, "n_features_per_level": features, "interpolation": interpolation}, 3)
+    plan = GridPlan(spec)
+    assert GridPlan.shared_levels(plan.parts[0])[0] < 4, "some levels add into global memory"
+    rng = np.random.default_rng()
+    params = random_params(spec, rng)
+    x = grid_inputs(rng, 1000, 3)
+    y = targets(rng, x)
+    with backend.compile(spec) as m:
+        m.set_params(params)
+        check_forward_and_gradients(m, spec, params, x, y, CUDA_GRAD_VS_EMULATE)
+
+
+@pytest.mark.gpu
 def test_instant_ngp_composite(backend):
     """A HashGrid of the 3-D position beside SphericalHarmonics of the direction (encoded on the
     device too: enc_forward_0 writes its 16 columns from the raw input)."""

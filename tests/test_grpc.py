@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import base64
+import shutil
 import signal
 import subprocess
 import sys
@@ -624,3 +625,29 @@ def test_grpc_registration_follows_the_shared_memory_rule(tmp_path, mode):
     finally:
         shm.destroy_shared_memory_region(handle)
         daemon.stop()
+
+
+@pytest.mark.skipif(subprocess.run(["pkg-config", "--exists", "grpc++"], capture_output=True).returncode != 0
+                    if shutil.which("pkg-config") and shutil.which("grpc_cpp_plugin") else True,
+                    reason="the native gRPC load generator needs libgrpc++-dev and protobuf-compiler-grpc "
+                           "(apt-get install libgrpc++-dev protobuf-compiler-grpc)")
+def test_the_native_load_generator_drives_and_checks_the_daemon(daemon, tmp_path):
+    """bench/grpc_loadgen (mmad bench --service --grpc-generator) builds, sends ModelInfer with raw
+    contents that the daemon answers, checks each reply, and counts refused calls by status."""
+    built = subprocess.run(["bash", str(REPO / "scripts/gpu/grpc_loadgen.sh"), str(tmp_path / "gen")],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    import json
+
+    def run(model: str) -> dict:
+        done = subprocess.run([str(tmp_path / "gen/loadgen"), "--target", daemon.grpc, "--model", model,
+                               "--clients", "4", "--rows-min", "1", "--rows-max", "16", "--datatype", "FP32",
+                               "--n-in", "2", "--n-out", "3", "--duration-s", "1", "--pool", "16"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+    served = run("demo")
+    assert served["requests"] > 10 and served["errors"] == {} and served["p99_ms"] >= served["p50_ms"] > 0
+    refused = run("no_such_model")
+    assert refused["requests"] == 0 and refused["errors"].get("StatusCode.5", 0) > 0  # NOT_FOUND
+    assert "no_such_model" in refused["first_error"]

@@ -118,6 +118,19 @@ async def run_grpc_load(scenario: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def native_command(binary: str, scenario: dict[str, Any]) -> list[str]:
+    """The command of the C++ generator (``bench/grpc_loadgen/loadgen.cc``) for ``scenario``:
+    the same requests and checks, at a fraction of a Python client's CPU per call."""
+    rows = scenario["rows"]
+    args = {"target": f"{scenario['host']}:{scenario['grpc_port']}", "model": MODEL, "clients": scenario["clients"],
+            "rows-min": rows[0], "rows-max": rows[1], "datatype": scenario["datatype"],
+            "n-in": scenario["n_input_dims"], "n-out": scenario["n_output_dims"], "duration-s": scenario["duration_s"],
+            "warmup-s": scenario["warmup_s"], "max-requests": scenario["max_requests"], "pool": scenario["pool"],
+            "seed": scenario["seed"], "start-at": scenario.get("start_at", 0.0),
+            "warmup-requests": scenario["warmup_requests"]}
+    return [binary, *(str(part) for key, value in args.items() for part in (f"--{key}", value))]
+
+
 def grpc_clients(bench, daemon, rows: tuple[int, int], datatype: str, clients: int, processes: int,
                  max_requests: int, duration_s: float, warmup_s: float, pool: int) -> dict[str, Any]:
     """``clients`` gRPC clients spread over ``processes`` generator processes that time the same
@@ -145,4 +158,5 @@ def grpc_clients(bench, daemon, rows: tuple[int, int], datatype: str, clients: i
             "p99_ms": max(r["p99_ms"] for r in results), "errors": errors,
             "first_error": next((r["first_error"] for r in results if r["first_error"]), None),
             "processes": processes, "clients": clients, "datatype": datatype,
+            "generator": "native" if getattr(bench.opts, "grpc_generator", None) else "grpc.aio",
             "foreign_cores": max(r["foreign_cores"] for r in results)}

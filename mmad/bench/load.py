@@ -660,6 +660,15 @@ class Bench:
                 "rows": doc["inference_count"]}
 
     # -- measurements ---------------------------------------------------------------------
+    def generator_command(self, scenario: dict[str, Any]) -> list[str]:
+        """A generator process's command: this module's, or for gRPC rows the native generator
+        where ``--grpc-generator`` names one."""
+        if scenario["kind"] == "grpc" and getattr(self.opts, "grpc_generator", None):
+            from mmad.bench.grpc_load import native_command
+
+            return native_command(self.opts.grpc_generator, scenario)
+        return [sys.executable, "-m", "mmad.bench.load", "--generator", json.dumps(scenario)]
+
     def generate(self, scenario: dict[str, Any], target: Service | None = None) -> dict[str, Any]:
         """Run one scenario in a fresh generator process.
 
@@ -675,8 +684,7 @@ class Bench:
         started = time.monotonic()
         limit = scenario["warmup_s"] + scenario["duration_s"] + self.opts.generator_slack_s
         try:
-            done = subprocess.run([sys.executable, "-m", "mmad.bench.load", "--generator", json.dumps(scenario)],
-                                  capture_output=True, text=True, timeout=limit)
+            done = subprocess.run(self.generator_command(scenario), capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired as exc:
             raise BenchError(f"the load generator ran past {limit:.0f} s on {scenario}") from exc
         wall = time.monotonic() - started
@@ -1243,6 +1251,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tritonclient-concurrency", default="8,64", help="'' to skip the tritonclient check")
     p.add_argument("--grpc-clients", default="8,64",
                    help="gRPC raw contents: clients of the large-request row and of the small-request row ('' to skip)")
+    p.add_argument("--grpc-generator", metavar="PATH",
+                   help="gRPC rows: run this native load generator (bench/grpc_loadgen, built by "
+                        "scripts/gpu/grpc_loadgen.sh) in each generator process instead of Python's grpc.aio")
     p.add_argument("--grpc-processes", type=int, default=4,
                    help="generator processes the gRPC clients are spread over (timing the same window)")
     p.add_argument("--uvicorn-matrix", default="uvloop/httptools,asyncio/httptools,uvloop/h11,asyncio/h11",

@@ -2,12 +2,13 @@
 # Serving on a GPU host in one device call (<= 9 minutes): the transport tests, then the GPU
 # serving report (docs/benchmarks.md, "Serving on a GPU").
 #   [BACKEND=cuda:mma] [VULKAN=vulkan:coopmat] [WORKERS=8] [SHM_CLIENTS=8,16,32] scripts/gpu/service_check.sh [phase ...]
-#   phases: env tests shm service vulkan grpc (default: env tests service vulkan; shm: the shared-memory
+#   phases: env tests shm service vulkan grpc grpc-native (default: env tests service vulkan; shm: the shared-memory
 #   attacks of scripts/attack_shm_store.py against page-locked regions)
 #   grpc: the gRPC front end's tests (tritonclient.grpc, CUDA shared memory on the GPU) and a short
 #   report of gRPC raw contents beside HTTP in one run ($OUT/service-grpc.json): 65,536-row FP16
 #   requests at 8 clients against HTTP binary, small requests at 64 clients (bars: HTTP's figure;
-#   15,000 req/s with p99 <= 20 ms)
+#   15,000 req/s with p99 <= 20 ms); grpc-native: that report with the C++ load generator (carry
+#   .grpcgen, built by scripts/gpu/grpc_loadgen.sh)
 # Expects the repository root on the GPU host with .whl carried (the daemon's dependencies and
 # tritonclient with cuda-bindings, py3.12 wheels: scripts/gpu/site.sh); logs go under $OUT (or
 # /tmp/out), $OUT/service.json (cuda) and $OUT/service-vulkan.json are the results, the short
@@ -69,6 +70,17 @@ for phase in $PHASES; do
         --server-arg=--workers=$WORKERS --json "$OUT/service-grpc.json" > "$OUT/service-grpc.log" 2>&1
       echo "gRPC beside HTTP ($BACKEND, $WORKERS inference workers) rc=$?" | tee -a "$SUMMARY"
       grep -E "^\||gRPC raw" "$OUT/service-grpc.log" | tee -a "$SUMMARY" ;;
+    grpc-native)
+      # the same report with the C++ load generator (scripts/gpu/grpc_loadgen.sh built .grpcgen,
+      # carried): a gRPC call costs it a fraction of a Python client's CPU, so the generators
+      # take fewer of the cores the daemon's workers share
+      timeout ${GRPC_TIMEOUT:-200} python3 -m mmad.bench --service --backend "$BACKEND" --concurrency 64 \
+        --duration-s ${SWEEP_S:-3} --warmup-s 0.5 --large-duration-s ${LARGE_S:-3} --large-requests 40 \
+        --in-process-repeats 3 --gpu-rows 65536 --shm-clients "" --grpc-clients ${GRPC_CLIENTS:-8,64} \
+        --grpc-processes ${GRPC_NATIVE_PROCESSES:-2} --grpc-generator "$PWD/.grpcgen/loadgen" \
+        --server-arg=--workers=$WORKERS --json "$OUT/service-grpc-native.json" > "$OUT/service-grpc-native.log" 2>&1
+      echo "gRPC (native generator) beside HTTP ($BACKEND, $WORKERS inference workers) rc=$?" | tee -a "$SUMMARY"
+      grep -E "^\||gRPC raw" "$OUT/service-grpc-native.log" | tee -a "$SUMMARY" ;;
     shm)
       # shared memory under attack on the GPU backend (scripts/attack_shm_store.py): the object shrunk
       # under running infers and a sparse object on a 4 MiB /dev/shm, through the primary's region
@@ -81,7 +93,7 @@ for phase in $PHASES; do
           echo "workers=$w ${attack%% *} rc=$?: $(tail -n 1 "$OUT/shm_attack.log")" | tee -a "$SUMMARY"
         done
       done ;;
-    *) echo "unknown phase $phase (env tests shm service vulkan grpc)" | tee -a "$SUMMARY" ;;
+    *) echo "unknown phase $phase (env tests shm service vulkan grpc grpc-native)" | tee -a "$SUMMARY" ;;
   esac
 done
 echo "==== summary ===="

@@ -58,7 +58,7 @@ BACKWARD_SMEM_VALUES = 11776  # fp32 sums of the coarse levels a grid_backward b
 ELEMENTWISE_THREADS = 256
 MODE_CODES = {"dense": 0, "hash": 1, "zero": 2}
 INTERP_CODES = {"Linear": 0, "Nearest": 1, "Smoothstep": 2}
-BASE_KERNELS = ("grid_gather_targets", "grid_optimize")
+BASE_KERNELS = ("grid_gather_targets", "grid_optimize", "grid_round_half")
 
 
 def fastmod_factor(divisor: int) -> int:
@@ -119,8 +119,9 @@ class GridPlan:
             for lv, mode in zip(p.levels, p.modes))
         k, t, x_cols = p.index, f"{p.dims}, {p.features}, {INTERP_CODES[p.interpolation]}", self.input_cols
         smem_levels, smem_values = GridPlan.shared_levels(p)
-        # the corners' 16-byte group loads need whole rows at aligned addresses (table[p.offset:]);
-        # a 4-D part's 16 corners grouped need more than the 32 registers ptxas gives it (spills)
+        # the corners' 16-byte group loads (encode, input gradient) need whole rows at aligned
+        # addresses (table[p.offset:]); a 4-D part's 16 corners grouped need more than the 32
+        # registers ptxas gives it (spills)
         grouped = p.features in (1, 2, 4) and p.offset % p.features == 0 and p.dims <= 3
         return f"""
 __device__ __constant__ GridLevelDesc GRID_LEVELS_{k}[{len(p.levels)}] = {{
@@ -144,8 +145,8 @@ extern "C" __global__ void __launch_bounds__({BACKWARD_THREADS}, 2) grid_backwar
 extern "C" __global__ void __launch_bounds__(GRID_THREADS) grid_input_grad_{k}(
     const void* __restrict__ din, int din_half, int din_cols, const float* __restrict__ x, i64 rows, int x_cols,
     const u16* __restrict__ table, float inv_scale, float* __restrict__ dx) {{
-    grid_input_grad_part<{t}, {len(p.levels)}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din, din_half, din_cols, x, rows,
-                                               x_cols, table, inv_scale, dx);
+    grid_input_grad_part<{t}, {str(grouped).lower()}, {len(p.levels)}>(GRID_LEVELS_{k}, {p.begin}, {p.column}, din,
+                                                      din_half, din_cols, x, rows, x_cols, table, inv_scale, dx);
 }}
 """ if self.input_gradient(p) else "")
 
@@ -299,7 +300,7 @@ class CudaGridModel(CudaMmaModel):
         loss-scaled d loss / d encoded input ``din`` (fp16 rows of ``din_cols``: the training
         kernel leaves it in its workspace, the mma plan's ``encoded_input``)."""
         inv_scale = np.float32(1.0 / self.spec.loss_scale)
-        blocks = max(1, min(2 * self.info["sm_count"], math.ceil(rows / BACKWARD_THREADS)))
+        blocks = max(1, min(2 * self.info["sm_count"], math.ceil(2 * rows / BACKWARD_THREADS)))  # two threads a row
         grad = self.table_grad if into is None else into
         for p in self.grid_plan.parts:
             self._grid_launch(f"grid_backward_{p.index}", (blocks, GridPlan.backward_level_blocks(p)), (BACKWARD_THREADS,),

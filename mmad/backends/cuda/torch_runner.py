@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from mmad.backends.cache import KernelCache
-from mmad.backends.cuda.grids import CudaGridModel
+from mmad.backends.cuda.grids import ELEMENTWISE_THREADS, CudaGridModel
 from mmad.backends.cuda.toolchain import cupy_module, device_info
 from mmad.errors import BackendUnavailable, InvalidInput, LaunchError
 from mmad.export import tcnn_bias_columns, tcnn_n_params
@@ -72,14 +72,23 @@ class CudaTorchModel(CudaGridModel):
 
     _inference_tables = _training_tables
 
+    def round_half(self, grad: Any) -> None:
+        """Enqueue rounding the fp32 device array ``grad`` to fp16 values in place (tinycudann's fp16
+        parameter gradient, as torch's cast hands it to fp32 masters)."""
+        if grad.size:
+            self._grid_launch("grid_round_half", (math.ceil(grad.size / (4 * ELEMENTWISE_THREADS)),),
+                              (ELEMENTWISE_THREADS,), (np.int64(grad.size), grad))
+
     def backward_tcnn(self, ctx: Any, dL_dy: Any, want_input_grad: bool) -> tuple[Any, Any]:
-        """(d loss / d input or None, d loss / d params in tcnn's flat layout, fp32): the layers'
-        gradients at their padded places, d loss / d b0 in each of the first layer's padding
-        columns of 1 (d loss / d each of them), then the tables'."""
+        """(d loss / d input or None, d loss / d params in tcnn's flat layout, fp32 holding fp16
+        values: tinycudann's fp16 gradient): the layers' gradients at their padded places, d loss /
+        d b0 in each of the first layer's padding columns of 1 (d loss / d each of them), then the
+        tables'."""
         dx, grad_all, grad_b, _ = self._backward_buffers(ctx, dL_dy, want_input_grad, None)
         if self._bias_columns:
             width = self.layers[0][3]
             grad_all[:width * self.k_in].reshape(width, self.k_in)[:, self.spec.n_encoded_dims:] = grad_b[:width, None]
+        self.round_half(grad_all)
         return dx, grad_all
 
 
@@ -284,19 +293,19 @@ class CudaNetworkRunner:
             y, ctx = self.model.forward_train(self.cp.from_dlpack(x.detach()), out_dtype="float16")
             return torch.from_dlpack(y), ctx
 
-    def backward(self, ctx, params, dy, want_input: bool, want_params: bool):
+    def backward(self, ctx, params, dy, want_input: bool, want_params: bool, grad_dtype: Any):
         with self.streams.scope():
             if isinstance(ctx, _GraphStep):
                 shape = ctx.shape
                 if ctx.forward == self._forwards and self._shapes.get((shape.rows, shape.stream.ptr)) is shape:
                     dx, flat = shape.run_backward(dy, want_input)
-                    return dx, (flat.to(params.dtype, copy=True) if want_params else None)
+                    return dx, (flat.to(grad_dtype, copy=True) if want_params else None)
                 # another forward ran since: the captured buffers or the loaded weights are not this one's
                 self._load(params)
                 ctx = self.model.forward_train(self.cp.from_dlpack(ctx.x.detach()), out_dtype="float16")[1]
             self._load(params)
             dx, flat = self.model.backward_tcnn(ctx, self.cp.from_dlpack(dy.detach()), want_input)
-            dparams = torch.from_dlpack(flat).to(params.dtype) if want_params else None
+            dparams = torch.from_dlpack(flat).to(grad_dtype) if want_params else None
             return (torch.from_dlpack(dx) if want_input else None), dparams
 
 
@@ -340,7 +349,7 @@ class CudaEncodingRunner:
         with self.streams.scope():
             return self._encode(x, params)
 
-    def backward(self, ctx, params, dy, want_input: bool, want_params: bool):
+    def backward(self, ctx, params, dy, want_input: bool, want_params: bool, grad_dtype: Any):
         cp, model = self.cp, self.model
         kin, rows = ctx
         with self.streams.scope():
@@ -351,7 +360,8 @@ class CudaEncodingRunner:
                 grad = cp.zeros(model.grid_plan.values, dtype=cp.float32)
                 if rows:
                     model._grid_gradients(din, self.width, kin, rows, into=grad)
-                dparams = torch.from_dlpack(grad).to(params.dtype)
+                model.round_half(grad)
+                dparams = torch.from_dlpack(grad).to(grad_dtype)
             if want_input:
                 out = cp.zeros((rows, self.spec.n_input_dims), dtype=cp.float32)
                 if rows:

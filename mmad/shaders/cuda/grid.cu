@@ -122,26 +122,35 @@ __device__ __forceinline__ const uint4* table_group(const u16* p) {
     return reinterpret_cast<const uint4*>(reinterpret_cast<size_t>(p) & ~(size_t)15);
 }
 
+// The F values of the row at p from its aligned 16-byte group q (table_group(p)).
 template <int F>
-__device__ __forceinline__ void add_group_row(float* acc, const uint4& q, const u16* p, float w) {
+__device__ __forceinline__ void group_row(const uint4& q, const u16* p, float* v) {
     const u32 byte = (u32)reinterpret_cast<size_t>(p) & 15u;
     const u32 lo = (byte & 8u) ? q.z : q.x, hi = (byte & 8u) ? q.w : q.y;  // the 8-byte half holding the row
     if (F == 4) {
         const float2 a = unpack_h2(lo), b = unpack_h2(hi);
-        acc[0] = fmaf(w, a.x, acc[0]);
-        acc[1] = fmaf(w, a.y, acc[1]);
-        acc[2] = fmaf(w, b.x, acc[2]);
-        acc[3] = fmaf(w, b.y, acc[3]);
+        v[0] = a.x;
+        v[1] = a.y;
+        v[2] = b.x;
+        v[3] = b.y;
     } else {
         const u32 word = (byte & 4u) ? hi : lo;
         if (F == 2) {
-            const float2 v = unpack_h2(word);
-            acc[0] = fmaf(w, v.x, acc[0]);
-            acc[1] = fmaf(w, v.y, acc[1]);
+            const float2 h = unpack_h2(word);
+            v[0] = h.x;
+            v[1] = h.y;
         } else {
-            acc[0] = fmaf(w, half_bits_to_float((u16)((byte & 2u) ? word >> 16 : word & 0xffffu)), acc[0]);
+            v[0] = half_bits_to_float((u16)((byte & 2u) ? word >> 16 : word & 0xffffu));
         }
     }
+}
+
+template <int F>
+__device__ __forceinline__ void add_group_row(float* acc, const uint4& q, const u16* p, float w) {
+    float v[F];
+    group_row<F>(q, p, v);
+#pragma unroll
+    for (int f = 0; f < F; ++f) acc[f] = fmaf(w, v[f], acc[f]);
 }
 
 template <int DIMS, int F, int INTERP, bool GROUPED>
@@ -221,17 +230,46 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {  // sm_90
     asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
 }
 
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {  // sm_90: 16 bytes
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
+// Add w · dl (F values) into the F floats at p: 16-byte reductions where p allows, else 8-byte
+// ones for pairs (a part's table starts at an even value), else single values.
+template <int F>
+__device__ __forceinline__ void red_row(float* p, float w, const float* dl) {
+    if (F % 4 == 0 && (reinterpret_cast<size_t>(p) & 15u) == 0u) {
+#pragma unroll
+        for (int f = 0; f < F; f += 4) red_add4(p + f, w * dl[f], w * dl[f + 1], w * dl[f + 2], w * dl[f + 3]);
+    } else if (F % 2 == 0) {
+#pragma unroll
+        for (int f = 0; f < F; f += 2) red_add2(p + f, w * dl[f], w * dl[f + 1]);
+    } else {
+#pragma unroll
+        for (int f = 0; f < F; ++f) red_add(p + f, w * dl[f]);
+    }
+}
+
 // d loss / d table of one grid part (tcnn's scatter: each corner gets weight x gradient). The
 // row's d loss / d encoded input comes from the training kernel (``din``: fp16, rows_pad x
-// din_cols, loss-scaled: ``inv_scale`` undoes it). A thread per row (grid-stride) and one level
-// per blockIdx.y, as tcnn's kernel_grid_backward: the blocks of a level run before the next's, so
-// the gradient rows being added to are one level's (a 2^19-entry level of pairs is 4 MiB of fp32)
-// and stay in L2, where every level at once (52 MiB for instant-NGP's 13 hashed levels) did not.
+// din_cols, loss-scaled: ``inv_scale`` undoes it). One level per blockIdx.y, as tcnn's
+// kernel_grid_backward: the blocks of a level run before the next's, so the gradient rows being
+// added to are one level's (a 2^19-entry level of pairs is 4 MiB of fp32) and stay in L2, where
+// every level at once (52 MiB for instant-NGP's 13 hashed levels) did not.
+// Two threads per row (grid-stride over rows × 2), side by side in the warp: thread 2r + s adds
+// the corners whose dim-0 bit is s. tcnn's hash multiplies dim 0 by 1 and the dense index counts
+// it first, so a corner's row and its dim-0 neighbour's differ in their low bits only: the same
+// 32-byte sector of the gradient unless x ≡ 3 mod 4, the same 128-byte line unless x ≡ 15 mod 16,
+// and the two threads' reductions of one instruction reach L2 together (H200, instant-NGP's 2^18
+// rows: 291 us against 396 for a thread per row doing all 8 corners; one thread per row with one
+// 16-byte reduction of both rows where they are 2k and 2k + 1, else two: 311 us).
 // blockIdx.y 0 (when SMEM_LEVELS > 0) takes the first SMEM_LEVELS levels together (the coarse
 // ones, SMEM_VALUES values: their rows are the first of the table), adding into shared memory,
 // and the block adds its sums to ``grad`` once at the end: thousands of rows share each of their
-// few rows, which as global atomics would queue on the same addresses. The other levels add into
-// ``grad`` directly (8-byte reductions for pairs). Launched with grid_backward_levels(...) in y.
+// few rows, which as global atomics would queue on the same addresses. Half the blocks of x do
+// it, each over twice the rows: half the flushes (the image config's 4 coarse levels: 135 us
+// against 160 with every block). The other levels add into ``grad`` directly.
+// Launched with GridPlan.backward_level_blocks(...) in y.
 template <int DIMS, int F, int INTERP, int LEVELS, int SMEM_LEVELS, int SMEM_VALUES>
 __device__ __forceinline__ void grid_backward_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const u16* __restrict__ din, int din_cols,
@@ -241,11 +279,17 @@ __device__ __forceinline__ void grid_backward_part(
     const bool coarse = SMEM_LEVELS > 0 && blockIdx.y == 0;  // the same for the whole block
     const int first = coarse ? 0 : SMEM_LEVELS + (int)blockIdx.y - (SMEM_LEVELS > 0 ? 1 : 0);
     const int last = coarse ? SMEM_LEVELS : first + 1;
+    const int blocks = coarse ? max(1, (int)gridDim.x / 2) : (int)gridDim.x;
+    if ((int)blockIdx.x >= blocks) return;
     if (coarse) {
         for (int i = threadIdx.x; i < SMEM_VALUES; i += blockDim.x) sgrad[i] = 0.f;
         __syncthreads();
     }
-    for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (i64)gridDim.x * blockDim.x) {
+    constexpr int CORNERS = grid_corners<INTERP, DIMS>();
+    constexpr int LANES = CORNERS > 1 ? 2 : 1;  // threads per row
+    for (i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x; t < rows * LANES; t += (i64)blocks * blockDim.x) {
+        const i64 r = t / LANES;
+        const int side = (int)(t % LANES);
         const i64 src = row_map ? (i64)row_map[r] : r;
         float xr[DIMS];
 #pragma unroll
@@ -254,24 +298,31 @@ __device__ __forceinline__ void grid_backward_part(
         // not unrolled: the reductions need no registers in flight, and unrolled a 3-D part spills
 #pragma unroll 1
         for (int level = first; level < last; ++level) {
+            const u16* dp = dr + level * F;
             float dl[F];
+            if (F % 2 == 0 && (reinterpret_cast<size_t>(dp) & 3u) == 0u) {  // the pairs as words
 #pragma unroll
-            for (int f = 0; f < F; ++f) dl[f] = half_bits_to_float(__ldg(dr + level * F + f)) * inv_scale;
+                for (int f = 0; f < F; f += 2) {
+                    const float2 v = unpack_h2(__ldg(reinterpret_cast<const u32*>(dp + f)));
+                    dl[f] = v.x * inv_scale;
+                    dl[f + 1] = v.y * inv_scale;
+                }
+            } else {
+#pragma unroll
+                for (int f = 0; f < F; ++f) dl[f] = half_bits_to_float(__ldg(dp + f)) * inv_scale;
+            }
             const GridLevelDesc L = levels[level];
             const GridCell<DIMS, INTERP> g(xr, L);
 #pragma unroll
-            for (int corner = 0; corner < grid_corners<INTERP, DIMS>(); ++corner) {
+            for (int c = 0; c < CORNERS / LANES; ++c) {
+                const int corner = c * LANES + side;
                 const float w = INTERP == INTERP_NEAREST ? 1.f : g.weight(corner);
                 const u32 row = g.row(L, corner);
                 if (coarse) {
 #pragma unroll
                     for (int f = 0; f < F; ++f) atomicAdd(sgrad + row * F + f, w * dl[f]);
-                } else if (F % 2 == 0) {
-#pragma unroll
-                    for (int f = 0; f < F; f += 2) red_add2(grad + (size_t)row * F + f, w * dl[f], w * dl[f + 1]);
                 } else {
-#pragma unroll
-                    for (int f = 0; f < F; ++f) red_add(grad + (size_t)row * F + f, w * dl[f]);
+                    red_row<F>(grad + (size_t)row * F, w, dl);
                 }
             }
         }
@@ -291,8 +342,10 @@ __device__ __forceinline__ void grid_backward_part(
 // thread per row, every level; per dim, scale · slope · Σ over the corner pairs along it of the
 // other dims' weights · (right row − left row) · d loss / d feature, added into dx (rows × x_cols).
 // ``din``: d loss / d encoded output, row-major fp16 or fp32 (din_half), din_cols a row, times
-// inv_scale. Nearest interpolation has no input gradient (the host launches nothing).
-template <int DIMS, int F, int INTERP, int LEVELS>
+// inv_scale. Nearest interpolation has no input gradient (the host launches nothing). GROUPED:
+// the corners along dim 0 from one 16-byte load where they share it, as add_corners (H200,
+// instant-NGP's 2^18 rows: 178 us against 261 for a 2-byte load per value).
+template <int DIMS, int F, int INTERP, bool GROUPED, int LEVELS>
 __device__ __forceinline__ void grid_input_grad_part(
     const GridLevelDesc* __restrict__ levels, int begin, int column, const void* __restrict__ din, int din_half,
     int din_cols, const float* __restrict__ x, i64 rows, int x_cols, const u16* __restrict__ table, float inv_scale,
@@ -313,13 +366,34 @@ __device__ __forceinline__ void grid_input_grad_part(
 #pragma unroll
         for (int f = 0; f < F; ++f) dl[f] = enc_din(din, din_half, din_cols, r, column + level * F + f);
         float proj[1 << DIMS];  // each corner's row · d loss / d features
+        if constexpr (GROUPED) {
 #pragma unroll
-        for (int corner = 0; corner < (1 << DIMS); ++corner) {
-            const u16* p = table + (size_t)g.row(L, corner) * F;
-            float s = 0.f;
+            for (int corner = 0; corner < (1 << DIMS); corner += 2) {
+                const u16* p0 = table + (size_t)g.row(L, corner) * F;
+                const u16* p1 = table + (size_t)g.row(L, corner + 1) * F;
+                const uint4 q0 = __ldg(table_group(p0));
+                const uint4 q1 = table_group(p0) == table_group(p1) ? q0 : __ldg(table_group(p1));
+                float v0[F], v1[F];
+                group_row<F>(q0, p0, v0);
+                group_row<F>(q1, p1, v1);
+                float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-            for (int f = 0; f < F; ++f) s = fmaf(half_bits_to_float(__ldg(p + f)), dl[f], s);
-            proj[corner] = s;
+                for (int f = 0; f < F; ++f) {
+                    s0 = fmaf(v0[f], dl[f], s0);
+                    s1 = fmaf(v1[f], dl[f], s1);
+                }
+                proj[corner] = s0;
+                proj[corner + 1] = s1;
+            }
+        } else {
+#pragma unroll
+            for (int corner = 0; corner < (1 << DIMS); ++corner) {
+                const u16* p = table + (size_t)g.row(L, corner) * F;
+                float s = 0.f;
+#pragma unroll
+                for (int f = 0; f < F; ++f) s = fmaf(half_bits_to_float(__ldg(p + f)), dl[f], s);
+                proj[corner] = s;
+            }
         }
 #pragma unroll
         for (int d = 0; d < DIMS; ++d) {
@@ -342,6 +416,20 @@ extern "C" __global__ void grid_gather_targets(const void* __restrict__ y, int y
     if (i >= rows * cols) return;
     const i64 src = (i64)row_map[i / cols] * cols + i % cols;
     out[i] = y_half ? half_bits_to_float(reinterpret_cast<const u16*>(y)[src]) : reinterpret_cast<const float*>(y)[src];
+}
+
+// mmad.torch's d loss / d params as its fp32 master parameters receive them: n fp32 sums rounded
+// to fp16 and back in place (tinycudann's fp16 gradient through torch's cast), 4 values a thread.
+extern "C" __global__ void grid_round_half(i64 n, float* g) {
+    const i64 i = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i + 4 <= n && (reinterpret_cast<size_t>(g) & 15u) == 0u) {
+        float4 v = reinterpret_cast<const float4*>(g + i)[0];
+        v = make_float4(half_bits_to_float(to_half_bits(v.x)), half_bits_to_float(to_half_bits(v.y)),
+                        half_bits_to_float(to_half_bits(v.z)), half_bits_to_float(to_half_bits(v.w)));
+        reinterpret_cast<float4*>(g + i)[0] = v;
+    } else {
+        for (i64 k = i; k < n && k < i + 4; ++k) g[k] = half_bits_to_float(to_half_bits(g[k]));
+    }
 }
 
 // One optimizer step on every table value (all grid parts), then the fp16 image the forward
