@@ -473,20 +473,23 @@ def test_daemon_model_variant_override_and_reports(http):
 
 
 def test_reports_carry_the_decision(tmp_path):
-    """``metadata`` and ``/v2/devices``' dispatch list, on a model the fake backend dispatched."""
+    """The engine's ``model_status`` (the model metadata's mmad fields) and ``/v2/devices``'
+    dispatch list, on a model the fake backend dispatched."""
+    import asyncio
+
+    from mmad.engine.inprocess import InProcessEngine
     from mmad.engine.registry import ModelConfig, ModelEntry, Replica
     from mmad.server.routers.devices import dispatch_report
-    from mmad.server.routers.models import metadata
     from mmad.settings import Settings
 
     model = fast_and_slow().compile(SPEC, KernelCache(tmp_path))
     entry = ModelEntry("m", SPEC, ModelConfig())
     entry.replicas = [Replica(1, model)]
     registry = types.SimpleNamespace(models={"m": entry}, versions=lambda name: [{"version": "1", "step": 0}],
-                                     backend_label="fake:b")
-    rt = types.SimpleNamespace(registry=registry, settings=Settings())
-    meta = metadata(rt, entry)
-    assert meta["variant"] == "b" and meta["dispatch"] == model.dispatch.to_json()
+                                     backend_label="fake:b", get=lambda name: entry)
+    rt = types.SimpleNamespace(registry=registry, settings=Settings(), ready=True, workers=None)
+    status = asyncio.run(InProcessEngine(rt).model_status("m"))
+    assert status.variant == "b" and status.dispatch == model.dispatch.to_json() and status.devices == (1,)
     [report] = dispatch_report(rt)
     assert report["model"] == "m" and report["device_index"] == 1 and report["variant"] == "b"
     assert [v["variant"] for v in report["variants"]] == ["a", "b", "c"]
