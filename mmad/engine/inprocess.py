@@ -135,21 +135,25 @@ class InProcessEngine:
             return False
         return entry.ready
 
+    def _serving_config(self, entry: ModelEntry) -> dict[str, Any]:
+        """The model's serving config as it applies: its own settings, the daemon's defaults for
+        the batching limits it leaves unset."""
+        limits = entry.config.limits(self.rt.settings)
+        return {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
+                "max_queue_requests": limits.max_queue_requests, "allow_nonfinite": entry.config.allow_nonfinite,
+                "device": entry.config.device, "replicas": entry.config.replicas, "variant": entry.config.variant}
+
     async def model_config(self, name: str, version: str | None = None) -> ModelConfig:
         entry = self._entry(name, version)
-        limits = entry.config.limits(self.rt.settings)
-        serving = {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
-                   "max_queue_requests": limits.max_queue_requests, "allow_nonfinite": entry.config.allow_nonfinite,
-                   "device": entry.config.device, "replicas": entry.config.replicas, "variant": entry.config.variant}
+        serving = self._serving_config(entry)
         return ModelConfig(name, PLATFORM, self.rt.registry.backend_label, 0,
                            [TensorConfig(INPUT, "TYPE_FP32", (-1, entry.spec.n_input_dims))],
                            [TensorConfig(OUTPUT, "TYPE_FP32", (-1, entry.spec.n_output_dims))],
-                           limits.max_queue_delay_us, serving)
+                           serving["max_queue_delay_us"], serving)
 
     async def model_status(self, name: str, version: str | None = None) -> ModelStatus:
         entry = self._entry(name, version)
         versions = self.rt.registry.versions(name)
-        limits = entry.config.limits(self.rt.settings)
         live = entry.live  # read once: an unload may clear it meanwhile
         queued = entry.batcher.queued if entry.batcher is not None else 0
         if self.rt.workers is not None:  # the serving workers' queues count too
@@ -160,10 +164,7 @@ class InProcessEngine:
             queued, tuple(r.device for r in entry.replicas if r.model is not None),
             live.variant if live is not None else None,
             live.dispatch.to_json() if live is not None and live.dispatch is not None else None,
-            entry.spec.to_json(),
-            {"max_batch_rows": limits.max_batch_rows, "max_queue_delay_us": limits.max_queue_delay_us,
-             "max_queue_requests": limits.max_queue_requests, "allow_nonfinite": entry.config.allow_nonfinite,
-             "device": entry.config.device, "replicas": entry.config.replicas, "variant": entry.config.variant})
+            entry.spec.to_json(), self._serving_config(entry))
 
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
         self._serving()
@@ -497,7 +498,6 @@ class InProcessEngine:
         self._serving()
         registry = self.rt.registry
         if version is not None:
-            self._serving()
             return WeightsSnapshot(await registry.stored_weights(name, version), version, None)
         data, step = await registry.live_weights(registry.get_ready(name))
         return WeightsSnapshot(data, None, step)

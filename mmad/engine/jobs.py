@@ -64,16 +64,20 @@ class Job:
         self.task: asyncio.Task | None = None
         self._subscribers: set[asyncio.Queue] = set()
 
+    @property
+    def reported_loss(self) -> float | None:
+        """The last loss, None where it was NaN or Inf (JSON has neither)."""
+        return self.loss if self.loss is None or math.isfinite(self.loss) else None
+
     def status(self) -> JobStatus:
-        loss = self.loss if self.loss is None or math.isfinite(self.loss) else None
         return JobStatus(self.id, self.model, self.state, self.step, self.request.steps, self.request.batch_size,
                          self.checkpoint_every, self.request.dataset, self.rows, self.position.seed,
-                         self.position.epoch, list(self.devices), loss, self.samples_per_s, list(self.versions),
-                         self.error)
+                         self.position.epoch, list(self.devices), self.reported_loss, self.samples_per_s,
+                         list(self.versions), self.error)
 
     def progress(self) -> JobEvent:
         return JobEvent("progress", {"step": self.step, "steps": self.request.steps, "epoch": self.position.epoch,
-                                     "loss": self.status().loss, "samples_per_s": self.samples_per_s})
+                                     "loss": self.reported_loss, "samples_per_s": self.samples_per_s})
 
     def final(self) -> JobEvent:
         return JobEvent(self.state, dataclasses.asdict(self.status()))
