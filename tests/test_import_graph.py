@@ -185,6 +185,18 @@ def test_routes_and_handlers_reach_the_engine_through_its_interface(graph):
     assert "mmad.engine.api" in graph["mmad.server.routers.jobs"]
 
 
+# the routers that still read the process's runtime: the infer and train routes (their bodies
+# are parsed against the shared-memory registry and counted in the HTTP metrics), the device
+# report, Prometheus and the workers' internal routes. Every other router reaches the engine only.
+RUNTIME_READERS = {f"mmad.server.routers.{m}" for m in ("devices", "metrics", "models", "training", "workers")}
+
+
+def test_only_the_listed_routers_read_the_runtime(graph):
+    readers = {m for m, imported in graph.items()
+               if m.startswith("mmad.server.routers.") and "mmad.engine.runtime" in imported}
+    assert readers == RUNTIME_READERS
+
+
 def test_grpc_imports_nothing_of_the_http_front_end(graph):
     assert edges_into(graph, ("mmad.grpc",), ("mmad.server",)) == []
 

@@ -225,12 +225,16 @@ class RepositoryEntry:
 
 @dataclass(frozen=True)
 class SystemRegion:
-    """A registered system (POSIX) shared-memory region."""
+    """A registered system (POSIX) shared-memory region. ``page_locked`` (mmad's addition): where
+    the daemon tried to page-lock the region for device copies, whether that worked (None: not
+    tried), and ``page_locked_error`` why not."""
 
     name: str
     key: str
     offset: int
     byte_size: int
+    page_locked: bool | None = None
+    page_locked_error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -443,20 +443,21 @@ class InProcessEngine:
 
     async def system_shm_status(self, name: str | None = None) -> list[SystemRegion]:
         self._serving()
-        return [SystemRegion(d["name"], d["key"], d["offset"], d["byte_size"]) for d in self.rt.shm.status(name)]
+        return [SystemRegion(d["name"], d["key"], d["offset"], d["byte_size"], d.get("page_locked"),
+                             d.get("page_locked_error")) for d in self.rt.shm.status(name)]
 
     async def cuda_shm_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int,
                                 caller: Caller) -> None:
-        self._shm_admin(caller)
         self._cuda()
+        self._shm_admin(caller)
         doc = {"raw_handle": {"b64": base64.b64encode(raw_handle).decode()}, "device_id": device_id,
                "byte_size": byte_size}
         # opening an IPC handle maps device memory: off the event loop
         await self.rt.registry.run(self.rt.shm.register_cuda, name, doc, self.rt.settings.max_shm_regions)
 
     async def cuda_shm_unregister(self, name: str | None, caller: Caller) -> None:
-        self._shm_admin(caller)
         self._cuda()
+        self._shm_admin(caller)
         self.rt.shm.unregister(name, cuda=True)
 
     async def cuda_shm_status(self, name: str | None = None) -> list[CudaRegion]:

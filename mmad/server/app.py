@@ -117,7 +117,7 @@ async def stop_runtime(rt: Runtime) -> None:
     await release_runtime(rt)
 
 
-async def start_grpc(rt: Runtime):
+async def start_grpc(rt: Runtime, engine: InProcessEngine):
     """The gRPC front end over this process's engine (None with ``grpc_port`` 0, and in a primary
     with serving workers: each of them serves the port, :mod:`mmad.server.worker`)."""
     settings = rt.settings
@@ -125,7 +125,7 @@ async def start_grpc(rt: Runtime):
         return None
     from mmad.grpc.server import serve
 
-    return await serve(InProcessEngine(rt), settings.host, settings.grpc_port, settings.api_key_value,
+    return await serve(engine, settings.host, settings.grpc_port, settings.api_key_value,
                        settings.max_body_bytes, settings.max_response_bytes, settings.max_connections)
 
 
@@ -136,9 +136,9 @@ class MMADApp(FastAPI):
     (whose middleware layers cost ~10% of a large shared-memory request's event-loop time,
     measured on an H100)."""
 
-    def __init__(self, runtime: Runtime, settings: Settings, **kwargs):
+    def __init__(self, runtime: Runtime, engine: InProcessEngine, settings: Settings, **kwargs):
         super().__init__(**kwargs)
-        self._front = guarded(BodyLimitMiddleware(InferFastPath(super().__call__, runtime),
+        self._front = guarded(BodyLimitMiddleware(InferFastPath(super().__call__, runtime, engine),
                                                   max_bytes=settings.max_body_bytes), settings.allow_origin)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -153,23 +153,24 @@ def create_app(settings: Settings | None = None, workers: ServingWorkers | None 
                  executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                  forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
                                                  thread_name_prefix="mmad-forward"))
+    engine = InProcessEngine(rt)  # what the routes, the infer fast path and gRPC reach the engine through
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         grpc_server = None
         try:
             await start_runtime(rt)
-            grpc_server = await start_grpc(rt)
+            grpc_server = await start_grpc(rt, engine)
             yield
         finally:
             if grpc_server is not None:  # its calls in flight finish before the runtime goes
                 await grpc_server.stop(settings.graceful_timeout_s)
             await stop_runtime(rt)
 
-    app = MMADApp(rt, settings, title="mmad", version=mmad.__version__, lifespan=lifespan,
+    app = MMADApp(rt, engine, settings, title="mmad", version=mmad.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, description="Open Inference Protocol v2 + mmad extensions (docs/api.md)")
     app.state.runtime = rt
-    app.state.engine = InProcessEngine(rt)  # what the routes reach the engine through
+    app.state.engine = engine
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

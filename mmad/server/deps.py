@@ -1,19 +1,20 @@
 """The routers' typed dependencies: the engine the routes call, the API-key check and the caller it
 admitted, and the process's runtime for the routes that read it directly (the infer fast path's
-parsing, the shared-memory, devices, metrics and dashboard routes: none takes a model lock or
-touches a device array)."""
+parsing, the devices, metrics and dashboard routes: none takes a model lock or touches a device
+array)."""
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 
 from fastapi import Request
 
 from mmad.engine.api import Caller, EngineClient
+from mmad.engine.peers import peer_of
 from mmad.engine.repository_poll import refuse_changes
 from mmad.engine.runtime import Runtime
 from mmad.errors import Forbidden, NotReady, Unauthorized
+from mmad.server.internal import check_token
 
 
 async def runtime(request: Request) -> Runtime:  # async: FastAPI runs sync dependencies in a thread pool
@@ -46,10 +47,11 @@ async def require_key(request: Request) -> None:  # async: no thread hop per req
 
 def admitted_caller(request: Request) -> Caller:
     """The engine's :class:`~mmad.engine.api.Caller` of a request :func:`require_key` admitted:
-    the key verified where one is set."""
-    client = request.client
-    try:
-        loopback = client is not None and ipaddress.ip_address(client.host).is_loopback
-    except ValueError:  # a Unix socket's or test client's name
-        loopback = False
-    return Caller(key_verified=request.app.state.runtime.settings.api_key_value is not None, loopback=loopback)
+    the key verified where one is set, and the client's TCP address, as the connection tells it
+    or, for a request a serving worker passed on (``--workers``: it arrives without a client,
+    beside the link's token), as the worker named it."""
+    rt: Runtime = request.app.state.runtime
+    via_worker = request.client is None and rt.workers is not None and check_token(request.headers, rt.workers.token)
+    peer = peer_of(request.scope, via_worker)
+    return Caller(key_verified=rt.settings.api_key_value is not None, loopback=peer is not None and peer.loopback,
+                  address=None if peer is None else (peer.host, peer.port, peer.server_port))

@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 from fastapi import Request, Response
 
-from mmad.engine.api import WIRE_DTYPES, InferInput, InferRequest, InferResponse, RequestedOutput, ShmRef
+from mmad.engine.api import WIRE_DTYPES, InferenceClient, InferInput, InferRequest, InferResponse, RequestedOutput, ShmRef
 from mmad.engine.inference import INLINE_TENSOR_VALUES, OutputChoice, ParsedRequest, shape_only
-from mmad.engine.inprocess import InProcessEngine
 from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.engine.registry import OUTPUT
 from mmad.engine.runtime import Runtime
@@ -74,7 +73,8 @@ async def encode(rt: Runtime, response: InferResponse, outputs: list[OutputChoic
     return await rt.registry.run(encode_infer_response, header, outs)
 
 
-async def infer_request(request: Request, rt: Runtime, model: str, version: str | None) -> Response:
+async def infer_request(request: Request, engine: InferenceClient, rt: Runtime, model: str, version: str | None
+                        ) -> Response:
     """The HTTP request parsed (JSON or binary body, shared-memory references), run by the
     engine, and its response encoded (a binary output written by the forward into the body)."""
     backend = rt.registry.backend_label
@@ -83,7 +83,7 @@ async def infer_request(request: Request, rt: Runtime, model: str, version: str 
         outputs = requested_outputs(parsed, (OUTPUT,))
         infer = engine_request(parsed, outputs, model, version)
         infer.allocate = allocated = ResponseBody(model, parsed.id)
-        response = await InProcessEngine(rt).infer(infer)
+        response = await engine.infer(infer)
         body, header_length = await encode(rt, response, outputs, allocated)
     except MMADError as exc:
         # series only for models that exist: a name a client made up would add series for good
@@ -116,9 +116,10 @@ class InferFastPath:
 
     PREFIX, SUFFIX = "/v2/models/", "/infer"
 
-    def __init__(self, app, runtime: Runtime):
+    def __init__(self, app, runtime: Runtime, engine: InferenceClient):
         self.app = app
         self.rt = runtime
+        self.engine = engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -130,7 +131,7 @@ class InferFastPath:
                     try:
                         if not self.rt.ready:
                             raise NotReady("the daemon is starting or stopping")
-                        response = await infer_request(request, self.rt, model, None)
+                        response = await infer_request(request, self.engine, self.rt, model, None)
                     except MMADError as exc:
                         response = mmad_error_response(request, exc)
                     except Exception as exc:  # noqa: BLE001 - a bug: a 500 that says so, as FastAPI's handler gives

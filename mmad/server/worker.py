@@ -223,6 +223,7 @@ class WorkerApp:
                           executor=ThreadPoolExecutor(settings.compute_threads, thread_name_prefix="mmad-compute"),
                           forward_pool=ThreadPoolExecutor(settings.forward_threads or os.cpu_count() or 1,
                                                           thread_name_prefix="mmad-forward"))
+        self.engine = InProcessEngine(self.rt)  # its HTTP infer's; its gRPC server's passes the rest on
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -254,7 +255,7 @@ class WorkerApp:
     async def infer(self, scope, receive, send, model: str) -> None:
         request = Request(scope, receive)
         try:
-            response = await infer_request(request, self.rt, model, None)
+            response = await infer_request(request, self.engine, self.rt, model, None)
         except MMADError as exc:
             response = mmad_error_response(request, exc)
         except Exception as exc:  # noqa: BLE001 - a bug: a 500 that says so, as the primary gives
@@ -368,7 +369,7 @@ class WorkerApp:
         if settings.grpc_port:
             from mmad.grpc.server import serve
 
-            engine = WorkerEngine(InProcessEngine(rt), self.holds, self.primary.engine_call)
+            engine = WorkerEngine(self.engine, self.holds, self.primary.engine_call)
             self.grpc = await serve(engine, settings.host, settings.grpc_port, settings.api_key_value,
                                     settings.max_body_bytes, settings.max_response_bytes, settings.max_connections,
                                     shared=True)

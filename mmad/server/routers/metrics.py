@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import APIRouter, Depends, Response
 
-from mmad.server.bodies import json_response
-
+from mmad.engine.api import EngineClient, ModelStatistics
 from mmad.engine.runtime import Runtime
-from mmad.server.deps import runtime
-
+from mmad.engine.statistics import worker_records
+from mmad.server.bodies import json_response
+from mmad.server.deps import engine, runtime
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.engine.statistics import model_statistics, worker_records
 
 router = APIRouter(tags=["metrics"], responses=ERROR_RESPONSES)
 
@@ -22,20 +23,21 @@ async def prometheus(rt: Runtime = Depends(runtime)):
     return Response(body, media_type=content_type)
 
 
+def _stats(statistics: list[ModelStatistics]) -> Response:
+    # the typed record's fields are Triton's JSON keys
+    return json_response({"model_stats": [dataclasses.asdict(s) for s in statistics]})
+
+
 @router.get("/v2/models/stats")
-async def all_stats(rt: Runtime = Depends(runtime)):
-    records = await worker_records(rt)
-    return json_response({"model_stats": [model_statistics(rt, records, name) for name in sorted(rt.registry.models)]})
+async def all_stats(engine: EngineClient = Depends(engine)):
+    return _stats(await engine.statistics())
 
 
 @router.get("/v2/models/{model}/stats")
-async def model_stats(model: str, rt: Runtime = Depends(runtime)):
-    rt.registry.get(model)  # an unknown name is answered before the workers are asked
-    return json_response({"model_stats": [model_statistics(rt, await worker_records(rt), model)]})
+async def model_stats(model: str, engine: EngineClient = Depends(engine)):
+    return _stats(await engine.statistics(model))
 
 
 @router.get("/v2/models/{model}/versions/{version}/stats")
-async def model_version_stats(model: str, version: str, rt: Runtime = Depends(runtime)):
-    rt.registry.get(model)
-    rt.registry.check_version(model, version)
-    return json_response({"model_stats": [model_statistics(rt, await worker_records(rt), model, version)]})
+async def model_version_stats(model: str, version: str, engine: EngineClient = Depends(engine)):
+    return _stats(await engine.statistics(model, version))

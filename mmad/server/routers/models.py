@@ -87,14 +87,15 @@ async def model_config(model: str, engine: EngineClient = Depends(engine)):
 
 
 @router.post("/v2/models/{model}/infer", openapi_extra=TENSOR_REQUEST_DOC, responses=TENSOR_RESPONSES)
-async def infer(model: str, request: Request, rt: Runtime = Depends(runtime)):
-    return await infer_request(request, rt, model, None)
+async def infer(model: str, request: Request, rt: Runtime = Depends(runtime), engine: EngineClient = Depends(engine)):
+    return await infer_request(request, engine, rt, model, None)
 
 
 @router.post("/v2/models/{model}/versions/{version}/infer", openapi_extra=TENSOR_REQUEST_DOC,
              responses=TENSOR_RESPONSES)
-async def infer_version(model: str, version: str, request: Request, rt: Runtime = Depends(runtime)):
-    return await infer_request(request, rt, model, version)
+async def infer_version(model: str, version: str, request: Request, rt: Runtime = Depends(runtime),
+                        engine: EngineClient = Depends(engine)):
+    return await infer_request(request, engine, rt, model, version)
 
 
 # -- mmad: create / replace / delete ----------------------------------------------------------

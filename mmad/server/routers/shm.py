@@ -8,29 +8,25 @@ the client's own user (:mod:`mmad.engine.peers` tells which user holds the conne
 local process reaches, through the daemon, an object it could not open itself.
 
 The CUDA routes answer 400 with the reason (CUDA shared memory needs the cuda backend) on any
-other backend; ``GET /v2`` lists ``cuda_shared_memory`` only where they work."""
+other backend; ``GET /v2`` lists ``cuda_shared_memory`` only where they work. The rules and the
+checks of the values sent are the engine's (:class:`~mmad.engine.api.InferenceClient`): these
+routes parse the JSON bodies and encode the engine's answers."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 
+from mmad.engine.api import CudaRegion, EngineClient, SystemRegion
 from mmad.errors import InvalidInput
 from mmad.server.bodies import json_body, json_response
-from mmad.engine.runtime import Runtime
-from mmad.server.deps import require_key, runtime
+from mmad.server.deps import admitted_caller, engine, require_key
 from mmad.server.errors import ERROR_RESPONSES
-from mmad.engine.peers import peer_of, shared_memory_owner
-from mmad.server.internal import check_token
 
 router = APIRouter(tags=["shared memory"], responses=ERROR_RESPONSES)
-
-
-def admitted(request: Request, rt: Runtime) -> int | None:
-    """:func:`~mmad.engine.peers.shared_memory_owner` for an HTTP request (the client's address
-    as the connection or, behind ``--workers``, the serving worker tells it)."""
-    via_worker = request.client is None and rt.workers is not None and check_token(request.headers, rt.workers.token)
-    return shared_memory_owner(rt.settings.shared_memory, rt.settings.api_key_value is not None,
-                               peer_of(request.scope, via_worker))
 
 _REGISTER_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["key", "byte_size"], "properties": {
@@ -38,37 +34,55 @@ _REGISTER_DOC = {"requestBody": {"required": True, "content": {"application/json
         "offset": {"type": "integer", "minimum": 0}, "byte_size": {"type": "integer", "minimum": 1}}}}}}}
 
 
+def _system_doc(region: SystemRegion) -> dict[str, Any]:
+    doc = {"name": region.name, "key": region.key, "offset": region.offset, "byte_size": region.byte_size}
+    if region.page_locked is not None:  # mmad's addition: page-locking for device copies was tried
+        doc["page_locked"] = region.page_locked
+        if region.page_locked_error is not None:
+            doc["page_locked_error"] = region.page_locked_error
+    return doc
+
+
+def _cuda_doc(region: CudaRegion) -> dict[str, Any]:
+    return {"name": region.name, "device_id": region.device_id, "byte_size": region.byte_size}
+
+
+def _object(body: bytes, fields: str) -> dict[str, Any]:
+    doc = json_body(body)
+    if not isinstance(doc, dict):
+        raise InvalidInput(f"the register body must be a JSON object {fields}")
+    return doc
+
+
 @router.get("/v2/systemsharedmemory/status")
-async def status_all(rt: Runtime = Depends(runtime)):
-    return json_response(rt.shm.status())
+async def status_all(engine: EngineClient = Depends(engine)):
+    return json_response([_system_doc(r) for r in await engine.system_shm_status()])
 
 
 @router.get("/v2/systemsharedmemory/region/{region}/status")
-async def status_one(region: str, rt: Runtime = Depends(runtime)):
-    return json_response(rt.shm.status(region))
+async def status_one(region: str, engine: EngineClient = Depends(engine)):
+    return json_response([_system_doc(r) for r in await engine.system_shm_status(region)])
 
 
 @router.post("/v2/systemsharedmemory/region/{region}/register", dependencies=[Depends(require_key)],
              openapi_extra=_REGISTER_DOC)
-async def register(region: str, request: Request, rt: Runtime = Depends(runtime)):
-    owner = admitted(request, rt)
-    # opening and (with region forwards) page-locking the object: off the event loop
-    await rt.registry.run(rt.shm.register, region, json_body(await request.body()), owner,
-                          rt.settings.max_shm_regions)
+async def register(region: str, request: Request, engine: EngineClient = Depends(engine)):
+    doc = _object(await request.body(), '{"key", "offset", "byte_size"}')
+    # (the engine checks the values, as it does those of every front end)
+    await engine.system_shm_register(region, doc.get("key"), doc.get("offset", 0), doc.get("byte_size"),
+                                     admitted_caller(request))
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/unregister", dependencies=[Depends(require_key)])
-async def unregister_all(request: Request, rt: Runtime = Depends(runtime)):
-    admitted(request, rt)
-    rt.shm.unregister(None)
+async def unregister_all(request: Request, engine: EngineClient = Depends(engine)):
+    await engine.system_shm_unregister(None, admitted_caller(request))
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/region/{region}/unregister", dependencies=[Depends(require_key)])
-async def unregister_one(region: str, request: Request, rt: Runtime = Depends(runtime)):
-    admitted(request, rt)
-    rt.shm.unregister(region)
+async def unregister_one(region: str, request: Request, engine: EngineClient = Depends(engine)):
+    await engine.system_shm_unregister(region, admitted_caller(request))
     return json_response({})
 
 
@@ -79,44 +93,43 @@ _CUDA_REGISTER_DOC = {"requestBody": {"required": True, "content": {"application
         "device_id": {"type": "integer", "minimum": 0}, "byte_size": {"type": "integer", "minimum": 1}}}}}}}
 
 
-def _cuda(rt: Runtime) -> None:
-    if not rt.shm.cuda_enabled:
-        raise InvalidInput(rt.shm.cuda_unavailable)
+def _raw_handle(doc: dict[str, Any]) -> bytes:
+    raw = doc.get("raw_handle")
+    b64 = raw.get("b64") if isinstance(raw, dict) else None
+    if not isinstance(b64, str):
+        raise InvalidInput('raw_handle must be {"b64": "<the CUDA IPC handle in base64>"}')
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidInput(f"raw_handle.b64 is not valid base64: {exc}") from exc
 
 
 @router.get("/v2/cudasharedmemory/status")
-async def cuda_status_all(rt: Runtime = Depends(runtime)):
-    _cuda(rt)
-    return json_response(rt.shm.status(cuda=True))
+async def cuda_status_all(engine: EngineClient = Depends(engine)):
+    return json_response([_cuda_doc(r) for r in await engine.cuda_shm_status()])
 
 
 @router.get("/v2/cudasharedmemory/region/{region}/status")
-async def cuda_status_one(region: str, rt: Runtime = Depends(runtime)):
-    _cuda(rt)
-    return json_response(rt.shm.status(region, cuda=True))
+async def cuda_status_one(region: str, engine: EngineClient = Depends(engine)):
+    return json_response([_cuda_doc(r) for r in await engine.cuda_shm_status(region)])
 
 
 @router.post("/v2/cudasharedmemory/region/{region}/register", dependencies=[Depends(require_key)],
              openapi_extra=_CUDA_REGISTER_DOC)
-async def cuda_register(region: str, request: Request, rt: Runtime = Depends(runtime)):
-    _cuda(rt)
-    admitted(request, rt)  # (an IPC handle names memory of the client's own process: no owner to check)
-    # opening an IPC handle maps device memory: off the event loop
-    await rt.registry.run(rt.shm.register_cuda, region, json_body(await request.body()), rt.settings.max_shm_regions)
+async def cuda_register(region: str, request: Request, engine: EngineClient = Depends(engine)):
+    doc = _object(await request.body(), '{"raw_handle": {"b64": ...}, "device_id", "byte_size"}')
+    await engine.cuda_shm_register(region, _raw_handle(doc), doc.get("device_id"), doc.get("byte_size"),
+                                   admitted_caller(request))
     return json_response({})
 
 
 @router.post("/v2/cudasharedmemory/unregister", dependencies=[Depends(require_key)])
-async def cuda_unregister_all(request: Request, rt: Runtime = Depends(runtime)):
-    _cuda(rt)
-    admitted(request, rt)
-    rt.shm.unregister(None, cuda=True)
+async def cuda_unregister_all(request: Request, engine: EngineClient = Depends(engine)):
+    await engine.cuda_shm_unregister(None, admitted_caller(request))
     return json_response({})
 
 
 @router.post("/v2/cudasharedmemory/region/{region}/unregister", dependencies=[Depends(require_key)])
-async def cuda_unregister_one(region: str, request: Request, rt: Runtime = Depends(runtime)):
-    _cuda(rt)
-    admitted(request, rt)
-    rt.shm.unregister(region, cuda=True)
+async def cuda_unregister_one(region: str, request: Request, engine: EngineClient = Depends(engine)):
+    await engine.cuda_shm_unregister(region, admitted_caller(request))
     return json_response({})

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
-from mmad.engine.inprocess import InProcessEngine
+from mmad.engine.api import EngineClient
 from mmad.errors import InvalidInput, MMADError
 from mmad.server.bodies import json_response
 from mmad.engine.runtime import Runtime
-from mmad.server.deps import admitted_caller, require_key, runtime
+from mmad.server.deps import admitted_caller, engine, require_key, runtime
 from mmad.server.errors import ERROR_RESPONSES, status_for
 from mmad.engine.metrics import UNKNOWN_MODEL
 from mmad.server.openapi import TENSOR_REQUEST_DOC
@@ -25,7 +25,8 @@ MAX_STEPS_PER_REQUEST = 100_000
 
 
 @router.post("/v2/models/{model}/train", dependencies=[Depends(require_key)], openapi_extra=TENSOR_REQUEST_DOC)
-async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
+async def train(model: str, request: Request, rt: Runtime = Depends(runtime),
+                engine: EngineClient = Depends(engine)):
     """``parameters.steps`` optimizer steps on INPUT/TARGET (JSON or binary tensors); returns the losses."""
     backend = rt.registry.backend_label
     try:
@@ -36,8 +37,7 @@ async def train(model: str, request: Request, rt: Runtime = Depends(runtime)):
         steps = parsed.parameters.get("steps", 1)
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS_PER_REQUEST:
             raise InvalidInput(f"parameters.steps must be an integer from 1 to {MAX_STEPS_PER_REQUEST}; got {steps!r}")
-        result = await InProcessEngine(rt).train(model, parsed.tensors, steps, admitted_caller(request),
-                                                 request.is_disconnected)
+        result = await engine.train(model, parsed.tensors, steps, admitted_caller(request), request.is_disconnected)
     except MMADError as exc:
         # series only for models that exist (inference.py)
         labels = (model if model in rt.registry.models else UNKNOWN_MODEL, backend)

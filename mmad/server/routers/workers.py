@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from mmad.server.bodies import json_response
 from mmad.engine.inprocess import InProcessEngine
 from mmad.engine.runtime import Runtime
-from mmad.server.deps import runtime
+from mmad.server.deps import engine, runtime
 from mmad.engine.messages import ENGINE_METHODS, PrimaryState
 from mmad.engine.worker_client import answer_call
 from mmad.server.internal import INTERNAL_PREFIX, check_token
@@ -48,10 +48,10 @@ async def worker_ready(index: int, rt: Runtime = Depends(runtime)):
 
 
 @router.post(INTERNAL_PREFIX + "/engine/{method}", dependencies=[Depends(worker_token)])
-async def engine_call(method: str, request: Request, rt: Runtime = Depends(runtime)):
+async def engine_call(method: str, request: Request, engine: InProcessEngine = Depends(engine)):
     """A call of the engine's interface a worker's front end (gRPC) passed on, with the caller it
     names (:class:`~mmad.engine.worker_client.WorkerEngine`), answered by this process's engine."""
     if method not in ENGINE_METHODS:
         raise HTTPException(404)
-    answer = await answer_call(InProcessEngine(rt), method, await request.body())
+    answer = await answer_call(engine, method, await request.body())
     return Response(answer, media_type="application/octet-stream")
