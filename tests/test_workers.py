@@ -351,7 +351,8 @@ def test_metrics_render_sums_shared_series_and_keeps_the_others():
 @pytest.mark.gpu
 def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
     """On the GPU host: model M (FP16 I/O) through three workers on the cuda backend, from the
-    body and from CUDA regions (run by the primary for the workers: every worker opens the IPC
+    body (large requests on the workers' own replicas, small ones' batches run by the primary)
+    and from CUDA regions (run by the primary for the workers: every worker opens the IPC
     handle to check the references, the primary runs the forward)."""
     pytest.importorskip("cupy", reason="CuPy is not installed: the cuda backend cannot run here")
     cudashm = pytest.importorskip("tritonclient.utils.cuda_shared_memory",
@@ -379,6 +380,24 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 assert all(rel_err(out, ref) <= 3e-3 for out in pool.map(one, range(24)))
             assert len([v for v in answered_by(http).values() if v > 0]) == WORKERS
+
+            # small requests: the workers' batches run in the primary's context (RowForwardClient)
+            rng = np.random.default_rng()
+            inputs = [rng.uniform(-1, 1, (1 + k % 17, 64)).astype(np.float16) for k in range(48)]
+            refs = [test_server_api.oracle(http, "M", xs.astype(np.float32)) for xs in inputs]
+
+            def small(k):
+                with fresh_connections(proc.url) as client:
+                    r = binary_infer(client, "M", inputs[k], datatype="FP16", out_datatype="FP16" if k % 2 else "FP32")
+                    assert r.status_code == 200, r.text
+                    return rel_err(decode_binary(r)[1].astype(np.float32), refs[k])
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                assert max(pool.map(small, range(48))) <= 3e-3
+            nan = np.zeros((3, 64), np.float16)
+            nan[1, 5] = np.nan
+            r = binary_infer(http, "M", nan, datatype="FP16")
+            assert r.status_code == 400 and "NaN" in r.json()["error"], r.text
 
             host = proc.url.removeprefix("http://")
             tag = uuid.uuid4().hex[:8]

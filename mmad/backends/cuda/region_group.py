@@ -5,11 +5,13 @@ primary's region forwards (:mod:`mmad.engine.region_forwards`), which reaches it
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator
 
 import numpy as np
 
 STAGED_KEPT = 8  # a slot keeps the staging arrays of its groups' first forwards (system regions)
+PINNED_MIN_BYTES = 16 << 10  # a page-locked buffer is at least this large (and grows when a batch needs more)
 
 
 class CudaGroupSlot:
@@ -33,6 +35,7 @@ class CudaGroupSlot:
             self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(size * 4), np.uint32, size)
             self.event = cp.cuda.Event(disable_timing=True)
         self._staging: dict[tuple[str, int], Any] = {}  # (in|out, position in the group) -> device array
+        self._pinned: dict[tuple[str, int], tuple[Any, int]] = {}  # (in|out, position) -> (memory, bytes)
 
     @contextlib.contextmanager
     def launching(self) -> Iterator[None]:
@@ -56,6 +59,20 @@ class CudaGroupSlot:
             if k < STAGED_KEPT:
                 self._staging[key] = array
         return array
+
+    def pinned(self, side: str, k: int, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A page-locked host array for the group's ``k``-th forward's input or output rows (a
+        worker's batch sent over its socket: copied here so that the copies to and from the
+        device are asynchronous), kept by the slot, grown when a batch needs more."""
+        dtype, count = np.dtype(dtype), math.prod(shape)
+        nbytes = count * dtype.itemsize
+        memory, capacity = self._pinned.get((side, k), (None, 0))
+        if capacity < nbytes:
+            capacity = max(nbytes, PINNED_MIN_BYTES)
+            with self.cp.cuda.Device(self.device):
+                memory = self.cp.cuda.alloc_pinned_memory(capacity)
+            self._pinned[(side, k)] = (memory, capacity)
+        return np.frombuffer(memory, dtype, count).reshape(shape)
 
     def upload(self, k: int, host: np.ndarray) -> Any:
         """A device copy of the host array (the group's ``k``-th input, a system region's rows),
