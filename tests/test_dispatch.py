@@ -479,7 +479,7 @@ def test_reports_carry_the_decision(tmp_path):
 
     from mmad.engine.inprocess import InProcessEngine
     from mmad.engine.registry import ModelConfig, ModelEntry, Replica
-    from mmad.server.routers.devices import dispatch_report
+    from mmad.engine.inprocess import dispatch_report
     from mmad.settings import Settings
 
     model = fast_and_slow().compile(SPEC, KernelCache(tmp_path))

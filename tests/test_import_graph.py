@@ -186,9 +186,9 @@ def test_routes_and_handlers_reach_the_engine_through_its_interface(graph):
 
 
 # the routers that still read the process's runtime: the infer and train routes (their bodies
-# are parsed against the shared-memory registry and counted in the HTTP metrics), the device
-# report, Prometheus and the workers' internal routes. Every other router reaches the engine only.
-RUNTIME_READERS = {f"mmad.server.routers.{m}" for m in ("devices", "metrics", "models", "training", "workers")}
+# are parsed against the shared-memory registry and counted in the HTTP metrics), Prometheus and
+# the workers' internal routes. Every other router reaches the engine only.
+RUNTIME_READERS = {f"mmad.server.routers.{m}" for m in ("metrics", "models", "training", "workers")}
 
 
 def test_only_the_listed_routers_read_the_runtime(graph):

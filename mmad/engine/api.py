@@ -513,8 +513,23 @@ class TrainingClient(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DevicesReport:
+    """What the daemon runs on: the backend and variant chosen at start (``selected``: a probe
+    row's JSON), every probe row, each device models can be placed on (memory now, the models
+    with a replica there, the forwards running or waiting there) and the dispatcher's decision
+    for each replica whose variant was measured."""
+
+    selected: dict[str, Any]
+    rows: list[dict[str, Any]]
+    devices: list[dict[str, Any]]
+    dispatch: list[dict[str, Any]]
+
+
 @runtime_checkable
 class EngineClient(InferenceClient, ModelStoreClient, TrainingClient, Protocol):
     """The one engine interface: every front end talks to the engine through it, whether the
     engine runs in the front end's process (:class:`~mmad.engine.inprocess.InProcessEngine`) or
     behind it in others, so no front end branches on the process layout."""
+
+    async def devices(self) -> DevicesReport: ...

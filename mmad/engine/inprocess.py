@@ -23,7 +23,8 @@ import numpy as np
 import mmad
 from mmad.backends.contract import param_shapes
 from mmad.engine.api import (
-    DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, ChunkStream, CudaRegion, DatasetSummary, Duration,
+    DATATYPES, MODEL_DATATYPES, BatchStatistics, Caller, ChunkStream, CudaRegion, DatasetSummary, DevicesReport,
+    Duration,
     InferInput, InferOutput, InferRequest, InferResponse, InferStatistics, JobEvent, JobLosses, JobRequest, JobStatus,
     ModelConfig, ModelMetadata, ModelStatistics, ModelStatus, Readiness, RepositoryEntry, RequestedOutput,
     ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata, TrainResult, VersionInfo, WeightsSnapshot,
@@ -71,6 +72,28 @@ def _statistics(doc: dict[str, Any]) -> ModelStatistics:
                          _duration(b["compute_output"])) for b in doc["batch_stats"]])
 
 
+def device_report(rt: Runtime) -> list[dict[str, Any]]:
+    """Every device models can be placed on: memory (bytes, read now; null where the backend
+    cannot tell), the models with a replica there, and the forwards running or waiting there."""
+    placed: dict[int, list[str]] = {}
+    in_flight: dict[int, int] = {}
+    for entry in rt.registry.models.values():
+        for replica in entry.replicas:
+            if replica.model is not None:
+                placed.setdefault(replica.device, []).append(entry.name)
+                in_flight[replica.device] = in_flight.get(replica.device, 0) + replica.in_flight
+    return [{**d.to_json(), "models": sorted(placed.get(d.index, [])), "in_flight": in_flight.get(d.index, 0)}
+            for d in rt.backend.devices()]
+
+
+def dispatch_report(rt: Runtime) -> list[dict[str, Any]]:
+    """One entry per loaded replica whose variant the backend chose by measurement: the model, its
+    device and the decision (every variant's figures, or why it was skipped)."""
+    return [{"model": entry.name, "device_index": replica.device, **replica.model.dispatch.to_json()}
+            for entry in rt.registry.models.values() for replica in entry.replicas
+            if replica.model is not None and replica.model.dispatch is not None]
+
+
 def _version_info(doc: dict[str, Any]) -> VersionInfo:
     return VersionInfo(doc["version"], int(doc.get("step", 0)), float(doc.get("created", 0.0)), doc.get("sha256"))
 
@@ -109,6 +132,12 @@ class InProcessEngine:
         if self.rt.settings.shared_memory == "off":  # --shared-memory off: neither extension is offered
             extensions = tuple(e for e in extensions if not e.endswith("_shared_memory"))
         return ServerMetadata("mmad", mmad.__version__, extensions)
+
+    async def devices(self) -> DevicesReport:
+        self._serving()
+        rt = self.rt
+        report = await rt.registry.run(device_report, rt)  # memory queries talk to the driver: off the event loop
+        return DevicesReport(rt.selected.to_json(), [r.to_json() for r in rt.probe_rows], report, dispatch_report(rt))
 
     # -- models ---------------------------------------------------------------------------------
     def _entry(self, name: str, version: str | None) -> ModelEntry:

@@ -1,7 +1,7 @@
 """The routers' typed dependencies: the engine the routes call, the API-key check and the caller it
 admitted, and the process's runtime for the routes that read it directly (the infer fast path's
-parsing, the devices, metrics and dashboard routes: none takes a model lock or touches a device
-array)."""
+parsing and request counters, Prometheus text, the workers' internal routes: none takes a model
+lock or touches a device array)."""
 
 from __future__ import annotations
 
