@@ -6,13 +6,14 @@ in one run, against the same run's in-process and hardware figures.
   pool of one thread per CPU, against the PCIe-bound rate (bytes in + out over the mean of the
   two bandwidths), from and into page-locked host arrays (as the daemon's request and response
   bodies and shared-memory regions are: ``Backend.page_locked_allocator``) and from and into
-  ordinary NumPy arrays (staged); the kernel on device arrays at 65,536 rows (cuda);
-* HTTP binary FP16, 65,536 rows, 1 and 8 clients (tensor GB/s and M samples/s);
+  ordinary NumPy arrays (staged); the kernel on device arrays at ``--large-rows`` rows (cuda);
+* HTTP binary FP16, ``--large-rows`` rows (default 65,536, the rows the bars are set for), 1 and 8
+  clients (tensor GB/s and M samples/s);
 * system shared memory through ``tritonclient.utils.shared_memory`` (ratio to the page-locked
   in-process rate, the larger of the two) and, on cuda, CUDA shared memory through
   ``tritonclient.utils.cuda_shared_memory`` (ratio to the kernel's device-array rate), 1 and 8
   clients (a process each, timing the same window), FP16 in and out;
-* gRPC (Triton's ModelInfer, raw contents, :mod:`mmad.bench.grpc_load`): 65,536 FP16 rows and
+* gRPC (Triton's ModelInfer, raw contents, :mod:`mmad.bench.grpc_load`): ``--large-rows`` FP16 rows and
   small requests (1-16 rows FP32), at the two ``--grpc-clients`` counts (default 8 and 64), the
   clients spread over ``--grpc-processes`` generator processes;
 * small requests (1-16 rows, binary FP32 and JSON, ``--concurrency`` clients, batching on).
@@ -44,7 +45,6 @@ from mmad.bench.load import (
 from mmad.backends.timing import median_seconds
 
 BANDWIDTH_BYTES = 256 << 20
-LARGE_ROWS = 65536
 
 
 def pinned_bandwidth() -> dict[str, float]:
@@ -93,7 +93,7 @@ def in_process(opts: argparse.Namespace, spec, bandwidth: dict[str, float] | Non
                 if bandwidth:
                     bound = rows * (n_in + n_out) * 2 / ((bandwidth["h2d_GBps"] + bandwidth["d2h_GBps"]) / 2 * 1e9)
                     point.update(pcie_bound_M_samples_per_s=rows / bound / 1e6, of_pcie_bound=bound / seconds)
-                if rows == LARGE_ROWS:  # the numbers are worth something only if the rows are right
+                if rows == opts.large_rows:  # the numbers are worth something only if the rows are right
                     with CpuBackend("float64").compile(spec) as oracle:
                         oracle.set_params(model.get_params())
                         ref = oracle.forward(x.astype(np.float32))
@@ -108,11 +108,11 @@ def in_process(opts: argparse.Namespace, spec, bandwidth: dict[str, float] | Non
         if row.backend == "cuda":
             import cupy as cp
 
-            dx = cp.asarray(rng.uniform(-1, 1, (LARGE_ROWS, n_in)).astype(np.float16))
+            large = opts.large_rows
+            dx = cp.asarray(rng.uniform(-1, 1, (large, n_in)).astype(np.float16))
             seconds = median_seconds(lambda: model.forward(dx, out_dtype=np.float16), 30, clock="cupy")
-            doc["kernel_device_arrays"] = {"rows": LARGE_ROWS, "seconds": seconds,
-                                           "M_samples_per_s": LARGE_ROWS / seconds / 1e6}
-            progress(f"kernel on device arrays, {LARGE_ROWS} rows: {LARGE_ROWS / seconds / 1e6:,.0f} M samples/s")
+            doc["kernel_device_arrays"] = {"rows": large, "seconds": seconds, "M_samples_per_s": large / seconds / 1e6}
+            progress(f"kernel on device arrays, {large} rows: {large / seconds / 1e6:,.0f} M samples/s")
     finally:
         model.close()
         backend.close()
@@ -165,22 +165,23 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
             doc["http_binary16"] = []
             for clients in (1, 8):
                 res = phase(f"http_binary16_{clients}", lambda: bench.generate(scenario_http(
-                    daemon.port, infer_path, "binary16", (LARGE_ROWS, LARGE_ROWS), clients,
+                    daemon.port, infer_path, "binary16", (opts.large_rows, opts.large_rows), clients,
                     opts.large_requests * clients, opts.large_duration_s, 0.0, pool=3, warmup_requests=1), daemon))
                 if res:
-                    res.update(clients=clients, rows=LARGE_ROWS, M_samples_per_s=res["samples_per_s"] / 1e6,
+                    res.update(clients=clients, rows=opts.large_rows, M_samples_per_s=res["samples_per_s"] / 1e6,
                                GBps_tensor=res["samples_per_s"] * (n_in + n_out) * 2 / 1e9)
-                    if LARGE_ROWS in ip_rate:
-                        res["of_in_process"] = res["M_samples_per_s"] / ip_rate[LARGE_ROWS]
+                    if opts.large_rows in ip_rate:
+                        res["of_in_process"] = res["M_samples_per_s"] / ip_rate[opts.large_rows]
                     doc["http_binary16"].append(res)
-                    progress(f"HTTP binary FP16 {LARGE_ROWS} rows, {clients} clients: {res['GBps_tensor']:.2f} GB/s, "
+                    progress(f"HTTP binary FP16 {opts.large_rows} rows, {clients} clients: "
+                             f"{res['GBps_tensor']:.2f} GB/s, "
                              f"{res['M_samples_per_s']:.2f} M samples/s, errors {res['errors']}")
 
             doc["grpc"] = []
             if opts.grpc_clients:  # Triton's gRPC with raw contents, beside HTTP: the large row, then the small
                 large_clients, small_clients = opts.grpc_clients
                 for key, rows, datatype, clients, requests, duration_s, warmup_s, pool in (
-                        ("large", (LARGE_ROWS, LARGE_ROWS), "FP16", large_clients, opts.large_requests * large_clients,
+                        ("large", (opts.large_rows,) * 2, "FP16", large_clients, opts.large_requests * large_clients,
                          opts.large_duration_s, 0.0, 3),
                         ("small", (1, 16), "FP32", small_clients, opts.max_requests, opts.duration_s,
                          opts.warmup_s, 256)):
@@ -193,7 +194,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                         doc["grpc"].append(res)
                         progress(grpc_line(res))
 
-            kinds = [("system_shm", "tritonclient-shm", ip_rate.get(LARGE_ROWS))]
+            kinds = [("system_shm", "tritonclient-shm", ip_rate.get(opts.large_rows))]
             if opts.backend.split(":")[0] == "cuda":
                 kinds.append(("cuda_shm", "tritonclient-cudashm", kernel))
             for key, kind, reference in kinds:
@@ -201,7 +202,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
                 for clients in opts.shm_clients:
                     res = phase(f"{key}_{clients}", lambda: shm_clients(bench, daemon, kind, clients, opts))
                     if res:
-                        res.update(rows=LARGE_ROWS, clients=clients, M_samples_per_s=res["samples_per_s"] / 1e6)
+                        res.update(rows=opts.large_rows, clients=clients, M_samples_per_s=res["samples_per_s"] / 1e6)
                         if reference:
                             res["ratio_to_reference"] = res["M_samples_per_s"] / reference
                             res["reference"] = "in-process forward_to_host" if key == "system_shm" else \
@@ -243,7 +244,7 @@ def shm_clients(bench: Bench, daemon, kind: str, clients: int, opts: argparse.Na
     """``clients`` shared-memory load generators, a process each with its own regions, timing
     the same wall-clock window; their rates added up."""
     start_at = time.time() + 4.0 + clients * 0.5  # every process imported, registered and warm by then
-    scenario = {"kind": kind, "port": daemon.port, "rows": [LARGE_ROWS, LARGE_ROWS], "clients": 1,
+    scenario = {"kind": kind, "port": daemon.port, "rows": [opts.large_rows, opts.large_rows], "clients": 1,
                 "max_requests": 1_000_000, "duration_s": opts.large_duration_s, "warmup_s": 0.0,
                 "warmup_requests": 3, "start_at": start_at}
     with ThreadPoolExecutor(clients) as pool:
@@ -268,7 +269,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     eight = next((r for r in doc.get("http_binary16", []) if r["clients"] == 8), None)
     if eight is not None:
         bar = min(3.0, 0.6 * eight["GBps_tensor"] / eight["of_in_process"]) if eight.get("of_in_process") else 3.0
-        rows.append({"what": "HTTP binary FP16 65,536 rows, 8 clients, GB/s of tensor bytes",
+        rows.append({"what": f"HTTP binary FP16 {eight['rows']:,} rows, 8 clients, GB/s of tensor bytes",
                      "value": eight["GBps_tensor"], "bar": bar, "met": eight["GBps_tensor"] >= bar})
     for key, bar in (("system_shm", 0.8), ("cuda_shm", 0.5)):
         for res in doc.get(key) or []:
@@ -279,8 +280,8 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     large = next((r for r in doc.get("grpc", []) if r["size"] == "large"), None)
     http_large = next((r for r in doc.get("http_binary16", []) if r["clients"] == (large or {}).get("clients")), None)
     if large is not None and http_large is not None:  # the bar is the same run's HTTP figure
-        rows.append({"what": f"gRPC raw FP16 65,536 rows, {large['clients']} clients, GB/s of tensor bytes "
-                             "(bar: HTTP binary, same run)",
+        rows.append({"what": f"gRPC raw FP16 {large['rows'][0]:,} rows, {large['clients']} clients, GB/s of tensor "
+                             "bytes (bar: HTTP binary, same run)",
                      "value": large["GBps_tensor"], "bar": http_large["GBps_tensor"],
                      "met": large["GBps_tensor"] >= http_large["GBps_tensor"]})
     grpc_small = next((r for r in doc.get("grpc", []) if r["size"] == "small"), None)

@@ -469,7 +469,7 @@ class RegionForwardClient:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                size, _ = HEADER.unpack(await reader.readexactly(HEADER.size))  # (a region forward's answer has no bytes)
+                size, _ = HEADER.unpack(await reader.readexactly(HEADER.size))  # (no bytes after a region's answer)
                 doc = orjson.loads(await reader.readexactly(size))
                 future = self._pending.pop(doc["id"], None)
                 if future is not None and not future.done():
