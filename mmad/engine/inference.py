@@ -278,5 +278,5 @@ def count_success(rt: Runtime, entry: ModelEntry, served: str, rows: int, t0: in
         stats.compute_input.add(t1 - t0)
         stats.compute_infer.add(compute_ns)
         stats.compute_output.add(t3 - t2)
-    rt.metrics.queue_seconds.labels(entry.name, rt.registry.backend_label).observe(queue_ns / 1e9)
+    rt.metrics.queue_histogram(entry.name, rt.registry.backend_label).observe(queue_ns / 1e9)
     rt.metrics.inference.request_succeeded(entry, served, t3 - t0, queue_ns, t1 - t0, compute_ns, t3 - t2)

@@ -29,7 +29,7 @@ from mmad.engine.api import (
     ModelConfig, ModelMetadata, ModelStatistics, ModelStatus, Readiness, RepositoryEntry, RequestedOutput,
     ServerMetadata, ShmRef, SystemRegion, TensorConfig, TensorMetadata, TrainResult, VersionInfo, WeightsSnapshot,
 )
-from mmad.errors import InvalidInput, MMADError, ModelNotFound, NonFiniteInput, NotReady, Unauthorized
+from mmad.errors import InvalidInput, MMADError, ModelNotFound, ModelNotReady, NonFiniteInput, NotReady, Unauthorized
 from mmad.engine import hostmem
 from mmad.engine.inference import (
     INLINE_TENSOR_VALUES, OutputChoice, ParsedRequest, check_response_size, copy_regions, count_failure, count_success,
@@ -239,12 +239,12 @@ class InProcessEngine:
         self._serving()
         rt, registry = self.rt, self.rt.registry
         rt.metrics.process_infers.inc()
-        check_model_name(request.model)
         known = served = None
         t0 = time.perf_counter_ns()
         try:
-            known = registry.get(request.model)  # failures of a known model count, not-ready included
-            entry = registry.get_ready(request.model)
+            known = entry = registry.get(request.model)  # (the name checked) failures of a known model count,
+            if not entry.ready:  # not-ready included
+                raise ModelNotReady(request.model)
             version = request.version
             if version is not None:
                 registry.check_version(request.model, version)

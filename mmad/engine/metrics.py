@@ -91,6 +91,16 @@ class Metrics:
         r.register(self.devices)
         if gpu:
             r.register(GpuCollector())
+        # (model, backend) -> its queue-time histogram: observed once per infer request, where
+        # prometheus_client's labels() costs a lock and the labels' checks each time (series are
+        # never removed, so a child once made stays the series' own)
+        self._queue_children: dict[tuple[str, str], Any] = {}
+
+    def queue_histogram(self, model: str, backend: str) -> Any:
+        child = self._queue_children.get((model, backend))
+        if child is None:
+            child = self._queue_children[(model, backend)] = self.queue_seconds.labels(model, backend)
+        return child
 
     def track(self, models: Callable[[], dict[str, Any]]) -> None:
         """Where the daemon's models are (name -> entry), read at every scrape."""
