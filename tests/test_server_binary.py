@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import orjson
 import pytest
@@ -117,10 +119,27 @@ def test_binary_response_buffer_is_aligned_and_decodes():
         binary_response_buffer({}, OutputChoice("OUTPUT", False, "FP32"), (1, 1))
 
 
-def test_batcher_fails_only_the_requests_that_bring_nan():
+def _placed(run, remote: bool):
+    """The batcher's (run, remote) for ``run`` on the compute threads, or awaited as another
+    process's forward (a serving worker's small batches), where ``run`` itself must not be called."""
+    if not remote:
+        return run, None
+
+    async def forward(x, out, check_finite):
+        await asyncio.sleep(0)  # (an answer that comes later, as over the worker's socket)
+        run(x, out, check_finite)
+
+    def unused(x, out, check_finite):
+        raise AssertionError("a batch the remote forward takes ran on the compute threads")
+
+    return unused, lambda x: forward
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["compute threads", "another process"])
+def test_batcher_fails_only_the_requests_that_bring_nan(remote):
     """A merged batch whose check finds NaN/Inf: the requests that brought it fail with
-    NonFiniteInput, the others (checked or not) get their rows from a second, unchecked run."""
-    import asyncio
+    NonFiniteInput, the others (checked or not) get their rows from a second, unchecked run;
+    the same where another process runs the batches."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mmad.errors import NonFiniteInput
@@ -136,10 +155,11 @@ def test_batcher_fails_only_the_requests_that_bring_nan():
 
     clean, bad, unchecked = (np.full((3, 2), 1, np.float32), np.full((2, 2), np.nan, np.float32),
                              np.full((4, 2), np.inf, np.float32))
+    local, elsewhere = _placed(run, remote)
 
     async def main():
         with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher("m", run, 1, pool, BatchLimits(1024, 50_000, 16))
+            batcher = Batcher("m", local, 1, pool, BatchLimits(1024, 50_000, 16), remote=elsewhere)
             results = await asyncio.gather(batcher.submit(clean, None, True), batcher.submit(bad, None, True),
                                            batcher.submit(unchecked), return_exceptions=True)
             alone = await asyncio.gather(batcher.submit(bad, None, True), return_exceptions=True)
@@ -153,9 +173,10 @@ def test_batcher_fails_only_the_requests_that_bring_nan():
     assert np.array_equal(third.output, np.full((4, 1), np.inf, np.float32))  # allowed: not checked
 
 
-def test_batcher_fills_given_buffers_alone_and_merged():
-    """A request alone is computed straight into its buffer; merged, its rows are copied there."""
-    import asyncio
+@pytest.mark.parametrize("remote", [False, True], ids=["compute threads", "another process"])
+def test_batcher_fills_given_buffers_alone_and_merged(remote):
+    """A request alone is computed straight into its buffer; merged, its rows are copied there;
+    the same where another process runs the batches."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mmad.engine.batcher import Batcher, BatchLimits
@@ -166,9 +187,11 @@ def test_batcher_fills_given_buffers_alone_and_merged():
         calls.append((x.shape[0], out.dtype))
         out[...] = 2 * x[:, :1].astype(np.float32)
 
+    local, elsewhere = _placed(run, remote)
+
     async def main():
         with ThreadPoolExecutor(1) as pool:
-            batcher = Batcher("m", run, 1, pool, BatchLimits(1024, 50_000, 16))
+            batcher = Batcher("m", local, 1, pool, BatchLimits(1024, 50_000, 16), remote=elsewhere)
             alone = np.empty((3, 1), np.float16)
             result = await batcher.submit(np.ones((3, 2), np.float16), alone)
             assert result.output is alone and np.array_equal(alone, np.full((3, 1), 2, np.float16))

@@ -27,7 +27,7 @@ from test_server_api import oracle, rel_err
 from mmad.errors import InvalidInput, MMADError, ModelNotFound, NonFiniteInput, NotReady
 from mmad.server import Settings, create_app
 from mmad.backends.cuda.ipc import CudaRegion
-from mmad.engine.region_forwards import ROWS_INLINE_BYTES, RegionForwardClient, RegionForwardRunner, RowForwardClient
+from mmad.engine.region_forwards import ROWS_INLINE_BYTES, RegionForwardClient, RegionForwardRunner
 
 API_KEY = "cudashm-test-key"
 ROWS, IN_COLS, OUT_COLS = 257, 2, 3  # the demo model: [rows, 2] -> [rows, 3]
@@ -397,51 +397,50 @@ def test_region_forwards_run_in_the_primary_for_its_workers(client, app_client, 
 
 
 def test_a_workers_small_batches_run_in_the_primary(client, app_client, tmp_path):
-    """A serving worker's batch of body rows (its compute threads, RowForwardClient) runs in the
-    primary's context: the rows go over the socket, the outputs come back in the datatype asked
-    for and match the oracle, from several threads at once; NaN or Inf comes back as
-    NonFiniteInput (the worker's batcher finds which requests brought it), every other refusal
-    as the primary's own; a primary gone is a 503."""
+    """A serving worker's batch of body rows (its batcher awaits RegionForwardClient.forward_rows)
+    runs in the primary's context: the rows go over the socket, the outputs come back in the
+    datatype asked for and match the oracle, many at once (merged there into one forward); NaN
+    or Inf comes back as NonFiniteInput (the worker's batcher finds which requests brought it),
+    every other refusal as the primary's own; a primary gone is a 503."""
     app, _ = app_client
     path = str(tmp_path / "rows.sock")
     runner = RegionForwardRunner(app.state.runtime, path, new_slot=FakeGroupSlot)
-    remote = RowForwardClient(path)
     rng = np.random.default_rng()
-    try:
-        def one(rows, out_dtype):
-            x = rng.uniform(-1, 1, (rows, IN_COLS)).astype(np.float32)
-            out = np.empty((rows, OUT_COLS), out_dtype)
-            remote.forward("demo", x, out, True)
-            return rel_err(out.astype(np.float32), oracle(client, "demo", x))
+    cases = [(rows, dtype) for rows, dtype in [(1, np.float32), (16, np.float16), (33, np.float32),
+                                               (257, np.float32), (7, np.float16)] * 4]
+    inputs = [rng.uniform(-1, 1, (rows, IN_COLS)).astype(np.float32) for rows, _ in cases]
+    refs = [oracle(client, "demo", x) for x in inputs]
+    bad = rng.uniform(-1, 1, (5, IN_COLS)).astype(np.float32)
+    bad[2, 1] = np.inf
 
-        async def many():
-            return await asyncio.gather(*(asyncio.to_thread(one, rows, dtype)
-                                          for rows, dtype in [(1, np.float32), (16, np.float16), (33, np.float32),
-                                                              (257, np.float32), (7, np.float16)] * 4))
+    async def scenario():
+        remote = RegionForwardClient(path)
+        try:
+            outs = [np.empty((x.shape[0], OUT_COLS), dtype) for x, (_, dtype) in zip(inputs, cases)]
+            await asyncio.gather(*(remote.forward_rows("demo", x, out, True) for x, out in zip(inputs, outs)))
+            errors = [rel_err(out.astype(np.float32), ref) for out, ref in zip(outs, refs)]
+            assert max(errors) <= 2e-3, errors  # (fp16 outputs round to 2^-11)
+            with pytest.raises(NonFiniteInput):
+                await remote.forward_rows("demo", bad, np.empty((5, OUT_COLS), np.float32), True)
+            out = np.empty((5, OUT_COLS), np.float32)
+            await remote.forward_rows("demo", bad, out, False)  # allowed: not checked, the other rows computed
+            assert np.isfinite(out[[0, 1, 3, 4]]).all()
+            with pytest.raises(ModelNotFound, match="nosuch"):
+                await remote.forward_rows("nosuch", bad, out, True)
+            with pytest.raises(InvalidInput, match=r"takes \[-1, 2\]"):
+                await remote.forward_rows("demo", np.zeros((5, IN_COLS + 1), np.float32), out, True)
+            runner.stop()
+            with pytest.raises(NotReady):  # the primary gone: a 503, never a hang
+                await remote.forward_rows("demo", bad, out, False)
+            with pytest.raises(NotReady):
+                await RegionForwardClient(path).forward_rows("demo", bad, out, False)
+        finally:
+            await remote.close()
+            runner.stop()
 
-        errors = asyncio.run(many())
-        assert max(errors) <= 2e-3, errors  # (fp16 outputs round to 2^-11)
-        bad = rng.uniform(-1, 1, (5, IN_COLS)).astype(np.float32)
-        bad[2, 1] = np.inf
-        with pytest.raises(NonFiniteInput):
-            remote.forward("demo", bad, np.empty((5, OUT_COLS), np.float32), True)
-        out = np.empty((5, OUT_COLS), np.float32)
-        remote.forward("demo", bad, out, False)  # allowed: not checked, the other rows computed
-        assert np.isfinite(out[[0, 1, 3, 4]]).all()
-        with pytest.raises(ModelNotFound, match="nosuch"):
-            remote.forward("nosuch", bad, out, True)
-        with pytest.raises(InvalidInput, match=r"takes \[-1, 2\]"):
-            remote.forward("demo", np.zeros((5, IN_COLS + 1), np.float32), out, True)
-        assert RowForwardClient.takes(np.zeros(ROWS_INLINE_BYTES // 4, np.float32))
-        assert not RowForwardClient.takes(np.zeros(ROWS_INLINE_BYTES // 4 + 1, np.float32))
-        runner.stop()
-        with pytest.raises(NotReady):  # the primary gone: a 503, never a hang
-            remote.forward("demo", bad, out, False)
-        with pytest.raises(NotReady):
-            RowForwardClient(path).forward("demo", bad, out, False)
-    finally:
-        remote.close()
-        runner.stop()
+    asyncio.run(scenario())
+    assert RegionForwardClient.takes_rows(np.zeros(ROWS_INLINE_BYTES // 4, np.float32))
+    assert not RegionForwardClient.takes_rows(np.zeros(ROWS_INLINE_BYTES // 4 + 1, np.float32))
 
 
 def test_workers_pass_on_requests_all_in_regions_of_one_kind():

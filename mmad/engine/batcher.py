@@ -34,7 +34,7 @@ import collections
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -79,18 +79,25 @@ def _concatenate(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts, out=_host_array((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype))
 
 
+RemoteForward = Callable[[np.ndarray, np.ndarray, bool], Awaitable[None]]
+
+
 class Batcher:
     """Merges requests for one model; ``run(x, out, check_finite)`` is the blocking forward of a
     batch into ``out`` (raising :class:`~mmad.errors.NonFiniteInput` when asked to check and
-    the rows hold NaN or Inf)."""
+    the rows hold NaN or Inf), run on the compute threads. ``remote(x)``: the awaitable forward
+    of the same signature that runs batch ``x`` in another process (a serving worker's small
+    batches, run by the primary), or None for ``run``; it is awaited on the event loop, where a
+    compute thread between would cost a thread hand-off a batch."""
 
     def __init__(self, name: str, run: Callable[[np.ndarray, np.ndarray, bool], None], out_cols: int,
                  executor: Executor, limits: BatchLimits, on_batch: Callable[[int, int, int], None] | None = None,
-                 concurrency: int = 1):
+                 concurrency: int = 1, remote: Callable[[np.ndarray], RemoteForward | None] | None = None):
         self.name = name
         self._concurrency = concurrency  # batches run at once (one per replica of the model)
         self.limits = limits
         self._run = run
+        self._remote = remote
         self._out_cols = out_cols
         self._executor = executor
         self._on_batch = on_batch  # (rows, requests, compute_ns), for statistics and metrics
@@ -188,35 +195,66 @@ class Batcher:
                 p.future.set_exception(exc)
 
     def _launch(self, batch: list[_Pending]) -> tuple[list[_Pending], np.ndarray, int, asyncio.Future]:
-        """Start a batch on the compute threads: (batch, input, start time, future of the output)."""
+        """Start a batch on the compute threads or, where ``remote`` takes it, in the process
+        that runs it: (batch, input, start time, future of the output)."""
         x = batch[0].x if len(batch) == 1 else _concatenate([p.x for p in batch])
         start_ns = time.perf_counter_ns()
+        remote = self._remote(x) if self._remote is not None else None
+        if remote is not None:
+            return batch, x, start_ns, asyncio.ensure_future(self._execute_remote(remote, batch, x))
         return batch, x, start_ns, asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, x)
 
-    def _execute(self, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
-        """On a compute thread: the forward of one batch, into its requests' buffers where they gave one."""
+    def _output(self, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
+        """Where the batch's forward writes: the one request's own buffer, else a merged array."""
         if len(batch) == 1 and batch[0].out is not None:
-            self._run(x, batch[0].out, batch[0].check_finite)
             return batch[0].out
-        out = _host_array((x.shape[0], self._out_cols), np.float32)
-        try:
-            self._run(x, out, any(p.check_finite for p in batch))
-        except NonFiniteInput:
-            if len(batch) == 1:
-                raise
-            # which requests brought the NaN or Inf: they fail, the others' rows are computed again
-            for p in batch:
-                if p.check_finite and not all_finite(p.x):
-                    p.error = NonFiniteInput()
-            if not any(p.error for p in batch):
-                raise
-            self._run(x, out, False)
+        return _host_array((x.shape[0], self._out_cols), np.float32)
+
+    @staticmethod
+    def _blame(batch: list[_Pending]) -> bool:
+        """After a batch's forward found NaN or Inf: which requests brought them (they fail, the
+        others' rows are computed again); False when none of several, or the only one, can be told."""
+        if len(batch) == 1:
+            return False
+        for p in batch:
+            if p.check_finite and not all_finite(p.x):
+                p.error = NonFiniteInput()
+        return any(p.error for p in batch)
+
+    @staticmethod
+    def _split(batch: list[_Pending], out: np.ndarray) -> None:
+        """A merged batch's output rows into the buffers its requests gave."""
+        if len(batch) == 1 and batch[0].out is out:
+            return
         offset = 0
         for p in batch:
             rows = p.x.shape[0]
             if p.out is not None:
                 np.copyto(p.out, out[offset:offset + rows], casting="same_kind")
             offset += rows
+
+    def _execute(self, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
+        """On a compute thread: the forward of one batch, into its requests' buffers where they gave one."""
+        out = self._output(batch, x)
+        try:
+            self._run(x, out, any(p.check_finite for p in batch))
+        except NonFiniteInput:
+            if not self._blame(batch):
+                raise
+            self._run(x, out, False)
+        self._split(batch, out)
+        return out
+
+    async def _execute_remote(self, remote: RemoteForward, batch: list[_Pending], x: np.ndarray) -> np.ndarray:
+        """:meth:`_execute` with the forward run by another process, awaited here."""
+        out = self._output(batch, x)
+        try:
+            await remote(x, out, any(p.check_finite for p in batch))
+        except NonFiniteInput:
+            if not self._blame(batch):
+                raise
+            await remote(x, out, False)
+        self._split(batch, out)
         return out
 
     async def _worker(self) -> None:

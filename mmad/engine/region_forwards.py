@@ -16,7 +16,8 @@ once its group is done, :mod:`mmad.engine.shm`): each worker's contexts on every
 time-sliced with the others'.
 
 So do a worker's batches of rows sent in request bodies, up to :data:`ROWS_INLINE_BYTES`
-(:class:`RowForwardClient`, from the worker's compute threads): the rows travel over the socket
+(:meth:`RegionForwardClient.forward_rows`, awaited by the worker's batcher on its event loop:
+a compute thread between would cost a thread hand-off a batch): the rows travel over the socket
 and the outputs come back on it. Small requests are where the time-slicing shows: eight
 workers' own contexts ran ~11,000 small requests a second on an H200 whatever the number of
 workers (8, 12 or 14), the GPU switching between them; a large batch's copies outweigh its
@@ -469,11 +470,12 @@ class RegionForwardClient:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while True:
-                size, _ = HEADER.unpack(await reader.readexactly(HEADER.size))  # (no bytes after a region's answer)
+                size, payload = HEADER.unpack(await reader.readexactly(HEADER.size))
                 doc = orjson.loads(await reader.readexactly(size))
+                data = await reader.readexactly(payload) if payload else b""  # a batch's output rows
                 future = self._pending.pop(doc["id"], None)
                 if future is not None and not future.done():
-                    future.set_result(doc)
+                    future.set_result((doc, data))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if self._writer is not None:  # the next request connects again (or fails at once)
                 self._writer.close()
@@ -483,106 +485,48 @@ class RegionForwardClient:
                     future.set_exception(NotReady(f"the daemon's primary process is not answering ({exc})"))
             self._pending.clear()
 
-    async def forward(self, model: str, source: dict[str, Any], outputs: list[dict[str, Any]],
-                      check_finite: bool) -> None:
-        """Run the forward in the primary; its error raised here as the primary gave it."""
+    async def _call(self, doc: dict[str, Any], payload: Any = b"") -> bytes:
+        """Send one request (``doc`` and the bytes after it) and wait for its answer: the bytes
+        after it, or its error raised here as the primary gave it."""
         try:
             writer = await self._connect()
         except OSError as exc:
             raise NotReady(f"the daemon's primary process is not answering ({exc.strerror})") from exc
-        ident = next(self._ids)
+        ident = doc["id"] = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[ident] = future
         if writer.is_closing():  # the primary went away since the connection was taken
             self._pending.pop(ident, None)
             raise NotReady("the daemon's primary process is not answering")
-        body = orjson.dumps({"id": ident, "model": model, "input": source, "outputs": outputs,
-                             "check_finite": check_finite})
-        writer.write(HEADER.pack(len(body), 0) + body)
-        answer = await future
+        body = orjson.dumps(doc)
+        writer.write(HEADER.pack(len(body), len(payload)) + body + payload)
+        answer, data = await future
         if not answer.get("ok"):
             raise ERRORS_BY_KIND.get(answer["kind"], LaunchError)(answer["error"])
+        return data
+
+    async def forward(self, model: str, source: dict[str, Any], outputs: list[dict[str, Any]],
+                      check_finite: bool) -> None:
+        """Run the forward between regions in the primary."""
+        await self._call({"model": model, "input": source, "outputs": outputs, "check_finite": check_finite})
+
+    @staticmethod
+    def takes_rows(x: np.ndarray) -> bool:
+        """Whether a batch of body rows is one the primary runs (:data:`ROWS_INLINE_BYTES`)."""
+        return x.nbytes <= ROWS_INLINE_BYTES
+
+    async def forward_rows(self, model: str, x: np.ndarray, out: np.ndarray, check_finite: bool) -> None:
+        """The forward of a batch of rows ``x`` into ``out`` by the primary
+        (:class:`~mmad.errors.NonFiniteInput` where ``check_finite`` found NaN or Inf)."""
+        x = np.ascontiguousarray(x)
+        data = await self._call({"model": model, "rows": {"shape": list(x.shape), "datatype": WIRE_NAMES[x.dtype]},
+                                 "output": WIRE_NAMES[out.dtype], "check_finite": check_finite}, x.data.cast("B"))
+        if len(data) != out.nbytes:
+            raise LaunchError(f"the primary answered {len(data)} bytes of output rows; {out.nbytes} were expected")
+        out[...] = np.frombuffer(data, out.dtype).reshape(out.shape)
 
     async def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
-
-
-class RowForwardClient:
-    """A worker's link to the primary for its batches of body rows (:data:`ROWS_INLINE_BYTES` at
-    most): called on the worker's compute threads, each with a connection of its own, blocking
-    (a wait lets go of the GIL)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._ids = itertools.count()
-        self._local = threading.local()
-        self._connections: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def takes(x: np.ndarray) -> bool:
-        return x.nbytes <= ROWS_INLINE_BYTES
-
-    def _connection(self) -> socket.socket:
-        sock = getattr(self._local, "sock", None)
-        if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(self.path)
-            except OSError:
-                sock.close()
-                raise
-            self._local.sock = sock
-            with self._lock:
-                self._connections.append(sock)
-        return sock
-
-    def _drop(self) -> None:
-        sock, self._local.sock = getattr(self._local, "sock", None), None
-        if sock is not None:
-            with self._lock:
-                if sock in self._connections:
-                    self._connections.remove(sock)
-            sock.close()
-
-    def forward(self, model: str, x: np.ndarray, out: np.ndarray, check_finite: bool) -> None:
-        """The forward of ``x`` into ``out`` by the primary; its error raised here as it gave it
-        (:class:`~mmad.errors.NonFiniteInput` where ``check_finite`` found NaN or Inf)."""
-        x = np.ascontiguousarray(x)
-        body = orjson.dumps({"id": next(self._ids), "model": model,
-                             "rows": {"shape": list(x.shape), "datatype": WIRE_NAMES[x.dtype]},
-                             "output": WIRE_NAMES[out.dtype], "check_finite": check_finite})
-        try:
-            sock = self._connection()
-            sock.sendall(HEADER.pack(len(body), x.nbytes) + body + x.data.cast("B"))
-            size, payload = HEADER.unpack(_receive(sock, HEADER.size))
-            answer = orjson.loads(_receive(sock, size))
-            data = _receive(sock, payload)
-        except (OSError, EOFError) as exc:
-            self._drop()  # a connection broken half way through a message is not used again
-            raise NotReady(f"the daemon's primary process is not answering ({exc})") from exc
-        if not answer.get("ok"):
-            raise ERRORS_BY_KIND.get(answer["kind"], LaunchError)(answer["error"])
-        if len(data) != out.nbytes:
-            raise LaunchError(f"the primary answered {len(data)} bytes of output rows; {out.nbytes} were expected")
-        out[...] = np.frombuffer(data, out.dtype).reshape(out.shape)
-
-    def close(self) -> None:
-        with self._lock:
-            connections, self._connections = self._connections, []
-        for sock in connections:
-            sock.close()
-
-
-def _receive(sock: socket.socket, size: int) -> bytearray:
-    data = bytearray(size)
-    view, done = memoryview(data), 0
-    while done < size:
-        n = sock.recv_into(view[done:])
-        if n == 0:
-            raise EOFError("the connection closed")
-        done += n
-    return data

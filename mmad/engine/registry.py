@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -312,7 +313,7 @@ class Registry:
         self._generation_lock = threading.Lock()
         self.publish: Callable[[int], None] | None = None  # the workers' shared counter, with --workers
         # a serving worker's on cuda: its small batches run in the primary's CUDA context
-        # (mmad.engine.region_forwards.RowForwardClient)
+        # (mmad.engine.region_forwards.RegionForwardClient.forward_rows)
         self.row_forwards: Any = None
 
     def changed(self, entry: ModelEntry | None = None) -> None:
@@ -462,24 +463,23 @@ class Registry:
         entry.replicas = [Replica(model.device_index, model) for model in compiled]
         entry.reason = self._damage_note(entry)
         entry.notify = self.changed
-        entry.batcher = Batcher(entry.name, lambda x, out, check, e=entry: self._forward_batch(e, x, out, check),
+        entry.batcher = Batcher(entry.name, lambda x, out, check: entry.forward_live(x, out, self.forward_pool, check),
                                 entry.spec.n_output_dims, self.executor, entry.config.limits(self.settings),
                                 on_batch=lambda rows, n, ns, e=entry: self.record_batch(e, rows, n, ns),
-                                concurrency=len(compiled))
+                                concurrency=len(compiled), remote=lambda x, e=entry: self._remote_forward(e, x))
         entry.batcher.start()
         self.metrics.models_loaded.set(sum(1 for e in self.models.values() if e.ready))
         self.changed(entry)
         background_dispatch.watch(self, entry)  # a quick variant serving meanwhile: the measured one swapped in
 
-    def _forward_batch(self, entry: ModelEntry, x: np.ndarray, out: np.ndarray, check_finite: bool) -> None:
-        """A batch of the model's batcher (on a compute thread): in the primary's CUDA context for
-        a serving worker's small batch (every worker's own context on the GPU would be
-        time-sliced with the others'), else on this process's replicas."""
+    def _remote_forward(self, entry: ModelEntry, x: np.ndarray) -> Callable | None:
+        """Where a batch of the model's batcher runs in another process: a serving worker's small
+        batch in the primary's CUDA context (every worker's own context on the GPU would be
+        time-sliced with the others'); None: on this process's replicas."""
         remote = self.row_forwards
-        if remote is not None and remote.takes(x):
-            remote.forward(entry.name, x, out, check_finite)
-        else:
-            entry.forward_live(x, out, self.forward_pool, check_finite)
+        if remote is None or not remote.takes_rows(x):
+            return None
+        return functools.partial(remote.forward_rows, entry.name)
 
     def record_batch(self, entry: ModelEntry, rows: int, requests: int, compute_ns: int,
                      version: str | None = None) -> None:

@@ -61,8 +61,8 @@ class Runtime:
     workers: ServingWorkers | None = None  # the serving workers of a primary with --workers
     # --workers on the cuda backend (mmad.engine.region_forwards): the primary runs its workers'
     # forwards between CUDA regions and between system regions, and their small batches of body
-    # rows (its RegionForwardRunner); a worker sends them (its RegionForwardClient, and its
-    # registry's RowForwardClient)
+    # rows (its RegionForwardRunner); a worker sends them (its RegionForwardClient, which its
+    # registry's batchers also reach)
     region_service: RegionForwardRunner | None = None
     region_forwards: RegionForwardClient | None = None
     repository_poller: RepositoryPoller | None = None  # --model-control-mode poll

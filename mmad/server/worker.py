@@ -359,10 +359,9 @@ class WorkerApp:
         rt.registry = WorkerRegistry(settings, backend, row, rt.executor, rt.metrics, rt.forward_pool)
         if rt.shm.cuda_enabled:  # requests all in CUDA regions, or all in system regions, run in the
             # primary's context
-            from mmad.engine.region_forwards import RegionForwardClient, RowForwardClient
+            from mmad.engine.region_forwards import RegionForwardClient
 
-            rt.region_forwards = RegionForwardClient(self.link.region_forwards_socket)
-            rt.registry.row_forwards = RowForwardClient(self.link.region_forwards_socket)
+            rt.region_forwards = rt.registry.row_forwards = RegionForwardClient(self.link.region_forwards_socket)
         rt.metrics.track(lambda: rt.registry.models)
         rt.ready = True
         await self.primary.sync(rt, state)
@@ -407,8 +406,6 @@ class WorkerApp:
             self._follower.cancel()
         if rt.region_forwards is not None:
             await rt.region_forwards.close()
-        if rt.registry is not None and rt.registry.row_forwards is not None:
-            rt.registry.row_forwards.close()
         await release_runtime(rt)
         await self.primary.client.aclose()
 
