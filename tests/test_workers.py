@@ -381,7 +381,7 @@ def test_workers_serve_a_cuda_model_with_system_and_cuda_regions(tmp_path):
                 assert all(rel_err(out, ref) <= 3e-3 for out in pool.map(one, range(24)))
             assert len([v for v in answered_by(http).values() if v > 0]) == WORKERS
 
-            # small requests: the workers' batches run in the primary's context (RowForwardClient)
+            # small requests: the workers' batches run in the primary's context (RegionForwardClient.forward_rows)
             rng = np.random.default_rng()
             inputs = [rng.uniform(-1, 1, (1 + k % 17, 64)).astype(np.float16) for k in range(48)]
             refs = [test_server_api.oracle(http, "M", xs.astype(np.float32)) for xs in inputs]
