@@ -336,10 +336,10 @@ def test_page_locked_regions_hand_device_copies_the_mapping_and_host_code_a_copy
 
     registry = SharedMemoryRegistry()
     registry.pin = pin
-    registry.register("plain", {"key": key, "byte_size": nbytes})  # no region forwards: nothing mapped
+    registry.register("plain", key, 0, nbytes)  # no region forwards: nothing mapped
     assert locked == [] and "page_locked" not in registry.status("plain")[0]
     registry.enable_dma()
-    registry.register("dma", {"key": key, "byte_size": nbytes})
+    registry.register("dma", key, 0, nbytes)
     assert locked == [nbytes] and registry.status("dma")[0]["page_locked"] is True
     params = {"shared_memory_region": "dma", "shared_memory_byte_size": x.nbytes}
     view = registry.tensor("input", params, np.dtype(np.float32), x.shape, "FP32", dma=True)

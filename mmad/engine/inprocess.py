@@ -14,7 +14,6 @@ statistics.
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -463,8 +462,8 @@ class InProcessEngine:
     async def system_shm_register(self, name: str, key: str, offset: int, byte_size: int, caller: Caller) -> None:
         owner = self._shm_admin(caller)
         # opening and (with region forwards) page-locking the object: off the event loop
-        await self.rt.registry.run(self.rt.shm.register, name, {"key": key, "offset": offset, "byte_size": byte_size},
-                                   owner, self.rt.settings.max_shm_regions)
+        await self.rt.registry.run(self.rt.shm.register, name, key, offset, byte_size, owner,
+                                   self.rt.settings.max_shm_regions)
 
     async def system_shm_unregister(self, name: str | None, caller: Caller) -> None:
         self._shm_admin(caller)
@@ -479,10 +478,9 @@ class InProcessEngine:
                                 caller: Caller) -> None:
         self._cuda()
         self._shm_admin(caller)
-        doc = {"raw_handle": {"b64": base64.b64encode(raw_handle).decode()}, "device_id": device_id,
-               "byte_size": byte_size}
         # opening an IPC handle maps device memory: off the event loop
-        await self.rt.registry.run(self.rt.shm.register_cuda, name, doc, self.rt.settings.max_shm_regions)
+        await self.rt.registry.run(self.rt.shm.register_cuda, name, raw_handle, device_id, byte_size,
+                                   self.rt.settings.max_shm_regions)
 
     async def cuda_shm_unregister(self, name: str | None, caller: Caller) -> None:
         self._cuda()

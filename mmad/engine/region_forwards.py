@@ -438,7 +438,8 @@ class RegionForwardRunner:
 
 # -- the worker's side -------------------------------------------------------------------------
 class RegionForwardClient:
-    """A worker's link to the primary's region forwards: one connection, requests in flight by id."""
+    """A worker's link to the primary's region forwards and its batches of rows: one connection, requests
+    in flight by id."""
 
     def __init__(self, path: str):
         self.path = path

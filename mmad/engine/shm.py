@@ -34,7 +34,6 @@ Registration is an admin action (routers/shm.py: the API key where one is set, a
 from __future__ import annotations
 
 import base64
-import binascii
 import errno
 import logging
 import math
@@ -185,10 +184,15 @@ class Region:
         return True
 
 
-def _int_field(doc: dict[str, Any], name: str, default: int | None = None) -> int:
-    value = doc.get(name, default)
+def _non_negative(name: str, value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidInput(f"{name} must be a non-negative integer; got {value!r}")
+    return value
+
+
+def _byte_size(value: Any) -> int:
+    if _non_negative("byte_size", value) == 0:
+        raise InvalidInput("byte_size must be at least 1")
     return value
 
 
@@ -275,18 +279,16 @@ class SharedMemoryRegistry:
             raise
         self._changed()
 
-    def register(self, name: str, doc: Any, owner: int | None = None, limit: int | None = None) -> None:
-        """A system region (``{"key", "offset", "byte_size"}``). ``owner``: the user id the
-        object must belong to (the requesting user where the daemon can tell it; root may name
-        any object); ``limit``: the most regions held."""
-        if not isinstance(doc, dict):
-            raise InvalidInput('the register body must be a JSON object {"key", "offset", "byte_size"}')
+    def register(self, name: str, key: Any, offset: Any, byte_size: Any, owner: int | None = None,
+                 limit: int | None = None) -> None:
+        """A system region: ``byte_size`` bytes at ``offset`` of the object ``key``, each value
+        checked here as a client sent it. ``owner``: the user id the object must belong to (the
+        requesting user where the daemon can tell it; root may name any object); ``limit``: the
+        most regions held."""
         self._check_new(name, limit)
-        key = _check_key(doc.get("key"))
-        offset = _int_field(doc, "offset", 0)
-        byte_size = _int_field(doc, "byte_size")
-        if byte_size == 0:
-            raise InvalidInput("byte_size must be at least 1")
+        key = _check_key(key)
+        offset = _non_negative("offset", offset)
+        byte_size = _byte_size(byte_size)
         try:
             # O_NOFOLLOW: a link planted in /dev/shm must not lead to a file elsewhere; O_NONBLOCK:
             # opening a FIFO or device node planted there never waits (refused just below)
@@ -328,28 +330,15 @@ class SharedMemoryRegistry:
         region.mapping, region.unpin = mapping, unpin
         region.view = memoryview(mapping)[region.offset - start:region.offset - start + region.byte_size]
 
-    def register_cuda(self, name: str, doc: Any, limit: int | None = None) -> None:
-        """A CUDA region (``{"raw_handle": {"b64"}, "device_id", "byte_size"}``, as tritonclient sends)."""
+    def register_cuda(self, name: str, handle: bytes, device_id: Any, byte_size: Any, limit: int | None = None) -> None:
+        """A CUDA region: ``byte_size`` bytes of the allocation the IPC ``handle`` names on GPU ``device_id``."""
         if self.cuda_open is None:
             raise InvalidInput(self.cuda_unavailable)
-        if not isinstance(doc, dict):
-            raise InvalidInput('the register body must be a JSON object {"raw_handle": {"b64": ...}, '
-                               '"device_id", "byte_size"}')
         self._check_new(name, limit)
-        raw = doc.get("raw_handle")
-        b64 = raw.get("b64") if isinstance(raw, dict) else None
-        if not isinstance(b64, str):
-            raise InvalidInput('raw_handle must be {"b64": "<the CUDA IPC handle in base64>"}')
-        try:
-            handle = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise InvalidInput(f"raw_handle.b64 is not valid base64: {exc}") from exc
         if len(handle) != CUDA_IPC_HANDLE_SIZE:
             raise InvalidInput(f"raw_handle is {len(handle)} bytes; a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE}")
-        device_id = _int_field(doc, "device_id")
-        byte_size = _int_field(doc, "byte_size")
-        if byte_size == 0:
-            raise InvalidInput("byte_size must be at least 1")
+        device_id = _non_negative("device_id", device_id)
+        byte_size = _byte_size(byte_size)
         region = self.cuda_open(name, handle, device_id, byte_size)
         region.handle = handle
         self._add(region, limit)
@@ -385,11 +374,12 @@ class SharedMemoryRegistry:
             if name in held:
                 continue
             try:
-                if doc["kind"] == "cuda":
-                    self.register_cuda(name, doc)
+                if doc["kind"] == "cuda":  # (the primary's registration: its handle in base64)
+                    self.register_cuda(name, base64.b64decode(doc["raw_handle"]["b64"]), doc["device_id"],
+                                       doc["byte_size"])
                 else:
                     self._check_followed_size(doc)
-                    self.register(name, doc)
+                    self.register(name, doc["key"], doc["offset"], doc["byte_size"])
             except InvalidInput as exc:
                 log.error("shared memory region %r, registered with the primary, cannot be used by this worker: %s",
                           name, exc)
